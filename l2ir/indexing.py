@@ -1,0 +1,299 @@
+"""Index functions written once, evaluated in Python and rendered to C++.
+
+Every piece of index arithmetic that a backend emits (block rasterization, shared-memory swizzle, split-K
+partition, the launch geometry of a Source kernel) is built here as a small expression tree. The reference
+interpreter evaluates the very same tree, on Python ints or on numpy integer arrays (which is how the
+bijection properties are checked over a whole domain at once), and the backends call `to_cpp()` on it.
+So the arithmetic the interpreter checks is, character for character, the arithmetic the GPU runs.
+
+All quantities are non-negative integers, so C++ `/` and `%` agree with Python `//` and `%`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Union
+
+import numpy as np
+
+from .errors import ExprError
+
+Value = Union[int, np.ndarray]
+
+
+class Expr:
+    """Base of the expression tree. Operators build new trees, so index functions read like arithmetic."""
+
+    def eval(self, env: Mapping[str, Value]) -> Value:
+        raise NotImplementedError
+
+    def to_cpp(self) -> str:
+        raise NotImplementedError
+
+    def free_vars(self) -> frozenset[str]:
+        raise NotImplementedError
+
+    # Operator sugar; ints are lifted to Const.
+    def __add__(self, o): return Bin("+", self, lift(o))
+    def __radd__(self, o): return Bin("+", lift(o), self)
+    def __sub__(self, o): return Bin("-", self, lift(o))
+    def __rsub__(self, o): return Bin("-", lift(o), self)
+    def __mul__(self, o): return Bin("*", self, lift(o))
+    def __rmul__(self, o): return Bin("*", lift(o), self)
+    def __floordiv__(self, o): return Bin("/", self, lift(o))
+    def __rfloordiv__(self, o): return Bin("/", lift(o), self)
+    def __mod__(self, o): return Bin("%", self, lift(o))
+    def __xor__(self, o): return Bin("^", self, lift(o))
+    def __and__(self, o): return Bin("&", self, lift(o))
+    def __rshift__(self, o): return Bin(">>", self, lift(o))
+    def __lshift__(self, o): return Bin("<<", self, lift(o))
+
+
+@dataclass(frozen=True)
+class Const(Expr):
+    value: int
+
+    def eval(self, env):
+        return self.value
+
+    def to_cpp(self):
+        return str(self.value)
+
+    def free_vars(self):
+        return frozenset()
+
+    def __str__(self):
+        return str(self.value)
+
+
+@dataclass(frozen=True)
+class Var(Expr):
+    name: str
+
+    def eval(self, env):
+        try:
+            return env[self.name]
+        except KeyError:
+            raise ExprError(f"unbound variable '{self.name}' (bound: {', '.join(sorted(env)) or 'none'})") from None
+
+    def to_cpp(self):
+        return self.name
+
+    def free_vars(self):
+        return frozenset({self.name})
+
+    def __str__(self):
+        return self.name
+
+
+def _np_or_int(fn_int, fn_np):
+    def apply(a, b):
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            return fn_np(a, b)
+        return fn_int(a, b)
+    return apply
+
+
+def _div(a, b):
+    if np.any(np.asarray(b) == 0):
+        raise ExprError("division by zero in index expression")
+    return a // b
+
+
+def _mod(a, b):
+    if np.any(np.asarray(b) == 0):
+        raise ExprError("modulo by zero in index expression")
+    return a % b
+
+
+_BIN_EVAL = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+    "/": _div,
+    "%": _mod,
+    "^": lambda a, b: a ^ b,
+    "&": lambda a, b: a & b,
+    ">>": lambda a, b: a >> b,
+    "<<": lambda a, b: a << b,
+}
+
+# Precedence for printing with the fewest parentheses that still parse back the same tree.
+_PREC = {"+": 3, "-": 3, "*": 4, "/": 4, "%": 4, "<<": 2, ">>": 2, "&": 1, "^": 0}
+
+
+@dataclass(frozen=True)
+class Bin(Expr):
+    op: str
+    a: Expr
+    b: Expr
+
+    def eval(self, env):
+        return _BIN_EVAL[self.op](self.a.eval(env), self.b.eval(env))
+
+    def to_cpp(self):
+        return f"({self.a.to_cpp()} {self.op} {self.b.to_cpp()})"
+
+    def free_vars(self):
+        return self.a.free_vars() | self.b.free_vars()
+
+    def __str__(self):
+        p = _PREC[self.op]
+        left = _wrap(self.a, p, right=False)
+        right = _wrap(self.b, p, right=True)
+        return f"{left} {self.op} {right}"
+
+
+def _wrap(e: Expr, parent_prec: int, right: bool) -> str:
+    if isinstance(e, Bin):
+        p = _PREC[e.op]
+        # Left-associative operators: an equal-precedence child on the right needs parentheses.
+        if p < parent_prec or (right and p == parent_prec):
+            return f"({e})"
+    return str(e)
+
+
+_CALLS = {
+    "min": (2, lambda a, b: np.minimum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else min(a, b)),
+    "max": (2, lambda a, b: np.maximum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else max(a, b)),
+    "cdiv": (2, lambda a, b: _div(a + b - 1, b)),
+}
+
+
+@dataclass(frozen=True)
+class Call(Expr):
+    fn: str
+    args: tuple[Expr, ...]
+
+    def __post_init__(self):
+        if self.fn not in _CALLS:
+            raise ExprError(f"unknown function '{self.fn}' (known: {', '.join(sorted(_CALLS))})")
+        arity = _CALLS[self.fn][0]
+        if len(self.args) != arity:
+            raise ExprError(f"{self.fn}() takes {arity} arguments, got {len(self.args)}")
+
+    def eval(self, env):
+        return _CALLS[self.fn][1](*(a.eval(env) for a in self.args))
+
+    def to_cpp(self):
+        a = [x.to_cpp() for x in self.args]
+        if self.fn == "cdiv":
+            return f"(({a[0]} + {a[1]} - 1) / {a[1]})"
+        return f"{self.fn}({a[0]}, {a[1]})"
+
+    def free_vars(self):
+        out = frozenset()
+        for x in self.args:
+            out |= x.free_vars()
+        return out
+
+    def __str__(self):
+        return f"{self.fn}({', '.join(str(x) for x in self.args)})"
+
+
+def lift(x) -> Expr:
+    if isinstance(x, Expr):
+        return x
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        return Const(int(x))
+    raise ExprError(f"cannot use {x!r} in an index expression")
+
+
+def emin(a, b) -> Expr:
+    return Call("min", (lift(a), lift(b)))
+
+
+def cdiv(a, b) -> Expr:
+    return Call("cdiv", (lift(a), lift(b)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The index functions the schedule uses.
+# ---------------------------------------------------------------------------------------------------------------
+
+PID, TILES_M, TILES_N = Var("pid"), Var("tiles_m"), Var("tiles_n")
+
+
+def rasterize(order: str, group: int) -> tuple[Expr, Expr]:
+    """Linear block id `pid` -> (tile_m, tile_n), over a tiles_m x tiles_n grid of output tiles.
+
+    along_n: strips of `group` tile-rows (in M); inside a strip consecutive blocks step through the strip's rows
+             first, then move along N. group=1 is plain row-major order (N fastest).
+    along_m: the transpose: strips of `group` tile-columns (in N), M-direction strips.
+             group=1 is column-major order (M fastest).
+    Grouping keeps the A and B tiles of blocks that run at the same time inside L2. The last strip may be
+    narrower than `group`, which the min() handles, so the map is a bijection for every grid size.
+    """
+    if group < 1:
+        raise ExprError(f"raster group must be >= 1, got {group}")
+    if order == "along_n":
+        major, minor = TILES_M, TILES_N
+    elif order == "along_m":
+        major, minor = TILES_N, TILES_M
+    else:
+        raise ExprError(f"unknown raster order '{order}' (expected along_m or along_n)")
+    g = Const(group)
+    per_strip = g * minor
+    strip = PID // per_strip
+    first = strip * g
+    width = emin(major - first, g)
+    local = PID % per_strip
+    idx_major = first + local % width
+    idx_minor = local // width
+    if order == "along_n":
+        return idx_major, idx_minor
+    return idx_minor, idx_major
+
+
+OFFSET = Var("offset")
+
+
+def smem_swizzle(bits: int, base: int, shift: int) -> Expr:
+    """CuTe's Swizzle<B,M,S> on an element offset: XOR the B bits at [M+S, M+S+B) into the bits at [M, M+B).
+
+    With M=3 on 16-bit data the unit is a 16-byte vector (one cp.async / ldmatrix row), and the XOR spreads the
+    rows of an 8x8 ldmatrix tile over all 32 banks. It is an involution, hence a bijection on every aligned block
+    of 2^(B+M+S) elements.
+    """
+    if bits == 0:
+        return OFFSET
+    mask = ((1 << bits) - 1) << (base + shift)
+    return OFFSET ^ ((OFFSET & mask) >> shift)
+
+
+SLICE, K_TILES = Var("slice"), Var("k_tiles")
+
+
+def splitk_range(slices: int) -> tuple[Expr, Expr]:
+    """Split-K partition: slice `slice` of `slices` owns k tiles [begin, end) of k_tiles; the ranges tile [0, k_tiles).
+
+    Each slice gets cdiv(k_tiles, slices) tiles except the tail; a slice whose range is empty still writes a zero
+    partial, so the reduction never reads unwritten workspace.
+    """
+    per = cdiv(K_TILES, slices)
+    begin = emin(SLICE * per, K_TILES)
+    end = emin(begin + per, K_TILES)
+    return begin, end
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launch-geometry expressions of m, n, k (Source kernels, launch plans).
+# ---------------------------------------------------------------------------------------------------------------
+
+LAUNCH_VARS = frozenset({"m", "n", "k"})
+
+
+def parse_expr(text: str) -> Expr:
+    """Parse an index expression such as 'cdiv(n, 128) * 2'. Raises ParseError with the column on bad input."""
+    from .text import parse_expr as _parse  # the one grammar lives in text.py
+
+    return _parse(text)
+
+
+def eval_launch_expr(expr: Expr | str, m: int, n: int, k: int) -> int:
+    """Evaluate a launch-geometry expression for one problem size."""
+    e = parse_expr(expr) if isinstance(expr, str) else expr
+    extra = e.free_vars() - LAUNCH_VARS
+    if extra:
+        raise ExprError(f"launch expression '{e}' uses {', '.join(sorted(extra))}; only m, n, k are bound")
+    return int(e.eval({"m": m, "n": n, "k": k}))
