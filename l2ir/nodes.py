@@ -460,8 +460,8 @@ class Source(Node):
     entry: str = f(Ident())
     grid: tuple[Expr, Expr, Expr] = f(ExprTuple(3))
     block: tuple[int, int, int] = f(Dims(3, 1, 1024))
+    smem: int = f(Int(0, 1 << 20))
     code: str = f(Code())
-    smem: int = f(Int(0, 1 << 20), 0)
 
 
 NODE_TYPES: dict[str, type[Node]] = {

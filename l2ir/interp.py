@@ -1,0 +1,287 @@
+"""The reference interpreter: runs a kernel's schedule at tile granularity on numpy arrays.
+
+It follows the schedule, not just the math: blocks in rasterized launch order (the same index expressions the
+backends render to C++), the K loop through a ring of `stages` shared-memory slots stored through the swizzle
+permutation, each dimension's padding mode (zero-filled loads, or predicated loads that leave poison in shared
+memory and are masked out of the MMA and the store), accumulation in the accumulator dtype at the MMA's K step,
+split-K partials through a workspace and their reduction, stream-K segments and their fix-up, and an epilogue that
+rounds to the output dtype and stores in vectors. It counts every write of C (and of the workspace) and raises
+InterpError unless each element is written exactly once.
+
+For fp32 accumulation one k tile is one float32 matmul (fp16 x fp16 products are exact in fp32, so only the
+summation order differs from the MMA's). For fp16 accumulation every MMA instruction rounds its sum to fp16, as the
+hardware does, which is what makes fp16 accumulation measurably worse at large K.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+
+from .errors import InterpError
+from .indexing import rasterize, smem_swizzle, splitk_range
+from .nodes import Kernel, Problem
+from .verify import check_problem, resolved_stages
+
+NP_DTYPES = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32)}
+# Unit roundoff of each dtype (half an ulp at 1.0).
+UNIT_ROUNDOFF = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8, "f32": 2.0 ** -24}
+DEFAULT_WORKERS = 132   # SMs of an H100/H200: the persistent grid of a stream-K launch
+
+
+@dataclass
+class InterpResult:
+    c: np.ndarray                          # M x N in the output dtype
+    order: list[tuple[int, int]]           # output tiles in launch order (first visit)
+    c_writes: np.ndarray                   # times each element of C was written (all ones when correct)
+    workspace_writes: np.ndarray | None = None
+    k_tiles_per_tile: dict = field(default_factory=dict)
+
+
+def random_inputs(problem: Problem, rng: np.random.Generator, integers: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Logical A (MxK) and B (KxN) in the problem's input dtype: randn, or small integers (exact in every dtype)."""
+    dt = NP_DTYPES[problem.a[0]]
+    if integers:
+        a = rng.integers(-2, 3, size=(problem.m, problem.k)).astype(dt)
+        b = rng.integers(-2, 3, size=(problem.k, problem.n)).astype(dt)
+    else:
+        a = rng.standard_normal((problem.m, problem.k)).astype(dt)
+        b = rng.standard_normal((problem.k, problem.n)).astype(dt)
+    return a, b
+
+
+def reference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return a.astype(np.float64) @ b.astype(np.float64)
+
+
+def error_bound(problem: Problem, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Elementwise bound on |C - A@B| for a correct kernel: the accumulator's K-term rounding bound
+    gamma_K * (|A| @ |B|) plus one rounding to the output dtype, plus half the smallest subnormal step."""
+    u_acc = UNIT_ROUNDOFF[problem.acc]
+    u_out = UNIT_ROUNDOFF[problem.c[0]]
+    k = problem.k
+    gamma = k * u_acc / (1 - k * u_acc)
+    mag = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
+    ref = reference(a, b)
+    return u_out * np.abs(ref) + (1 + u_out) * gamma * mag + 2.0 ** -24
+
+
+class _Ring:
+    """A shared-memory ring of `stages` slots, each a flat tile stored through the swizzle permutation."""
+
+    def __init__(self, stages: int, rows: int, cols: int, perm: np.ndarray, dtype, poison):
+        self.rows, self.cols, self.perm = rows, cols, perm
+        self.slots = np.full((stages, rows * cols), poison, dtype=dtype)
+
+    def store(self, slot: int, tile: np.ndarray) -> None:
+        self.slots[slot][self.perm] = tile.ravel()
+
+    def load(self, slot: int) -> np.ndarray:
+        return self.slots[slot][self.perm].reshape(self.rows, self.cols)
+
+
+def _swizzle_perm(kernel: Kernel, size: int) -> np.ndarray:
+    """Where each element of a row-major (rows x BK) tile lives in shared memory."""
+    offsets = np.arange(size, dtype=np.int64)
+    if kernel.swizzle is None or kernel.swizzle.smem is None:
+        return offsets
+    perm = smem_swizzle(*kernel.swizzle.smem).eval({"offset": offsets})
+    if perm.min() < 0 or perm.max() >= size or len(np.unique(perm)) != size:
+        raise InterpError(f"swizzle {kernel.swizzle.smem} does not permute a {size}-element tile")
+    return perm
+
+
+class _Schedule:
+    """One kernel run on one problem."""
+
+    def __init__(self, kernel: Kernel, problem: Problem, a: np.ndarray, b: np.ndarray):
+        self.kernel, self.problem = kernel, problem
+        self.a, self.b = a, b
+        self.bm, self.bn, self.bk = kernel.tile.block
+        self.tiles_m = -(-problem.m // self.bm)
+        self.tiles_n = -(-problem.n // self.bn)
+        self.k_tiles = -(-problem.k // self.bk)
+        self.in_dtype = NP_DTYPES[problem.a[0]]
+        self.acc_dtype = NP_DTYPES[problem.acc]
+        self.out_dtype = NP_DTYPES[problem.c[0]]
+        self.stages = resolved_stages(kernel)
+        self.mma_k = kernel.mma.shape[2]
+        pad = kernel.pad
+        # predicate: nothing is loaded out of range, so the slot keeps whatever was there: model it as NaN poison,
+        # which the masked MMA and store must never let through. zero_fill: the copy engine writes zeros.
+        self.poison = {d: (np.nan if getattr(pad, d) == "predicate" else 0.0) for d in "mnk"}
+        self.perm_a = _swizzle_perm(kernel, self.bm * self.bk)
+        self.perm_b = _swizzle_perm(kernel, self.bn * self.bk)
+
+    # ---- operand tiles --------------------------------------------------------------------------------------
+    def _tile(self, src: np.ndarray, r0: int, rows: int, c0: int, cols: int, row_dim: str, col_dim: str):
+        """Copy a rows x cols box of src; the part outside src gets the padding value of its dimension."""
+        out = np.empty((rows, cols), dtype=self.in_dtype)
+        vr = max(0, min(rows, src.shape[0] - r0))
+        vc = max(0, min(cols, src.shape[1] - c0))
+        out[vr:, :] = self.poison[row_dim]
+        out[:vr, vc:] = self.poison[col_dim]
+        out[:vr, :vc] = src[r0:r0 + vr, c0:c0 + vc]
+        return out
+
+    # ---- the main loop of one block -------------------------------------------------------------------------
+    def mainloop(self, tm: int, tn: int, kb: int, ke: int) -> np.ndarray:
+        """Accumulate k tiles [kb, ke) of output tile (tm, tn) through the stage ring."""
+        ring_a = _Ring(self.stages, self.bm, self.bk, self.perm_a, self.in_dtype, np.nan)
+        ring_b = _Ring(self.stages, self.bn, self.bk, self.perm_b, self.in_dtype, np.nan)
+        acc = np.zeros((self.bm, self.bn), dtype=self.acc_dtype)
+        bt = self.b.T   # B is consumed K-major (N x K), as the MMA's "col" operand
+        predicate_k = self.kernel.pad.k == "predicate"
+        for i, kt in enumerate(range(kb, ke)):
+            slot = i % self.stages
+            ring_a.store(slot, self._tile(self.a, tm * self.bm, self.bm, kt * self.bk, self.bk, "m", "k"))
+            ring_b.store(slot, self._tile(bt, tn * self.bn, self.bn, kt * self.bk, self.bk, "n", "k"))
+            a_t = ring_a.load(slot).astype(np.float32)
+            b_t = ring_b.load(slot).astype(np.float32)
+            valid_k = min(self.bk, self.problem.k - kt * self.bk) if predicate_k else self.bk
+            # Rows of A past M and columns of B past N may hold poison under predicate padding: they only reach
+            # accumulator rows/columns that the store masks. K columns past K are masked here, as the residue
+            # iteration of a predicated main loop does.
+            if self.acc_dtype == np.float32:
+                acc += a_t[:, :valid_k] @ b_t[:, :valid_k].T
+            else:
+                for kk in range(0, valid_k, self.mma_k):
+                    kw = min(kk + self.mma_k, valid_k)
+                    prod = a_t[:, kk:kw] @ b_t[:, kk:kw].T
+                    acc = (acc.astype(np.float32) + prod).astype(self.acc_dtype)
+        return acc
+
+    # ---- epilogue -------------------------------------------------------------------------------------------
+    def store(self, c: np.ndarray, writes: np.ndarray, tm: int, tn: int, tile: np.ndarray) -> None:
+        """Round to the output dtype and store the in-range part in vectors of epilogue.vector elements."""
+        out = tile.astype(np.float32).astype(self.out_dtype)
+        if self.kernel.epilogue.path == "smem":
+            staged = np.empty_like(out)   # the C tile passes through shared memory for coalesced stores
+            staged[:] = out
+            out = staged
+        r0, c0 = tm * self.bm, tn * self.bn
+        vr = min(self.bm, self.problem.m - r0)
+        vc = min(self.bn, self.problem.n - c0)
+        vec = self.kernel.epilogue.vector
+        for j in range(0, vc, vec):
+            if j + vec > vc and vc % vec:
+                raise InterpError(f"a {vec}-element vector store at column {c0 + j} crosses N={self.problem.n}")
+            c[r0:r0 + vr, c0 + j:c0 + j + vec] = out[:vr, j:j + vec]
+            writes[r0:r0 + vr, c0 + j:c0 + j + vec] += 1
+
+    # ---- the launch -----------------------------------------------------------------------------------------
+    def tile_order(self) -> list[tuple[int, int]]:
+        sw = self.kernel.swizzle
+        order, group = (sw.raster, sw.group) if sw is not None else ("along_n", 1)
+        em, en = rasterize(order, group)
+        pid = np.arange(self.tiles_m * self.tiles_n, dtype=np.int64)
+        env = {"pid": pid, "tiles_m": self.tiles_m, "tiles_n": self.tiles_n}
+        tm, tn = np.broadcast_to(em.eval(env), pid.shape), np.broadcast_to(en.eval(env), pid.shape)
+        return list(zip(tm.tolist(), tn.tolist()))
+
+    def run(self, workers: int) -> InterpResult:
+        p = self.problem
+        c = np.full((p.m, p.n), np.nan, dtype=self.out_dtype)
+        writes = np.zeros((p.m, p.n), dtype=np.int32)
+        order = self.tile_order()
+        for tm, tn in order:
+            if not (0 <= tm < self.tiles_m and 0 <= tn < self.tiles_n):
+                raise InterpError(f"rasterization sent a block to tile ({tm}, {tn}) outside the "
+                                  f"{self.tiles_m}x{self.tiles_n} grid")
+        sk = self.kernel.splitk
+        ws_writes = None
+        k_cover: dict = {}
+        if sk is None:
+            for tm, tn in order:
+                self.store(c, writes, tm, tn, self.mainloop(tm, tn, 0, self.k_tiles))
+                k_cover[(tm, tn)] = [(0, self.k_tiles)]
+        elif sk.mode == "split_k":
+            ws_writes = self._split_k(c, writes, order, sk.slices, k_cover)
+        else:
+            self._stream_k(c, writes, order, workers, k_cover)
+        for (tm, tn), ranges in k_cover.items():
+            covered = sorted(ranges)
+            pos = 0
+            for kb, ke in covered:
+                if kb != pos:
+                    raise InterpError(f"tile ({tm}, {tn}): k tiles [{pos}, {kb}) are "
+                                      f"{'skipped' if kb > pos else 'accumulated twice'}")
+                pos = ke
+            if pos != self.k_tiles:
+                raise InterpError(f"tile ({tm}, {tn}): k tiles [{pos}, {self.k_tiles}) never accumulated")
+        _check_once(writes, "C")
+        if ws_writes is not None:
+            _check_once(ws_writes, "the split-K workspace")
+        return InterpResult(c, order, writes, ws_writes, k_cover)
+
+    def _split_k(self, c, writes, order, slices, k_cover):
+        """Each slice writes an fp32 partial to its workspace plane; a reduction pass sums the planes in slice order
+        and writes C once."""
+        p = self.problem
+        ws = np.full((slices, p.m, p.n), np.nan, dtype=np.float32)
+        ws_writes = np.zeros((slices, p.m, p.n), dtype=np.int32)
+        eb, ee = splitk_range(slices)
+        for s in range(slices):
+            env = {"slice": s, "k_tiles": self.k_tiles}
+            kb, ke = int(eb.eval(env)), int(ee.eval(env))
+            for tm, tn in order:
+                part = self.mainloop(tm, tn, kb, ke).astype(np.float32)
+                r0, c0 = tm * self.bm, tn * self.bn
+                vr, vc = min(self.bm, p.m - r0), min(self.bn, p.n - c0)
+                ws[s, r0:r0 + vr, c0:c0 + vc] = part[:vr, :vc]
+                ws_writes[s, r0:r0 + vr, c0:c0 + vc] += 1
+                if ke > kb:
+                    k_cover.setdefault((tm, tn), []).append((kb, ke))
+        total = ws[0].copy()
+        for s in range(1, slices):
+            total += ws[s]
+        out = total.astype(self.out_dtype)
+        c[:, :] = out
+        writes += 1
+        return ws_writes
+
+    def _stream_k(self, c, writes, order, workers, k_cover):
+        """A persistent grid of `workers` blocks splits tiles*k_tiles MAC iterations evenly; each tile's segments are
+        summed in k order in fp32 (the fix-up) and the tile is stored once."""
+        total = len(order) * self.k_tiles
+        workers = max(1, min(workers, total))
+        partials: dict = {}
+        for w in range(workers):
+            it, end = w * total // workers, (w + 1) * total // workers
+            while it < end:
+                t, kb = divmod(it, self.k_tiles)
+                ke = min(self.k_tiles, kb + (end - it))
+                tm, tn = order[t]
+                partials.setdefault((tm, tn), []).append((kb, ke, self.mainloop(tm, tn, kb, ke)))
+                k_cover.setdefault((tm, tn), []).append((kb, ke))
+                it += ke - kb
+        for tm, tn in order:
+            segs = sorted(partials.get((tm, tn), []), key=lambda s: s[0])
+            acc = np.zeros((self.bm, self.bn), dtype=np.float32)
+            for _, _, part in segs:
+                acc += part.astype(np.float32)
+            self.store(c, writes, tm, tn, acc)
+
+
+def _check_once(writes: np.ndarray, what: str) -> None:
+    bad = np.argwhere(writes != 1)
+    if len(bad):
+        idx = tuple(int(i) for i in bad[0])
+        raise InterpError(f"{len(bad)} element(s) of {what} written a wrong number of times; first {idx} "
+                          f"written {int(writes[idx])} times")
+
+
+def interpret(kernel: Kernel, problem: Problem, a: np.ndarray, b: np.ndarray,
+              workers: int = DEFAULT_WORKERS) -> InterpResult:
+    """Run `kernel` on logical A (MxK) and B (KxN); raises the verifier's error if the kernel cannot run this
+    problem, and InterpError if the schedule does not write every output element exactly once."""
+    if kernel.is_source:
+        raise InterpError("a Source kernel is free-form CUDA with no schedule to interpret; "
+                          "the GPU evaluator checks it")
+    check_problem(kernel, problem)
+    if a.shape != (problem.m, problem.k) or b.shape != (problem.k, problem.n):
+        raise InterpError(f"operands {a.shape} x {b.shape} do not match the problem {problem.m}x{problem.n}x"
+                          f"{problem.k} (A is MxK, B is KxN)")
+    return _Schedule(kernel, problem, a, b).run(workers)

@@ -1,0 +1,603 @@
+"""The verifier: declarative rules over a kernel (and over a kernel paired with a problem).
+
+Each rule is a small function registered with the node it belongs to, its name and the error class it raises. A
+rule returns None when the kernel obeys it, or a message saying what is wrong. `verify(kernel)` runs every kernel
+rule and raises the first violation as its typed error; `violations(kernel)` lists them all (for the CLI).
+`check_problem(kernel, problem)` adds the rules that depend on the problem: divisibility, alignment, split-K vs K.
+
+The hardware numbers live here, each with the reason it is what it is.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import (EpilogueError, ExprError, MmaError, PadError, PipelineError, ProblemError, ResourceError,
+                     SourceError, SplitKError, SwizzleError, TargetError, TileError, VerifyError)
+from .indexing import LAUNCH_VARS
+from .nodes import DTYPE_BYTES, SCHEDULE_NODES, Kernel, Problem
+
+KB = 1024
+
+# Largest dynamic shared memory one block may opt into: A100 (sm80) 163 KB + 1 KB reserved -> the 164 KB
+# carve-out; consumer Ampere/Ada (sm86/sm89) 99 KB + 1; Hopper 227 KB.
+SMEM_LIMIT = {"sm80": 164 * KB, "sm86": 100 * KB, "sm89": 100 * KB, "sm90": 227 * KB, "sm90a": 227 * KB}
+# 255 registers per thread is the ISA limit; some are always needed for addresses, loop counters and predicates.
+MAX_REGS = 255
+REG_OVERHEAD = 40
+# A wgmma accumulator lives in the issuing warpgroup's registers; consumers are raised to 232-240 registers by
+# setmaxnreg, so more than ~192 accumulator registers per thread leaves too few for the rest and spills.
+MAX_WGMMA_ACC_REGS = 192
+# Per-stage mbarrier pair (full/empty, 8 bytes each) of a TMA pipeline.
+TMA_BARRIER_BYTES = 16
+# TMA warp-specialized kernels add one producer warpgroup (128 threads) that only issues bulk copies.
+PRODUCER_THREADS = 128
+# mma.sync shapes for 16-bit inputs.
+MMA_SYNC_SHAPES = {(16, 8, 16), (16, 8, 8)}
+# Largest portable thread-block cluster (without the non-portable opt-in).
+MAX_CLUSTER = 8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Derived quantities (shared with the backends, the seed generator and the search).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def elem_bytes(problem: Problem | None = None) -> int:
+    return DTYPE_BYTES[problem.a[0]] if problem is not None else 2
+
+
+def threads(kernel: Kernel) -> int:
+    """Threads per block."""
+    if kernel.is_source:
+        b = kernel.source.block
+        return b[0] * b[1] * b[2]
+    t = kernel.tile.num_warps * 32
+    if kernel.pipeline.mode == "tma_ws":
+        # pingpong runs two consumer warpgroups on alternating tiles, each the size of `warps`.
+        consumers = t * (2 if kernel.pipeline.schedule == "pingpong" else 1)
+        return consumers + PRODUCER_THREADS
+    return t
+
+
+def stage_bytes(kernel: Kernel, ebytes: int = 2) -> int:
+    bm, bn, bk = kernel.tile.block
+    extra = TMA_BARRIER_BYTES if kernel.pipeline.mode == "tma_ws" else 0
+    return (bm + bn) * bk * ebytes + extra
+
+
+def epilogue_smem_bytes(kernel: Kernel, out_bytes: int = 2) -> int:
+    """Shared memory the epilogue needs beyond the pipeline's buffers."""
+    bm, bn, _ = kernel.tile.block
+    path = kernel.epilogue.path
+    if path == "direct":
+        return 0
+    if path == "tma":
+        # The TMA epilogue stores sub-tiles (e.g. 64x32) double-buffered, never the whole tile at once.
+        return min(bm * bn * out_bytes, 32 * KB)
+    return bm * bn * out_bytes   # smem path: the whole C tile
+
+
+def resolved_stages(kernel: Kernel, ebytes: int = 2) -> int:
+    """The stage count, with 'auto' resolved the way the CUTLASS auto carve-out does: fill what the epilogue leaves."""
+    stages = kernel.pipeline.stages
+    if stages != "auto":
+        return stages
+    free = SMEM_LIMIT[kernel.target.arch] - epilogue_smem_bytes(kernel)
+    return max(0, free // stage_bytes(kernel, ebytes))
+
+
+def smem_bytes(kernel: Kernel, ebytes: int = 2) -> int:
+    """Dynamic shared memory per block."""
+    if kernel.is_source:
+        return kernel.source.smem
+    ring = resolved_stages(kernel, ebytes) * stage_bytes(kernel, ebytes)
+    epi = epilogue_smem_bytes(kernel)
+    if kernel.pipeline.mode == "multistage" and kernel.epilogue.path == "smem":
+        # After the main loop the ring is drained, so the C tile reuses its buffers.
+        return max(ring, epi)
+    return ring + epi
+
+
+def acc_registers(kernel: Kernel, acc_bytes: int = 4) -> int:
+    """fp32 accumulator registers per math thread."""
+    bm, bn, _ = kernel.tile.block
+    wm, wn = kernel.tile.warps
+    per_warp = (bm // wm) * (bn // wn)
+    if kernel.mma.op == "wgmma":
+        groups_m = max(1, wm // 4)
+        return (bm // groups_m) * (bn // wn) * acc_bytes // (4 * 128)
+    return per_warp * acc_bytes // (4 * 32)
+
+
+def estimated_registers(kernel: Kernel) -> int:
+    """A register estimate for mma.sync kernels: accumulators + A/B fragments (x2 with register prefetch) + overhead."""
+    bm, bn, _ = kernel.tile.block
+    wm, wn = kernel.tile.warps
+    # Per k16 step a thread holds 4 registers of each 16x16 A fragment and 2 of each 16x8 B fragment.
+    frags = (bm // wm) // 16 * 4 + (bn // wn) // 8 * 2
+    if kernel.pipeline.prefetch:
+        frags *= 2
+    return acc_registers(kernel) + frags + REG_OVERHEAD
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rule registry.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    node: str
+    name: str
+    error: type[VerifyError]
+    check: Callable
+    on_problem: bool
+    doc: str
+
+
+KERNEL_RULES: list[Rule] = []
+PROBLEM_RULES: list[Rule] = []
+
+
+def rule(node: str, name: str, error: type[VerifyError], schedule_only: bool = True, problem: bool = False):
+    """Register a rule. Schedule-only rules are skipped for Source kernels."""
+
+    def deco(fn):
+        def check(*args):
+            kernel = args[0]
+            if schedule_only and kernel.is_source:
+                return None
+            return fn(*args)
+
+        r = Rule(node, name, error, check, problem, (fn.__doc__ or "").strip())
+        (PROBLEM_RULES if problem else KERNEL_RULES).append(r)
+        return fn
+
+    return deco
+
+
+def violations(kernel: Kernel) -> list[VerifyError]:
+    """Every kernel rule that fails, as typed errors, in rule order."""
+    structural = _structure(kernel)
+    if structural:
+        return [structural]
+    out = []
+    for r in KERNEL_RULES:
+        msg = r.check(kernel)
+        if msg:
+            out.append(r.error(r.node, r.name, msg))
+    return out
+
+
+def verify(kernel: Kernel) -> Kernel:
+    """Raise the first violated rule as its typed error; return the kernel when legal."""
+    errs = violations(kernel)
+    if errs:
+        raise errs[0]
+    return kernel
+
+
+def problem_violations(kernel: Kernel, problem: Problem) -> list[VerifyError]:
+    out = violations(kernel)
+    if out:
+        return out
+    for r in PROBLEM_RULES:
+        msg = r.check(kernel, problem)
+        if msg:
+            out.append(r.error(r.node, r.name, msg))
+    return out
+
+
+def check_problem(kernel: Kernel, problem: Problem) -> Kernel:
+    """Raise unless the kernel is legal and can run this problem (divisibility, alignment, split-K vs K)."""
+    errs = problem_violations(kernel, problem)
+    if errs:
+        raise errs[0]
+    return kernel
+
+
+def applicable(kernel: Kernel, problem: Problem) -> bool:
+    return not problem_violations(kernel, problem)
+
+
+def _structure(kernel: Kernel) -> VerifyError | None:
+    present = [n for n in SCHEDULE_NODES + ("swizzle", "splitk") if getattr(kernel, n) is not None]
+    if kernel.is_source:
+        if present:
+            return SourceError("source", "source_excludes_schedule",
+                               f"a Source kernel carries its own schedule; remove {', '.join(present)}")
+        return None
+    missing = [n for n in SCHEDULE_NODES if getattr(kernel, n) is None]
+    if missing:
+        return TileError(missing[0], "schedule_complete",
+                         f"a schedule kernel needs {', '.join(SCHEDULE_NODES)}; missing {', '.join(missing)}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Target: instruction availability.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@rule("mma", "wgmma_needs_sm90a", TargetError)
+def _wgmma_target(k: Kernel):
+    """wgmma exists only in the arch-specific sm90a target."""
+    if k.mma.op == "wgmma" and k.target.arch != "sm90a":
+        return f"wgmma needs target sm90a, not {k.target.arch}"
+
+
+@rule("pipeline", "tma_needs_sm90", TargetError)
+def _tma_target(k: Kernel):
+    """TMA bulk tensor copies and mbarrier transaction counts are Hopper features."""
+    if k.pipeline.mode == "tma_ws" and not k.target.is_hopper:
+        return f"TMA warp-specialized pipelines need sm90/sm90a, not {k.target.arch}"
+
+
+@rule("tile", "cluster_needs_sm90", TargetError)
+def _cluster_target(k: Kernel):
+    """Thread-block clusters (distributed shared memory, TMA multicast) start with sm90."""
+    if k.tile.cluster != (1, 1) and not k.target.is_hopper:
+        return f"cluster {k.tile.cluster[0]}x{k.tile.cluster[1]} needs sm90/sm90a; {k.target.arch} has no clusters"
+
+
+@rule("epilogue", "tma_store_needs_sm90", TargetError)
+def _tma_epilogue_target(k: Kernel):
+    """The TMA store epilogue uses bulk tensor copies from shared memory: Hopper only."""
+    if k.epilogue.path == "tma" and not k.target.is_hopper:
+        return f"epilogue path=tma needs sm90/sm90a, not {k.target.arch}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MMA and tile.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@rule("mma", "shape_exists", MmaError)
+def _mma_shape(k: Kernel):
+    """mma.sync on 16-bit inputs is m16n8k16 (or m16n8k8); wgmma is m64nNk16 with N a multiple of 8 up to 256."""
+    m, n, kk = k.mma.shape
+    if k.mma.op == "mma_sync" and (m, n, kk) not in MMA_SYNC_SHAPES:
+        return f"mma_sync has shapes 16x8x16 and 16x8x8 for 16-bit inputs, not {m}x{n}x{kk}"
+    if k.mma.op == "wgmma" and not (m == 64 and kk == 16 and n % 8 == 0 and 8 <= n <= 256):
+        return f"wgmma has shapes 64xNx16 with N in 8..256 step 8, not {m}x{n}x{kk}"
+
+
+@rule("tile", "mma_divides_warp_tile", TileError)
+def _warp_tile(k: Kernel):
+    """Each warp's tile (block / warps) must be a whole number of MMA instructions."""
+    bm, bn, bk = k.tile.block
+    wm, wn = k.tile.warps
+    mm, mn, mk = k.mma.shape
+    if k.mma.op == "wgmma":
+        if wm % 4:
+            return f"wgmma is issued by warpgroups of 4 warps stacked along M; warps={wm}x{wn} has {wm} along M"
+        gm = wm // 4
+        if bm % (gm * 64):
+            return f"BM={bm} must split into {gm} warpgroup tile(s) of a multiple of 64 rows"
+        if bn % wn or bn // wn != mn:
+            return (f"each warpgroup covers BN/warps_n={bn}/{wn} columns, which must equal the wgmma N={mn} "
+                    f"(one instruction spans the warpgroup's whole N)")
+    else:
+        if bm % (wm * mm):
+            return f"BM={bm} is not a multiple of warps_m*{mm}={wm * mm}"
+        if bn % (wn * mn):
+            return f"BN={bn} is not a multiple of warps_n*{mn}={wn * mn}"
+    if bk % mk:
+        return f"BK={bk} is not a multiple of the MMA K={mk}"
+
+
+@rule("tile", "thread_count", TileError)
+def _thread_count(k: Kernel):
+    """A block has at most 1024 threads."""
+    t = threads(k)
+    if t > 1024:
+        return f"{t} threads per block exceeds 1024"
+
+
+@rule("tile", "copy_partition", TileError)
+def _copy_partition(k: Kernel):
+    """cp.async pipelines split each A and B tile evenly over the block, one aligned vector per thread per copy."""
+    if k.pipeline.mode != "multistage":
+        return None
+    bm, bn, bk = k.tile.block
+    chunk = threads(k) * k.pad.align
+    for name, rows in (("A", bm), ("B", bn)):
+        if (rows * bk) % chunk:
+            return (f"the {name} tile {rows}x{bk} is not a multiple of threads*align={threads(k)}*{k.pad.align}: "
+                    f"the block cannot load it in whole vectors")
+    if bk % k.pad.align:
+        return f"BK={bk} is not a multiple of pad.align={k.pad.align}"
+
+
+@rule("tile", "cluster_size", TileError)
+def _cluster_size(k: Kernel):
+    """Portable clusters hold at most 8 blocks, in powers of two per dimension."""
+    cm, cn = k.tile.cluster
+    if cm & (cm - 1) or cn & (cn - 1):
+        return f"cluster {cm}x{cn}: each dimension must be a power of two"
+    if cm * cn > MAX_CLUSTER:
+        return f"cluster {cm}x{cn} has {cm * cn} blocks; the portable limit is {MAX_CLUSTER}"
+
+
+@rule("tile", "wgmma_k_tile", TileError)
+def _wgmma_bk(k: Kernel):
+    """A TMA tile row of BK 16-bit elements must fill at least one 32-byte swizzle atom."""
+    if k.pipeline.mode == "tma_ws" and k.tile.bk % 32:
+        return f"BK={k.tile.bk} must be a multiple of 32 for TMA tiles (>= 64-byte rows)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pipeline.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@rule("pipeline", "feeds_mma", PipelineError)
+def _pipeline_mma(k: Kernel):
+    """cp.async multistage pipelines feed mma.sync through ldmatrix; TMA pipelines feed wgmma from shared memory."""
+    if k.pipeline.mode == "tma_ws" and k.mma.op != "wgmma":
+        return "a tma_ws pipeline feeds wgmma; use mode=multistage with mma_sync"
+    if k.pipeline.mode == "multistage" and k.mma.op != "mma_sync":
+        return "wgmma reads operands through TMA-filled shared memory; use mode=tma_ws"
+
+
+@rule("pipeline", "stage_count", PipelineError)
+def _stages(k: Kernel):
+    """cp.async rings hold 1..13 stages; TMA rings need >= 2 so the producer can run ahead."""
+    s = k.pipeline.stages
+    if k.pipeline.mode == "multistage":
+        if s == "auto":
+            return "stages=auto is only for tma_ws pipelines (the CUTLASS carve-out); give a number"
+        if not 1 <= s <= 13:
+            return f"multistage pipelines take 1..13 stages, not {s}"
+    else:
+        if resolved_stages(k) < 2:
+            return f"a TMA pipeline needs at least 2 stages, has {resolved_stages(k)}"
+
+
+@rule("pipeline", "schedule", PipelineError)
+def _schedule(k: Kernel):
+    """Warp-specialized kernels are cooperative (2 consumer warpgroups share a tile: warps 8x1) or ping-pong
+    (2 consumer warpgroups alternate tiles, one warpgroup each: warps 4x1)."""
+    p = k.pipeline
+    if p.mode == "multistage":
+        if p.schedule != "none":
+            return f"schedule={p.schedule} is for tma_ws pipelines; multistage takes schedule=none"
+        return None
+    if p.schedule == "none":
+        return "tma_ws pipelines need schedule=cooperative or schedule=pingpong"
+    want = (8, 1) if p.schedule == "cooperative" else (4, 1)
+    if k.tile.warps != want:
+        return f"schedule={p.schedule} uses warps={want[0]}x{want[1]} consumer warps per tile, not " \
+               f"{k.tile.warps[0]}x{k.tile.warps[1]}"
+
+
+@rule("pipeline", "prefetch_needs_fragments", PipelineError)
+def _prefetch(k: Kernel):
+    """Register prefetch double-buffers ldmatrix fragments; wgmma reads B (and here A) straight from shared memory."""
+    if k.pipeline.prefetch and k.mma.op == "wgmma":
+        return "prefetch=true double-buffers ldmatrix fragments; wgmma has none (set prefetch=false)"
+
+
+@rule("pipeline", "persistent_needs_tma_ws", PipelineError)
+def _persistent(k: Kernel):
+    """The persistent tile scheduler belongs to the warp-specialized kernels."""
+    if k.pipeline.persistent and k.pipeline.mode != "tma_ws":
+        return "persistent=true needs a tma_ws pipeline"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resources.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@rule("pipeline", "smem_budget", ResourceError)
+def _smem(k: Kernel):
+    """Pipeline ring plus epilogue staging must fit the target's per-block shared memory."""
+    need, limit = smem_bytes(k), SMEM_LIMIT[k.target.arch]
+    if need > limit:
+        return (f"needs {need / KB:.1f} KB of shared memory ({resolved_stages(k)} stages x "
+                f"{stage_bytes(k) / KB:.1f} KB + epilogue); {k.target.arch} allows {limit // KB} KB")
+
+
+@rule("tile", "register_budget", ResourceError)
+def _registers(k: Kernel):
+    """Accumulators and fragments must fit the 255-register file of a thread, or the kernel spills."""
+    if k.mma.op == "wgmma":
+        acc = acc_registers(k)
+        if acc > MAX_WGMMA_ACC_REGS:
+            return (f"{acc} accumulator registers per consumer thread (tile {k.tile.bm}x{k.tile.bn} over "
+                    f"{k.tile.warps[0] // 4} warpgroup(s)) exceeds {MAX_WGMMA_ACC_REGS}")
+        return None
+    est = estimated_registers(k)
+    if est > MAX_REGS:
+        return (f"about {est} registers per thread ({acc_registers(k)} accumulators + fragments + overhead) "
+                f"exceeds {MAX_REGS}: use more warps or a smaller tile")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Swizzle and rasterization.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@rule("swizzle", "smem_swizzle_fits_row", SwizzleError)
+def _swizzle_row(k: Kernel):
+    """Swizzle<B,M,S> XORs B bits of the row index into the 16-byte-chunk index: the unit must be a 16-byte vector
+    (M=3 for 16-bit data), the source bits must not overlap the target bits (S >= B), and a K-major tile row of BK
+    elements must hold the 2^(B+M) elements the XOR permutes."""
+    if k.swizzle is None or k.swizzle.smem is None:
+        return None
+    b, m, s = k.swizzle.smem
+    if m != 3:
+        return f"swizzle <{b},{m},{s}>: M must be 3 (16-byte units of 16-bit elements, one ldmatrix/cp.async row)"
+    if s < b:
+        return f"swizzle <{b},{m},{s}>: S={s} < B={b} makes the XOR source and target bits overlap"
+    if (1 << (b + m)) > k.tile.bk:
+        return f"swizzle <{b},{m},{s}> permutes rows of {1 << (b + m)} elements but BK={k.tile.bk}"
+    atom = 1 << (b + m + s)
+    if (min(k.tile.bm, k.tile.bn) * k.tile.bk) % atom:
+        return (f"swizzle <{b},{m},{s}> permutes blocks of {atom} elements; a {min(k.tile.bm, k.tile.bn)}x"
+                f"{k.tile.bk} tile is not a whole number of them")
+    if k.pipeline.mode == "tma_ws" and s != 3:
+        return f"TMA supports the 32/64/128-byte swizzles <1..3,3,3>, not <{b},{m},{s}>"
+
+
+@rule("swizzle", "raster_group", SwizzleError)
+def _raster_group(k: Kernel):
+    """CUTLASS's tile scheduler takes a swizzle size of 1, 2, 4 or 8."""
+    if k.swizzle is not None and k.pipeline.mode == "tma_ws" and k.swizzle.group not in (1, 2, 4, 8):
+        return f"tma_ws kernels take raster group 1, 2, 4 or 8, not {k.swizzle.group}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pad, split-K, epilogue.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@rule("pad", "tma_bounds_and_alignment", PadError)
+def _tma_pad(k: Kernel):
+    """TMA fills out-of-bounds boxes with zeros in hardware (no predication exists) and needs 16-byte strides."""
+    if k.pipeline.mode != "tma_ws":
+        return None
+    for dim in ("m", "n", "k"):
+        if getattr(k.pad, dim) == "predicate":
+            return f"pad.{dim}=predicate: TMA has no predicated loads; use zero_fill (hardware OOB fill) or divisible"
+    if k.pad.align != 8:
+        return f"TMA needs 16-byte aligned global strides: pad.align must be 8, not {k.pad.align}"
+
+
+@rule("splitk", "mode_settings", SplitKError)
+def _splitk(k: Kernel):
+    """split_k needs >= 2 slices; stream_k is a persistent tile scheduler of the warp-specialized kernels."""
+    sk = k.splitk
+    if sk is None:
+        return None
+    if sk.mode == "split_k" and sk.slices < 2:
+        return "split_k needs slices >= 2 (remove the splitk node for no split)"
+    if sk.mode == "stream_k":
+        if k.pipeline.mode != "tma_ws":
+            return "stream_k needs a tma_ws pipeline (a persistent tile scheduler)"
+        if sk.reduce != "workspace":
+            return "stream_k fixes up partial tiles through the workspace; reduce=atomic is for split_k"
+
+
+@rule("epilogue", "path_and_vector", EpilogueError)
+def _epilogue(k: Kernel):
+    """Vector stores need rows aligned to the vector; the TMA store belongs to the TMA pipeline."""
+    e = k.epilogue
+    if e.path == "tma" and k.pipeline.mode != "tma_ws":
+        return "epilogue path=tma needs a tma_ws pipeline"
+    if e.vector > k.pad.align:
+        return f"epilogue vector={e.vector} exceeds pad.align={k.pad.align}: rows may start unaligned"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Source.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@rule("source", "well_formed", SourceError, schedule_only=False)
+def _source(k: Kernel):
+    """The entry point is defined as a __global__ function, launch expressions use only m, n, k and evaluate to
+    positive sizes, the block has <= 1024 threads and the dynamic shared memory fits the target."""
+    src = k.source
+    if src is None:
+        return None
+    if not re.search(r"__global__[^;{]*\b" + re.escape(src.entry) + r"\s*\(", src.code):
+        return f"code defines no __global__ function named '{src.entry}'"
+    if "\n```" in src.code or src.code.startswith("```"):
+        return "code contains a ``` fence line, which would end the code block"
+    for axis, e in zip("xyz", src.grid):
+        extra = e.free_vars() - LAUNCH_VARS
+        if extra:
+            return f"grid.{axis} = {e} uses {', '.join(sorted(extra))}; only m, n, k are bound"
+        for shape in ((1, 1, 1), (127, 129, 67), (4096, 4096, 4096)):
+            try:
+                v = e.eval(dict(zip("mnk", shape)))
+            except ExprError as err:
+                return f"grid.{axis} = {e} fails at m,n,k={shape}: {err}"
+            if v < 1:
+                return f"grid.{axis} = {e} is {v} at m,n,k={shape}; grid sizes must be >= 1"
+    t = threads(k)
+    if t > 1024:
+        return f"block {src.block} has {t} threads; the limit is 1024"
+    if src.smem > SMEM_LIMIT[k.target.arch]:
+        return f"smem={src.smem} bytes exceeds {k.target.arch}'s {SMEM_LIMIT[k.target.arch]} bytes"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Problem rules.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def verify_problem(problem: Problem) -> Problem:
+    """The problem's own consistency: same input dtypes; fp16 accumulation only with fp16 inputs."""
+    if problem.a[0] != problem.b[0]:
+        raise ProblemError("gemm", "input_dtypes", f"A is {problem.a[0]} but B is {problem.b[0]}; mixed inputs "
+                                                   "are not supported")
+    if problem.acc == "f16" and problem.a[0] != "f16":
+        raise ProblemError("gemm", "accumulator", f"acc=f16 needs f16 inputs, not {problem.a[0]}")
+    return problem
+
+
+@rule("gemm", "problem_consistent", ProblemError, schedule_only=False, problem=True)
+def _problem_ok(k: Kernel, p: Problem):
+    """The problem spec is consistent on its own."""
+    try:
+        verify_problem(p)
+    except ProblemError as e:
+        return e.message
+
+
+@rule("pad", "divisible", PadError, problem=True)
+def _divisible(k: Kernel, p: Problem):
+    """pad=divisible removes the bounds checks, so the problem must be a multiple of the tile in that dimension."""
+    for dim, size, tile in (("m", p.m, k.tile.bm), ("n", p.n, k.tile.bn), ("k", p.k, k.tile.bk)):
+        if getattr(k.pad, dim) == "divisible" and size % tile:
+            return f"pad.{dim}=divisible requires {dim} % {tile} == 0, got {dim}={size}"
+
+
+def leading_dims(p: Problem) -> dict[str, tuple[str, int]]:
+    """The contiguous extent of each operand's rows: what vector loads and TMA strides must be aligned to."""
+    return {
+        "A": ("K" if p.a[1] == "row" else "M", p.k if p.a[1] == "row" else p.m),
+        "B": ("N" if p.b[1] == "row" else "K", p.n if p.b[1] == "row" else p.k),
+        "C": ("N", p.n),
+    }
+
+
+@rule("pad", "alignment", PadError, problem=True)
+def _alignment(k: Kernel, p: Problem):
+    """Vector copies of `align` elements need every row of A, B and C to start on such a boundary."""
+    align = k.pad.align
+    for op, (dim, size) in leading_dims(p).items():
+        if size % align:
+            layout = {"A": p.a[1], "B": p.b[1], "C": p.c[1]}[op]
+            return (f"pad.align={align} assumes {align * elem_bytes(p)}-byte aligned rows: {op} is {layout}-major, "
+                    f"so {dim} must be a multiple of {align}, got {dim}={size}")
+
+
+@rule("splitk", "slices_vs_k", SplitKError, problem=True)
+def _slices_vs_k(k: Kernel, p: Problem):
+    """Each split-K slice must own at least one k tile, or it only adds a zero partial and a workspace pass."""
+    if k.splitk is None or k.splitk.mode != "split_k":
+        return None
+    k_tiles = -(-p.k // k.tile.bk)
+    if k_tiles < k.splitk.slices:
+        return f"split_k slices={k.splitk.slices} but K={p.k} has only {k_tiles} tile(s) of BK={k.tile.bk}"
+
+
+@rule("source", "grid_limits", SourceError, schedule_only=False, problem=True)
+def _source_grid(k: Kernel, p: Problem):
+    """grid.y and grid.z are limited to 65535 blocks, grid.x to 2^31-1."""
+    if k.source is None:
+        return None
+    for axis, e, lim in zip("xyz", k.source.grid, ((1 << 31) - 1, 65535, 65535)):
+        try:
+            v = e.eval({"m": p.m, "n": p.n, "k": p.k})
+        except ExprError as err:
+            return f"grid.{axis} = {e}: {err}"
+        if not 1 <= v <= lim:
+            return f"grid.{axis} = {e} is {v} for m,n,k={p.shape}; allowed 1..{lim}"
