@@ -29,6 +29,8 @@ class ParseError(L2IRError):
         super().__init__(self._render())
 
     def _render(self) -> str:
+        if self.filename is None and self.line is None:
+            return self.message   # a value checked outside any text (a constructor or an edit)
         where = self.filename or "<input>"
         if self.line is not None:
             where += f":{self.line}"

@@ -62,7 +62,7 @@ def error_bound(problem: Problem, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     u_acc = UNIT_ROUNDOFF[problem.acc]
     u_out = UNIT_ROUNDOFF[problem.c[0]]
     k = problem.k
-    gamma = k * u_acc / (1 - k * u_acc)
+    gamma = np.expm1(k * np.log1p(u_acc))   # (1+u)^K - 1: valid for every K, even where K*u >= 1 (fp16 acc)
     mag = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
     ref = reference(a, b)
     return u_out * np.abs(ref) + (1 + u_out) * gamma * mag + 2.0 ** -24

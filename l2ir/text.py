@@ -68,7 +68,8 @@ def _raise_lark(e: lark.exceptions.LarkError, text: str, filename: str | None) -
     elif isinstance(e, lark.exceptions.UnexpectedEOF):
         msg = f"unexpected end of input{_describe_expected(e.expected)}"
     elif isinstance(e, lark.exceptions.VisitError) and isinstance(e.orig_exc, ParseError):
-        raise e.orig_exc.with_filename(filename) if filename else e.orig_exc from None
+        orig = e.orig_exc
+        raise ParseError(orig.message, orig.line, orig.column, _line_of(text, orig.line), filename) from None
     elif isinstance(e, lark.exceptions.VisitError) and isinstance(e.orig_exc, ExprError):
         raise ParseError(str(e.orig_exc), filename=filename) from None
     else:
@@ -149,7 +150,10 @@ class _ToRaw(Transformer):
         return Var(str(items[0]))
 
     def call(self, items):
-        return Call(str(items[0]), tuple(items[1:]))
+        try:
+            return Call(str(items[0]), tuple(items[1:]))
+        except ExprError as e:
+            raise ParseError(str(e), items[0].line, items[0].column) from None
 
     def bin_op(self, items):
         return Bin(str(items[1]), items[0], items[2])
@@ -224,10 +228,11 @@ class _Located:
     def error(self, msg: str, line: int, column: int) -> ParseError:
         return ParseError(msg, line, column, _line_of(self.text, line), self.filename)
 
-    def convert_field(self, cls: type[Node], fname: str, raw: Raw) -> Any:
+    def convert_field(self, cls: type[Node], fname: str, raw: Raw, at: tuple[int, int] | None = None) -> Any:
         types = cls.field_types()
         if fname not in types:
-            raise self.error(f"{cls.kind} has no field '{fname}' (fields: {', '.join(types)})", raw.line, raw.column)
+            line, column = at or (raw.line, raw.column)
+            raise self.error(f"{cls.kind} has no field '{fname}' (fields: {', '.join(types)})", line, column)
         try:
             return types[fname].convert(raw.kind, raw.payload)
         except ValueError as e:
@@ -241,7 +246,7 @@ class _Located:
         for fname, value, line, column in raw.fields:
             if fname in values:
                 raise self.error(f"{cls.kind}.{fname} given twice", line, column)
-            values[fname] = self.convert_field(cls, fname, value)
+            values[fname] = self.convert_field(cls, fname, value, (line, column))
         missing = [n for n in cls.required_fields() if n not in values]
         if missing:
             raise self.error(f"{cls.kind} is missing required field(s): {', '.join(missing)}", raw.line, raw.column)

@@ -1,0 +1,71 @@
+"""cute_sm80: lower an sm80-style kernel (mma.sync m16n8k16, cp.async multistage) to CuTe C++.
+
+    lower(kernel, problem) -> LaunchPlan
+
+A pure, deterministic function: the same IR and problem class give byte-identical source. `problem` supplies only
+dtypes, layouts and the accumulator; M, N, K are run-time arguments, so one compiled kernel serves every shape its
+Pad policy admits. Unsupported combinations raise NotImplementedError naming the field; any other failure raises
+LoweringError carrying the kernel's IR text.
+"""
+
+from __future__ import annotations
+
+from l2ir.errors import L2IRError
+from l2ir.indexing import Const, Var, cdiv
+from l2ir.nodes import Kernel, Problem
+
+from backends.plan import Launch, LaunchPlan
+
+from .config import REDUCE_THREADS, LoweringError, Plan, derive, ir_text
+from .emit import CONVERT_ENTRY, GEMM_ENTRY, REDUCE_ENTRY, emit_source
+
+__all__ = ["lower", "derive", "LoweringError", "Plan", "problem_class"]
+
+M, N, K = Var("m"), Var("n"), Var("k")
+
+
+def problem_class(problem: Problem) -> str:
+    """The compile-time part of a problem: dtypes, layouts and the accumulator (not the sizes)."""
+    return (f"a={problem.a[0]}:{problem.a[1]} b={problem.b[0]}:{problem.b[1]} "
+            f"c={problem.c[0]}:{problem.c[1]} acc={problem.acc}")
+
+
+def _launches(p: Plan) -> tuple[Launch, ...]:
+    tiles = cdiv(M, p.bm) * cdiv(N, p.bn)
+    gemm = Launch(entry=GEMM_ENTRY, grid=(tiles, Const(1), Const(p.slices)), block=(p.threads, 1, 1),
+                  smem=p.smem_bytes)
+    if p.splitk == "none":
+        return (gemm,)
+    entry = REDUCE_ENTRY if p.splitk == "workspace" else CONVERT_ENTRY
+    reduce = Launch(entry=entry, grid=(cdiv(M * N, REDUCE_THREADS * p.store_vector), Const(1), Const(1)),
+                    block=(REDUCE_THREADS, 1, 1), smem=0)
+    return (gemm, reduce)
+
+
+def _workspace(p: Plan):
+    if p.splitk == "workspace":
+        return Const(p.slices) * M * N * 4      # one fp32 partial per slice
+    if p.splitk == "atomic":
+        return M * N * 4                        # one fp32 sum, zeroed by the harness
+    return Const(0)
+
+
+def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
+    try:
+        p = derive(kernel, problem)
+        source = emit_source(kernel, p, problem_class(problem))
+        return LaunchPlan(
+            source=source,
+            arch=p.arch,
+            form="kernels",
+            launches=_launches(p),
+            workspace_bytes=_workspace(p),
+            zero_workspace=p.splitk == "atomic",
+            needs_cutlass=True,
+            ir_text=ir_text(kernel),
+            problem_text=problem_class(problem),
+        )
+    except (NotImplementedError, L2IRError):
+        raise
+    except Exception as e:  # a bug in the lowering: say which kernel triggered it
+        raise LoweringError(f"cute_sm80 lowering failed: {type(e).__name__}: {e}\nkernel:\n{ir_text(kernel)}") from e

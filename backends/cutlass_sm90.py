@@ -1,0 +1,720 @@
+"""Lower sm90a kernels (wgmma, TMA warp-specialized pipelines) to CUTLASS 3.x through its collective builders.
+
+The lowering has two steps, both pure:
+  canonicalize(kernel, problem) -> Sm90Config   every check, every IR field turned into the one CUTLASS choice it means
+  render(cfg) -> str                            the .cu text: the kernel type built by the collective builders, plus
+                                                trusted host code exporting the L2IR host_shim ABI
+`lower()` composes them into a LaunchPlan(form="host_shim"). M, N, K are run-time arguments: one compiled library serves
+every shape; the problem supplies only the dtypes and layouts.
+
+Field -> CUTLASS map (each generated line that depends on a field names it in a comment):
+  target.arch=sm90a, mma.op=wgmma, pipeline.mode=tma_ws       the only combination this backend lowers
+  tile.block BMxBNxBK        TileShape<BM, BN, BK>
+  tile.cluster CMxCN         ClusterShape<CM, CN, 1> (TMA multicast of A along N, of B along M)
+  tile.warps                 consumer warps per tile: 8x1 cooperative (2 warpgroups split BM), 4x1 pingpong (1 warpgroup)
+  mma.shape 64xNx16          checked against the wgmma atom the builder picks for BN (also a static_assert in the .cu)
+  pipeline.schedule          KernelTmaWarpSpecializedCooperative | KernelTmaWarpSpecializedPingpong
+  pipeline.stages            StageCount<S> | StageCountAutoCarveout<sizeof(epilogue shared storage)>
+  pipeline.persistent        true: grid = SMs (CUTLASS persistent scheduler); false: one CTA per output tile
+  splitk                     absent: PersistentScheduler; present: StreamKScheduler with DecompositionMode StreamK or
+                             SplitK (splits = slices), ReductionMode Deterministic (reduce=workspace) | Nondeterministic
+  swizzle.raster / group     RasterOrderOptions AlongM | AlongN, max_swizzle_size (1, 2, 4 or 8)
+  swizzle.smem               must be none (builder's choice) or equal the swizzle the builder picks
+  pad.align                  AlignmentA/B (TMA: 16-byte strides, so 8 elements of a 16-bit type)
+  pad.m/n/k                  TMA zero-fills out-of-bounds loads and the epilogue predicates stores, so every mode is
+                             handled; `divisible` makes l2ir_run refuse shapes that break the promise (STATUS_NOT_DIVISIBLE)
+  epilogue.path              tma -> TmaWarpSpecialized(Cooperative); direct -> NoSmemWarpSpecialized; smem -> unsupported
+  epilogue.vector            AlignmentD
+  problem a/b/c/acc          element types, RowMajor/ColumnMajor tags; C is read as void (alpha = 1, beta = 0)
+
+l2ir_run return codes: 0 success; 1..11 a cutlass::Status (can_implement, initialize or run refused, e.g. 1 =
+kErrorMisalignedOperand for a K that is not a multiple of 8); the STATUS_* codes below for L2IR's own refusals.
+
+Workspace: the true size comes from the library (`l2ir_workspace_size`). LaunchPlan.workspace_bytes is an upper bound
+written as an expression of m, n, k (see `workspace_bound`), and l2ir_run returns STATUS_WORKSPACE_TOO_SMALL rather than
+run with less than `Gemm::get_workspace_size(args)`. CUTLASS zeroes its own barrier flags inside initialize() (a memset
+on the given stream), so the harness need not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from l2ir.errors import L2IRError, MmaError, ResourceError, TileError
+from l2ir.indexing import Const, Expr, Var, cdiv
+from l2ir.nodes import DTYPE_BYTES, Kernel, Problem, Swizzle
+
+from .plan import LaunchPlan
+
+# L2IR's own refusal codes from l2ir_run (CUTLASS's cutlass::Status values stay below 100).
+STATUS_WORKSPACE_TOO_SMALL = 101
+STATUS_NOT_DIVISIBLE = 102
+STATUS_BAD_ARGUMENT = 103
+STATUS_CUDA_ERROR = 104
+STATUS_EXCEPTION = 105
+
+CUTLASS_STATUS_NAMES = (
+    "kSuccess", "kErrorMisalignedOperand", "kErrorInvalidDataType", "kErrorInvalidLayout", "kErrorInvalidProblem",
+    "kErrorNotSupported", "kErrorWorkspaceNull", "kErrorInternal", "kErrorArchMismatch", "kErrorInsufficientDriver",
+    "kErrorMemoryAllocation", "kInvalid",
+)
+
+
+def status_name(code: int) -> str:
+    """A readable name for an l2ir_run return code."""
+    own = {STATUS_WORKSPACE_TOO_SMALL: "workspace too small", STATUS_NOT_DIVISIBLE: "shape violates pad=divisible",
+           STATUS_BAD_ARGUMENT: "bad argument", STATUS_CUDA_ERROR: "CUDA runtime error",
+           STATUS_EXCEPTION: "C++ exception"}
+    if code in own:
+        return own[code]
+    if 0 <= code < len(CUTLASS_STATUS_NAMES):
+        return "cutlass::Status::" + CUTLASS_STATUS_NAMES[code]
+    return f"unknown status {code}"
+
+
+class UnsupportedLowering(L2IRError, NotImplementedError):
+    """The IR is legal but asks for something CUTLASS's sm90 builders cannot express. `field` names the IR field
+    (e.g. 'epilogue.path'). It is both a NotImplementedError and an L2IRError, so search prunes it like any other."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"cutlass_sm90: {field}: {message}")
+
+
+# Hopper's shared memory per block (227 KiB opt-in), the capacity CUTLASS's stage-count computation also uses.
+SM90_SMEM_BYTES = 232448
+# wgmma N values the builder's ss_op_selector tries, largest first (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED is off).
+WGMMA_N = (256, 192, 128, 96, 64, 32, 16, 8)
+# CUTLASS rounds max_swizzle_size down to a power of two no larger than 8 (get_log_swizzle_size).
+SWIZZLE_SIZES = (1, 2, 4, 8)
+# Thread-block clusters of up to 8 CTAs are portable on sm90; the scheduler divides by cluster dims as powers of two.
+MAX_CLUSTER = 8
+
+ELEMENT = {"f16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t", "f32": "float"}
+
+
+@dataclass(frozen=True)
+class Sm90Config:
+    """The canonical form of one lowering: every value the source depends on, already checked."""
+
+    element_a: str
+    element_b: str
+    element_d: str
+    element_acc: str
+    layout_a: str            # CUTLASS tag: "RowMajor" | "ColumnMajor"
+    layout_b: str
+    problem_class: str       # "a=f16:row b=f16:col c=f16:row acc=f32"
+    bm: int
+    bn: int
+    bk: int
+    cm: int
+    cn: int
+    schedule: str            # "cooperative" | "pingpong"
+    consumer_warpgroups: int  # warpgroups computing one tile (cooperative 2, pingpong 1)
+    wgmma_n: int
+    stages: int | str        # int or "auto"
+    persistent: bool
+    splitk_mode: str         # "none" | "stream_k" | "split_k"
+    splits: int
+    reduce: str              # "workspace" | "atomic"
+    raster: str              # "along_m" | "along_n"
+    swizzle_group: int
+    align_ab: int
+    in_bytes: int
+    epilogue_path: str       # "tma" | "direct"
+    align_d: int
+    out_bytes: int
+    acc_bytes: int
+    divisible: tuple[bool, bool, bool]   # pad.m/n/k == divisible
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# canonicalize: IR -> Sm90Config, with every check.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _smem_swizzle_for(major_k: bool, mn: int, bk: int, elem_bytes: int) -> tuple[int, int, int] | None:
+    """The shared-memory swizzle the builder's ss_smem_selector picks for one operand, in element units (CuTe's
+    Swizzle<B, M, S> with M = log2(16 B / element)). wgmma reads 128-, 64- or 32-byte swizzled rows; the selector
+    takes the widest whose row (along K for K-major, along M/N for MN-major) divides the tile."""
+    extent = bk if major_k else mn
+    m = {2: 3, 4: 2, 1: 4}[elem_bytes]
+    for bits, row_bytes in ((3, 128), (2, 64), (1, 32)):
+        if extent % (row_bytes // elem_bytes) == 0:
+            return (bits, m, 3)
+    return None   # interleaved (no swizzle)
+
+
+def canonicalize(kernel: Kernel, problem: Problem) -> Sm90Config:
+    """Check that the kernel is one this backend lowers and turn each IR field into its CUTLASS choice."""
+    if kernel.is_source:
+        raise UnsupportedLowering("source", "free-form CUDA kernels go to the kernels form, not through CUTLASS")
+    if kernel.target.arch != "sm90a":
+        raise UnsupportedLowering("target.arch", f"'{kernel.target.arch}': wgmma and setmaxnreg need sm90a")
+    tile, mma, pipe, pad, epi = kernel.tile, kernel.mma, kernel.pipeline, kernel.pad, kernel.epilogue
+    for name, node in (("tile", tile), ("mma", mma), ("pipeline", pipe), ("pad", pad), ("epilogue", epi)):
+        if node is None:
+            raise UnsupportedLowering(name, "a scheduled kernel needs this node")
+    swz = kernel.swizzle or Swizzle()
+
+    if mma.op != "wgmma":
+        raise UnsupportedLowering("mma.op", f"'{mma.op}': the sm90 collective builders issue wgmma")
+    if pipe.mode != "tma_ws":
+        raise UnsupportedLowering("pipeline.mode", f"'{pipe.mode}': this backend lowers TMA warp-specialized pipelines")
+    if pipe.schedule not in ("cooperative", "pingpong"):
+        raise UnsupportedLowering("pipeline.schedule",
+                                  f"'{pipe.schedule}': choose cooperative or pingpong for a tma_ws pipeline")
+    if pipe.prefetch:
+        raise UnsupportedLowering("pipeline.prefetch", "wgmma reads A and B from shared memory; there are no register "
+                                  "fragments to double-buffer")
+
+    # Problem class: both operands feed one wgmma, so they share a 16-bit type; acc f16 exists only for f16 inputs.
+    (a_dt, a_lay), (b_dt, b_lay), (c_dt, _) = problem.a, problem.b, problem.c
+    if a_dt != b_dt:
+        raise UnsupportedLowering("problem.b", f"a={a_dt} with b={b_dt}: wgmma takes one 16-bit input type")
+    if problem.acc == "f16" and a_dt != "f16":
+        raise UnsupportedLowering("problem.acc", "wgmma accumulates bf16 inputs in f32 only")
+
+    # Tile and warpgroups.
+    bm, bn, bk = tile.block
+    cooperative = pipe.schedule == "cooperative"
+    wgs = 2 if cooperative else 1
+    expected_warps = (4 * wgs, 1)
+    if tile.warps != expected_warps:
+        raise TileError("tile", "warpgroups_per_schedule",
+                        f"warps={tile.warps[0]}x{tile.warps[1]} but a {pipe.schedule} tile is computed by {wgs} "
+                        f"consumer warpgroup(s): warps must be {expected_warps[0]}x1")
+    if bm % (64 * wgs):
+        raise TileError("tile", "block_m_per_warpgroup",
+                        f"block M={bm}: each of the {wgs} consumer warpgroup(s) issues 64-row wgmmas, so M must be a "
+                        f"multiple of {64 * wgs}")
+    if bk % 16:
+        raise TileError("tile", "block_k_wgmma", f"block K={bk}: wgmma consumes K in steps of 16 for 16-bit inputs")
+    if bn % 8:
+        raise TileError("tile", "block_n_wgmma", f"block N={bn}: wgmma N is a multiple of 8")
+    wgmma_n = next(n for n in WGMMA_N if bn % n == 0)
+    if tuple(mma.shape) != (64, wgmma_n, 16):
+        raise MmaError("mma", "builder_wgmma_shape",
+                       f"shape={'x'.join(map(str, mma.shape))} but the collective builder tiles a {bm}x{bn} "
+                       f"{pipe.schedule} block (per warpgroup {bm // wgs}x{bn}) with wgmma 64x{wgmma_n}x16")
+    cm, cn = tile.cluster
+    for dim, v in (("M", cm), ("N", cn)):
+        if v & (v - 1):
+            raise UnsupportedLowering("tile.cluster", f"cluster {dim}={v}: the tile scheduler needs powers of two")
+    if cm * cn > MAX_CLUSTER:
+        raise UnsupportedLowering("tile.cluster", f"{cm}x{cn} = {cm * cn} CTAs: portable clusters hold at most "
+                                  f"{MAX_CLUSTER}")
+
+    # Shared memory: the builder picks the swizzle; the IR may only restate it.
+    in_bytes = DTYPE_BYTES[a_dt]
+    if swz.smem is not None:
+        picks = {_smem_swizzle_for(a_lay == "row", bm, bk, in_bytes), _smem_swizzle_for(b_lay == "col", bn, bk, in_bytes)}
+        if picks != {tuple(swz.smem)}:
+            shown = " and ".join(sorted("none" if p is None else "<{},{},{}>".format(*p) for p in picks))
+            raise UnsupportedLowering("swizzle.smem", f"<{','.join(map(str, swz.smem))}>: the sm90 builder lays out "
+                                      f"this tile with {shown}; set swizzle.smem = none to take its choice")
+
+    # Stages: wgmma reads the stage ring directly, so each stage holds a full A and B tile.
+    stage_bytes = (bm + bn) * bk * in_bytes
+    if pipe.stages != "auto":
+        if pipe.stages < 2:
+            raise UnsupportedLowering("pipeline.stages", "the TMA producer needs at least 2 stages to overlap the MMAs")
+        if pipe.stages * stage_bytes > SM90_SMEM_BYTES:
+            raise ResourceError("pipeline", "smem_capacity",
+                                f"{pipe.stages} stages x {stage_bytes} B = {pipe.stages * stage_bytes} B of A/B tiles "
+                                f"exceed the {SM90_SMEM_BYTES} B of shared memory per block on sm90")
+    elif 2 * stage_bytes > SM90_SMEM_BYTES:
+        raise ResourceError("pipeline", "smem_capacity", f"two {stage_bytes} B stages do not fit in {SM90_SMEM_BYTES} B")
+
+    # Tile scheduler.
+    sk = kernel.splitk
+    splitk_mode, splits, reduce = "none", 1, "workspace"
+    if sk is not None:
+        if not pipe.persistent:
+            raise UnsupportedLowering("pipeline.persistent", f"splitk mode={sk.mode} runs on CUTLASS's stream-K "
+                                      "scheduler, which is persistent: set pipeline.persistent = true")
+        splitk_mode, reduce = sk.mode, sk.reduce
+        if sk.mode == "split_k":
+            splits = sk.slices
+        elif sk.slices != 1:
+            raise UnsupportedLowering("splitk.slices", f"{sk.slices} with mode=stream_k: CUTLASS's stream-K scheduler "
+                                      "balances iterations itself and takes no cap on pieces per tile (use 1)")
+    if swz.group not in SWIZZLE_SIZES:
+        raise UnsupportedLowering("swizzle.group", f"{swz.group}: CUTLASS's max_swizzle_size takes "
+                                  f"{', '.join(map(str, SWIZZLE_SIZES))}")
+
+    # Alignment and epilogue.
+    if pad.align * in_bytes < 16:
+        raise UnsupportedLowering("pad.align", f"{pad.align} elements = {pad.align * in_bytes} B: TMA needs 16-byte "
+                                  f"aligned strides, i.e. align = {16 // in_bytes}")
+    out_bytes = DTYPE_BYTES[c_dt]
+    if epi.path == "smem":
+        raise UnsupportedLowering("epilogue.path", "smem: on sm90 the shared-memory-staged epilogue is the TMA store "
+                                  "(path = tma); path = direct stores registers to global")
+    if epi.path == "tma" and epi.vector * out_bytes < 16:
+        raise UnsupportedLowering("epilogue.vector", f"{epi.vector} x {out_bytes} B: the TMA store needs 16-byte "
+                                  f"aligned rows, i.e. vector = {16 // out_bytes}")
+    if epi.vector * out_bytes > 16:
+        raise UnsupportedLowering("epilogue.vector", f"{epi.vector} x {out_bytes} B: stores are at most 16 bytes")
+
+    return Sm90Config(
+        element_a=ELEMENT[a_dt], element_b=ELEMENT[b_dt], element_d=ELEMENT[c_dt],
+        element_acc="cutlass::half_t" if problem.acc == "f16" else "float",
+        layout_a="RowMajor" if a_lay == "row" else "ColumnMajor",
+        layout_b="ColumnMajor" if b_lay == "col" else "RowMajor",
+        problem_class=f"a={a_dt}:{a_lay} b={b_dt}:{b_lay} c={c_dt}:{problem.c[1]} acc={problem.acc}",
+        bm=bm, bn=bn, bk=bk, cm=cm, cn=cn,
+        schedule=pipe.schedule, consumer_warpgroups=wgs, wgmma_n=wgmma_n,
+        stages=pipe.stages, persistent=pipe.persistent,
+        splitk_mode=splitk_mode, splits=splits, reduce=reduce,
+        raster=swz.raster, swizzle_group=swz.group,
+        align_ab=pad.align, in_bytes=in_bytes,
+        epilogue_path=epi.path, align_d=epi.vector, out_bytes=out_bytes, acc_bytes=DTYPE_BYTES[problem.acc],
+        divisible=(pad.m == "divisible", pad.n == "divisible", pad.k == "divisible"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Workspace bound.
+# ---------------------------------------------------------------------------------------------------------------
+
+M, N = Var("m"), Var("n")
+# Slack for CUTLASS's alignment roundings (L2-line rounding of each workspace part, 16-byte kernel rounding).
+WORKSPACE_SLACK = 4096
+
+
+def workspace_bound(cfg: Sm90Config) -> Expr:
+    """An upper bound on Gemm::get_workspace_size, as an expression of m, n.
+
+    The persistent data-parallel scheduler needs none. The stream-K scheduler (stream_k and split_k decompositions)
+    keeps, per output tile that is split, one BMxBN accumulator partial (the turnstile or atomic reduction target; the
+    split-K variant reserves it for every tile, not per split) and a 32-bit barrier per MMA warpgroup. The tile grid is
+    first rounded up to multiples of swizzle x cluster, hence the `+ group * cluster` terms.
+    """
+    if cfg.splitk_mode == "none":
+        return Const(0)
+    tiles_m = cdiv(M, cfg.bm) + cfg.swizzle_group * cfg.cm
+    tiles_n = cdiv(N, cfg.bn) + cfg.swizzle_group * cfg.cn
+    per_tile = cfg.bm * cfg.bn * cfg.acc_bytes + 4 * cfg.consumer_warpgroups
+    return tiles_m * tiles_n * per_tile + WORKSPACE_SLACK
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# render: Sm90Config -> CUDA source.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _stride_lines(cfg: Sm90Config) -> list[str]:
+    """Packed strides as CUTLASS's (M|N, K, L) cute strides; the unit-stride mode is the contiguous one."""
+    a = ("cute::make_stride(int64_t(K), cute::Int<1>{}, int64_t(M) * K);   // A row: MxK, K contiguous"
+         if cfg.layout_a == "RowMajor" else
+         "cute::make_stride(cute::Int<1>{}, int64_t(M), int64_t(M) * K);   // A col: MxK, M contiguous")
+    b = ("cute::make_stride(int64_t(K), cute::Int<1>{}, int64_t(N) * K);   // B col: NxK, K contiguous"
+         if cfg.layout_b == "ColumnMajor" else
+         "cute::make_stride(cute::Int<1>{}, int64_t(N), int64_t(N) * K);   // B row: KxN, N contiguous")
+    d = "cute::make_stride(int64_t(N), cute::Int<1>{}, int64_t(M) * N);   // C row: MxN, N contiguous"
+    return [f"  StrideA stride_a = {a}", f"  StrideB stride_b = {b}", f"  StrideD stride_d = {d}"]
+
+
+def _scheduler_lines(cfg: Sm90Config) -> list[str]:
+    raster = "AlongM" if cfg.raster == "along_m" else "AlongN"
+    out = [
+        "  // swizzle.raster: consecutive CTAs walk along " + ("M" if raster == "AlongM" else "N")
+        + f", in strips of swizzle.group = {cfg.swizzle_group} tiles so concurrently",
+        "  // running CTAs share A and B tiles in L2.",
+        f"  args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::{raster};",
+        f"  args.scheduler.max_swizzle_size = {cfg.swizzle_group};",
+    ]
+    if cfg.splitk_mode == "stream_k":
+        out += [
+            "  // splitk mode=stream_k: the persistent grid splits all MAC-loop iterations evenly over the SMs, so the",
+            "  // last wave has no idle SMs; tiles cut between CTAs are fixed up through the workspace.",
+            "  args.scheduler.decomposition_mode = cutlass::gemm::kernel::detail::DecompositionMode::StreamK;",
+            "  args.scheduler.splits = 1;",
+        ]
+    elif cfg.splitk_mode == "split_k":
+        out += [
+            f"  // splitk mode=split_k slices={cfg.splits}: each output tile's K loop is cut into {cfg.splits} pieces "
+            "run by",
+            "  // different CTAs (CUTLASS may lower the count to the SMs or K tiles available); partials meet in the",
+            "  // workspace.",
+            "  args.scheduler.decomposition_mode = cutlass::gemm::kernel::detail::DecompositionMode::SplitK;",
+            f"  args.scheduler.splits = {cfg.splits};",
+        ]
+    if cfg.splitk_mode != "none":
+        if cfg.reduce == "workspace":
+            out += ["  // splitk.reduce=workspace: peers add into the workspace partial in K order under a lock "
+                    "(turnstile),",
+                    "  // so results are bitwise reproducible.",
+                    "  args.scheduler.reduction_mode = cutlass::gemm::kernel::detail::ReductionMode::Deterministic;"]
+        else:
+            out += ["  // splitk.reduce=atomic: peers add into the workspace partial as they finish, without "
+                    "ordering;",
+                    "  // faster, but the fp32 sum order (and so rounding) varies run to run.",
+                    "  args.scheduler.reduction_mode = "
+                    "cutlass::gemm::kernel::detail::ReductionMode::Nondeterministic;"]
+    return out
+
+
+def _hw_lines(cfg: Sm90Config) -> list[str]:
+    if cfg.persistent:
+        return [
+            "  // pipeline.persistent=true: the scheduler launches about one CTA per SM and each loops over output",
+            "  // tiles, so the TMA prologue and the epilogue of one tile overlap the mainloop of the next.",
+            "  hw_info.sm_count = sm_count;",
+            "  hw_info.max_active_clusters = 0;   // 0: the scheduler sizes the grid from sm_count and the cluster shape",
+        ]
+    return [
+        "  // pipeline.persistent=false: one CTA per output tile. The persistent scheduler is told the device holds",
+        "  // as many clusters as there are tiles, so its loop runs once per CTA. The grid's y extent stays under",
+        "  // the 65535 limit (beyond it CTAs take a second tile, which is still correct).",
+        f"  int64_t tiles_m = (int64_t(M) + {cfg.bm * cfg.cm * cfg.swizzle_group} - 1) / "
+        f"{cfg.bm * cfg.cm * cfg.swizzle_group} * {cfg.cm * cfg.swizzle_group};",
+        f"  int64_t tiles_n = (int64_t(N) + {cfg.bn * cfg.cn * cfg.swizzle_group} - 1) / "
+        f"{cfg.bn * cfg.cn * cfg.swizzle_group} * {cfg.cn * cfg.swizzle_group};",
+        f"  int64_t clusters = tiles_m * tiles_n / {cfg.cm * cfg.cn};",
+        f"  int64_t max_clusters = 65535 / {max(cfg.cm, cfg.cn)};",
+        "  if (clusters > max_clusters) clusters = max_clusters;",
+        "  (void)sm_count;",
+        f"  hw_info.sm_count = int(clusters * {cfg.cm * cfg.cn});",
+        "  hw_info.max_active_clusters = int(clusters);",
+    ]
+
+
+def render(cfg: Sm90Config) -> str:
+    """The .cu text for one configuration. Deterministic: the same Sm90Config gives the same bytes."""
+    coop = cfg.schedule == "cooperative"
+    kernel_schedule = ("cutlass::gemm::KernelTmaWarpSpecializedCooperative" if coop
+                       else "cutlass::gemm::KernelTmaWarpSpecializedPingpong")
+    if cfg.epilogue_path == "tma":
+        epilogue_schedule = ("cutlass::epilogue::TmaWarpSpecializedCooperative" if coop
+                             else "cutlass::epilogue::TmaWarpSpecialized")
+        epilogue_comment = ("// epilogue.path=tma: accumulators go registers -> shared memory -> one TMA bulk store "
+                            "per subtile, issued\n// by the consumer warpgroups" +
+                            (" together (cooperative)" if coop else " of the tile's owner (pingpong)") +
+                            "; the store overlaps the next tile's mainloop.")
+    else:
+        epilogue_schedule = "cutlass::epilogue::NoSmemWarpSpecialized"
+        epilogue_comment = ("// epilogue.path=direct: each thread stores its accumulator fragment straight to global "
+                            "memory, with no\n// shared-memory staging (frees the epilogue's shared memory for more "
+                            "stages).")
+    if cfg.splitk_mode == "none":
+        scheduler = "cutlass::gemm::PersistentScheduler"
+        scheduler_comment = "// splitk absent: data-parallel persistent tile scheduler, one output tile per work unit."
+    else:
+        scheduler = "cutlass::gemm::StreamKScheduler"
+        scheduler_comment = (f"// splitk mode={cfg.splitk_mode}: the stream-K tile scheduler, which also runs "
+                             "split-K decompositions.")
+    if cfg.stages == "auto":
+        stages = ("cutlass::gemm::collective::StageCountAutoCarveout<\n"
+                  "    static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>")
+        stages_comment = ("// pipeline.stages=auto: as many A/B stages as fit in shared memory after the epilogue's "
+                          "buffers.")
+    else:
+        stages = f"cutlass::gemm::collective::StageCount<{cfg.stages}>"
+        stages_comment = (f"// pipeline.stages={cfg.stages}: the TMA producer runs up to {cfg.stages - 1} k-tiles "
+                          "ahead of the consumers.")
+    dm, dn, dk = cfg.divisible
+    bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
+    d_ptr_align = 16 if cfg.epilogue_path == "tma" else cfg.align_d * cfg.out_bytes
+    divisible_checks = []
+    for flag, var, size, field in ((dm, "M", bm, "pad.m"), (dn, "N", bn, "pad.n"), (dk, "K", bk, "pad.k")):
+        if flag:
+            divisible_checks.append(
+                f"  if ({var} % {size} != 0) return L2IR_STATUS_NOT_DIVISIBLE;   // {field}=divisible: the IR promises "
+                f"{var} % {size} == 0")
+    if not divisible_checks:
+        divisible_checks.append("  // pad.m/n/k: no dimension is declared divisible; TMA zero-fills out-of-bounds "
+                                "loads and the epilogue")
+        divisible_checks.append("  // predicates its stores, so every M, N, K is computed.")
+
+    lines = [
+        "// Generated by L2IR backends/cutlass_sm90.py from the kernel IR. Do not edit: change the IR and lower again.",
+        "//",
+        f"// problem class: {cfg.problem_class} (M, N, K are run-time arguments)",
+        f"// tile {bm}x{bn}x{bk}, cluster {cfg.cm}x{cfg.cn}, {cfg.schedule}, wgmma 64x{cfg.wgmma_n}x16, "
+        f"stages {cfg.stages}, persistent {str(cfg.persistent).lower()}, splitk {cfg.splitk_mode}, "
+        f"raster {cfg.raster}/{cfg.swizzle_group}, epilogue {cfg.epilogue_path}/{cfg.align_d}",
+        "//",
+        "// Exports the L2IR host_shim ABI:",
+        "//   size_t l2ir_workspace_size(int M, int N, int K);",
+        "//   int    l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,",
+        "//                   void* workspace, size_t workspace_bytes, void* stream);",
+        "// l2ir_run returns 0 on success, a cutlass::Status (1..11) when CUTLASS refuses the problem, or an",
+        "// L2IR_STATUS_* code below.",
+        "",
+        "// Device-side assert() is a function call, and ptxas serializes every wgmma across a call (warning C7510),",
+        "// which costs most of the tensor-core throughput: the kernel is built without asserts.",
+        "#ifndef NDEBUG",
+        "#define NDEBUG",
+        "#endif",
+        "",
+        "#include <atomic>",
+        "#include <cstddef>",
+        "#include <cstdint>",
+        "",
+        "#include <cuda_runtime.h>",
+        "",
+        '#include "cutlass/cutlass.h"',
+        '#include "cute/tensor.hpp"',
+        '#include "cutlass/numeric_types.h"',
+        '#include "cutlass/gemm/dispatch_policy.hpp"',
+        '#include "cutlass/gemm/collective/collective_builder.hpp"',
+        '#include "cutlass/epilogue/collective/collective_builder.hpp"',
+        '#include "cutlass/gemm/kernel/gemm_universal.hpp"',
+        '#include "cutlass/gemm/kernel/tile_scheduler.hpp"',
+        '#include "cutlass/gemm/device/gemm_universal_adapter.h"',
+        "",
+        "#if !defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)",
+        '#error "wgmma needs sm_90a: compile with -gencode=arch=compute_90a,code=sm_90a"',
+        "#endif",
+        "",
+        "namespace {",
+        "",
+        f"constexpr int L2IR_STATUS_WORKSPACE_TOO_SMALL = {STATUS_WORKSPACE_TOO_SMALL};",
+        f"constexpr int L2IR_STATUS_NOT_DIVISIBLE = {STATUS_NOT_DIVISIBLE};",
+        f"constexpr int L2IR_STATUS_BAD_ARGUMENT = {STATUS_BAD_ARGUMENT};",
+        f"constexpr int L2IR_STATUS_CUDA_ERROR = {STATUS_CUDA_ERROR};",
+        f"constexpr int L2IR_STATUS_EXCEPTION = {STATUS_EXCEPTION};",
+        "",
+        "// ---- operands (problem class) ----",
+        f"using ElementA = {cfg.element_a};",
+        f"using LayoutA = cutlass::layout::{cfg.layout_a};"
+        + ("   // problem a=row: K-major, wgmma's native operand order" if cfg.layout_a == "RowMajor"
+           else "   // problem a=col: M-major, wgmma transposes it through the smem descriptor"),
+        f"using ElementB = {cfg.element_b};",
+        f"using LayoutB = cutlass::layout::{cfg.layout_b};"
+        + ("   // problem b=col: NxK with K contiguous (K-major)" if cfg.layout_b == "ColumnMajor"
+           else "   // problem b=row: KxN with N contiguous (N-major, transposed by the smem descriptor)"),
+        "using ElementC = void;   // C is never read (beta = 0): no source loads, no source buffers in shared memory",
+        f"using ElementD = {cfg.element_d};",
+        "using LayoutD = cutlass::layout::RowMajor;   // problem c=row",
+        f"using ElementAccumulator = {cfg.element_acc};   // problem acc",
+        "using ElementCompute = ElementAccumulator;",
+        "",
+        f"// pad.align = {cfg.align_ab}: {cfg.align_ab} x {cfg.in_bytes} B = {cfg.align_ab * cfg.in_bytes} B; TMA "
+        "descriptors need 16-byte-aligned global strides.",
+        f"constexpr int AlignmentA = {cfg.align_ab};",
+        f"constexpr int AlignmentB = {cfg.align_ab};",
+        f"// epilogue.vector = {cfg.align_d}: elements per store"
+        + (" (the TMA store moves whole rows; 16-byte alignment is its floor)." if cfg.epilogue_path == "tma"
+           else " the epilogue may assume aligned."),
+        f"constexpr int AlignmentD = {cfg.align_d};",
+        "",
+        "// ---- schedule ----",
+        f"using TileShape = cute::Shape<cute::_{bm}, cute::_{bn}, cute::_{bk}>;   // tile.block",
+        f"// tile.cluster = {cfg.cm}x{cfg.cn}: CTAs in a cluster row share A tiles and in a cluster column share B "
+        "tiles, one TMA",
+        "// multicast feeding all of them, which divides the L2->SM traffic for that operand.",
+        f"using ClusterShape = cute::Shape<cute::_{cfg.cm}, cute::_{cfg.cn}, cute::_1>;",
+        (f"// pipeline.schedule=cooperative: both consumer warpgroups (tile.warps=8x1) split one {bm}x{bn} tile "
+         f"along M,\n// {bm // 2} rows each; a producer warp issues the TMA loads." if coop else
+         f"// pipeline.schedule=pingpong: two consumer warpgroups (tile.warps=4x1 each) own alternate {bm}x{bn} "
+         "tiles; one runs\n// its mainloop while the other runs its epilogue, hiding the epilogue behind wgmma."),
+        f"using KernelSchedule = {kernel_schedule};",
+        epilogue_comment,
+        f"using EpilogueSchedule = {epilogue_schedule};",
+        scheduler_comment,
+        f"using TileScheduler = {scheduler};",
+        "",
+        "using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<",
+        "    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,",
+        "    TileShape, ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,",
+        "    ElementAccumulator, ElementCompute,",
+        "    ElementC, LayoutD, AlignmentD,",
+        "    ElementD, LayoutD, AlignmentD,",
+        "    EpilogueSchedule>::CollectiveOp;",
+        "",
+        stages_comment,
+        f"using StageCountType = {stages};",
+        "",
+        "using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<",
+        "    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,",
+        "    ElementA, LayoutA, AlignmentA,",
+        "    ElementB, LayoutB, AlignmentB,",
+        "    ElementAccumulator,",
+        "    TileShape, ClusterShape,",
+        "    StageCountType,",
+        "    KernelSchedule>::CollectiveOp;",
+        "",
+        "using GemmKernel = cutlass::gemm::kernel::GemmUniversal<",
+        "    cute::Shape<int, int, int, int>,   // (M, N, K, L) at run time: one library serves every shape",
+        "    CollectiveMainloop, CollectiveEpilogue, TileScheduler>;",
+        "using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;",
+        "",
+        "// The IR's claims about what the builder chose, checked at compile time.",
+        "using TiledMma = typename CollectiveMainloop::TiledMma;",
+        f"static_assert(cute::size<0>(typename TiledMma::AtomShape_MNK{{}}) == 64 &&",
+        f"              cute::size<1>(typename TiledMma::AtomShape_MNK{{}}) == {cfg.wgmma_n} &&",
+        f"              cute::size<2>(typename TiledMma::AtomShape_MNK{{}}) == 16,",
+        f'              "mma.shape: the builder\'s wgmma atom is not 64x{cfg.wgmma_n}x16");',
+        f"static_assert(cute::size(TiledMma{{}}) == {128 * cfg.consumer_warpgroups},",
+        f'              "tile.warps: the builder\'s consumer threads are not {cfg.consumer_warpgroups} warpgroup(s)");',
+    ]
+    if cfg.stages != "auto":
+        lines += [
+            f"static_assert(CollectiveMainloop::DispatchPolicy::Stages == {cfg.stages}, "
+            f'"pipeline.stages: the builder did not take {cfg.stages} stages");',
+        ]
+    lines += [
+        f"static_assert(sizeof(typename GemmKernel::SharedStorage) <= {SM90_SMEM_BYTES},",
+        '              "tile.block x pipeline.stages: shared storage exceeds the sm90 capacity");',
+        "",
+        "using StrideA = typename GemmKernel::StrideA;",
+        "using StrideB = typename GemmKernel::StrideB;",
+        "using StrideC = typename GemmKernel::StrideC;",
+        "using StrideD = typename GemmKernel::StrideD;",
+        "",
+        "// SM count of the current device, queried once per device (the stream-K split and the persistent grid",
+        "// depend on it, and l2ir_workspace_size must see the same number as l2ir_run).",
+        "int current_sm_count() {",
+        "  constexpr int kMaxDevices = 64;",
+        "  static std::atomic<int> cache[kMaxDevices];",
+        "  int device = 0;",
+        "  if (cudaGetDevice(&device) != cudaSuccess) return 0;",
+        "  if (device >= 0 && device < kMaxDevices) {",
+        "    int cached = cache[device].load(std::memory_order_relaxed);",
+        "    if (cached > 0) return cached;",
+        "  }",
+        "  int count = 0;",
+        "  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;",
+        "  if (device >= 0 && device < kMaxDevices) cache[device].store(count, std::memory_order_relaxed);",
+        "  return count;",
+        "}",
+        "",
+        "typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, int M, int N, int K,",
+        "                                        int sm_count) {",
+        *_stride_lines(cfg),
+        "  StrideC stride_c = stride_d;   // unused: C is void",
+        "",
+        "  cutlass::KernelHardwareInfo hw_info;",
+        "  cudaGetDevice(&hw_info.device_id);",
+        *_hw_lines(cfg),
+        "",
+        "  typename Gemm::Arguments args{",
+        "      cutlass::gemm::GemmUniversalMode::kGemm,",
+        "      {M, N, K, 1},",
+        "      {static_cast<ElementA const*>(A), stride_a, static_cast<ElementB const*>(B), stride_b},",
+        "      {{}, nullptr, stride_c, static_cast<ElementD*>(C), stride_d},",
+        "      hw_info};",
+        "  // D = 1 * (A @ B) + 0 * C: a plain product rounded once to the output type.",
+        "  args.epilogue.thread.alpha = ElementCompute(1);",
+        "  args.epilogue.thread.beta = ElementCompute(0);",
+        *_scheduler_lines(cfg),
+        "  return args;",
+        "}",
+        "",
+        "}  // namespace",
+        "",
+        'extern "C" size_t l2ir_workspace_size(int M, int N, int K) {',
+        "  if (M <= 0 || N <= 0 || K <= 0) return 0;",
+        "  int sm_count = current_sm_count();",
+        "  if (sm_count <= 0) return 0;",
+        "  return Gemm::get_workspace_size(make_arguments(nullptr, nullptr, nullptr, M, N, K, sm_count));",
+        "}",
+        "",
+        'extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,',
+        "                        void* workspace, size_t workspace_bytes, void* stream) {",
+        "  try {",
+        "    if (A == nullptr || B == nullptr || C == nullptr || M <= 0 || N <= 0 || K <= 0) {",
+        "      return L2IR_STATUS_BAD_ARGUMENT;",
+        "    }",
+        *("  " + line for line in divisible_checks),
+        "    // TMA descriptors need 16-byte-aligned base addresses"
+        + (" (the TMA store too)." if cfg.epilogue_path == "tma" else "; direct stores need vector alignment."),
+        "    if (reinterpret_cast<uintptr_t>(A) % 16 != 0 || reinterpret_cast<uintptr_t>(B) % 16 != 0 ||",
+        f"        reinterpret_cast<uintptr_t>(C) % {d_ptr_align} != 0) {{",
+        "      return int(cutlass::Status::kErrorMisalignedOperand);",
+        "    }",
+        "    int sm_count = current_sm_count();",
+        "    if (sm_count <= 0) return L2IR_STATUS_CUDA_ERROR;",
+        "    typename Gemm::Arguments args = make_arguments(A, B, C, M, N, K, sm_count);",
+        "    // can_implement checks what the compiled kernel assumes of this shape, e.g. 16-byte TMA strides.",
+        "    cutlass::Status status = Gemm::can_implement(args);",
+        "    if (status != cutlass::Status::kSuccess) return int(status);",
+        "    size_t needed = Gemm::get_workspace_size(args);",
+        "    if (workspace_bytes < needed || (needed > 0 && workspace == nullptr)) {",
+        "      return L2IR_STATUS_WORKSPACE_TOO_SMALL;",
+        "    }",
+        "    cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);",
+        "    Gemm gemm;",
+        "    // initialize() builds the TMA descriptors and scheduler parameters, zeroes the stream-K barriers (a memset",
+        "    // on this stream), and raises the kernel's dynamic shared-memory limit.",
+        "    status = gemm.initialize(args, workspace, cuda_stream);",
+        "    if (status != cutlass::Status::kSuccess) return int(status);",
+        "    status = gemm.run(cuda_stream);",
+        "    return int(status);",
+        "  } catch (...) {",
+        "    return L2IR_STATUS_EXCEPTION;",
+        "  }",
+        "}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# lower: the backend's entry point.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _problem_text(problem: Problem) -> str:
+    return (f"gemm a={problem.a[0]}:{problem.a[1]} b={problem.b[0]}:{problem.b[1]} "
+            f"c={problem.c[0]}:{problem.c[1]} acc={problem.acc}")
+
+
+def _ir_text(kernel: Kernel) -> str:
+    try:
+        return kernel.text()
+    except ImportError:   # the text printer is optional for lowering
+        return repr(kernel)
+
+
+def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
+    """IR -> LaunchPlan(form="host_shim"): the .cu of a shared library exporting l2ir_workspace_size / l2ir_run."""
+    cfg = canonicalize(kernel, problem)
+    return LaunchPlan(
+        source=render(cfg),
+        arch="sm_90a",
+        form="host_shim",
+        workspace_bytes=workspace_bound(cfg),
+        zero_workspace=False,       # CUTLASS's initialize() zeroes the barrier flags it needs on the stream
+        needs_cutlass=True,
+        ir_text=_ir_text(kernel),
+        problem_text=_problem_text(problem),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The reference build command (compile.py owns caching; tests and bench/ use this directly).
+# ---------------------------------------------------------------------------------------------------------------
+
+NVCC_FLAGS = ("-shared", "-Xcompiler", "-fPIC", "-std=c++17", "--expt-relaxed-constexpr", "-O3",
+              # sm_90a, not sm_90: wgmma and setmaxnreg exist only in the arch-specific target. `-arch=sm_90a`
+              # would also embed compute_90 PTX, which rejects wgmma.
+              "-gencode=arch=compute_90a,code=sm_90a")
+
+
+def cutlass_includes() -> tuple[str, str]:
+    """CUTLASS/CuTe headers from the nvidia-cutlass wheel (raises ImportError when it is not installed)."""
+    import cutlass_library
+
+    root = cutlass_library.source_path
+    return (f"{root}/include", f"{root}/tools/util/include")
+
+
+def nvcc_command(plan: LaunchPlan, source_path: str, output_path: str, nvcc: str = "nvcc",
+                 includes: tuple[str, ...] | None = None, verbose_ptxas: bool = False) -> list[str]:
+    """The nvcc argv that builds `plan` (already written to source_path) into the shared library output_path."""
+    incs = cutlass_includes() if includes is None else includes
+    cmd = [nvcc, *NVCC_FLAGS, *(f"-I{inc}" for inc in incs), *plan.extra_flags]
+    if verbose_ptxas:
+        cmd += ["-Xptxas", "-v"]
+    return cmd + ["-o", output_path, source_path]
+
+
+__all__ = [
+    "Sm90Config", "UnsupportedLowering", "canonicalize", "render", "workspace_bound", "lower", "nvcc_command",
+    "cutlass_includes", "status_name", "STATUS_WORKSPACE_TOO_SMALL", "STATUS_NOT_DIVISIBLE", "STATUS_BAD_ARGUMENT",
+    "STATUS_CUDA_ERROR", "STATUS_EXCEPTION",
+]

@@ -1,0 +1,46 @@
+"""The seed generator gives a legal kernel that can run the problem, for every problem and target."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from l2ir.interp import error_bound, interpret, random_inputs, reference
+from l2ir.nodes import ARCHS, Problem
+from l2ir.seed import seed
+from l2ir.verify import check_problem
+from strategies import problems
+
+
+@given(problems(max_dim=16384), st.sampled_from(ARCHS))
+def test_seed_is_legal_and_applicable(problem, arch):
+    kernel = seed(problem, arch)
+    assert check_problem(kernel, problem) is kernel
+    assert kernel.target.arch == arch or (arch == "sm90a" and kernel.target.arch == "sm90a")
+
+
+@pytest.mark.parametrize("shape,arch,expect", [
+    ((4096, 4096, 4096), "sm90a", ("wgmma", (128, 256, 64), None)),
+    # 16 (resp. 64) output tiles cannot fill 132 SMs and K is long: stream-K spreads the K loop over the SMs.
+    ((64, 4096, 4096), "sm90a", ("wgmma", (64, 256, 64), "stream_k")),
+    ((1000, 1000, 1000), "sm90a", ("wgmma", (128, 128, 64), "stream_k")),
+    ((1001, 1000, 1000), "sm90a", ("wgmma", (128, 128, 64), "stream_k")),   # M is no leading dimension: TMA is fine
+    ((1000, 1000, 1001), "sm90a", ("mma_sync", (128, 128, 32), "split_k")),  # K rows unaligned: no TMA
+    ((2000, 2048, 1000), "sm90a", ("wgmma", (128, 128, 64), None)),
+    ((4096, 4096, 4096), "sm80", ("mma_sync", (128, 256, 32), None)),
+    ((128, 128, 8192), "sm80", ("mma_sync", (128, 128, 32), "split_k")),
+    ((128, 128, 8192), "sm90a", ("wgmma", (128, 128, 64), "stream_k")),
+])
+def test_seed_regimes(shape, arch, expect):
+    k = seed(Problem(*shape), arch)
+    split = k.splitk.mode if k.splitk else None
+    assert (k.mma.op, k.tile.block, split) == expect
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90a"])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (67, 131, 257), (200, 64, 512), (96, 200, 40)])
+def test_seed_computes_the_product(arch, shape):
+    p = Problem(*shape)
+    a, b = random_inputs(p, np.random.default_rng(0))
+    c = interpret(seed(p, arch), p, a, b).c.astype(np.float64)
+    assert np.all(np.abs(c - reference(a, b)) <= error_bound(p, a, b))
