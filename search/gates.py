@@ -136,12 +136,12 @@ def probe_scales(rows: int, cols: int, rng: np.random.Generator) -> tuple[np.nda
     return rng.choice(choices, size=rows), rng.choice(choices, size=cols)
 
 
-def probe_inputs(m: int, n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(A m x k, B k x n, exact C) in float64: A[i, :] = r_i * a, B[:, j] = s_j * b."""
+def probe_inputs(m: int, n: int, k: int, rng: np.random.Generator):
+    """(a, b, r, s, dot) with A = outer(r, a) (m x k), B = outer(b, s) (k x n), exact C = outer(r, s) * dot.
+    Vectors, not matrices: the caller builds the outer products where the data lives (on the GPU)."""
     a, b = probe_pattern(k)
     r, s = probe_scales(m, n, rng)
-    exact = float(np.dot(a, b))
-    return np.outer(r, a), np.outer(b, s), np.outer(r, s) * exact
+    return a, b, r, s, float(np.dot(a, b))
 
 
 def f16_accumulated_dot(a: np.ndarray, b: np.ndarray, group: int) -> float:

@@ -1,0 +1,622 @@
+"""The GPU evaluator: correctness gates, then timing against torch.matmul, in a worker process that owns the GPU.
+
+A candidate kernel can fault (illegal address: the CUDA context is then unusable) or hang. Both only cost the
+worker: the parent (`Evaluator`) watches it through a pipe with a per-phase timeout, kills it on a hang, records
+the candidate as failed with the phase and the reason, and starts a fresh worker for the next candidate. The
+worker reports each phase and each verdict as it goes, so a crash is attributed to the gate that was running.
+
+Usage:
+    with Evaluator(EvalConfig()) as ev:
+        measurements = ev.evaluate(kernel, problem, plan, artifact)   # one Measurement per scenario
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from backends.compile import CompileResult, cutlass_version
+from backends.plan import LaunchPlan
+from backends.source import kernel_text, problem_text
+from l2ir.nodes import Kernel, Problem
+
+from .gates import (GuardedBuffer, Verdict, applicable, check_accuracy, poison, probe_f16_error, probe_inputs,
+                    probe_k, ragged_shapes, relative_error, unwritten)
+from .timing import TimingConfig, sets_for, summarize, time_offline, time_server
+
+SCENARIOS = ("offline", "server")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    device: int = 0
+    scenarios: tuple[str, ...] = SCENARIOS       # () = gates only
+    timing: TimingConfig = TimingConfig()
+    phase_timeout_s: float = 180.0               # no progress for this long = hang; the worker is killed
+    startup_timeout_s: float = 300.0             # worker start: import torch, create the CUDA context
+    # cuBLAS may reduce split-K partials in fp16 unless told not to; the contract is fp32 accumulation, so by
+    # default the baseline is held to it too.
+    baseline_reduced_precision: bool = False
+
+
+@dataclass
+class Measurement:
+    """One kernel on one problem in one scenario: gate verdicts, errors, and the time distributions."""
+
+    kernel_hash: str
+    problem: str
+    scenario: str
+    environment: dict = field(default_factory=dict)
+    verdicts: list[Verdict] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    kernel_us: list[float] = field(default_factory=list)
+    baseline_us: list[float] = field(default_factory=list)
+    kernel_stats: dict = field(default_factory=dict)
+    baseline_stats: dict = field(default_factory=dict)
+    kernel_median_us: float | None = None
+    baseline_median_us: float | None = None
+    speedup: float | None = None                  # baseline median / kernel median (> 1: the kernel is faster)
+    baseline: str = "torch.matmul"
+    reps: int | None = None                       # offline: launches per graph replay
+    sets: int | None = None                       # offline: input sets rotated over
+    artifact_key: str = ""
+    compile_seconds: float | None = None
+    seed: int | None = None
+
+    @property
+    def passed(self) -> bool:
+        return not self.errors and bool(self.verdicts) and all(v.passed for v in self.verdicts)
+
+    def verdict(self, name: str) -> Verdict | None:
+        return next((v for v in self.verdicts if v.name == name), None)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["verdicts"] = [v.to_json() for v in self.verdicts]
+        return d
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True)
+
+    @staticmethod
+    def from_json(d: dict) -> "Measurement":
+        d = dict(d)
+        d["verdicts"] = [Verdict.from_json(v) for v in d.get("verdicts", [])]
+        return Measurement(**d)
+
+
+def kernel_hash(kernel: Kernel) -> str:
+    return hashlib.sha256(kernel_text(kernel).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Environment.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def environment(device: int) -> dict:
+    """GPU, clocks, driver, CUDA, torch, CUTLASS: what a number needs beside it to mean anything."""
+    import importlib.metadata
+
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    env = {
+        "gpu": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "sms": props.multi_processor_count,
+        "l2_bytes": int(getattr(props, "L2_cache_size", 0)) or None,
+        "memory_bytes": props.total_memory,
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "cutlass": cutlass_version(),
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+    try:
+        env["cuda_bindings"] = importlib.metadata.version("cuda-bindings")
+    except importlib.metadata.PackageNotFoundError:
+        env["cuda_bindings"] = None
+    try:
+        from cuda.bindings import driver as cu
+
+        err, ver = cu.cuDriverGetVersion()
+        env["cuda_driver_api"] = f"{ver // 1000}.{ver % 1000 // 10}"
+    except Exception:  # noqa: BLE001 - the record is still useful without it
+        env["cuda_driver_api"] = None
+    env.update(clocks(device))
+    return env
+
+
+def clocks(device: int) -> dict:
+    """Driver version and SM clocks (current and max) via NVML, else nvidia-smi; empty if neither answers."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(device)
+        out = {"driver": pynvml.nvmlSystemGetDriverVersion(),
+               "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+               "sm_clock_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
+               "mem_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)}
+        return {k: (v.decode() if isinstance(v, bytes) else v) for k, v in out.items()}
+    except Exception:  # noqa: BLE001 - NVML missing or not answering: fall back to nvidia-smi
+        pass
+    try:
+        res = subprocess.run(["nvidia-smi", "-i", str(device), "--query-gpu=driver_version,clocks.sm,clocks.max.sm,"
+                              "clocks.mem", "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=20)
+        drv, sm, sm_max, mem = [x.strip() for x in res.stdout.strip().splitlines()[0].split(",")]
+        return {"driver": drv, "sm_clock_mhz": int(sm), "sm_clock_max_mhz": int(sm_max), "mem_clock_mhz": int(mem)}
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Worker side: buffers, gates, timing.
+# ---------------------------------------------------------------------------------------------------------------
+
+TORCH_DTYPE_NAMES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
+
+
+def _tdtype(name: str):
+    import torch
+
+    return getattr(torch, TORCH_DTYPE_NAMES[name])
+
+
+class Case:
+    """One problem size's guarded A, B, C and workspace, in the problem's layouts, and the call that runs on them."""
+
+    def __init__(self, problem: Problem, shape: tuple[int, int, int], launcher, zero_workspace: bool, device):
+        m, n, k = shape
+        self.problem, self.shape, self.launcher, self.zero_workspace = problem, shape, launcher, zero_workspace
+        self.ta, self.tb, self.tc = _tdtype(problem.a[0]), _tdtype(problem.b[0]), _tdtype(problem.c[0])
+        self.a_stored = (m, k) if problem.a[1] == "row" else (k, m)
+        self.b_stored = (k, n) if problem.b[1] == "row" else (n, k)
+        size = {"f16": 2, "bf16": 2, "f32": 4}
+        self.A = GuardedBuffer("A", m * k * size[problem.a[0]], device)
+        self.B = GuardedBuffer("B", k * n * size[problem.b[0]], device)
+        self.C = GuardedBuffer("C", m * n * size[problem.c[0]], device)
+        self.ws_bytes = launcher.workspace_bytes(m, n, k)
+        self.W = GuardedBuffer("workspace", self.ws_bytes, device)
+
+    def a(self):
+        s = self.A.view(self.ta, self.a_stored)
+        return s if self.problem.a[1] == "row" else s.t()
+
+    def b(self):
+        s = self.B.view(self.tb, self.b_stored)
+        return s if self.problem.b[1] == "row" else s.t()
+
+    def c(self):
+        return self.C.view(self.tc, self.shape[:2])
+
+    def set_inputs(self, a, b):
+        """Write logical A (m x k) and B (k x n) into the stored layouts; returns the float64 reference of the values
+        actually stored (after rounding to the input dtype)."""
+        import torch
+
+        self.a().copy_(a)
+        self.b().copy_(b)
+        return torch.matmul(self.a().to(torch.float64), self.b().to(torch.float64))
+
+    def run(self):
+        if self.zero_workspace and self.ws_bytes:
+            self.W.interior.zero_()
+        m, n, k = self.shape
+        self.launcher(self.A.data_ptr(), self.B.data_ptr(), self.C.data_ptr(), m, n, k, self.W.data_ptr(),
+                      self.ws_bytes)
+
+    def guard_problems(self) -> list[str]:
+        return [p for p in (buf.check_guards() for buf in (self.A, self.B, self.C, self.W)) if p]
+
+
+def _randn(shape, gen, device):
+    import torch
+
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+
+
+def run_job(job: dict, send) -> dict:
+    """Gates then timing for one candidate. `send(kind, payload)` reports phases and verdicts to the parent."""
+    import torch
+
+    from .launcher import load
+
+    kernel: Kernel = job["kernel"]
+    problem: Problem = job["problem"]
+    plan: LaunchPlan = job["plan"]
+    cfg: EvalConfig = job["config"]
+    dev = torch.device("cuda", cfg.device)
+    out, acc = problem.c[0], problem.acc
+    tile = (kernel.tile.bm, kernel.tile.bn) if kernel.tile is not None else (64, 64)
+    seed = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    result: dict = {"seed": seed, "errors": [], "timings": {}}
+    verdicts: list[Verdict] = []
+    torch.backends.cuda.matmul.allow_tf32 = False       # no reference or baseline may silently drop to TF32
+
+    def record(v: Verdict):
+        verdicts.append(v)
+        send("verdict", v.to_json())
+
+    send("phase", "load")
+    launcher = load(plan, Path(job["binary"]), cfg.device)
+    try:
+        m, n, k = problem.shape
+        main = Case(problem, problem.shape, launcher, plan.zero_workspace, dev)
+        guard_log: list[str] = []
+
+        # accuracy + all_written: one run on poisoned C with fresh randn inputs.
+        send("phase", "gate:accuracy")
+        ref_x = main.set_inputs(_randn((m, k), gen, dev), _randn((k, n), gen, dev))
+        a0, b0 = main.a().clone(), main.b().clone()
+        poison(main.c(), out)
+        main.run()
+        torch.cuda.synchronize(dev)
+        count, where = unwritten(main.c(), out, tile)
+        record(check_accuracy("accuracy", main.c(), ref_x, k, acc, out, note=f"seed {seed}"))
+        record(Verdict("all_written", count == 0, where or f"all {m * n} elements written"))
+        guard_log += [f"after the accuracy run: {p}" for p in main.guard_problems()]
+        if not (torch.equal(main.a(), a0) and torch.equal(main.b(), b0)):
+            guard_log.append("the kernel modified its inputs A or B")
+
+        # stale_output: fresh inputs in the same buffers, C not re-poisoned; C must be the new product.
+        send("phase", "gate:stale_output")
+        ref_y = main.set_inputs(_randn((m, k), gen, dev), _randn((k, n), gen, dev))
+        main.run()
+        torch.cuda.synchronize(dev)
+        v = check_accuracy("stale_output", main.c(), ref_y, k, acc, out)
+        if not v.passed and relative_error(main.c(), ref_x) < relative_error(main.c(), ref_y):
+            v = Verdict("stale_output", False, v.detail + "; C is closer to the previous call's product")
+        record(v)
+        guard_log += [f"after the second call: {p}" for p in main.guard_problems()]
+
+        # precision_probe.
+        send("phase", "gate:precision_probe")
+        if acc != "f32":
+            record(Verdict("precision_probe", True, f"the problem declares acc={acc}", skipped=True))
+        else:
+            kp = probe_k(kernel, problem)
+            if kp is None:
+                record(Verdict("precision_probe", True, f"K={k} is too small to separate fp16 from fp32 "
+                               "accumulation and no multiple of it is accepted by the kernel", skipped=True))
+            else:
+                case = main if kp == k else Case(problem, (m, n, kp), launcher, plan.zero_workspace, dev)
+                av, bv, rv, sv, dot = probe_inputs(m, n, kp, rng)
+                t = lambda x: torch.as_tensor(x, dtype=torch.float64, device=dev)  # noqa: E731
+                case.set_inputs(torch.outer(t(rv), t(av)), torch.outer(t(bv), t(sv)))
+                exact = torch.outer(t(rv), t(sv)) * dot
+                poison(case.c(), out)
+                case.run()
+                torch.cuda.synchronize(dev)
+                record(check_accuracy("precision_probe", case.c(), exact, kp, "f32", out,
+                                      note=f"an fp16 accumulator would be off by >= {probe_f16_error(kp):.0%}"))
+                guard_log += [f"after the precision probe (K={kp}): {p}" for p in case.guard_problems()]
+                del case
+
+        record(Verdict("guard_bands", not guard_log, "; ".join(guard_log) or
+                       "A, B, C and workspace guards intact, inputs unchanged"))
+
+        # ragged_shapes: every check again on shapes that no tile divides.
+        send("phase", "gate:ragged_shapes")
+        ran, failures, skipped = [], [], []
+        for shape in ragged_shapes(problem):
+            ok, why = applicable(kernel, problem.with_shape(*shape))
+            if not ok:
+                skipped.append(f"{shape}: {why}")
+                continue
+            rm, rn, rk = shape
+            case = Case(problem, shape, launcher, plan.zero_workspace, dev)
+            ref = case.set_inputs(_randn((rm, rk), gen, dev), _randn((rk, rn), gen, dev))
+            poison(case.c(), out)
+            send("phase", f"gate:ragged_shapes {rm}x{rn}x{rk}")
+            case.run()
+            torch.cuda.synchronize(dev)
+            va = check_accuracy("ragged", case.c(), ref, rk, acc, out)
+            cnt, where = unwritten(case.c(), out, tile)
+            probs = case.guard_problems()
+            ran.append(shape)
+            if not va.passed or cnt or probs:
+                failures.append(f"m={rm} n={rn} k={rk}: " + "; ".join(
+                    ([va.detail] if not va.passed else []) + ([where] if cnt else []) + probs))
+            del case, ref
+        if not ran:
+            record(Verdict("ragged_shapes", True, "no ragged shape is accepted by the kernel: "
+                           + "; ".join(skipped), skipped=True))
+        else:
+            record(Verdict("ragged_shapes", not failures, "; ".join(failures) or
+                           f"{len(ran)} shapes passed: " + ", ".join("x".join(map(str, s)) for s in ran)))
+        del main
+
+        # Only a kernel that passed every gate is timed: a wrong kernel's speed is not a number worth keeping.
+        if cfg.scenarios and job.get("time", True) and all(v.passed for v in verdicts):
+            result.update(_timing(problem, plan, launcher, cfg, gen, dev, tile, send))
+    finally:
+        launcher.close()
+    return result
+
+
+def _timing(problem, plan, launcher, cfg: EvalConfig, gen, dev, tile, send) -> dict:
+    import torch
+
+    m, n, k = problem.shape
+    out, acc = problem.c[0], problem.acc
+    ta, tb, tc = _tdtype(problem.a[0]), _tdtype(problem.b[0]), _tdtype(problem.c[0])
+    l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0)) or (50 << 20)
+    set_bytes = (m * k * ta.itemsize + k * n * tb.itemsize + m * n * tc.itemsize)
+    n_sets = sets_for(set_bytes, l2, cfg.timing)
+
+    def operand(rows, cols, layout, dtype):
+        stored = _randn((rows, cols) if layout == "row" else (cols, rows), gen, dev).to(dtype)
+        return stored if layout == "row" else stored.t()
+
+    sets = []
+    for _ in range(n_sets):
+        a = operand(m, k, problem.a[1], ta)
+        b = operand(k, n, problem.b[1], tb)
+        c = torch.empty((m, n), dtype=tc, device=dev)
+        poison(c, out)
+        cb = torch.empty((m, n), dtype=tc, device=dev)
+        sets.append((a, b, c, cb))
+    ws_bytes = launcher.workspace_bytes(m, n, k)
+    ws = torch.zeros(max(ws_bytes, 1), dtype=torch.uint8, device=dev)
+    used: set[int] = set()
+
+    def kernel_call(i: int):
+        a, b, c, _ = sets[i]
+        used.add(i)
+        if plan.zero_workspace and ws_bytes:
+            ws.zero_()
+        launcher(a.data_ptr(), b.data_ptr(), c.data_ptr(), m, n, k, ws.data_ptr(), ws_bytes)
+
+    same_dtype = ta == tb == tc
+
+    def baseline_call(i: int):
+        a, b, _, cb = sets[i]
+        if same_dtype:
+            torch.matmul(a, b, out=cb)
+        else:
+            cb.copy_(torch.matmul(a, b))
+
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = cfg.baseline_reduced_precision
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = cfg.baseline_reduced_precision
+    timings = {}
+    for scenario in cfg.scenarios:
+        send("phase", f"timing:{scenario}")
+        if scenario == "offline":
+            ks, bs, reps = time_offline(kernel_call, baseline_call, n_sets, cfg.timing)
+            timings[scenario] = {"kernel_us": ks, "baseline_us": bs, "reps": reps, "sets": n_sets}
+        elif scenario == "server":
+            ks, bs = time_server(kernel_call, baseline_call, l2, cfg.timing)
+            timings[scenario] = {"kernel_us": ks, "baseline_us": bs, "reps": 1, "sets": 1}
+        else:
+            raise ValueError(f"unknown scenario '{scenario}' (expected one of {', '.join(SCENARIOS)})")
+
+    # post_timing: the outputs the timed runs left behind must still be the product of their inputs.
+    send("phase", "gate:post_timing")
+    torch.cuda.synchronize(dev)
+    worst, bad = 0.0, []
+    for i in sorted(used):
+        a, b, c, _ = sets[i]
+        ref = torch.matmul(a.to(torch.float64), b.to(torch.float64))
+        v = check_accuracy("post_timing", c, ref, k, acc, out)
+        worst = max(worst, relative_error(c, ref))
+        if not v.passed:
+            bad.append(f"set {i}: {v.detail}")
+    post = Verdict("post_timing", not bad, "; ".join(bad) or
+                   f"{len(used)} timed output sets re-checked, worst rel err {worst:.3e}")
+    send("verdict", post.to_json())
+    return {"timings": timings}
+
+
+def _context_healthy(device: int) -> bool:
+    """False once the CUDA context has a sticky error (illegal address, ...): the worker must then be replaced."""
+    try:
+        import torch
+
+        torch.cuda.synchronize(device)
+        torch.empty(1, device=f"cuda:{device}").add_(1)
+        torch.cuda.synchronize(device)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _worker_main(conn, device: int):
+    try:
+        import torch
+
+        torch.cuda.set_device(device)
+        torch.empty(1, device=f"cuda:{device}")          # creates the primary context the launcher loads into
+        env = environment(device)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which records it
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", env))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "stop":
+            return
+        phase = ["load"]
+
+        def send(kind, payload):
+            if kind == "phase":
+                phase[0] = payload
+            conn.send((kind, payload))
+
+        try:
+            conn.send(("done", run_job(msg[1], send)))
+        except BaseException as e:  # noqa: BLE001
+            fatal = not _context_healthy(device)
+            conn.send(("done", {"errors": [f"{type(e).__name__}: {e}"], "fatal": fatal, "phase": phase[0]}))
+            if fatal:
+                os._exit(3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parent side.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Evaluator:
+    """Owns one worker process per GPU and turns every outcome, crash and hang included, into Measurements."""
+
+    def __init__(self, config: EvalConfig = EvalConfig()):
+        self.config = config
+        self._proc = None
+        self._conn = None
+        self.environment: dict = {}
+        self.starts = 0          # worker starts (more than one = a candidate crashed or hung it)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        if self._proc is not None:
+            try:
+                self._conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+        self._proc = self._conn = None
+
+    def _kill(self):
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join(10)
+        self._proc = self._conn = None
+
+    def _ensure_worker(self) -> str | None:
+        """Start the worker if none is alive; returns an error message if it cannot start."""
+        if self._proc is not None and self._proc.is_alive():
+            return None
+        self._proc = self._conn = None
+        ctx = mp.get_context("spawn")    # fork would copy the parent's CUDA state, which CUDA does not support
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker_main, args=(child, self.config.device), daemon=True,
+                           name=f"l2ir-eval-gpu{self.config.device}")
+        proc.start()
+        child.close()
+        self._proc, self._conn = proc, parent
+        if not parent.poll(self.config.startup_timeout_s):
+            self._kill()
+            return f"evaluator worker did not start within {self.config.startup_timeout_s:.0f} s"
+        try:
+            kind, payload = parent.recv()
+        except (EOFError, OSError):
+            code = proc.exitcode
+            self._kill()
+            return f"evaluator worker died while starting (exit code {code})"
+        if kind != "ready":
+            self._kill()
+            return f"evaluator worker could not start: {payload}"
+        self.environment = payload
+        self.starts += 1
+        return None
+
+    def evaluate(self, kernel: Kernel, problem: Problem, plan: LaunchPlan, artifact: CompileResult,
+                 time_kernel: bool = True) -> list[Measurement]:
+        """Gates, then (if all pass and time_kernel) timing per scenario. Never raises for a bad candidate."""
+        scenarios = self.config.scenarios if (self.config.scenarios and time_kernel) else ("gates",)
+        base = dict(kernel_hash=kernel_hash(kernel), problem=problem_text(problem),
+                    artifact_key=artifact.key, compile_seconds=artifact.compile_seconds)
+        if not artifact.ok:
+            err = f"compile {artifact.reason}: {artifact.summary()} (reproduce: {artifact.repro})"
+            return [Measurement(scenario=s, errors=[err], **base) for s in scenarios]
+        start_error = self._ensure_worker()
+        if start_error is not None:
+            return [Measurement(scenario=s, errors=[start_error], **base) for s in scenarios]
+
+        verdicts: list[Verdict] = []
+        errors: list[str] = []
+        payload: dict = {}
+        phase = "send"
+        job = {"kernel": kernel, "problem": problem, "plan": plan, "binary": str(artifact.binary),
+               "config": self.config, "time": time_kernel}
+        try:
+            self._conn.send(("eval", job))
+        except (OSError, ValueError) as e:
+            self._kill()
+            errors.append(f"could not send the job to the worker: {e}")
+        while not errors:
+            if not self._conn.poll(self.config.phase_timeout_s):
+                self._kill()
+                errors.append(f"hang: no progress for {self.config.phase_timeout_s:.0f} s during {phase}; "
+                              "worker killed")
+                self._fail_phase(verdicts, phase, "the kernel hung (timeout); worker killed")
+                break
+            try:
+                kind, body = self._conn.recv()
+            except (EOFError, OSError):
+                code = self._proc.exitcode if self._proc is not None else None
+                self._kill()
+                errors.append(f"worker died during {phase} (exit code {code})")
+                self._fail_phase(verdicts, phase, f"the worker died (exit code {code})")
+                break
+            if kind == "phase":
+                phase = body
+            elif kind == "verdict":
+                verdicts.append(Verdict.from_json(body))
+            elif kind == "done":
+                payload = body
+                errors += body.get("errors", [])
+                if body.get("errors"):
+                    self._fail_phase(verdicts, body.get("phase", phase), body["errors"][0])
+                if body.get("fatal"):
+                    self._proc.join(10)
+                    self._kill()
+                break
+        return self._measurements(base, scenarios, verdicts, errors, payload)
+
+    @staticmethod
+    def _fail_phase(verdicts: list[Verdict], phase: str, reason: str):
+        """A crash or hang inside a gate fails that gate (so the record says which check the kernel broke)."""
+        if phase.startswith("gate:"):
+            name = phase[len("gate:"):].split()[0]
+            if not any(v.name == name for v in verdicts):
+                verdicts.append(Verdict(name, False, f"{reason} (during {phase})"))
+
+    def _measurements(self, base, scenarios, verdicts, errors, payload) -> list[Measurement]:
+        out = []
+        timings = payload.get("timings", {})
+        for s in scenarios:
+            t = timings.get(s, {})
+            ks, bs = t.get("kernel_us", []), t.get("baseline_us", [])
+            kstat, bstat = summarize(ks), summarize(bs)
+            speed = (bstat["median"] / kstat["median"]) if ks and bs and kstat["median"] else None
+            out.append(Measurement(scenario=s, environment=dict(self.environment), verdicts=list(verdicts),
+                                   errors=list(errors), kernel_us=ks, baseline_us=bs, kernel_stats=kstat,
+                                   baseline_stats=bstat, kernel_median_us=kstat["median"],
+                                   baseline_median_us=bstat["median"], speedup=speed, reps=t.get("reps"),
+                                   sets=t.get("sets"), seed=payload.get("seed"), **base))
+        return out
+
+
+def write_measurements(path: str | Path, measurements: list[Measurement]):
+    """Append measurements as JSON lines (the bench/results format)."""
+    with open(path, "a") as fh:
+        for m in measurements:
+            fh.write(m.dumps() + "\n")
+

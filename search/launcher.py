@@ -1,0 +1,151 @@
+"""Launching a compiled artifact from Python, on torch's current stream. GPU-side only (runs in the worker).
+
+- "kernels" plans: the cubin is loaded with the driver API (cuModuleLoadData) into the primary context that torch
+  uses, each entry launched in plan order with cuLaunchKernel (cuLaunchKernelEx when the launch has a cluster).
+  Launches go to `torch.cuda.current_stream()` at call time, so they are captured by `torch.cuda.graph`.
+- "host_shim" plans: the shared library's l2ir_run is called through ctypes with the same stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+from backends.plan import LaunchPlan
+
+# Above 48 KiB, dynamic shared memory must be opted into per function (the default carve-out limit of every SM
+# since Volta); H100/H200 allow up to 227 KiB per block.
+DEFAULT_DYNAMIC_SMEM = 48 * 1024
+
+
+class LaunchError(RuntimeError):
+    """The driver refused a launch or a module (bad smem size, missing entry, no SASS for this GPU)."""
+
+
+def _check(result, what: str):
+    """cuda-python returns (CUresult, *values); raise LaunchError with the error's name on failure."""
+    from cuda.bindings import driver as cu
+
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(err)
+        _, text = cu.cuGetErrorString(err)
+        raise LaunchError(f"{what}: {name.decode() if name else err} ({text.decode() if text else ''})")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def current_stream() -> int:
+    import torch
+
+    return torch.cuda.current_stream().cuda_stream
+
+
+class CubinLauncher:
+    """Loads a "kernels" plan's cubin; calling it runs every launch of the plan for one problem size."""
+
+    def __init__(self, plan: LaunchPlan, binary: Path, device: int = 0):
+        from cuda.bindings import driver as cu
+
+        self.plan = plan
+        _check(cu.cuInit(0), "cuInit")
+        dev = _check(cu.cuDeviceGet(device), "cuDeviceGet")
+        # torch's runtime API lives in the device's primary context; loading the module there lets the kernels use
+        # torch's buffers and streams directly.
+        self._ctx = _check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        _check(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        self._module = _check(cu.cuModuleLoadData(Path(binary).read_bytes()), f"cuModuleLoadData({binary})")
+        self._funcs = []
+        for launch in plan.launches:
+            fn = _check(cu.cuModuleGetFunction(self._module, launch.entry.encode()),
+                        f"cuModuleGetFunction('{launch.entry}')")
+            if launch.smem > DEFAULT_DYNAMIC_SMEM:
+                _check(cu.cuFuncSetAttribute(
+                    fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, launch.smem),
+                    f"cuFuncSetAttribute('{launch.entry}', max dynamic smem = {launch.smem})")
+            csize = launch.cluster[0] * launch.cluster[1] * launch.cluster[2]
+            if csize > 8:
+                # Clusters above 8 blocks are "non-portable" and must be allowed explicitly (Hopper allows 16).
+                _check(cu.cuFuncSetAttribute(
+                    fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+                    f"cuFuncSetAttribute('{launch.entry}', non-portable cluster)")
+            self._funcs.append(fn)
+
+    def workspace_bytes(self, m: int, n: int, k: int) -> int:
+        return self.plan.workspace_for(m, n, k)
+
+    def __call__(self, a: int, b: int, c: int, m: int, n: int, k: int, ws: int, ws_bytes: int,
+                 stream: int | None = None):
+        from cuda.bindings import driver as cu
+
+        hstream = cu.CUstream(current_stream() if stream is None else stream)
+        # The ABI: (const void* A, const void* B, void* C, int M, int N, int K, void* workspace). kernelParams is
+        # an array of pointers to each argument's value; the driver copies the values at launch (and at capture).
+        args = [ctypes.c_void_p(a), ctypes.c_void_p(b), ctypes.c_void_p(c), ctypes.c_int(m), ctypes.c_int(n),
+                ctypes.c_int(k), ctypes.c_void_p(ws)]
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(x) for x in args])
+        for fn, launch in zip(self._funcs, self.plan.launches):
+            gx, gy, gz = launch.grid_for(m, n, k)
+            if gx * gy * gz == 0:
+                continue
+            bx, by, bz = launch.block
+            if launch.cluster == (1, 1, 1):
+                _check(cu.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, launch.smem, hstream,
+                                         ctypes.addressof(params), 0),
+                       f"cuLaunchKernel('{launch.entry}', grid=({gx},{gy},{gz}), block={launch.block}, "
+                       f"smem={launch.smem})")
+                continue
+            config = cu.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
+            config.blockDimX, config.blockDimY, config.blockDimZ = bx, by, bz
+            config.sharedMemBytes = launch.smem
+            config.hStream = hstream
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = launch.cluster
+            config.attrs = [attr]
+            config.numAttrs = 1
+            _check(cu.cuLaunchKernelEx(config, fn, ctypes.addressof(params), 0),
+                   f"cuLaunchKernelEx('{launch.entry}', grid=({gx},{gy},{gz}), cluster={launch.cluster})")
+
+    def close(self):
+        from cuda.bindings import driver as cu
+
+        if self._module is not None:
+            cu.cuModuleUnload(self._module)
+            self._module = None
+
+
+class ShimLauncher:
+    """A host_shim plan's shared library (trusted backend code that sets up TMA descriptors and launches)."""
+
+    def __init__(self, plan: LaunchPlan, binary: Path, device: int = 0):
+        self.plan = plan
+        self._lib = ctypes.CDLL(str(binary), mode=ctypes.RTLD_LOCAL)
+        self._lib.l2ir_workspace_size.argtypes = [ctypes.c_int] * 3
+        self._lib.l2ir_workspace_size.restype = ctypes.c_size_t
+        self._lib.l2ir_run.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_size_t,
+                                                                                      ctypes.c_void_p]
+        self._lib.l2ir_run.restype = ctypes.c_int
+
+    def workspace_bytes(self, m: int, n: int, k: int) -> int:
+        return int(self._lib.l2ir_workspace_size(m, n, k))
+
+    def __call__(self, a: int, b: int, c: int, m: int, n: int, k: int, ws: int, ws_bytes: int,
+                 stream: int | None = None):
+        s = current_stream() if stream is None else stream
+        rc = self._lib.l2ir_run(a, b, c, m, n, k, ws, ws_bytes, s)
+        if rc != 0:
+            raise LaunchError(f"l2ir_run returned {rc} for m={m} n={n} k={k}")
+
+    def close(self):
+        pass
+
+
+def load(plan: LaunchPlan, binary: Path, device: int = 0):
+    if plan.form == "kernels":
+        return CubinLauncher(plan, binary, device)
+    if plan.form == "host_shim":
+        return ShimLauncher(plan, binary, device)
+    raise LaunchError(f"unknown plan form '{plan.form}'")
