@@ -233,6 +233,10 @@ def canonicalize(kernel: Kernel, problem: Problem) -> Sm90Config:
         if not pipe.persistent:
             raise UnsupportedLowering("pipeline.persistent", f"splitk mode={sk.mode} runs on CUTLASS's stream-K "
                                       "scheduler, which is persistent: set pipeline.persistent = true")
+        if not cooperative:
+            raise UnsupportedLowering("splitk", f"mode={sk.mode} with pipeline.schedule=pingpong: CUTLASS's pingpong "
+                                      "kernel does not support the stream-K scheduler (it static_asserts against it); "
+                                      "use cooperative")
         splitk_mode, reduce = sk.mode, sk.reduce
         if sk.mode == "split_k":
             splits = sk.slices
@@ -503,9 +507,11 @@ def render(cfg: Sm90Config) -> str:
         "",
         "// ---- schedule ----",
         f"using TileShape = cute::Shape<cute::_{bm}, cute::_{bn}, cute::_{bk}>;   // tile.block",
-        f"// tile.cluster = {cfg.cm}x{cfg.cn}: CTAs in a cluster row share A tiles and in a cluster column share B "
-        "tiles, one TMA",
-        "// multicast feeding all of them, which divides the L2->SM traffic for that operand.",
+        *(["// tile.cluster = 1x1: no multicast; each CTA loads its own A and B tiles."]
+          if cfg.cm * cfg.cn == 1 else
+          [f"// tile.cluster = {cfg.cm}x{cfg.cn}: the {cfg.cm} CTAs along M share each B tile and the {cfg.cn} "
+           "along N share each A tile;",
+           "// one TMA multicast feeds them all, dividing the L2->SM traffic for that operand."]),
         f"using ClusterShape = cute::Shape<cute::_{cfg.cm}, cute::_{cfg.cn}, cute::_1>;",
         (f"// pipeline.schedule=cooperative: both consumer warpgroups (tile.warps=8x1) split one {bm}x{bn} tile "
          f"along M,\n// {bm // 2} rows each; a producer warp issues the TMA loads." if coop else
@@ -544,9 +550,9 @@ def render(cfg: Sm90Config) -> str:
         "",
         "// The IR's claims about what the builder chose, checked at compile time.",
         "using TiledMma = typename CollectiveMainloop::TiledMma;",
-        f"static_assert(cute::size<0>(typename TiledMma::AtomShape_MNK{{}}) == 64 &&",
+        "static_assert(cute::size<0>(typename TiledMma::AtomShape_MNK{}) == 64 &&",
         f"              cute::size<1>(typename TiledMma::AtomShape_MNK{{}}) == {cfg.wgmma_n} &&",
-        f"              cute::size<2>(typename TiledMma::AtomShape_MNK{{}}) == 16,",
+        "              cute::size<2>(typename TiledMma::AtomShape_MNK{}) == 16,",
         f'              "mma.shape: the builder\'s wgmma atom is not 64x{cfg.wgmma_n}x16");',
         f"static_assert(cute::size(TiledMma{{}}) == {128 * cfg.consumer_warpgroups},",
         f'              "tile.warps: the builder\'s consumer threads are not {cfg.consumer_warpgroups} warpgroup(s)");',
