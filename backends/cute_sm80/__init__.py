@@ -37,7 +37,7 @@ def _launches(p: Plan) -> tuple[Launch, ...]:
     if p.splitk == "none":
         return (gemm,)
     entry = REDUCE_ENTRY if p.splitk == "workspace" else CONVERT_ENTRY
-    reduce = Launch(entry=entry, grid=(cdiv(M * N, REDUCE_THREADS * p.store_vector), Const(1), Const(1)),
+    reduce = Launch(entry=entry, grid=(cdiv(M * N, REDUCE_THREADS * p.reduce_vector), Const(1), Const(1)),
                     block=(REDUCE_THREADS, 1, 1), smem=0)
     return (gemm, reduce)
 

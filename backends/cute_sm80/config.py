@@ -124,6 +124,7 @@ class Plan:
     epilogue: str             # "direct" | "smem"
     epilogue_vector: int      # requested
     store_vector: int         # used: the requested vector narrowed to what pad.align guarantees
+    reduce_vector: int        # outputs per thread of the split-K reduction kernel
     # Split-K
     splitk: str               # "none" | "workspace" | "atomic"
     slices: int
@@ -207,16 +208,17 @@ def _operand(name: str, dtype: str, k_major: bool, rows: int, bk: int, warps_row
     vec = align
     if contig % vec:
         raise _unsupported("pad.align", align, f"the {name} tile's contiguous extent {contig} is not a multiple of it")
+    # Threads along the contiguous dimension: as many as possible (wide coalesced rows) such that they divide the
+    # row's vectors and the block, and one pass of the block covers a whole number of the tile's rows.
     per_contig = contig // vec
-    t_contig = min(per_contig, threads)
-    if per_contig % t_contig or threads % t_contig:
+    fits = [d for d in range(1, min(per_contig, threads) + 1)
+            if per_contig % d == 0 and threads % d == 0 and other % (threads // d) == 0]
+    if not fits:
         raise _unsupported("tile.block", f"{rows}x{bk}",
-                           f"{threads} threads cannot split the {name} tile's {per_contig} vectors per row evenly")
+                           f"{threads} threads cannot copy the {name} tile ({other} rows of {per_contig} "
+                           f"{vec}-element vectors) in whole passes")
+    t_contig = fits[-1]
     t_other = threads // t_contig
-    if other % t_other:
-        raise _unsupported("tile.block", f"{rows}x{bk}",
-                           f"one copy pass of {threads} threads covers {t_other} rows of {name}, which does not "
-                           f"divide the tile's {other}")
     # Layout atom: the contiguous extent is a power of two <= 64 elements that divides the tile; the other extent
     # covers the swizzle's full period 2^(B+M+S) so the XOR acts inside one atom.
     atom_contig = _pow2_divisor(contig, MAX_ATOM_WIDTH)
@@ -317,7 +319,7 @@ def derive(kernel: Kernel, problem: Problem) -> Plan:
         loop = "single_stage" if stages == 1 else "multistage"
         reg_depth = 2 if (pipe.prefetch and kb >= 2) else 1
 
-    store_vector = min(epi.vector, pad.align)
+    store_vector = reduce_vector = min(epi.vector, pad.align)
     if epi.path == "direct":
         # A thread's m16n8 accumulators hold two adjacent columns of a row: at most a 2-element store.
         store_vector = min(store_vector, 2)
@@ -335,6 +337,6 @@ def derive(kernel: Kernel, problem: Problem) -> Plan:
         swizzle=swz, raster=raster, group=group,
         pad_m=pad.m, pad_n=pad.n, pad_k=pad.k, align=pad.align,
         copy_atom=copy_atom, copy_atom_zfill=copy_atom_zfill, copy_async=copy_async, a=a, b=b,
-        epilogue=epi.path, epilogue_vector=epi.vector, store_vector=store_vector,
+        epilogue=epi.path, epilogue_vector=epi.vector, store_vector=store_vector, reduce_vector=reduce_vector,
         splitk=splitk, slices=slices, arch=ARCH[tgt.arch],
     )

@@ -554,7 +554,7 @@ def emit_gemm_entry(w: Writer, p: Plan) -> None:
 def emit_reduce_entry(w: Writer, p: Plan) -> None:
     if p.splitk == "none":
         return
-    v = p.store_vector
+    v = p.reduce_vector
     name = REDUCE_ENTRY if p.splitk == "workspace" else CONVERT_ENTRY
     w("",
       f"extern \"C\" __global__ void __launch_bounds__({REDUCE_THREADS})")
