@@ -256,10 +256,12 @@ def _command(plan: LaunchPlan, options: CompileOptions) -> tuple[list[str], dict
     if plan.form == "kernels":
         return [options.nvcc, "-cubin", *flags, *includes, "-o", "kernel.cubin", "kernel.cu"], None, "kernel.cubin"
     if plan.form == "host_shim":
-        # The shim's host code launches through the runtime (static cudart, so no rpath to a libcudart.so is
-        # needed at dlopen) and may use driver calls (TMA descriptors: cuTensorMapEncodeTiled), hence -lcuda.
-        return ([options.nvcc, "-shared", "-Xcompiler", "-fPIC", *flags, *includes, "-o", "kernel.so", "kernel.cu",
-                 "-lcuda"], None, "kernel.so")
+        # The shim's host code launches through the runtime, linked statically so dlopen needs no rpath to a
+        # libcudart.so. No -lcuda: CUTLASS reaches driver calls (cuTensorMapEncodeTiled) through
+        # cudaGetDriverEntryPoint, and a GPU-less build machine has no libcuda to link; a plan that calls the driver
+        # directly adds -lcuda to its extra_flags.
+        return ([options.nvcc, "-shared", "-Xcompiler", "-fPIC", *flags, *includes, "-o", "kernel.so", "kernel.cu"],
+                None, "kernel.so")
     raise ArchError(f"unknown plan form '{plan.form}' (expected kernels or host_shim)")
 
 

@@ -227,8 +227,16 @@ def _randn(shape, gen, device):
     return torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
 
 
-def run_job(job: dict, send) -> dict:
-    """Gates then timing for one candidate. `send(kind, payload)` reports phases and verdicts to the parent."""
+def _sync(dev):
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def run_job(job: dict, send, launcher=None, device=None) -> dict:
+    """Gates then timing for one candidate. `send(kind, payload)` reports phases and verdicts to the parent.
+    `launcher` and `device` replace the artifact's launcher and the GPU (the gate flow is tested on CPU that way)."""
     import torch
 
     from .launcher import load
@@ -237,7 +245,7 @@ def run_job(job: dict, send) -> dict:
     problem: Problem = job["problem"]
     plan: LaunchPlan = job["plan"]
     cfg: EvalConfig = job["config"]
-    dev = torch.device("cuda", cfg.device)
+    dev = torch.device(device) if device is not None else torch.device("cuda", cfg.device)
     out, acc = problem.c[0], problem.acc
     tile = (kernel.tile.bm, kernel.tile.bn) if kernel.tile is not None else (64, 64)
     seed = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
@@ -253,7 +261,8 @@ def run_job(job: dict, send) -> dict:
         send("verdict", v.to_json())
 
     send("phase", "load")
-    launcher = load(plan, Path(job["binary"]), cfg.device)
+    if launcher is None:
+        launcher = load(plan, Path(job["binary"]), cfg.device)
     try:
         m, n, k = problem.shape
         main = Case(problem, problem.shape, launcher, plan.zero_workspace, dev)
@@ -265,7 +274,7 @@ def run_job(job: dict, send) -> dict:
         a0, b0 = main.a().clone(), main.b().clone()
         poison(main.c(), out)
         main.run()
-        torch.cuda.synchronize(dev)
+        _sync(dev)
         count, where = unwritten(main.c(), out, tile)
         record(check_accuracy("accuracy", main.c(), ref_x, k, acc, out, note=f"seed {seed}"))
         record(Verdict("all_written", count == 0, where or f"all {m * n} elements written"))
@@ -277,7 +286,7 @@ def run_job(job: dict, send) -> dict:
         send("phase", "gate:stale_output")
         ref_y = main.set_inputs(_randn((m, k), gen, dev), _randn((k, n), gen, dev))
         main.run()
-        torch.cuda.synchronize(dev)
+        _sync(dev)
         v = check_accuracy("stale_output", main.c(), ref_y, k, acc, out)
         if not v.passed and relative_error(main.c(), ref_x) < relative_error(main.c(), ref_y):
             v = Verdict("stale_output", False, v.detail + "; C is closer to the previous call's product")
@@ -301,7 +310,7 @@ def run_job(job: dict, send) -> dict:
                 exact = torch.outer(t(rv), t(sv)) * dot
                 poison(case.c(), out)
                 case.run()
-                torch.cuda.synchronize(dev)
+                _sync(dev)
                 record(check_accuracy("precision_probe", case.c(), exact, kp, "f32", out,
                                       note=f"an fp16 accumulator would be off by >= {probe_f16_error(kp):.0%}"))
                 guard_log += [f"after the precision probe (K={kp}): {p}" for p in case.guard_problems()]
@@ -324,7 +333,7 @@ def run_job(job: dict, send) -> dict:
             poison(case.c(), out)
             send("phase", f"gate:ragged_shapes {rm}x{rn}x{rk}")
             case.run()
-            torch.cuda.synchronize(dev)
+            _sync(dev)
             va = check_accuracy("ragged", case.c(), ref, rk, acc, out)
             cnt, where = unwritten(case.c(), out, tile)
             probs = case.guard_problems()

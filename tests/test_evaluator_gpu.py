@@ -1,0 +1,193 @@
+"""The evaluator on a real GPU: every planted defect is rejected by the gate built for it, a correct kernel passes
+every gate and is timed, and a kernel that faults or hangs costs only the worker process.
+
+The planted kernels are one tiled HGEMM (tests/planted/tiled_gemm.cu) with one defect switched on per variant."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from backends.compile import CompileOptions, compile_plan
+from backends.source import lower_source
+from l2ir.indexing import Const, Var, cdiv
+from l2ir.nodes import Kernel, Problem, Source, Target
+
+PLANTED = Path(__file__).parent / "planted" / "tiled_gemm.cu"
+PROBLEM = Problem(m=256, n=192, k=512)         # a=f16:row b=f16:col c=f16:row acc=f32, the kernel's layout
+GATES = ("accuracy", "all_written", "stale_output", "precision_probe", "guard_bands", "ragged_shapes")
+
+
+def planted_kernel(plant: str | None = None) -> Kernel:
+    code = (f"#define PLANT_{plant} 1\n" if plant else "") + PLANTED.read_text()
+    return Kernel(target=Target(arch="sm80"), source=Source(
+        entry="tiled_gemm", grid=(cdiv(Var("n"), 32), cdiv(Var("m"), 32), Const(1)), block=(32, 8, 1), smem=0,
+        code=code))
+
+
+def _gpu_ready() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return "cuda-python is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    if shutil.which("nvcc") is None:
+        return "nvcc is not on PATH"
+    return None
+
+
+# Compiling the variants needs only nvcc, so CI checks that every planted kernel builds.
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("plant", [None, "FP16_ACC", "OOB_WRITE", "UNWRITTEN", "DIVISIBLE", "STALE", "CRASH", "HANG"])
+def test_planted_kernels_compile(tmp_path, plant):
+    art = compile_plan(lower_source(planted_kernel(plant), PROBLEM), CompileOptions(cache_dir=str(tmp_path)))
+    assert art.ok, art.log
+    assert art.resources["tiled_gemm"].registers > 0
+
+
+SKIP = _gpu_ready()
+gpu = [pytest.mark.gpu, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+
+
+def device_sm() -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(0)
+    return f"sm_{major}{minor}"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("l2ir-cache"))
+
+
+def build(kernel, cache, compiler="nvcc", problem=PROBLEM):
+    if compiler == "nvrtc":
+        try:
+            from backends.compile import nvrtc_version
+            nvrtc_version()
+        except Exception as e:  # noqa: BLE001
+            pytest.skip(f"NVRTC is not usable here: {e}")
+    plan = lower_source(kernel, problem)
+    art = compile_plan(plan, CompileOptions(cache_dir=cache, device_sm=device_sm(), compiler=compiler))
+    assert art.ok, art.log
+    return plan, art
+
+
+@pytest.fixture(scope="module")
+def gates_only():
+    from search.evaluator import EvalConfig, Evaluator
+
+    ev = Evaluator(EvalConfig(scenarios=(), phase_timeout_s=60))
+    yield ev
+    ev.close()
+
+
+def verdicts(measurements):
+    assert len(measurements) == 1
+    return {v.name: v for v in measurements[0].verdicts}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+@pytest.mark.parametrize("compiler", ["nvcc", "nvrtc"])
+def test_correct_kernel_passes_every_gate(gates_only, cache, compiler):
+    kernel = planted_kernel()
+    plan, art = build(kernel, cache, compiler)
+    ms = gates_only.evaluate(kernel, PROBLEM, plan, art)
+    v = verdicts(ms)
+    for name in GATES:
+        assert name in v, f"missing verdict {name}: {ms[0].errors}"
+        assert v[name].passed, f"{name}: {v[name].detail}"
+        assert not v[name].skipped, f"{name} was skipped: {v[name].detail}"
+    assert ms[0].passed and not ms[0].errors
+    assert ms[0].environment.get("gpu")
+
+
+# (defect, the gate that must reject it, gates the defect does not touch and which must still pass)
+PLANTS = [
+    ("FP16_ACC", "precision_probe", ("all_written", "guard_bands")),
+    ("OOB_WRITE", "guard_bands", ("accuracy", "all_written", "stale_output", "precision_probe")),
+    ("UNWRITTEN", "all_written", ("guard_bands",)),
+    ("DIVISIBLE", "ragged_shapes", ("accuracy", "all_written", "stale_output", "precision_probe", "guard_bands")),
+    ("STALE", "stale_output", ("accuracy", "all_written", "guard_bands")),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+@pytest.mark.parametrize("plant,gate,clean", PLANTS, ids=[p[0] for p in PLANTS])
+def test_planted_defect_is_rejected_by_its_gate(gates_only, cache, plant, gate, clean):
+    kernel = planted_kernel(plant)
+    plan, art = build(kernel, cache)
+    ms = gates_only.evaluate(kernel, PROBLEM, plan, art)
+    v = verdicts(ms)
+    assert not ms[0].passed
+    assert gate in v, f"no {gate} verdict; errors: {ms[0].errors}"
+    assert not v[gate].passed and not v[gate].skipped, v[gate].detail
+    for name in clean:
+        assert v[name].passed, f"{plant} should not trip {name}: {v[name].detail}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_fault_costs_only_the_worker(cache):
+    from search.evaluator import EvalConfig, Evaluator
+
+    with Evaluator(EvalConfig(scenarios=(), phase_timeout_s=60)) as ev:
+        bad = planted_kernel("CRASH")
+        ms = ev.evaluate(bad, PROBLEM, *build(bad, cache))
+        assert not ms[0].passed and ms[0].errors
+        assert any("illegal" in e.lower() or "died" in e for e in ms[0].errors), ms[0].errors
+        assert not verdicts(ms)["accuracy"].passed
+        good = planted_kernel()
+        assert ev.evaluate(good, PROBLEM, *build(good, cache))[0].passed
+        assert ev.starts == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_hang_is_killed_and_recorded(cache):
+    from search.evaluator import EvalConfig, Evaluator
+
+    with Evaluator(EvalConfig(scenarios=(), phase_timeout_s=15)) as ev:
+        bad = planted_kernel("HANG")
+        ms = ev.evaluate(bad, PROBLEM, *build(bad, cache))
+        assert not ms[0].passed
+        assert any(e.startswith("hang") for e in ms[0].errors), ms[0].errors
+        assert not verdicts(ms)["accuracy"].passed
+        good = planted_kernel()
+        assert ev.evaluate(good, PROBLEM, *build(good, cache))[0].passed
+        assert ev.starts == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_timing_against_the_baseline(cache, tmp_path):
+    from search.evaluator import EvalConfig, Evaluator, Measurement, write_measurements
+    from search.timing import TimingConfig
+
+    cfg = EvalConfig(scenarios=("offline", "server"), phase_timeout_s=120,
+                     timing=TimingConfig(trials=3, target_ms=5.0, server_samples=5))
+    kernel = planted_kernel()
+    with Evaluator(cfg) as ev:
+        ms = ev.evaluate(kernel, PROBLEM, *build(kernel, cache))
+    assert [m.scenario for m in ms] == ["offline", "server"]
+    for m in ms:
+        assert m.passed, (m.errors, [v for v in m.verdicts if not v.passed])
+        assert m.verdict("post_timing").passed
+        assert len(m.kernel_us) == len(m.baseline_us) > 0
+        assert m.kernel_median_us > 0 and m.baseline_median_us > 0 and m.speedup > 0
+        assert m.environment["gpu"] and m.environment["torch"]
+    assert ms[0].sets >= 2 and ms[0].reps >= ms[0].sets
+    out = tmp_path / "m.jsonl"
+    write_measurements(out, ms)
+    back = [Measurement.from_json(json.loads(line)) for line in out.read_text().splitlines()]
+    assert back == ms
