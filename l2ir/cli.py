@@ -153,6 +153,26 @@ def cmd_seed(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    """GPU benchmark: seed + sweep over grid shapes, every timed kernel gated (search/bench.py)."""
+    from pathlib import Path
+
+    from search.bench import SM80_SWEEP, BenchConfig, grid_shapes, print_summary, run_bench
+
+    sweep = SM80_SWEEP if args.target != "sm90a" else {}
+    if args.sweep:
+        unknown = [n for n in args.sweep if n not in SM80_SWEEP]
+        if unknown:
+            raise CliError(f"unknown sweep config(s) {', '.join(unknown)} (known: {', '.join(SM80_SWEEP)})")
+        sweep = {n: SM80_SWEEP[n] for n in args.sweep}
+    shapes = tuple(args.shape) if args.shape else tuple(grid_shapes(args.shapes))
+    cfg = BenchConfig(out=Path(args.out), shapes=shapes, sweep=tuple(sweep.items()), target=args.target,
+                      budget_s=args.budget_s, resume=not args.no_resume, backend=args.backend,
+                      cache_dir=args.cache_dir, command="l2ir " + " ".join(sys.argv[1:]))
+    print_summary(run_bench(cfg))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="l2ir", description="L2IR: a typed kernel IR for GEMM kernels.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -183,6 +203,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", choices=ARCHS, default="sm90a")
     s.add_argument("--problem", help="problem line giving dtypes/layouts; --shape sets the sizes")
     s.set_defaults(fn=cmd_seed)
+
+    s = sub.add_parser("bench", help="(GPU) evaluate the seed and a config sweep over grid shapes vs torch.matmul")
+    s.add_argument("--target", choices=ARCHS, default="sm80", help="target of the seed kernels and the sweep")
+    s.add_argument("--shapes", type=int, default=40, help="how many shapes of the {64..16384}^3 grid")
+    s.add_argument("--shape", type=_shape, action="append", help="explicit MxNxK (repeatable; replaces --shapes)")
+    s.add_argument("--sweep", nargs="*", help="sweep config names (default: all for the target)")
+    s.add_argument("--out", required=True, help="results prefix, e.g. bench/results/sm80_grid40")
+    s.add_argument("--budget-s", type=float, default=1e9, help="stop starting shapes after this many seconds")
+    s.add_argument("--no-resume", action="store_true", help="discard earlier measurements in OUT.jsonl")
+    s.add_argument("--backend", help="force a backend (cute_sm80, cutlass_sm90, cuda_ptx)")
+    s.add_argument("--cache-dir", default=".l2ir-cache", help="compile cache")
+    s.set_defaults(fn=cmd_bench)
     return p
 
 

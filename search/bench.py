@@ -1,0 +1,319 @@
+"""`l2ir bench`: lower, compile and evaluate the seed kernel and a sweep of configurations over grid shapes.
+
+Kernels are problem-independent (M, N, K are run-time arguments), so every distinct kernel is compiled once, in
+parallel, and then evaluated on every shape its Pad policy admits. For each shape every applicable candidate goes
+through all correctness gates and the offline timing; the best one that passed every gate is then timed again in the
+server scenario. Every measurement is appended to `<out>.jsonl` as it is made (a killed run loses nothing and
+`--resume` skips what is there); `<out>.csv` and `<out>.json` hold the per-shape table and the summary (geomean
+speedup by FLOP regime, pass rate, compile seconds per kernel) with the environment.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime as dt
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
+from l2ir.seed import alignment, seed
+from l2ir.verify import applicable
+
+GRID = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 12288, 16384)
+# FLOP regimes the summary groups by: launch/latency-bound, one-wave, multi-wave, compute-bound.
+REGIMES = ((0.0, 1e9, "< 1 GFLOP"), (1e9, 1e11, "1-100 GFLOP"), (1e11, 1e12, "0.1-1 TFLOP"),
+           (1e12, math.inf, ">= 1 TFLOP"))
+
+
+def grid_shapes(count: int) -> list[tuple[int, int, int]]:
+    """`count` shapes of the {64..16384}^3 grid spread evenly over its FLOP range (sorted by FLOPs, then M, N, K)."""
+    shapes = sorted(((m, n, k) for m in GRID for n in GRID for k in GRID), key=lambda s: (s[0] * s[1] * s[2], s))
+    if count >= len(shapes):
+        return shapes
+    idx = sorted({round(i * (len(shapes) - 1) / (count - 1)) for i in range(count)})
+    return [shapes[i] for i in idx]
+
+
+def sm80_config(block, warps, stages, smem_swizzle, prefetch=True, group=8, raster="along_n",
+                epilogue="smem", splitk=None) -> Kernel:
+    return Kernel(
+        target=Target("sm80"),
+        tile=Tile(block=block, warps=warps),
+        mma=Mma("mma_sync", (16, 8, 16)),
+        pipeline=Pipeline("multistage", stages, prefetch=prefetch),
+        swizzle=Swizzle(smem=smem_swizzle, raster=raster, group=group),
+        pad=Pad("predicate", "predicate", "zero_fill", 8),
+        splitk=splitk,
+        epilogue=Epilogue(epilogue, 8),
+    )
+
+
+# A small sweep of sm80 configurations around the ones CUDA-L2's kernels use: big tiles for big outputs,
+# deeper BK=64 rows with the 128-byte swizzle, and small tiles for thin problems.
+SM80_SWEEP: dict[str, Kernel] = {
+    "128x256x32_w2x4_s3": sm80_config((128, 256, 32), (2, 4), 3, (2, 3, 3)),
+    "256x128x32_w4x2_s3": sm80_config((256, 128, 32), (4, 2), 3, (2, 3, 3)),
+    "128x128x32_w2x2_s4": sm80_config((128, 128, 32), (2, 2), 4, (2, 3, 3)),
+    "128x128x64_w2x2_s3": sm80_config((128, 128, 64), (2, 2), 3, (3, 3, 3)),
+    "64x128x32_w2x2_s4": sm80_config((64, 128, 32), (2, 2), 4, (2, 3, 3)),
+    "64x64x64_w2x2_s4": sm80_config((64, 64, 64), (2, 2), 4, (3, 3, 3)),
+    "64x64x32_w2x2_s3_splitk4": sm80_config((64, 64, 32), (2, 2), 3, (2, 3, 3), splitk=SplitK("split_k", 4)),
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    out: Path                                   # results prefix: <out>.jsonl, <out>.csv, <out>.json
+    shapes: tuple[tuple[int, int, int], ...]
+    sweep: tuple[tuple[str, Kernel], ...]
+    target: str = "sm80"                        # the seed generator's target
+    budget_s: float = 1e9                       # stop starting new shapes after this long (results are kept)
+    resume: bool = True
+    backend: str | None = None
+    compile_jobs: int = 0
+    cache_dir: str = ".l2ir-cache"
+    command: str = ""
+
+
+@dataclass
+class ShapeResult:
+    shape: tuple[int, int, int]
+    candidates: int = 0
+    passed: int = 0
+    best_name: str | None = None
+    best_hash: str | None = None
+    offline: dict = field(default_factory=dict)
+    server: dict = field(default_factory=dict)
+    gates: dict = field(default_factory=dict)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _load_done(path: Path) -> dict[tuple[str, str, str], dict]:
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue          # a line cut by a kill mid-write
+            done[(rec["kernel_hash"], rec["problem"], rec["scenario"])] = rec
+    return done
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run the benchmark on this machine's GPU and write the results. Returns the summary."""
+    from backends.compile import CompileOptions, compile_many
+    from backends.registry import lower
+    from backends.source import problem_text
+
+    from .evaluator import EvalConfig, Evaluator, kernel_hash
+
+    t_start = time.perf_counter()
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    jsonl = cfg.out.with_suffix(".jsonl")
+    done = _load_done(jsonl) if cfg.resume else {}
+    if not cfg.resume and jsonl.exists():
+        jsonl.unlink()
+
+    # 1. Candidates per shape: the seed plus every sweep config the problem admits.
+    per_shape: dict[tuple[int, int, int], list[tuple[str, Kernel]]] = {}
+    kernels: dict[str, tuple[str, Kernel]] = {}
+    base = Problem(1, 1, 1)
+    for shape in cfg.shapes:
+        problem = base.with_shape(*shape)
+        cands = [("seed", seed(problem, cfg.target))] + list(cfg.sweep)
+        seen, chosen = set(), []
+        for name, k in cands:
+            h = k.content_hash()
+            if h in seen or not applicable(k, problem):
+                continue
+            seen.add(h)
+            chosen.append((name, k))
+            kernels.setdefault(h, (name, k))
+        per_shape[shape] = chosen
+
+    # 2. Lower and compile every distinct kernel once (all shapes share one dtype/layout class).
+    plans, artifacts = {}, {}
+    t0 = time.perf_counter()
+    for h, (name, k) in kernels.items():
+        plans[h] = lower(k, base, cfg.backend)
+    keys = list(plans)
+    results = compile_many([plans[h] for h in keys], CompileOptions(cache_dir=cfg.cache_dir, jobs=cfg.compile_jobs))
+    artifacts = dict(zip(keys, results))
+    compile_wall = time.perf_counter() - t0
+    fresh = [a.compile_seconds for a in results if not getattr(a, "cached", False)]
+    every = [a.compile_seconds for a in results]
+    failed = {h: a for h, a in artifacts.items() if not a.ok}
+    for h, a in failed.items():
+        _log(f"compile failed: {kernels[h][0]} {h[:12]}: {a.summary()}\n  reproduce: {a.repro}")
+    _log(f"compiled {len(keys)} kernels in {compile_wall:.1f} s wall ({len(failed)} failed)")
+
+    # 3. Evaluate: gates + offline timing for every candidate, then server timing for the best.
+    shape_results: list[ShapeResult] = []
+    evals = passes = 0
+    stopped_early = False
+    with Evaluator(EvalConfig(scenarios=("offline",))) as offline_ev, \
+            Evaluator(EvalConfig(scenarios=("server",))) as server_ev:
+        for shape in cfg.shapes:
+            if time.perf_counter() - t_start > cfg.budget_s:
+                stopped_early = True
+                _log(f"budget of {cfg.budget_s:.0f} s reached; stopping before {shape}")
+                break
+            problem = base.with_shape(*shape)
+            ptext = problem_text(problem)
+            sr = ShapeResult(shape, candidates=len(per_shape[shape]))
+            best = None
+            for name, k in per_shape[shape]:
+                h = k.content_hash()
+                rec = done.get((kernel_hash(k), ptext, "offline"))
+                if rec is None:
+                    ms = offline_ev.evaluate(k, problem, plans[h], artifacts[h])
+                    _append(jsonl, ms, name)
+                    rec = json.loads(ms[0].dumps())
+                evals += 1
+                ok = not rec["errors"] and rec["verdicts"] and all(v["passed"] for v in rec["verdicts"])
+                passes += bool(ok)
+                sr.gates[name] = {v["name"]: v["passed"] for v in rec["verdicts"]} | (
+                    {"errors": rec["errors"][:1]} if rec["errors"] else {})
+                _log(f"{shape} {name:28s} {'pass' if ok else 'FAIL'} "
+                     f"{_fmt(rec.get('kernel_median_us'))} us vs torch {_fmt(rec.get('baseline_median_us'))} us"
+                     + ("" if ok else f"  {(rec['errors'] or [_first_failure(rec)])[0][:160]}"))
+                if ok and rec.get("speedup") and (best is None or rec["speedup"] > best[2]["speedup"]):
+                    best = (name, k, rec)
+            sr.passed = sum(1 for g in sr.gates.values() if "errors" not in g and all(g.values()))
+            if best is not None:
+                name, k, rec = best
+                h = k.content_hash()
+                sr.best_name, sr.best_hash = name, h[:12]
+                sr.offline = _timing(rec)
+                srv = done.get((kernel_hash(k), ptext, "server"))
+                if srv is None:
+                    ms = server_ev.evaluate(k, problem, plans[h], artifacts[h])
+                    _append(jsonl, ms, name)
+                    srv = json.loads(ms[0].dumps())
+                if not srv["errors"] and all(v["passed"] for v in srv["verdicts"]):
+                    sr.server = _timing(srv)
+            shape_results.append(sr)
+        env = offline_ev.environment or {}
+
+    summary = _summary(cfg, shape_results, evals, passes, fresh, every, compile_wall, len(keys), len(failed), env,
+                       stopped_early, time.perf_counter() - t_start)
+    _write_csv(cfg.out.with_suffix(".csv"), shape_results, env)
+    cfg.out.with_suffix(".json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
+def _append(path: Path, measurements, name: str) -> None:
+    with open(path, "a") as fh:
+        for m in measurements:
+            rec = json.loads(m.dumps())
+            rec["config"] = name
+            fh.write(json.dumps(rec) + "\n")
+
+
+def _first_failure(rec: dict) -> str:
+    for v in rec.get("verdicts", []):
+        if not v["passed"]:
+            return f"gate {v['name']}: {v.get('detail', '')}"
+    return "no verdicts"
+
+
+def _fmt(x) -> str:
+    return f"{x:9.2f}" if isinstance(x, (int, float)) else "        -"
+
+
+def _timing(rec: dict) -> dict:
+    ks, bs = rec.get("kernel_stats") or {}, rec.get("baseline_stats") or {}
+    return {"kernel_us": rec.get("kernel_median_us"), "torch_us": rec.get("baseline_median_us"),
+            "speedup": rec.get("speedup"), "kernel_spread": ks.get("rel_spread"),
+            "torch_spread": bs.get("rel_spread"), "kernel_samples": rec.get("kernel_us"),
+            "torch_samples": rec.get("baseline_us")}
+
+
+def _geomean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def _summary(cfg, results, evals, passes, fresh, every, compile_wall, n_kernels, n_failed, env, stopped, seconds):
+    by_regime = {}
+    for lo, hi, label in REGIMES:
+        rows = [r for r in results if lo <= 2 * r.shape[0] * r.shape[1] * r.shape[2] < hi]
+        by_regime[label] = {
+            "shapes": len(rows),
+            "offline_geomean_speedup": _geomean([r.offline.get("speedup") for r in rows]),
+            "server_geomean_speedup": _geomean([r.server.get("speedup") for r in rows]),
+            "shapes_faster_offline": sum(1 for r in rows if (r.offline.get("speedup") or 0) > 1.0),
+        }
+    return {
+        "scenario": "offline (CUDA-graph replay, inputs rotated) and server (L2 flushed, idle gap), device time",
+        "baseline": "torch.matmul (cuBLAS), same inputs and layouts, interleaved",
+        "command": cfg.command,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "environment": env,
+        "target": cfg.target,
+        "shapes_planned": len(cfg.shapes),
+        "shapes_done": len(results),
+        "stopped_early": stopped,
+        "seconds": round(seconds, 1),
+        "evaluations": evals,
+        "gate_pass_rate": passes / evals if evals else None,
+        "kernels_compiled": n_kernels,
+        "compile_failures": n_failed,
+        "compile_seconds_per_kernel": (sum(every) / len(every)) if every else None,
+        "compile_seconds_per_kernel_fresh": (sum(fresh) / len(fresh)) if fresh else None,
+        "compile_wall_seconds": round(compile_wall, 1),
+        "overall_offline_geomean_speedup": _geomean([r.offline.get("speedup") for r in results]),
+        "overall_server_geomean_speedup": _geomean([r.server.get("speedup") for r in results]),
+        "by_regime": by_regime,
+        "shapes": [dataclasses.asdict(r) | {"offline": {k: v for k, v in r.offline.items() if "samples" not in k},
+                                             "server": {k: v for k, v in r.server.items() if "samples" not in k}}
+                   for r in results],
+    }
+
+
+def _write_csv(path: Path, results: list[ShapeResult], env: dict) -> None:
+    cols = ["M", "N", "K", "gflop", "candidates", "passed_all_gates", "best_config", "best_kernel",
+            "offline_kernel_us", "offline_torch_us", "offline_speedup", "offline_kernel_spread", "offline_torch_spread",
+            "server_kernel_us", "server_torch_us", "server_speedup", "server_kernel_spread", "server_torch_spread",
+            "gpu", "driver", "cuda", "torch", "date"]
+    date = dt.date.today().isoformat()
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(cols)
+        for r in results:
+            o, s = r.offline, r.server
+            w.writerow([*r.shape, round(2 * r.shape[0] * r.shape[1] * r.shape[2] / 1e9, 3), r.candidates, r.passed,
+                        r.best_name, r.best_hash, o.get("kernel_us"), o.get("torch_us"), o.get("speedup"),
+                        o.get("kernel_spread"), o.get("torch_spread"), s.get("kernel_us"), s.get("torch_us"),
+                        s.get("speedup"), s.get("kernel_spread"), s.get("torch_spread"), env.get("gpu"),
+                        env.get("driver"), env.get("cuda_runtime"), env.get("torch"), date])
+
+
+def print_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"l2ir bench ({summary['target']}): {summary['shapes_done']}/{summary['shapes_planned']} shapes")
+    for col in ("M", "N", "K", "best", "offline us", "torch us", "speedup", "server x"):
+        t.add_column(col, justify="right")
+    for r in summary["shapes"]:
+        o, s = r["offline"], r["server"]
+        t.add_row(*map(str, r["shape"]), str(r["best_name"]), _fmt(o.get("kernel_us")), _fmt(o.get("torch_us")),
+                  f"{o['speedup']:.3f}" if o.get("speedup") else "-", f"{s['speedup']:.3f}" if s.get("speedup") else "-")
+    c = Console(width=140)
+    c.print(t)
+    for label, g in summary["by_regime"].items():
+        gm = g["offline_geomean_speedup"]
+        c.print(f"{label:>12}: {g['shapes']:3d} shapes, offline geomean {gm:.3f}x" if gm else f"{label:>12}: -")
+    c.print(f"gate pass rate {summary['gate_pass_rate']:.3f} over {summary['evaluations']} evaluations; "
+            f"compile {summary['compile_seconds_per_kernel'] or 0:.1f} s/kernel "
+            f"({summary['kernels_compiled']} kernels, {summary['compile_failures']} failed)")
