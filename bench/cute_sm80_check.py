@@ -206,6 +206,9 @@ def run_config(cfg: Config, cubin_path: str, shapes, time_iters: int) -> list[di
     from l2ir.verify import check_problem  # noqa: PLC0415
 
     plan = lower(cfg.kernel, cfg.problem)
+    # torch creates the device's primary context and makes it current; the driver-API module loads into it.
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
     mod = Module(Path(cubin_path).read_bytes())
     tdt = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
     dev = torch.device("cuda")
@@ -366,7 +369,7 @@ def main(argv=None) -> int:
             continue
         cmd = [sys.executable, __file__, "--_run", cfg.name, "--_cubin", rec["cubin"], "--iters", str(args.iters)]
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             rows = None
             for line in r.stdout.splitlines():
                 if line.startswith("@@ROWS@@"):
