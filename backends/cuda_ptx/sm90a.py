@@ -1,0 +1,831 @@
+"""Lower sm90a kernels (wgmma, TMA warp-specialized pipelines) to raw CUDA with inline PTX.
+
+Two pure steps, like the CUTLASS backend:
+  canonicalize(kernel, problem, num_sms) -> PtxConfig   every check; every IR field turned into the one value it means
+  render(cfg) -> str                                    the .cu text: the kernel plus trusted host code
+`lower()` composes them into a LaunchPlan(form="host_shim").
+
+Why a host shim. TMA copies name their global tensor through a 128-byte CUtensorMap that only the host can encode
+(cuTensorMapEncodeTiled, a driver API call), and the harness launches "kernels" plans with the fixed L2IR ABI, which has
+no place for it. So the backend emits, beside the kernel, a small trusted host function (generated here, never written
+by a candidate) that exports the host_shim ABI of backends/plan.py:
+    size_t l2ir_workspace_size(int M, int N, int K);            // always 0: no workspace
+    int    l2ir_run(A, B, C, M, N, K, workspace, workspace_bytes, stream);
+l2ir_run checks the shape, encodes one tensor map per operand, and launches the kernel with the maps as
+`const __grid_constant__ CUtensorMap` parameters (they live in the kernel's parameter space, where TMA reads them).
+The driver entry point is fetched through the runtime (cudaGetDriverEntryPointByVersion), so the library needs no
+-lcuda at link time; the evaluator loads it like the CUTLASS shims. Return codes: common.STATUS_*.
+
+The kernel (cooperative schedule: 3 warpgroups, 384 threads):
+  warpgroup 0  producer: setmaxnreg.dec to 40 registers; one thread issues, per stage, the TMA box copies of the A and
+               B tiles into the stage's buffers and arms the stage's `full` mbarrier with the byte count.
+  warpgroups 1, 2  consumers: setmaxnreg.inc to 232; each owns BM/2 rows of the tile (BM/128 wgmma m64 slabs), waits on
+               `full`, issues BK/16 x slabs wgmma m64nBNk16 from shared-memory descriptors, keeps one k-tile's wgmma
+               group in flight (wait_group 1), and releases the previous stage through its `empty` mbarrier.
+  epilogue     registers -> global (path=direct) or registers -> swizzled shared memory -> 16-byte global stores
+               (path=smem), predicated on M and N. K tails need nothing: TMA fills out-of-bounds boxes with zeros.
+
+Field -> code map (the generated lines name their field in a comment):
+  target.arch=sm90a, mma.op=wgmma, pipeline.mode=tma_ws      the only combination lowered here
+  tile.block BMxBNxBK      tile constants, TMA box sizes, wgmma N (= BN), slabs per warpgroup, K steps per stage
+  tile.warps               8x1: two consumer warpgroups split BM (cooperative)
+  tile.cluster             1x1 only (no multicast yet): anything else raises
+  mma.shape                64xBNx16: the wgmma instruction emitted
+  pipeline.schedule        cooperative; pingpong raises
+  pipeline.stages          ring depth; auto resolved by l2ir.verify.resolved_stages
+  pipeline.persistent      grid = min(tiles, NUM_SMS) with a pid += gridDim.x loop, or one tile per block
+  swizzle.smem             TMA swizzle + wgmma descriptor layout: <3,3,3> 128B, <2,3,3> 64B, <1,3,3> 32B;
+                           none = the widest whose row divides BK (the builder's choice, as in cutlass_sm90)
+  swizzle.raster / group   l2ir.indexing.rasterize rendered to C++
+  pad.m / pad.n            zero_fill: TMA zero-fills and stores are predicated; divisible: l2ir_run refuses other shapes
+                           and the epilogue drops that predicate
+  pad.k                    zero_fill: TMA zero-fills the K tail; divisible: l2ir_run refuses K % BK != 0
+  pad.align                8 (16-byte TMA strides); l2ir_run refuses K % 8 != 0
+  splitk                   raises (not implemented)
+  epilogue.path            direct | smem; tma raises (not implemented)
+  epilogue.vector          elements per global store (direct: 1 or 2, the accumulator fragment's adjacent pair)
+  problem                  a row (K-major), b col (K-major), f16 or bf16 in, f16 or bf16 out, acc f32
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from l2ir.errors import ResourceError
+from l2ir.indexing import Const, rasterize
+from l2ir.nodes import DTYPE_BYTES, Kernel, Problem, Swizzle
+from l2ir.seed import H200_SMS
+from l2ir.verify import SMEM_LIMIT, resolved_stages, verify, verify_problem
+
+from ..plan import LaunchPlan
+from .common import (STATUS_BAD_ARGUMENT, STATUS_CUDA_ERROR, STATUS_MISALIGNED, STATUS_NOT_DIVISIBLE,
+                     STATUS_TENSOR_MAP, UnsupportedLowering)
+
+ENTRY = "l2ir_cuda_ptx_sm90a_gemm"
+# setmaxnreg targets. The register file holds 64K 32-bit registers per SM; with one 384-thread block per SM the
+# producer's 128 threads x 40 plus the consumers' 256 x 232 is 64,512: the consumers get what the producer gives up.
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+# TMA boxes are at most 256 elements along every dimension.
+TMA_BOX_MAX = 256
+# wgmma swizzle modes in the descriptor's bits 62-63, by swizzle bits B of <B,3,3>.
+DESC_SWIZZLE_MODE = {3: 1, 2: 2, 1: 3}      # 128B, 64B, 32B
+TMA_SWIZZLE = {3: "CU_TENSOR_MAP_SWIZZLE_128B", 2: "CU_TENSOR_MAP_SWIZZLE_64B", 1: "CU_TENSOR_MAP_SWIZZLE_32B"}
+CTYPE = {"f16": "__half", "bf16": "__nv_bfloat16"}
+TMA_DTYPE = {"f16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}
+
+
+@dataclass(frozen=True)
+class PtxConfig:
+    """Everything the source depends on, already checked."""
+
+    in_dtype: str             # "f16" | "bf16"
+    out_dtype: str            # "f16" | "bf16"
+    problem_class: str
+    bm: int
+    bn: int
+    bk: int
+    consumer_wgs: int         # 2 (cooperative)
+    stages: int
+    stages_field: str         # the IR's value ("auto" or the number), for comments
+    persistent: bool
+    num_sms: int
+    raster: str
+    group: int
+    swizzle_bits: int         # B of <B,3,3>: 3 = 128-byte rows, 2 = 64, 1 = 32
+    swizzle_field: str        # "<3,3,3>" or "none -> <3,3,3>"
+    divisible: tuple[bool, bool, bool]
+    epilogue: str             # "direct" | "smem"
+    vector: int
+
+    @property
+    def wg_m(self) -> int:
+        return self.bm // self.consumer_wgs
+
+    @property
+    def slabs(self) -> int:
+        return self.wg_m // 64
+
+    @property
+    def atom_k(self) -> int:
+        """Elements of one swizzled shared-memory row (the TMA box's inner extent)."""
+        return 8 << self.swizzle_bits
+
+    @property
+    def row_bytes(self) -> int:
+        return 16 << self.swizzle_bits
+
+    @property
+    def k_blocks(self) -> int:
+        return self.bk // self.atom_k
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.consumer_wgs)
+
+    @property
+    def a_kblock_bytes(self) -> int:
+        return _round_up(self.bm * self.row_bytes, 1024)
+
+    @property
+    def b_kblock_bytes(self) -> int:
+        return _round_up(self.bn * self.row_bytes, 1024)
+
+    @property
+    def a_stage_bytes(self) -> int:
+        return self.k_blocks * self.a_kblock_bytes
+
+    @property
+    def b_stage_bytes(self) -> int:
+        return self.k_blocks * self.b_kblock_bytes
+
+    @property
+    def tx_bytes(self) -> int:
+        """Bytes the TMA boxes of one stage deliver (out-of-bounds fill included: a box always lands whole)."""
+        return (self.bm + self.bn) * self.bk * DTYPE_BYTES[self.in_dtype]
+
+    @property
+    def c_stage_bytes(self) -> int:
+        return self.bm * self.bn * DTYPE_BYTES[self.out_dtype] if self.epilogue == "smem" else 0
+
+    @property
+    def layout(self) -> dict[str, int]:
+        """Byte offsets in dynamic shared memory. The rings come first so every stage buffer starts on a 1024-byte
+        boundary, the period of the 128-byte swizzle (TMA and wgmma both apply it to address bits [4, 10))."""
+        a = 0
+        b = a + self.stages * self.a_stage_bytes
+        c = b + self.stages * self.b_stage_bytes
+        bars = _round_up(c + self.c_stage_bytes, 8)
+        total = bars + 2 * self.stages * 8
+        return {"a": a, "b": b, "c": c, "bars": bars, "total": total}
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# canonicalize
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _swizzle_bits(swz: Swizzle, bk: int) -> tuple[int, str]:
+    if swz.smem is None:
+        for bits in (3, 2, 1):
+            if bk % (8 << bits) == 0:
+                return bits, f"none -> <{bits},3,3> (widest swizzle whose row divides BK={bk})"
+        raise UnsupportedLowering("swizzle.smem", f"none: BK={bk} holds no whole 32-byte swizzle row")
+    b, m, s = swz.smem
+    if (m, s) != (3, 3) or b not in DESC_SWIZZLE_MODE:
+        raise UnsupportedLowering("swizzle.smem", f"<{b},{m},{s}>: TMA and wgmma share the 32/64/128-byte swizzles "
+                                  "<1,3,3>, <2,3,3>, <3,3,3> of 16-bit data")
+    if bk % (8 << b):
+        raise UnsupportedLowering("swizzle.smem", f"<{b},3,3> swizzles rows of {8 << b} elements; BK={bk} is not a "
+                                  "whole number of them")
+    return b, f"<{b},3,3>"
+
+
+def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> PtxConfig:
+    """Check that the kernel is one this backend lowers and turn each IR field into its value in the source."""
+    if kernel.is_source:
+        raise UnsupportedLowering("source", "free-form CUDA is not generated by this backend")
+    if kernel.target.arch != "sm90a":
+        raise UnsupportedLowering("target.arch", f"'{kernel.target.arch}': wgmma and setmaxnreg need sm90a")
+    verify(kernel)
+    verify_problem(problem)
+    tile, mma, pipe, pad, epi = kernel.tile, kernel.mma, kernel.pipeline, kernel.pad, kernel.epilogue
+    swz = kernel.swizzle or Swizzle()
+
+    if mma.op != "wgmma":
+        raise UnsupportedLowering("mma.op", f"'{mma.op}': the sm90a rule issues wgmma")
+    if pipe.mode != "tma_ws":
+        raise UnsupportedLowering("pipeline.mode", f"'{pipe.mode}': the sm90a rule lowers TMA warp-specialized "
+                                  "pipelines")
+    if pipe.schedule != "cooperative":
+        raise UnsupportedLowering("pipeline.schedule", f"'{pipe.schedule}': only cooperative is generated (two "
+                                  "consumer warpgroups splitting BM); pingpong is not written yet")
+    if pipe.prefetch:
+        raise UnsupportedLowering("pipeline.prefetch", "wgmma reads shared memory; there are no fragments to prefetch")
+    if tile.cluster != (1, 1):
+        raise UnsupportedLowering("tile.cluster", f"{tile.cluster[0]}x{tile.cluster[1]}: TMA multicast across a "
+                                  "cluster is not generated; use 1x1")
+    if kernel.splitk is not None:
+        raise UnsupportedLowering("splitk", f"mode={kernel.splitk.mode}: split-K / stream-K are not generated")
+
+    # Problem class: K-major A and B are wgmma's native (non-transposed) descriptor layout.
+    (a_dt, a_lay), (b_dt, b_lay), (c_dt, _) = problem.a, problem.b, problem.c
+    if a_lay != "row":
+        raise UnsupportedLowering("problem.a", f"{a_dt}:{a_lay}: only K-major A (row) is generated")
+    if b_lay != "col":
+        raise UnsupportedLowering("problem.b", f"{b_dt}:{b_lay}: only K-major B (col, the NxK form) is generated")
+    if a_dt not in CTYPE or b_dt != a_dt:
+        raise UnsupportedLowering("problem.b", f"a={a_dt}, b={b_dt}: one 16-bit input type (f16 or bf16)")
+    if c_dt not in CTYPE:
+        raise UnsupportedLowering("problem.c", f"{c_dt}: the epilogue writes f16 or bf16")
+    if problem.acc != "f32":
+        raise UnsupportedLowering("problem.acc", f"{problem.acc}: accumulators are f32")
+
+    bm, bn, bk = tile.block
+    wgs = 2
+    if tile.warps != (4 * wgs, 1):
+        raise UnsupportedLowering("tile.warps", f"{tile.warps[0]}x{tile.warps[1]}: cooperative uses 8x1")
+    if bm % (64 * wgs):
+        raise UnsupportedLowering("tile.block", f"BM={bm}: two warpgroups of whole 64-row wgmma slabs need BM % 128 "
+                                  "== 0")
+    if bm > TMA_BOX_MAX or bn > TMA_BOX_MAX:
+        raise UnsupportedLowering("tile.block", f"{bm}x{bn}: one TMA box spans at most {TMA_BOX_MAX} rows")
+    if tuple(mma.shape) != (64, bn, 16):
+        raise UnsupportedLowering("mma.shape", f"{'x'.join(map(str, mma.shape))}: each warpgroup issues "
+                                  f"64x{bn}x16 (the whole BN in one instruction)")
+    bits, swizzle_field = _swizzle_bits(swz, bk)
+
+    if pad.align != 8:
+        raise UnsupportedLowering("pad.align", f"{pad.align}: TMA needs 16-byte strides (align 8)")
+    for dim in ("m", "n", "k"):
+        if getattr(pad, dim) not in ("zero_fill", "divisible"):
+            raise UnsupportedLowering(f"pad.{dim}", f"{getattr(pad, dim)}: TMA loads are zero-filled, not predicated")
+
+    if epi.path not in ("direct", "smem"):
+        raise UnsupportedLowering("epilogue.path", f"{epi.path}: the TMA store is not generated; use direct or smem")
+    if epi.path == "direct" and epi.vector > 2:
+        raise UnsupportedLowering("epilogue.vector", f"{epi.vector} with path=direct: a thread's accumulator fragment "
+                                  "holds 2 adjacent columns; use path=smem for wider stores")
+
+    stages = resolved_stages(kernel)
+    cfg = PtxConfig(
+        in_dtype=a_dt, out_dtype=c_dt,
+        problem_class=f"a={a_dt}:{a_lay} b={b_dt}:{b_lay} c={c_dt}:{problem.c[1]} acc={problem.acc}",
+        bm=bm, bn=bn, bk=bk, consumer_wgs=wgs, stages=stages, stages_field=str(pipe.stages),
+        persistent=pipe.persistent, num_sms=num_sms, raster=swz.raster, group=swz.group,
+        swizzle_bits=bits, swizzle_field=swizzle_field,
+        divisible=(pad.m == "divisible", pad.n == "divisible", pad.k == "divisible"),
+        epilogue=epi.path, vector=epi.vector,
+    )
+    total, limit = cfg.layout["total"], SMEM_LIMIT["sm90a"]
+    if total > limit:
+        raise ResourceError("pipeline", "smem_layout", f"{stages} stages of {cfg.a_stage_bytes + cfg.b_stage_bytes} B "
+                            f"+ {cfg.c_stage_bytes} B epilogue + barriers = {total} B exceed {limit} B")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# render
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _wgmma_function(cfg: PtxConfig) -> list[str]:
+    """One wgmma m64nNk16 with both operands from shared memory. scale-d = 0 on a tile's first k-step makes the
+    instruction overwrite the accumulators, so they are never zeroed by other instructions between wgmmas."""
+    n, nr, t = cfg.bn, cfg.bn // 2, cfg.in_dtype
+    regs = [f"%{i}" for i in range(nr)]
+    reg_lines = [", ".join(regs[i:i + 16]) for i in range(0, nr, 16)]
+    outs = [f'"+f"(d[{i}])' for i in range(nr)]
+    out_lines = [", ".join(outs[i:i + 8]) for i in range(0, nr, 8)]
+    lines = [
+        f"// wgmma.mma_async m64n{n}k16, A and B from shared memory (descriptors), fp32 accumulators: {nr} per thread.",
+        "// imm-scale-a/b = 1, imm-trans-a/b = 0: both operands K-major, as TMA wrote them.",
+        f"__device__ __forceinline__ void wgmma_m64n{n}k16(float (&d)[{nr}], uint64_t desc_a, uint64_t desc_b,",
+        "                                                  uint32_t scale_d) {",
+        "  asm volatile(",
+        '      "{\\n"',
+        '      ".reg .pred p;\\n"',
+        f'      "setp.ne.b32 p, %{nr + 2}, 0;\\n"',
+        f'      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t}\\n"',
+    ]
+    for i, rl in enumerate(reg_lines):
+        open_, close = ("{" if i == 0 else ""), ("}," if i == len(reg_lines) - 1 else ",")
+        lines.append(f'      "  {open_}{rl}{close}\\n"')
+    lines += [
+        f'      "  %{nr}, %{nr + 1}, p, 1, 1, 0, 0;\\n"',
+        '      "}\\n"',
+    ]
+    for i, ol in enumerate(out_lines):
+        lines.append(("      : " if i == 0 else "        ") + ol + ("," if i < len(out_lines) - 1 else ""))
+    lines += [
+        '      : "l"(desc_a), "l"(desc_b), "r"(scale_d));',
+        "}",
+    ]
+    return lines
+
+
+def _tile_loop(cfg: PtxConfig, indent: str) -> list[str]:
+    """The tile loop header and the rasterized tile coordinates (l2ir.indexing.rasterize, rendered)."""
+    tile_m, tile_n = rasterize(cfg.raster, cfg.group)
+    if cfg.persistent:
+        head = [f"{indent}// pipeline.persistent=true: grid = min(tiles, NUM_SMS); each block walks tiles pid, "
+                "pid + gridDim.x, ...",
+                f"{indent}for (int pid = blockIdx.x; pid < num_tiles; pid += gridDim.x) {{"]
+    else:
+        head = [f"{indent}// pipeline.persistent=false: one block per output tile.",
+                f"{indent}for (int pid = blockIdx.x; pid < num_tiles; pid += num_tiles) {{"]
+    return head + [
+        f"{indent}  // swizzle.raster={cfg.raster} group={cfg.group} (l2ir.indexing.rasterize)",
+        f"{indent}  const int tile_m = {tile_m.to_cpp()};",
+        f"{indent}  const int tile_n = {tile_n.to_cpp()};",
+    ]
+
+
+def _epilogue_direct(cfg: PtxConfig) -> list[str]:
+    dm, dn, _ = cfg.divisible
+    out = CTYPE[cfg.out_dtype]
+    lines = [
+        "      // epilogue.path=direct: each thread stores its fragment straight to global memory. Fragment layout of",
+        "      // wgmma m64nN f32: d[4c + 2h + e] is row 16*warp + lane/4 + 8h, column 8c + 2*(lane%4) + e.",
+        f"      const int row0 = tile_m * BM + cw * WG_M + warp * 16 + lane / 4;",
+        f"      const int col0 = tile_n * BN + 2 * (lane % 4);",
+        "#pragma unroll",
+        "      for (int j = 0; j < SLABS; ++j) {",
+        "#pragma unroll",
+        "        for (int c = 0; c < WGMMA_N / 8; ++c) {",
+        "          const int col = col0 + 8 * c;",
+        "#pragma unroll",
+        "          for (int h = 0; h < 2; ++h) {",
+        "            const int row = row0 + 64 * j + 8 * h;",
+        "            const float v0 = acc[j][4 * c + 2 * h], v1 = acc[j][4 * c + 2 * h + 1];",
+        "            OutT* dst = C + (size_t)row * N + col;",
+    ]
+    guard_m = "" if dm else "row < M"
+    if cfg.vector == 2:
+        cond = " && ".join(x for x in (guard_m, "" if dn else "col < N") if x)
+        note = ("pad.m/n=divisible: no bounds checks" if not cond else
+                "bounds: N % 2 == 0 (checked by l2ir_run), so col < N covers the pair")
+        lines += [f"            // epilogue.vector=2: one 4-byte store of the adjacent pair; {note}."]
+        if cond:
+            lines += [f"            if ({cond}) *reinterpret_cast<Out2T*>(dst) = pack2(v0, v1);"]
+        else:
+            lines += ["            *reinterpret_cast<Out2T*>(dst) = pack2(v0, v1);"]
+    else:
+        c0 = " && ".join(x for x in (guard_m, "" if dn else "col < N") if x)
+        c1 = " && ".join(x for x in (guard_m, "" if dn else "col + 1 < N") if x)
+        lines += ["            // epilogue.vector=1: two 2-byte stores, each predicated (any N)."]
+        lines += [f"            {'if (' + c0 + ') ' if c0 else ''}dst[0] = to_out(v0);",
+                  f"            {'if (' + c1 + ') ' if c1 else ''}dst[1] = to_out(v1);"]
+    lines += ["          }", "        }", "      }"]
+    return lines
+
+
+def _epilogue_smem(cfg: PtxConfig) -> list[str]:
+    dm, dn, _ = cfg.divisible
+    v = cfg.vector
+    vec_t = {8: "uint4", 4: "uint2", 2: "uint32_t", 1: "uint16_t"}[v]
+    cond = " && ".join(x for x in ("" if dm else "grow < M", "" if dn else "gcol < N") if x)
+    store = f"*reinterpret_cast<{vec_t}*>(C + (size_t)grow * N + gcol) = *reinterpret_cast<const {vec_t}*>(c_tile + off);"
+    return [
+        "      // epilogue.path=smem: stage this warpgroup's WG_M x BN block in shared memory, then store whole rows",
+        f"      // with {v * DTYPE_BYTES[cfg.out_dtype]}-byte vectors (epilogue.vector={v}), consecutive threads on "
+        "consecutive addresses.",
+        "      // The 16-byte chunk index is XORed with the row (C_SWZ_MASK): the 8 rows a warp writes per store land",
+        "      // in 8 different chunks, so neither the fragment writes nor the row reads conflict on banks.",
+        "      uint8_t* c_tile = smem + SMEM_C + cw * (WG_M * BN * (int)sizeof(OutT));",
+        "#pragma unroll",
+        "      for (int j = 0; j < SLABS; ++j) {",
+        "#pragma unroll",
+        "        for (int c = 0; c < WGMMA_N / 8; ++c) {",
+        "#pragma unroll",
+        "          for (int h = 0; h < 2; ++h) {",
+        "            const int r = 64 * j + 16 * warp + lane / 4 + 8 * h;",
+        "            const int chunk = c ^ (r & C_SWZ_MASK);",
+        "            const int off = (r * BN + 8 * chunk + 2 * (lane % 4)) * (int)sizeof(OutT);",
+        "            *reinterpret_cast<Out2T*>(c_tile + off) = pack2(acc[j][4 * c + 2 * h], acc[j][4 * c + 2 * h + 1]);",
+        "          }",
+        "        }",
+        "      }",
+        "      // Named barrier 1 + cw: only this warpgroup's 128 threads (the other one and the producer run on).",
+        '      asm volatile("bar.sync %0, 128;" :: "r"(1 + cw) : "memory");',
+        f"      constexpr int VEC = {v};",
+        "      for (int i = tid; i < WG_M * BN / VEC; i += 128) {",
+        "        const int r = i / (BN / VEC), col = (i % (BN / VEC)) * VEC;",
+        "        const int off = (r * BN + 8 * ((col / 8) ^ (r & C_SWZ_MASK)) + col % 8) * (int)sizeof(OutT);",
+        "        const int grow = tile_m * BM + cw * WG_M + r, gcol = tile_n * BN + col;",
+        (f"        // bounds: N % VEC == 0 (checked by l2ir_run), so gcol < N covers the whole vector.\n"
+         f"        if ({cond}) {store}" if cond else
+         f"        // pad.m/n=divisible: l2ir_run admitted only whole tiles; no bounds checks.\n        {store}"),
+        "      }",
+        "      // The next tile's fragment writes must not overtake this tile's reads.",
+        '      asm volatile("bar.sync %0, 128;" :: "r"(1 + cw) : "memory");',
+    ]
+
+
+def _c_swz_mask(bn: int) -> int:
+    """XOR mask for the C staging swizzle: the largest power of two dividing the 16-byte chunks per row, up to 8
+    (XORing inside an aligned group of chunks keeps every index inside the row)."""
+    chunks = bn // 8
+    p = 1
+    while p < 8 and chunks % (2 * p) == 0:
+        p *= 2
+    return p - 1
+
+
+def render(cfg: PtxConfig) -> str:
+    """The .cu text for one configuration. Deterministic: the same PtxConfig gives the same bytes."""
+    lay = cfg.layout
+    in_t, out_t = CTYPE[cfg.in_dtype], CTYPE[cfg.out_dtype]
+    nr = cfg.bn // 2
+    dm, dn, dk = cfg.divisible
+    sbo = 8 * cfg.row_bytes
+    pack = ("__floats2half2_rn(a, b)" if cfg.out_dtype == "f16" else "__floats2bfloat162_rn(a, b)")
+    to_out = ("__float2half_rn(a)" if cfg.out_dtype == "f16" else "__float2bfloat16_rn(a)")
+    out2 = "__half2" if cfg.out_dtype == "f16" else "__nv_bfloat162"
+    store_bytes = cfg.vector * DTYPE_BYTES[cfg.out_dtype]
+    if cfg.persistent:
+        grid_line = "  const int grid = num_tiles < NUM_SMS ? int(num_tiles) : NUM_SMS;   // pipeline.persistent=true"
+    else:
+        grid_line = "  const int grid = int(num_tiles);   // pipeline.persistent=false: one block per tile"
+
+    L: list[str] = [
+        "// Generated by L2IR backends/cuda_ptx/sm90a.py from the kernel IR. Do not edit: change the IR and lower again.",
+        "//",
+        f"// problem class: {cfg.problem_class} (M, N, K are run-time arguments)",
+        f"// tile {cfg.bm}x{cfg.bn}x{cfg.bk} cooperative (2 consumer warpgroups of {cfg.wg_m} rows), wgmma 64x{cfg.bn}x16, "
+        f"stages {cfg.stages} (pipeline.stages={cfg.stages_field}),",
+        f"// swizzle {cfg.swizzle_field}, raster {cfg.raster}/{cfg.group}, persistent "
+        f"{str(cfg.persistent).lower()}, epilogue {cfg.epilogue}/{cfg.vector}",
+        "//",
+        "// Host shim ABI (backends/plan.py):",
+        "//   size_t l2ir_workspace_size(int M, int N, int K);   // 0",
+        "//   int    l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,",
+        "//                   void* workspace, size_t workspace_bytes, void* stream);   // 0 = success",
+        "",
+        "#include <atomic>",
+        "#include <climits>",
+        "#include <cstddef>",
+        "#include <cstdint>",
+        "",
+        "#include <cuda.h>           // CUtensorMap and its enums (no libcuda link: see tensor_map_encoder)",
+        "#include <cudaTypedefs.h>   // PFN_cuTensorMapEncodeTiled",
+        "#include <cuda_runtime.h>",
+        "#include <cuda_fp16.h>",
+        "#include <cuda_bf16.h>",
+        "",
+        "#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)",
+        '#error "wgmma and setmaxnreg need sm_90a: compile with -gencode=arch=compute_90a,code=sm_90a"',
+        "#endif",
+        "",
+        "namespace {",
+        "",
+        f"constexpr int L2IR_STATUS_MISALIGNED = {STATUS_MISALIGNED};",
+        *([f"constexpr int L2IR_STATUS_NOT_DIVISIBLE = {STATUS_NOT_DIVISIBLE};"] if any(cfg.divisible) else []),
+        f"constexpr int L2IR_STATUS_BAD_ARGUMENT = {STATUS_BAD_ARGUMENT};",
+        f"constexpr int L2IR_STATUS_CUDA_ERROR = {STATUS_CUDA_ERROR};",
+        f"constexpr int L2IR_STATUS_TENSOR_MAP = {STATUS_TENSOR_MAP};",
+        "",
+        f"using InT = {in_t};     // problem a/b",
+        f"using OutT = {out_t};   // problem c",
+        f"using Out2T = {out2};",
+        "",
+        "// ---- tile (tile.block, tile.warps, mma.shape) ----",
+        f"constexpr int BM = {cfg.bm}, BN = {cfg.bn}, BK = {cfg.bk};",
+        f"constexpr int CONSUMER_WGS = {cfg.consumer_wgs};        // tile.warps=8x1: two consumer warpgroups split BM",
+        "constexpr int WG_M = BM / CONSUMER_WGS;   // rows per consumer warpgroup",
+        "constexpr int SLABS = WG_M / 64;          // wgmma m64 slabs per consumer warpgroup",
+        f"constexpr int WGMMA_N = {cfg.bn};            // mma.shape=64x{cfg.bn}x16: one instruction spans BN",
+        "constexpr int THREADS = 128 * (1 + CONSUMER_WGS);   // producer warpgroup + consumers",
+        *([f"constexpr int NUM_SMS = {cfg.num_sms};            // persistent grid size (H200: 132 SMs)"]
+          if cfg.persistent else []),
+        "",
+        f"// ---- shared memory (swizzle.smem = {cfg.swizzle_field}, pipeline.stages) ----",
+        f"// A tile row of ATOM_K elements is one {cfg.row_bytes}-byte swizzle row: the TMA box's inner extent and the",
+        "// unit wgmma's descriptor walks. A BK-wide stage holds K_BLOCKS such column blocks per operand.",
+        f"constexpr int STAGES = {cfg.stages};",
+        f"constexpr int ATOM_K = {cfg.atom_k};",
+        f"constexpr int ROW_BYTES = {cfg.row_bytes};",
+        "constexpr int K_BLOCKS = BK / ATOM_K;",
+        f"constexpr int A_KBLOCK_BYTES = {cfg.a_kblock_bytes};   // BM rows x ROW_BYTES, 1024-aligned",
+        f"constexpr int B_KBLOCK_BYTES = {cfg.b_kblock_bytes};   // BN rows x ROW_BYTES, 1024-aligned",
+        "constexpr int A_STAGE_BYTES = K_BLOCKS * A_KBLOCK_BYTES;",
+        "constexpr int B_STAGE_BYTES = K_BLOCKS * B_KBLOCK_BYTES;",
+        f"constexpr uint32_t STAGE_TX_BYTES = {cfg.tx_bytes};   // (BM + BN) x BK x 2: the boxes land whole, "
+        "out-of-bounds zeros included",
+        f"constexpr int SMEM_A = {lay['a']}, SMEM_B = {lay['b']}, SMEM_BARS = {lay['bars']};",
+        *([f"constexpr int SMEM_C = {lay['c']};   // epilogue.path=smem: the C staging tile",
+           f"constexpr int C_SWZ_MASK = {_c_swz_mask(cfg.bn)};   // XOR of the 16-byte chunk index with the row"]
+          if cfg.epilogue == "smem" else []),
+        f"constexpr int SMEM_BYTES = {lay['total']};",
+        "",
+        "// wgmma shared-memory matrix descriptor (PTX ISA, matrix descriptor format):",
+        "//   bits  0-13 start address >> 4        bits 16-29 leading-dimension byte offset >> 4",
+        "//   bits 32-45 stride-dimension byte offset >> 4   bits 49-51 base offset   bits 62-63 swizzle mode",
+        "// K-major swizzled operands: the 16-element K step (32 bytes) stays inside one swizzle row, so the leading",
+        "// offset is unused (1 by convention); the stride offset steps between 8-row core-matrix groups = 8 rows.",
+        "// Every atom starts 1024-byte aligned, so the base offset is 0.",
+        f"constexpr uint64_t DESC_LBO = 1;",
+        f"constexpr uint64_t DESC_SBO = {sbo} >> 4;   // 8 rows x {cfg.row_bytes} B",
+        f"constexpr uint64_t DESC_SWIZZLE = {DESC_SWIZZLE_MODE[cfg.swizzle_bits]};   // 1 = 128B, 2 = 64B, 3 = 32B",
+        "constexpr uint64_t DESC_TEMPLATE = (DESC_LBO << 16) | (DESC_SBO << 32) | (DESC_SWIZZLE << 62);",
+        "",
+        "static_assert(BK % ATOM_K == 0 && BM % 128 == 0 && BN % 8 == 0 && BN <= 256, \"tile.block\");",
+        "static_assert(SMEM_BYTES <= 232448, \"shared memory exceeds the 227 KB sm90 opt-in\");",
+        "",
+        "// ---- PTX wrappers ----",
+        "__device__ __forceinline__ uint32_t smem_addr(const void* p) {",
+        "  return static_cast<uint32_t>(__cvta_generic_to_shared(p));",
+        "}",
+        "",
+        "__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {",
+        "  return DESC_TEMPLATE | (uint64_t)((addr & 0x3FFFF) >> 4);",
+        "}",
+        "",
+        "__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {",
+        '  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");',
+        "}",
+        "",
+        "// Arms the stage's `full` barrier: one arrival plus the bytes the TMA boxes will deliver. The phase completes",
+        "// only when the arrival count and the transaction count both reach zero.",
+        "__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {",
+        '  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");',
+        "}",
+        "",
+        "__device__ __forceinline__ void mbar_arrive(uint32_t bar) {",
+        '  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");',
+        "}",
+        "",
+        "// Wait until the phase with this parity has completed. try_wait has acquire semantics, so the TMA bytes that",
+        "// completed the phase are visible to the wgmma reads that follow.",
+        "__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {",
+        "  uint32_t done = 0;",
+        "  do {",
+        "    asm volatile(",
+        '        "{\\n"',
+        '        ".reg .pred p;\\n"',
+        '        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\\n"',
+        '        "selp.u32 %0, 1, 0, p;\\n"',
+        '        "}\\n"',
+        '        : "=r"(done) : "r"(bar), "r"(parity) : "memory");',
+        "  } while (!done);",
+        "}",
+        "",
+        "// 2D TMA load of one box into shared memory, completing `bytes` on the mbarrier. c0 is the innermost (K)",
+        "// coordinate, c1 the row. Out-of-bounds elements arrive as zeros (the K, M and N tails).",
+        "__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {",
+        "  asm volatile(",
+        '      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"',
+        '      :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1) : "memory");',
+        "}",
+        "",
+        "__device__ __forceinline__ void wgmma_fence() { asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\"); }",
+        "__device__ __forceinline__ void wgmma_commit() { asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\"); }",
+        "template <int N>",
+        "__device__ __forceinline__ void wgmma_wait() {",
+        '  asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");',
+        "}",
+        "",
+        "// Pins the accumulators at this point of the instruction stream: the compiler may not move reads or writes of",
+        "// them across an in-flight wgmma (which would make ptxas serialize the wgmma pipeline).",
+        f"__device__ __forceinline__ void fence_acc(float (&d)[{nr}]) {{",
+        "#pragma unroll",
+        f"  for (int i = 0; i < {nr}; ++i) asm volatile(\"\" : \"+f\"(d[i]) :: \"memory\");",
+        "}",
+        "",
+        *_wgmma_function(cfg),
+        "",
+        (f"__device__ __forceinline__ OutT to_out(float a) {{ return {to_out}; }}" if cfg.vector == 1
+         and cfg.epilogue == "direct" else
+         f"__device__ __forceinline__ Out2T pack2(float a, float b) {{ return {pack}; }}"),
+        "",
+        "}  // namespace",
+        "",
+        "// ---- the kernel ----",
+        "// One block per SM (__launch_bounds__(THREADS, 1)): the stage ring takes nearly all shared memory, and",
+        "// setmaxnreg redistributes the register file between the warpgroups.",
+        f'extern "C" __global__ void __launch_bounds__(THREADS, 1)',
+        f"{ENTRY}(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,",
+        "        OutT* __restrict__ C, int M, int N, int K) {",
+        "  // 1024-byte alignment: the 128-byte swizzle pattern repeats every 8 rows x 128 B, and TMA and wgmma both",
+        "  // compute it from the absolute shared-memory address.",
+        "  extern __shared__ __align__(1024) uint8_t smem[];",
+        "  const uint32_t smem_base = smem_addr(smem);",
+        "  if (smem_base & 1023) __trap();   // never expected; a misaligned ring would corrupt every tile",
+        "  const uint32_t bars = smem_base + SMEM_BARS;",
+        "  // full[s] at bars + 8 s, empty[s] at bars + 8 (STAGES + s)",
+        "",
+        "  const int tiles_m = (M + BM - 1) / BM;",
+        "  const int tiles_n = (N + BN - 1) / BN;",
+        "  const int num_tiles = tiles_m * tiles_n;",
+        "  const int k_tiles = (K + BK - 1) / BK;   // the K tail is a zero-filled box (pad.k)",
+        "  const int wg = threadIdx.x / 128;",
+        "",
+        "  if (threadIdx.x == 0) {",
+        "    for (int s = 0; s < STAGES; ++s) {",
+        "      mbar_init(bars + 8 * s, 1);                           // full: the producer's arrive.expect_tx",
+        "      mbar_init(bars + 8 * (STAGES + s), CONSUMER_WGS * 4);  // empty: one arrival per consumer warp",
+        "    }",
+        "    // Make the initialized barriers visible to the other threads and to the async proxy (TMA complete_tx).",
+        '    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");',
+        '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+        "  }",
+        "  __syncthreads();   // the last block-wide barrier: after this the warpgroups only meet through mbarriers",
+        "",
+        "  if (wg == 0) {",
+        "    // ---- producer warpgroup: TMA only, so it gives its registers to the consumers ----",
+        f'    asm volatile("setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGS};" ::: "memory");',
+        "    if (threadIdx.x == 0) {",
+        '      asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_a)) : "memory");',
+        '      asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_b)) : "memory");',
+        "      int stage = 0;",
+        "      uint32_t phase = 0;",
+        *_tile_loop(cfg, "      "),
+        "        for (int kt = 0; kt < k_tiles; ++kt) {",
+        "          // Wait until the consumers released this stage. On the first pass (phase 0) parity 1 refers to the",
+        "          // phase before initialization, which counts as complete, so the ring fills without waiting.",
+        "          mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);",
+        "          const uint32_t full = bars + 8 * stage;",
+        "          mbar_arrive_expect_tx(full, STAGE_TX_BYTES);",
+        "#pragma unroll",
+        "          for (int kb = 0; kb < K_BLOCKS; ++kb) {",
+        "            const int k0 = kt * BK + kb * ATOM_K;",
+        "            tma_load_2d(smem_base + SMEM_A + stage * A_STAGE_BYTES + kb * A_KBLOCK_BYTES, &tmap_a, full, k0,",
+        "                        tile_m * BM);",
+        "            tma_load_2d(smem_base + SMEM_B + stage * B_STAGE_BYTES + kb * B_KBLOCK_BYTES, &tmap_b, full, k0,",
+        "                        tile_n * BN);",
+        "          }",
+        "          if (++stage == STAGES) { stage = 0; phase ^= 1; }",
+        "        }",
+        "      }",
+        "    }",
+        "  } else {",
+        "    // ---- consumer warpgroups: wgmma and the epilogue ----",
+        f'    asm volatile("setmaxnreg.inc.sync.aligned.u32 {CONSUMER_REGS};" ::: "memory");',
+        "    const int cw = wg - 1;   // consumer warpgroup: rows [cw * WG_M, (cw + 1) * WG_M) of the tile",
+        "    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;",
+        f"    float acc[SLABS][{nr}];",
+        "#pragma unroll",
+        "    for (int j = 0; j < SLABS; ++j)",
+        "#pragma unroll",
+        f"      for (int i = 0; i < {nr}; ++i) acc[j][i] = 0.f;",
+        "    int stage = 0;",
+        "    uint32_t phase = 0;",
+        *_tile_loop(cfg, "    "),
+        "      int prev = -1;",
+        "      for (int kt = 0; kt < k_tiles; ++kt) {",
+        "        mbar_wait(bars + 8 * stage, phase);",
+        "#pragma unroll",
+        "        for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
+        "        wgmma_fence();   // order earlier register accesses of the accumulators before the async reads",
+        "        const uint32_t a_stage = smem_base + SMEM_A + stage * A_STAGE_BYTES + cw * WG_M * ROW_BYTES;",
+        "        const uint32_t b_stage = smem_base + SMEM_B + stage * B_STAGE_BYTES;",
+        "#pragma unroll",
+        "        for (int kk = 0; kk < BK / 16; ++kk) {",
+        "          // k step kk: column block kk / (ATOM_K / 16), then 32 bytes per 16 elements inside the swizzle row",
+        "          // (the hardware applies the XOR pattern to the advanced address).",
+        "          const uint32_t koff = (kk % (ATOM_K / 16)) * 32;",
+        "          const int kb = kk / (ATOM_K / 16);",
+        "          const uint64_t db = smem_desc(b_stage + kb * B_KBLOCK_BYTES + koff);",
+        "#pragma unroll",
+        "          for (int j = 0; j < SLABS; ++j) {",
+        "            const uint64_t da = smem_desc(a_stage + kb * A_KBLOCK_BYTES + j * 64 * ROW_BYTES + koff);",
+        f"            wgmma_m64n{cfg.bn}k16(acc[j], da, db, (kt > 0 || kk > 0) ? 1u : 0u);",
+        "          }",
+        "        }",
+        "        wgmma_commit();",
+        "        // Keep this k-tile's wgmma group in flight; wait for the previous one, whose stage can then be",
+        "        // handed back to the producer while the tensor cores work on this one.",
+        "        wgmma_wait<1>();",
+        "#pragma unroll",
+        "        for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
+        "        if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));",
+        "        prev = stage;",
+        "        if (++stage == STAGES) { stage = 0; phase ^= 1; }",
+        "      }",
+        "      wgmma_wait<0>();",
+        "#pragma unroll",
+        "      for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
+        "      if (lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));",
+        "",
+        *(_epilogue_direct(cfg) if cfg.epilogue == "direct" else _epilogue_smem(cfg)),
+        "    }",
+        "  }",
+        "}",
+        "",
+        "// ---- trusted host code: tensor maps and the launch ----",
+        "namespace {",
+        "",
+        "using EncodeTiledFn = PFN_cuTensorMapEncodeTiled_v12000;",
+        "",
+        "// cuTensorMapEncodeTiled is a driver API function. Fetching it through the runtime keeps the library free of a",
+        "// link-time libcuda dependency (it resolves against the driver the process already loaded).",
+        "EncodeTiledFn tensor_map_encoder() {",
+        "  static EncodeTiledFn fn = []() -> EncodeTiledFn {",
+        "    void* p = nullptr;",
+        "    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;",
+        "    if (cudaGetDriverEntryPointByVersion(\"cuTensorMapEncodeTiled\", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||",
+        "        q != cudaDriverEntryPointSuccess) {",
+        "      return nullptr;",
+        "    }",
+        "    return reinterpret_cast<EncodeTiledFn>(p);",
+        "  }();",
+        "  return fn;",
+        "}",
+        "",
+        "// A K-major operand (rows x K, K contiguous) as a 2D tensor {K, rows}; each box is ATOM_K x box_rows, written",
+        f"// to shared memory with the {cfg.row_bytes}-byte swizzle the wgmma descriptors expect. OOB_FILL_NONE fills zeros.",
+        "bool encode_operand(EncodeTiledFn encode, CUtensorMap* map, const void* ptr, int rows, int K, int box_rows) {",
+        "  cuuint64_t dims[2] = {cuuint64_t(K), cuuint64_t(rows)};",
+        "  cuuint64_t strides[1] = {cuuint64_t(K) * sizeof(InT)};   // bytes between rows; must be a multiple of 16",
+        "  cuuint32_t box[2] = {cuuint32_t(ATOM_K), cuuint32_t(box_rows)};",
+        "  cuuint32_t elem_strides[2] = {1, 1};",
+        f"  CUresult r = encode(map, {TMA_DTYPE[cfg.in_dtype]}, 2, const_cast<void*>(ptr), dims, strides, box,",
+        f"                      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, {TMA_SWIZZLE[cfg.swizzle_bits]},",
+        "                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);",
+        "  return r == CUDA_SUCCESS;",
+        "}",
+        "",
+        "// Opt the kernel into SMEM_BYTES of dynamic shared memory (above the 48 KB default), once per device, so",
+        "// calls captured into a CUDA graph issue only the launch.",
+        "bool configure_kernel() {",
+        "  static std::atomic<unsigned long long> configured{0};   // bit d: device d done",
+        "  int device = 0;",
+        "  if (cudaGetDevice(&device) != cudaSuccess) return false;",
+        "  const unsigned long long bit = device < 64 ? 1ull << device : 0;",
+        "  if (bit & configured.load(std::memory_order_acquire)) return true;",
+        f"  if (cudaFuncSetAttribute({ENTRY}, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES) != cudaSuccess) {{",
+        "    return false;",
+        "  }",
+        "  configured.fetch_or(bit, std::memory_order_release);",
+        "  return true;",
+        "}",
+        "",
+        "}  // namespace",
+        "",
+        'extern "C" size_t l2ir_workspace_size(int M, int N, int K) {',
+        "  (void)M; (void)N; (void)K;",
+        "  return 0;",
+        "}",
+        "",
+        'extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,',
+        "                        void* workspace, size_t workspace_bytes, void* stream) {",
+        "  (void)workspace; (void)workspace_bytes;",
+        "  if (A == nullptr || B == nullptr || C == nullptr || M <= 0 || N <= 0 || K <= 0) return L2IR_STATUS_BAD_ARGUMENT;",
+    ]
+    for flag, var, size, fld in ((dm, "M", "BM", "pad.m"), (dn, "N", "BN", "pad.n"), (dk, "K", "BK", "pad.k")):
+        if flag:
+            L.append(f"  if ({var} % {size} != 0) return L2IR_STATUS_NOT_DIVISIBLE;   // {fld}=divisible")
+    L += [
+        "  // TMA: 16-byte aligned base addresses and row strides (pad.align=8: K % 8 == 0).",
+        "  if (reinterpret_cast<uintptr_t>(A) % 16 != 0 || reinterpret_cast<uintptr_t>(B) % 16 != 0 || K % 8 != 0) {",
+        "    return L2IR_STATUS_MISALIGNED;",
+        "  }",
+        f"  // epilogue.vector={cfg.vector}: {store_bytes}-byte stores need aligned rows and base.",
+        f"  if (reinterpret_cast<uintptr_t>(C) % {store_bytes} != 0 || N % {cfg.vector} != 0) "
+        "return L2IR_STATUS_MISALIGNED;",
+        "  const long long num_tiles = (long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN);",
+        "  if (num_tiles > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
+        "  EncodeTiledFn encode = tensor_map_encoder();",
+        "  if (encode == nullptr) return L2IR_STATUS_TENSOR_MAP;",
+        "  CUtensorMap tmap_a, tmap_b;",
+        "  if (!encode_operand(encode, &tmap_a, A, M, K, BM) || !encode_operand(encode, &tmap_b, B, N, K, BN)) {",
+        "    return L2IR_STATUS_TENSOR_MAP;",
+        "  }",
+        "  if (!configure_kernel()) return L2IR_STATUS_CUDA_ERROR;",
+        grid_line,
+        f"  {ENTRY}<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(",
+        "      tmap_a, tmap_b, static_cast<OutT*>(C), M, N, K);",
+        "  return cudaGetLastError() == cudaSuccess ? 0 : L2IR_STATUS_CUDA_ERROR;",
+        "}",
+        "",
+    ]
+    return "\n".join(L)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# lower
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _problem_text(problem: Problem) -> str:
+    return (f"gemm a={problem.a[0]}:{problem.a[1]} b={problem.b[0]}:{problem.b[1]} "
+            f"c={problem.c[0]}:{problem.c[1]} acc={problem.acc}")
+
+
+def lower(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> LaunchPlan:
+    """IR -> LaunchPlan(form="host_shim"): a shared library exporting l2ir_workspace_size / l2ir_run."""
+    cfg = canonicalize(kernel, problem, num_sms)
+    return LaunchPlan(
+        source=render(cfg),
+        arch="sm_90a",
+        form="host_shim",
+        workspace_bytes=Const(0),
+        zero_workspace=False,
+        needs_cutlass=False,
+        ir_text=kernel.text(),
+        problem_text=_problem_text(problem),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The reference build command (compile.py owns caching; tests and bench/ use this directly).
+# ---------------------------------------------------------------------------------------------------------------
+
+# sm_90a, not sm_90: wgmma and setmaxnreg exist only in the arch-specific target. `-arch=sm_90a` would also embed
+# compute_90 PTX, which rejects wgmma. No -lcuda: the driver entry point is fetched through the runtime.
+NVCC_FLAGS = ("-shared", "-Xcompiler", "-fPIC", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a")
+
+
+def nvcc_command(plan: LaunchPlan, source_path: str, output_path: str, nvcc: str = "nvcc",
+                 verbose_ptxas: bool = False) -> list[str]:
+    cmd = [nvcc, *NVCC_FLAGS, *plan.extra_flags]
+    if verbose_ptxas:
+        cmd += ["-Xptxas", "-v"]
+    return cmd + ["-o", output_path, source_path]
+
+
+__all__ = ["PtxConfig", "canonicalize", "render", "lower", "nvcc_command", "NVCC_FLAGS", "ENTRY"]

@@ -1,0 +1,330 @@
+"""backends/cuda_ptx (sm90a rule): golden source, determinism, one test per IR field, the refusals, and nvcc builds.
+
+Regenerate the golden sources after an intended change to the lowering:
+    python tests/test_cuda_ptx.py --update-golden
+and review the diff of tests/golden/cuda_ptx/ like any other code change.
+
+The nvcc tests build two configurations (raw CUDA: about 2 s each); they skip cleanly without nvcc, and the SASS check
+skips without cuobjdump/nvdisasm (PATH, or the nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm wheels).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backends.cuda_ptx import UnsupportedLowering, lower  # noqa: E402
+from backends.cuda_ptx import common, sm90a  # noqa: E402
+from l2ir.errors import L2IRError  # noqa: E402
+from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target,  # noqa: E402
+                        Tile)
+from l2ir.verify import resolved_stages  # noqa: E402
+
+GOLDEN = Path(__file__).parent / "golden" / "cuda_ptx"
+PROBLEM = Problem(m=4096, n=4096, k=4096)
+
+
+def coop(block=(128, 256, 64), **changes) -> Kernel:
+    """Cooperative 2-consumer-warpgroup kernel, wgmma 64 x BN x 16, direct epilogue with half2 stores."""
+    k = Kernel(target=Target("sm90a"), tile=Tile(block, (8, 1), (1, 1)), mma=Mma("wgmma", (64, block[1], 16)),
+               pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=True),
+               swizzle=Swizzle((3, 3, 3), "along_n", 1), pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+               epilogue=Epilogue("direct", 2))
+    return k.replace(**changes)
+
+
+CASES: dict[str, tuple[Kernel, Problem]] = {
+    "coop_128x256x64_direct": (coop(), PROBLEM),
+    "coop_256x128x64_smem8_along_m8": (
+        coop((256, 128, 64), epilogue=Epilogue("smem", 8), swizzle=Swizzle((3, 3, 3), "along_m", 8)), PROBLEM),
+    "coop_128x128x64_bf16_vec1_nonpersistent": (
+        coop((128, 128, 64), epilogue=Epilogue("direct", 1),
+             pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=False)),
+        Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col"), c=("bf16", "row"))),
+    "coop_128x128x128_sw64_divisible_stages3": (
+        coop((128, 128, 128), swizzle=Swizzle((2, 3, 3), "along_n", 4), epilogue=Epilogue("smem", 4),
+             pad=Pad("divisible", "divisible", "divisible", 8),
+             pipeline=Pipeline("tma_ws", 3, "cooperative", persistent=True)), PROBLEM),
+}
+
+
+def golden_path(name: str) -> Path:
+    return GOLDEN / f"{name}.cu"
+
+
+def update_golden() -> None:
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    for name, (kernel, problem) in CASES.items():
+        golden_path(name).write_text(lower(kernel, problem).source)
+        print("wrote", golden_path(name))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Golden source, determinism, plan.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden_source(name):
+    kernel, problem = CASES[name]
+    expected = golden_path(name)
+    assert expected.exists(), f"missing {expected}: run python tests/test_cuda_ptx.py --update-golden"
+    assert lower(kernel, problem).source == expected.read_text(), (
+        f"generated source for {name} changed; if intended, regenerate with "
+        "python tests/test_cuda_ptx.py --update-golden and review the diff")
+
+
+def test_deterministic_in_process():
+    for kernel, problem in CASES.values():
+        assert lower(kernel, problem) == lower(kernel, problem)
+
+
+def test_deterministic_across_processes():
+    """A fresh interpreter (different hash seed) produces byte-identical source."""
+    code = ("import sys, hashlib; sys.path.insert(0, %r); from tests.test_cuda_ptx import CASES, lower; "
+            "print(hashlib.sha256(''.join(lower(*c).source for c in CASES.values()).encode()).hexdigest())"
+            % str(Path(__file__).resolve().parents[1]))
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(outs) == 1
+
+
+def test_plan_fields():
+    plan = lower(coop(), PROBLEM)
+    assert plan.form == "host_shim" and plan.arch == "sm_90a" and not plan.needs_cutlass
+    assert plan.launches == () and not plan.zero_workspace and plan.workspace_for(4096, 4096, 4096) == 0
+    assert 'extern "C" size_t l2ir_workspace_size(int M, int N, int K)' in plan.source
+    assert 'extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,' in plan.source
+    assert plan.problem_text == "gemm a=f16:row b=f16:col c=f16:row acc=f32"
+    assert plan.ir_text == coop().text()
+
+
+def test_auto_stages_follow_verify():
+    """stages=auto is the verifier's resolution, and the layout fits the sm90 opt-in."""
+    for kernel, problem in CASES.values():
+        cfg = sm90a.canonicalize(kernel, problem)
+        assert cfg.stages == resolved_stages(kernel)
+        assert cfg.layout["total"] <= 232448
+        assert f"constexpr int STAGES = {cfg.stages};" in sm90a.render(cfg)
+
+
+def test_descriptor_and_tma_constants():
+    """The wgmma descriptor's swizzle mode, stride offset and the TMA swizzle agree with swizzle.smem."""
+    for bits, mode, tma, sbo in ((3, 1, "CU_TENSOR_MAP_SWIZZLE_128B", 1024), (2, 2, "CU_TENSOR_MAP_SWIZZLE_64B", 512),
+                                 (1, 3, "CU_TENSOR_MAP_SWIZZLE_32B", 256)):
+        src = lower(coop(swizzle=Swizzle((bits, 3, 3), "along_n", 1)), PROBLEM).source
+        assert f"constexpr uint64_t DESC_SWIZZLE = {mode};" in src
+        assert f"constexpr uint64_t DESC_SBO = {sbo} >> 4;" in src
+        assert tma in src
+        assert f"constexpr int ATOM_K = {8 << bits};" in src
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Each IR field changes the source (or is refused: see below).
+# ---------------------------------------------------------------------------------------------------------------
+
+FIELD_CASES = [
+    ("tile.block", coop((128, 128, 64)), PROBLEM, "constexpr int BM = 128, BN = 128, BK = 64;"),
+    ("tile.block.k", coop((128, 256, 128), pipeline=Pipeline("tma_ws", 2, "cooperative", persistent=True)), PROBLEM,
+     "constexpr int BM = 128, BN = 256, BK = 128;"),
+    ("mma.shape", coop((128, 192, 64)), PROBLEM, "wgmma.mma_async.sync.aligned.m64n192k16.f32.f16.f16"),
+    ("pipeline.stages", coop(pipeline=Pipeline("tma_ws", 3, "cooperative", persistent=True)), PROBLEM,
+     "constexpr int STAGES = 3;"),
+    ("pipeline.persistent", coop(pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=False)), PROBLEM,
+     "for (int pid = blockIdx.x; pid < num_tiles; pid += num_tiles) {"),
+    ("swizzle.smem", coop(swizzle=Swizzle((2, 3, 3), "along_n", 1)), PROBLEM, "CU_TENSOR_MAP_SWIZZLE_64B"),
+    ("swizzle.smem=none", coop((128, 256, 32), swizzle=Swizzle(None, "along_n", 2)), PROBLEM,
+     "swizzle none -> <2,3,3>"),
+    ("swizzle.raster", coop(swizzle=Swizzle((3, 3, 3), "along_m", 1)), PROBLEM, "swizzle.raster=along_m group=1"),
+    ("swizzle.group", coop(swizzle=Swizzle((3, 3, 3), "along_n", 8)), PROBLEM, "swizzle.raster=along_n group=8"),
+    ("pad.m", coop(pad=Pad("divisible", "zero_fill", "zero_fill", 8)), PROBLEM,
+     "if (M % BM != 0) return L2IR_STATUS_NOT_DIVISIBLE;"),
+    ("pad.n", coop(pad=Pad("zero_fill", "divisible", "zero_fill", 8)), PROBLEM,
+     "if (N % BN != 0) return L2IR_STATUS_NOT_DIVISIBLE;"),
+    ("pad.k", coop(pad=Pad("zero_fill", "zero_fill", "divisible", 8)), PROBLEM,
+     "if (K % BK != 0) return L2IR_STATUS_NOT_DIVISIBLE;"),
+    ("epilogue.path", coop(epilogue=Epilogue("smem", 8)), PROBLEM, "// epilogue.path=smem"),
+    ("epilogue.vector", coop(epilogue=Epilogue("direct", 1)), PROBLEM, "// epilogue.vector=1"),
+    ("epilogue.vector.smem", coop(epilogue=Epilogue("smem", 4)), PROBLEM, "*reinterpret_cast<uint2*>(C"),
+    ("problem.dtype", coop(), Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col")),
+     "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"),
+    ("problem.c", coop(), Problem(m=1, n=1, k=1, c=("bf16", "row")), "using OutT = __nv_bfloat16;"),
+]
+
+
+@pytest.mark.parametrize("field,kernel,problem,expected", FIELD_CASES, ids=[c[0] for c in FIELD_CASES])
+def test_field_changes_source(field, kernel, problem, expected):
+    base = lower(coop(), PROBLEM).source
+    src = lower(kernel, problem).source
+    assert expected in src, f"{field}: expected line not generated"
+    assert expected not in base, f"{field}: the base kernel already contains the line, so the test proves nothing"
+
+
+def test_divisible_drops_predicates():
+    base = lower(coop(), PROBLEM).source
+    div = lower(coop(pad=Pad("divisible", "divisible", "zero_fill", 8)), PROBLEM).source
+    assert "if (row < M && col < N)" in base
+    assert "if (row < M" not in div and "*reinterpret_cast<Out2T*>(dst) = pack2(v0, v1);" in div
+
+
+def test_grid_is_explicit_sm_count():
+    assert "constexpr int NUM_SMS = 132;" in lower(coop(), PROBLEM).source
+    assert "constexpr int NUM_SMS = 114;" in lower(coop(), PROBLEM, num_sms=114).source
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Refusals: every field this rule does not implement raises, naming the field.
+# ---------------------------------------------------------------------------------------------------------------
+
+REFUSALS = [
+    ("tile.cluster", coop(tile=Tile((128, 256, 64), (8, 1), (2, 1))), PROBLEM),
+    ("splitk", coop(splitk=SplitK("stream_k")), PROBLEM),
+    ("splitk", coop(splitk=SplitK("split_k", 2)), PROBLEM),
+    ("pipeline.schedule", coop((128, 128, 64), tile=Tile((128, 128, 64), (4, 1), (1, 1)),
+                               pipeline=Pipeline("tma_ws", "auto", "pingpong", persistent=True)), PROBLEM),
+    ("epilogue.path", coop(epilogue=Epilogue("tma", 8)), PROBLEM),
+    ("epilogue.vector", coop(epilogue=Epilogue("direct", 8)), PROBLEM),
+    ("problem.a", coop(), Problem(m=1, n=1, k=1, a=("f16", "col"))),
+    ("problem.b", coop(), Problem(m=1, n=1, k=1, b=("f16", "row"))),
+    ("problem.c", coop(), Problem(m=1, n=1, k=1, c=("f32", "row"))),
+    ("problem.acc", coop(), Problem(m=1, n=1, k=1, acc="f16")),
+    ("swizzle.smem", coop((128, 256, 96), pipeline=Pipeline("tma_ws", 2, "cooperative", persistent=True)), PROBLEM),
+    ("tile.block", coop((384, 64, 64)), PROBLEM),
+]
+
+
+@pytest.mark.parametrize("field,kernel,problem", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_refusals_name_the_field(field, kernel, problem):
+    with pytest.raises(UnsupportedLowering) as info:
+        lower(kernel, problem)
+    assert info.value.field == field
+    assert isinstance(info.value, NotImplementedError) and isinstance(info.value, L2IRError)
+    assert field in str(info.value)
+
+
+def test_other_targets_refused():
+    k = Kernel(target=Target("sm80"), tile=Tile((128, 128, 32), (2, 2)), mma=Mma("mma_sync", (16, 8, 16)),
+               pipeline=Pipeline("multistage", 3), pad=Pad(), epilogue=Epilogue("smem", 8))
+    with pytest.raises(UnsupportedLowering) as info:
+        lower(k, PROBLEM)
+    assert info.value.field == "target.arch"
+
+
+def test_illegal_ir_raises_verify_error():
+    from l2ir.errors import VerifyError
+    with pytest.raises(VerifyError):
+        lower(coop(mma=Mma("wgmma", (64, 128, 16))), PROBLEM)   # BN=256 but wgmma N=128
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# nvcc builds (skip cleanly without nvcc).
+# ---------------------------------------------------------------------------------------------------------------
+
+NVCC_CASES = ["coop_128x256x64_direct", "coop_256x128x64_smem8_along_m8"]
+
+
+def _tool_dirs() -> list[str]:
+    """Folders that may hold cuobjdump and nvdisasm: PATH, then the NVIDIA wheels."""
+    dirs = []
+    try:
+        import nvidia.cu13  # noqa: F401
+        dirs.append(str(Path(nvidia.cu13.__path__[0]) / "bin"))
+    except ImportError:
+        pass
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not on PATH")
+    out = {}
+    procs = {}
+    for name in NVCC_CASES:
+        d = tmp_path_factory.mktemp(name)
+        plan = lower(*CASES[name])
+        (d / "kernel.cu").write_text(plan.source)
+        cmd = sm90a.nvcc_command(plan, str(d / "kernel.cu"), str(d / "libkernel.so"), nvcc=nvcc, verbose_ptxas=True)
+        cmd[-3:-3] = ["-keep", "-keep-dir", str(d)]
+        procs[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), cmd, d)
+    for name, (proc, cmd, d) in procs.items():
+        log, _ = proc.communicate(timeout=600)
+        out[name] = {"rc": proc.returncode, "log": log, "cmd": cmd, "lib": d / "libkernel.so",
+                     "ptx": "\n".join(p.read_text() for p in d.glob("*.ptx"))}
+    return out
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("name", NVCC_CASES)
+def test_nvcc_builds_without_spills(builds, name):
+    b = builds[name]
+    assert b["rc"] == 0, "nvcc failed; reproduce with:\n  " + " ".join(b["cmd"]) + "\n" + b["log"][-4000:]
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", b["log"])
+    assert spills and all(s == ("0", "0") for s in spills), f"register spills: {spills}"
+    assert "C7510" not in b["log"] and "C7515" not in b["log"], "ptxas serialized the wgmma pipeline"
+    assert "warning" not in b["log"].lower(), b["log"]
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", b["log"])]
+    assert regs and max(regs) <= 168, regs   # 65536 / 384 threads, rounded down to a multiple of 8
+    bn = CASES[name][0].tile.bn
+    assert f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16" in b["ptx"]
+    for instr in ("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes",
+                  "setmaxnreg.dec.sync.aligned.u32 40", "setmaxnreg.inc.sync.aligned.u32 232",
+                  "mbarrier.try_wait.parity.shared::cta.b64", "wgmma.wait_group.sync.aligned 1"):
+        assert instr in b["ptx"], instr
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("name", NVCC_CASES)
+def test_sass_has_hgmma(builds, name):
+    b = builds[name]
+    assert b["rc"] == 0
+    env = {**os.environ, "PATH": os.pathsep.join(_tool_dirs() + [os.environ.get("PATH", "")])}
+    cuobjdump = shutil.which("cuobjdump", path=env["PATH"])
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not found")
+    proc = subprocess.run([cuobjdump, "-sass", str(b["lib"])], capture_output=True, text=True, env=env)
+    if proc.returncode != 0 and "nvdisasm" in proc.stderr + proc.stdout:
+        pytest.skip("cuobjdump -sass needs nvdisasm, which is not installed")
+    assert proc.returncode == 0, proc.stderr
+    kernel = CASES[name][0]
+    slabs = kernel.tile.bm // 128
+    hgmma = re.findall(rf"HGMMA\.64x{kernel.tile.bn}x16\.F32", proc.stdout)
+    # One k-tile's wgmmas (BK/16 steps x slabs) appear once in the unrolled main loop.
+    assert len(hgmma) == kernel.tile.bk // 16 * slabs, len(hgmma)
+    assert "UTMALDG.2D" in proc.stdout
+
+
+@pytest.mark.nvcc
+def test_host_shim_refuses_without_gpu(builds):
+    """The shim loads and refuses bad arguments before any CUDA call (also on machines without a GPU)."""
+    b = builds["coop_128x256x64_direct"]
+    assert b["rc"] == 0
+    so = ctypes.CDLL(str(b["lib"]))
+    so.l2ir_run.restype = ctypes.c_int
+    so.l2ir_run.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_size_t,
+                                                                          ctypes.c_void_p]
+    so.l2ir_workspace_size.restype = ctypes.c_size_t
+    so.l2ir_workspace_size.argtypes = [ctypes.c_int] * 3
+    assert so.l2ir_run(None, None, None, 64, 64, 64, None, 0, None) == common.STATUS_BAD_ARGUMENT
+    assert so.l2ir_run(16, 16, 16, 0, 64, 64, None, 0, None) == common.STATUS_BAD_ARGUMENT
+    assert so.l2ir_run(8, 16, 16, 64, 64, 64, None, 0, None) == common.STATUS_MISALIGNED      # A not 16-byte aligned
+    assert so.l2ir_run(16, 16, 16, 64, 64, 60, None, 0, None) == common.STATUS_MISALIGNED     # K % 8 != 0
+    assert so.l2ir_run(16, 16, 18, 64, 64, 64, None, 0, None) == common.STATUS_MISALIGNED     # C not 4-byte aligned
+    assert so.l2ir_workspace_size(4096, 4096, 4096) == 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--update-golden"]:
+        update_golden()
+    else:
+        print(__doc__)
