@@ -130,15 +130,16 @@ def build_one(name: str, kernel: Kernel, work: Path, nvcc: str, includes: tuple[
         if "C7510" in text:
             out.spills += " WGMMA-SERIALIZED(C7510)"
         out.lib_path = lib
-        out.hgmma = count_hgmma(lib)
+        out.hgmma = count_hgmma(lib, nvcc)
     except Exception:
         out.error = traceback.format_exc()
     return out
 
 
-def count_hgmma(lib: Path) -> str:
+def count_hgmma(lib: Path, nvcc: str) -> str:
     """HGMMA instructions in the library's SASS (needs cuobjdump and nvdisasm; 'n/a' otherwise)."""
-    cuobjdump = shutil.which("cuobjdump")
+    beside = Path(nvcc).resolve().parent / "cuobjdump"
+    cuobjdump = shutil.which("cuobjdump") or (str(beside) if beside.exists() else None)
     if cuobjdump is None:
         return "n/a"
     try:
@@ -362,11 +363,11 @@ def print_table(builds: dict[str, Built], rows: list[Row]) -> None:
     for r in rows:
         shape = "x".join(map(str, r.shape))
         timed = not math.isnan(r.ours_us)
-        print(f"{r.config:34} {shape:>18} {r.status[:10]:>10} {r.rel_err:9.1e} "
+        print(f"{r.config:34} {shape:>18} {r.status.split(':')[0][:10]:>10} {r.rel_err:9.1e} "
               + (f"{r.ours_us:9.1f} {r.tflops:8.1f} {r.torch_us:9.1f} {r.torch_tflops:8.1f} "
                  f"{r.torch_us / r.ours_us:7.3f}x {max(r.ours_spread, r.torch_spread):6.1%}" if timed else
                  f"{'-':>9} {'-':>8} {'-':>9} {'-':>8} {'-':>8} {'-':>7}")
-              + "  " + "; ".join(([r.status] if len(r.status) > 10 else []) + r.notes
+              + "  " + "; ".join(([r.status] if ":" in r.status else []) + r.notes
                                  + ([r.timing] if r.timing not in ("", "graph") else [])))
 
 
@@ -381,7 +382,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=max(1, min(len(CONFIGS), (os.cpu_count() or 2))))
     ap.add_argument("--iters", type=int, default=20, help="calls per graph replay")
     ap.add_argument("--trials", type=int, default=9)
-    ap.add_argument("--tol", type=float, default=5e-3, help="max relative Frobenius error vs float64")
+    ap.add_argument("--tol", type=float, default=2e-3,
+                    help="max relative Frobenius error vs float64 (fp16 output rounding alone is about 2e-4)")
     ap.add_argument("--rotate-mb", type=int, default=256, help="rotate inputs until this many MB are touched")
     ap.add_argument("--build-only", action="store_true")
     args = ap.parse_args(argv)
@@ -413,7 +415,6 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             print("no CUDA device: builds only")
         else:
-            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
             libs = {}
             for name, b in builds.items():
                 if b.lib_path is None:

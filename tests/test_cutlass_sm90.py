@@ -332,9 +332,9 @@ def check_abi_without_gpu(lib: Path) -> None:
                                                                           ctypes.c_void_p]
     so.l2ir_workspace_size.restype = ctypes.c_size_t
     so.l2ir_workspace_size.argtypes = [ctypes.c_int] * 3
-    assert so.l2ir_run(None, None, None, 64, 64, 64, None, 0, None) == sm90.STATUS_BAD_ARGUMENT
+    assert so.l2ir_run(None, None, None, 256, 256, 256, None, 0, None) == sm90.STATUS_BAD_ARGUMENT
     # A misaligned (but non-null) operand is refused before any CUDA call: TMA needs 16-byte bases.
-    assert so.l2ir_run(8, 16, 16, 64, 64, 64, None, 0, None) == 1   # kErrorMisalignedOperand
+    assert so.l2ir_run(8, 16, 16, 256, 256, 256, None, 0, None) == 1   # kErrorMisalignedOperand
     assert so.l2ir_workspace_size(0, 64, 64) == 0
 
 
@@ -381,6 +381,11 @@ def test_nvcc_slow(request, tmp_path, name, wgmma):
     result = build(*CASES[name], tmp_path)
     check_build(result, wgmma)
     check_abi_without_gpu(result["lib"])
+    if name == "pingpong_direct_stages5_nonpersistent":   # pad.m = divisible by BM = 128
+        so = ctypes.CDLL(str(result["lib"]))
+        so.l2ir_run.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_size_t,
+                                                                              ctypes.c_void_p]
+        assert so.l2ir_run(16, 16, 16, 100, 256, 256, None, 0, None) == sm90.STATUS_NOT_DIVISIBLE
 
 
 if __name__ == "__main__":
