@@ -157,15 +157,21 @@ def cmd_bench(args) -> int:
     """GPU benchmark: seed + sweep over grid shapes, every timed kernel gated (search/bench.py)."""
     from pathlib import Path
 
-    from search.bench import SM80_SWEEP, BenchConfig, grid_shapes, print_summary, run_bench
+    from search.bench import SWEEPS, BenchConfig, grid_shapes, print_summary, run_bench
 
-    sweep = SM80_SWEEP if args.target != "sm90a" else {}
-    if args.sweep:
-        unknown = [n for n in args.sweep if n not in SM80_SWEEP]
+    known = SWEEPS.get(args.target, SWEEPS["sm80"])
+    sweep = known
+    if args.sweep is not None:
+        unknown = [n for n in args.sweep if n not in known]
         if unknown:
-            raise CliError(f"unknown sweep config(s) {', '.join(unknown)} (known: {', '.join(SM80_SWEEP)})")
-        sweep = {n: SM80_SWEEP[n] for n in args.sweep}
-    shapes = tuple(args.shape) if args.shape else tuple(grid_shapes(args.shapes))
+            raise CliError(f"unknown sweep config(s) {', '.join(unknown)} (known: {', '.join(known)})")
+        sweep = {n: known[n] for n in args.sweep}
+    shapes = list(args.shape or [])
+    if args.shapes:
+        shapes += [s for s in grid_shapes(args.shapes, args.min_gflop) if s not in shapes]
+    shapes = tuple(sorted(shapes, key=lambda s: (s[0] * s[1] * s[2], s)))
+    if not shapes:
+        raise CliError("no shapes: give --shapes N and/or --shape MxNxK")
     cfg = BenchConfig(out=Path(args.out), shapes=shapes, sweep=tuple(sweep.items()), target=args.target,
                       budget_s=args.budget_s, resume=not args.no_resume, backend=args.backend,
                       cache_dir=args.cache_dir, command="l2ir " + " ".join(sys.argv[1:]))
@@ -206,8 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="(GPU) evaluate the seed and a config sweep over grid shapes vs torch.matmul")
     s.add_argument("--target", choices=ARCHS, default="sm80", help="target of the seed kernels and the sweep")
-    s.add_argument("--shapes", type=int, default=40, help="how many shapes of the {64..16384}^3 grid")
-    s.add_argument("--shape", type=_shape, action="append", help="explicit MxNxK (repeatable; replaces --shapes)")
+    s.add_argument("--shapes", type=int, default=40, help="how many shapes of the {64..16384}^3 grid (0: none)")
+    s.add_argument("--shape", type=_shape, action="append", help="an explicit MxNxK (repeatable; added to --shapes)")
+    s.add_argument("--min-gflop", type=float, default=0.0, help="only grid shapes of at least this many GFLOP")
     s.add_argument("--sweep", nargs="*", help="sweep config names (default: all for the target)")
     s.add_argument("--out", required=True, help="results prefix, e.g. bench/results/sm80_grid40")
     s.add_argument("--budget-s", type=float, default=1e9, help="stop starting shapes after this many seconds")

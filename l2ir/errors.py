@@ -103,5 +103,10 @@ class EditError(L2IRError):
     """An edit that names a missing node or field, or cannot be applied to this kernel."""
 
 
+class LoweringError(L2IRError):
+    """A backend failed to lower a legal kernel for a reason other than an unsupported feature (which is a
+    NotImplementedError naming the field); the message carries the kernel's IR text."""
+
+
 class InterpError(L2IRError):
     """The reference interpreter found a schedule that does not compute A @ B (unwritten or twice-written output)."""

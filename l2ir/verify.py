@@ -77,7 +77,10 @@ def epilogue_smem_bytes(kernel: Kernel, out_bytes: int = 2) -> int:
     if path == "tma":
         # The TMA epilogue stores sub-tiles (e.g. 64x32) double-buffered, never the whole tile at once.
         return min(bm * bn * out_bytes, 32 * KB)
-    return bm * bn * out_bytes   # smem path: the whole C tile
+    # smem path: the whole C tile, each row padded by 8 elements so column-wise fragment writes spread over the
+    # banks; split-K stages fp32 partials instead of the output dtype.
+    staged = 4 if kernel.splitk is not None else out_bytes
+    return bm * (bn + 8) * staged
 
 
 def resolved_stages(kernel: Kernel, ebytes: int = 2) -> int:

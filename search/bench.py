@@ -30,9 +30,11 @@ REGIMES = ((0.0, 1e9, "< 1 GFLOP"), (1e9, 1e11, "1-100 GFLOP"), (1e11, 1e12, "0.
            (1e12, math.inf, ">= 1 TFLOP"))
 
 
-def grid_shapes(count: int) -> list[tuple[int, int, int]]:
-    """`count` shapes of the {64..16384}^3 grid spread evenly over its FLOP range (sorted by FLOPs, then M, N, K)."""
-    shapes = sorted(((m, n, k) for m in GRID for n in GRID for k in GRID), key=lambda s: (s[0] * s[1] * s[2], s))
+def grid_shapes(count: int, min_gflop: float = 0.0) -> list[tuple[int, int, int]]:
+    """`count` shapes of the {64..16384}^3 grid (those of at least `min_gflop`) spread evenly over the FLOP range
+    (sorted by FLOPs, then M, N, K)."""
+    shapes = sorted(((m, n, k) for m in GRID for n in GRID for k in GRID if 2 * m * n * k >= min_gflop * 1e9),
+                    key=lambda s: (s[0] * s[1] * s[2], s))
     if count >= len(shapes):
         return shapes
     idx = sorted({round(i * (len(shapes) - 1) / (count - 1)) for i in range(count)})
@@ -57,13 +59,41 @@ def sm80_config(block, warps, stages, smem_swizzle, prefetch=True, group=8, rast
 # deeper BK=64 rows with the 128-byte swizzle, and small tiles for thin problems.
 SM80_SWEEP: dict[str, Kernel] = {
     "128x256x32_w2x4_s3": sm80_config((128, 256, 32), (2, 4), 3, (2, 3, 3)),
-    "256x128x32_w4x2_s3": sm80_config((256, 128, 32), (4, 2), 3, (2, 3, 3)),
     "128x128x32_w2x2_s4": sm80_config((128, 128, 32), (2, 2), 4, (2, 3, 3)),
     "128x128x64_w2x2_s3": sm80_config((128, 128, 64), (2, 2), 3, (3, 3, 3)),
     "64x128x32_w2x2_s4": sm80_config((64, 128, 32), (2, 2), 4, (2, 3, 3)),
-    "64x64x64_w2x2_s4": sm80_config((64, 64, 64), (2, 2), 4, (3, 3, 3)),
     "64x64x32_w2x2_s3_splitk4": sm80_config((64, 64, 32), (2, 2), 3, (2, 3, 3), splitk=SplitK("split_k", 4)),
 }
+
+
+def sm90_config(block, schedule, cluster=(1, 1), splitk=None, group=8, raster="along_n") -> Kernel:
+    """A TMA warp-specialized wgmma kernel: cooperative = 2 consumer warpgroups share a tile (warps 8x1); ping-pong =
+    2 consumer warpgroups alternate tiles (warps 4x1), so one tile's epilogue hides under the other's main loop."""
+    warps = (8, 1) if schedule == "cooperative" else (4, 1)
+    return Kernel(
+        target=Target("sm90a"),
+        tile=Tile(block=block, warps=warps, cluster=cluster),
+        mma=Mma("wgmma", (64, block[1], 16)),
+        pipeline=Pipeline("tma_ws", "auto", schedule=schedule, persistent=True),
+        swizzle=Swizzle(smem=(3, 3, 3), raster=raster, group=group),
+        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+        splitk=splitk,
+        epilogue=Epilogue("tma", 8),
+    )
+
+
+# Hopper sweep: the CUTLASS 3.x shapes that win on H100/H200-class parts.
+SM90_SWEEP: dict[str, Kernel] = {
+    "coop_128x256x64_c1x1": sm90_config((128, 256, 64), "cooperative"),
+    "coop_128x256x64_c2x1": sm90_config((128, 256, 64), "cooperative", cluster=(2, 1)),
+    "coop_256x128x64_c1x2": sm90_config((256, 128, 64), "cooperative", cluster=(1, 2)),
+    "pingpong_128x128x64_c1x1": sm90_config((128, 128, 64), "pingpong"),
+    "pingpong_64x256x64_c1x1": sm90_config((64, 256, 64), "pingpong"),
+    "coop_128x256x64_c2x1_streamk": sm90_config((128, 256, 64), "cooperative", cluster=(2, 1),
+                                                splitk=SplitK("stream_k")),
+}
+
+SWEEPS = {"sm80": SM80_SWEEP, "sm90a": SM90_SWEEP}
 
 
 @dataclass(frozen=True)
@@ -115,6 +145,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     from backends.source import problem_text
 
     from .evaluator import EvalConfig, Evaluator, kernel_hash
+    from .timing import TimingConfig
 
     t_start = time.perf_counter()
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
@@ -160,8 +191,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     shape_results: list[ShapeResult] = []
     evals = passes = 0
     stopped_early = False
-    with Evaluator(EvalConfig(scenarios=("offline",))) as offline_ev, \
-            Evaluator(EvalConfig(scenarios=("server",))) as server_ev:
+    timing = TimingConfig(trials=7, target_ms=10.0, server_samples=15)
+    with Evaluator(EvalConfig(scenarios=("offline",), timing=timing)) as offline_ev, \
+            Evaluator(EvalConfig(scenarios=("server",), timing=timing)) as server_ev:
         for shape in cfg.shapes:
             if time.perf_counter() - t_start > cfg.budget_s:
                 stopped_early = True

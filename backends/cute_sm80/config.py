@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from l2ir.errors import L2IRError
+from l2ir.errors import L2IRError, LoweringError  # noqa: F401  (LoweringError is re-exported)
 from l2ir.nodes import Kernel, Problem
 
 # The mma.sync instruction this backend emits: m16n8k16, one warp, operands from ldmatrix fragments.
@@ -37,8 +37,6 @@ MAX_ATOM_WIDTH = 64
 REDUCE_THREADS = 256
 
 
-class LoweringError(L2IRError):
-    """A lowering failed for a reason other than an unsupported feature; carries the kernel's IR text."""
 
 
 def ir_text(kernel: Kernel) -> str:

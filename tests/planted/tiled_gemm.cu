@@ -19,6 +19,10 @@
 #define BN 32
 #define BK 32
 
+#ifdef PLANT_HANG
+__device__ volatile int l2ir_never_set = 0;
+#endif
+
 #ifdef PLANT_STALE
 // Blocks that finished a full call. Once a whole grid has run, later calls skip all work and leave C as it was.
 __device__ unsigned int l2ir_blocks_done = 0;
@@ -33,8 +37,9 @@ tiled_gemm(const void* A_, const void* B_, void* C_, int M, int N, int K, void* 
     const int row0 = blockIdx.y * BM, col0 = blockIdx.x * BN;
 
 #ifdef PLANT_HANG
-    volatile int forever = 1;
-    while (forever) { }
+    // Spin on a device global that nothing sets: the host could, so the compiler must keep the loop (a volatile
+    // local was seen optimized away by nvcc 13.0, and the "hang" kernel then ran to completion).
+    while (l2ir_never_set == 0) { __nanosleep(1000); }
 #endif
 #ifdef PLANT_CRASH
     if (tx == 0 && ty == 0) reinterpret_cast<__half*>(0x10)[blockIdx.x] = __float2half(1.f);
