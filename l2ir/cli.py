@@ -174,7 +174,8 @@ def cmd_bench(args) -> int:
         raise CliError("no shapes: give --shapes N and/or --shape MxNxK")
     cfg = BenchConfig(out=Path(args.out), shapes=shapes, sweep=tuple(sweep.items()), target=args.target,
                       budget_s=args.budget_s, resume=not args.no_resume, backend=args.backend,
-                      cache_dir=args.cache_dir, command="l2ir " + " ".join(sys.argv[1:]))
+                      cache_dir=args.cache_dir, command="l2ir " + " ".join(sys.argv[1:]),
+                      baseline_reduced_precision=args.torch_defaults)
     print_summary(run_bench(cfg))
     return 0
 
@@ -221,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-resume", action="store_true", help="discard earlier measurements in OUT.jsonl")
     s.add_argument("--backend", help="force a backend (cute_sm80, cutlass_sm90, cuda_ptx)")
     s.add_argument("--cache-dir", default=".l2ir-cache", help="compile cache")
+    s.add_argument("--torch-defaults", action="store_true",
+                   help="time torch.matmul with PyTorch's default flags (fp16 reduced-precision reductions allowed) "
+                        "instead of holding it to fp32 accumulation")
     s.set_defaults(fn=cmd_bench)
     return p
 

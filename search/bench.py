@@ -89,6 +89,8 @@ SM90_SWEEP: dict[str, Kernel] = {
     "coop_256x128x64_c1x2": sm90_config((256, 128, 64), "cooperative", cluster=(1, 2)),
     "pingpong_128x128x64_c1x1": sm90_config((128, 128, 64), "pingpong"),
     "pingpong_64x256x64_c1x1": sm90_config((64, 256, 64), "pingpong"),
+    "pingpong_128x128x64_c1x2": sm90_config((128, 128, 64), "pingpong", cluster=(1, 2)),
+    "pingpong_64x256x64_c2x1": sm90_config((64, 256, 64), "pingpong", cluster=(2, 1)),
     "coop_128x256x64_c2x1_streamk": sm90_config((128, 256, 64), "cooperative", cluster=(2, 1),
                                                 splitk=SplitK("stream_k")),
 }
@@ -108,6 +110,9 @@ class BenchConfig:
     compile_jobs: int = 0
     cache_dir: str = ".l2ir-cache"
     command: str = ""
+    # False holds cuBLAS to the fp32-accumulation contract (no fp16 split-K reductions); True times torch.matmul
+    # with PyTorch's default flags, which is what a user calling it gets.
+    baseline_reduced_precision: bool = False
 
 
 @dataclass
@@ -192,8 +197,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     evals = passes = 0
     stopped_early = False
     timing = TimingConfig(trials=7, target_ms=10.0, server_samples=15)
-    with Evaluator(EvalConfig(scenarios=("offline",), timing=timing)) as offline_ev, \
-            Evaluator(EvalConfig(scenarios=("server",), timing=timing)) as server_ev:
+    brp = cfg.baseline_reduced_precision
+    with Evaluator(EvalConfig(scenarios=("offline",), timing=timing, baseline_reduced_precision=brp)) as offline_ev, \
+            Evaluator(EvalConfig(scenarios=("server",), timing=timing, baseline_reduced_precision=brp)) as server_ev:
         for shape in cfg.shapes:
             if time.perf_counter() - t_start > cfg.budget_s:
                 stopped_early = True
@@ -287,7 +293,9 @@ def _summary(cfg, results, evals, passes, fresh, every, compile_wall, n_kernels,
         }
     return {
         "scenario": "offline (CUDA-graph replay, inputs rotated) and server (L2 flushed, idle gap), device time",
-        "baseline": "torch.matmul (cuBLAS), same inputs and layouts, interleaved",
+        "baseline": "torch.matmul (cuBLAS), same inputs and layouts, interleaved; "
+                    + ("PyTorch default flags (fp16 reduced-precision reductions allowed)" if cfg.baseline_reduced_precision
+                       else "fp16/bf16 reduced-precision reductions disabled (the fp32-accumulation contract)"),
         "command": cfg.command,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "environment": env,
