@@ -191,6 +191,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     for h, a in failed.items():
         _log(f"compile failed: {kernels[h][0]} {h[:12]}: {a.summary()}\n  reproduce: {a.repro}")
     _log(f"compiled {len(keys)} kernels in {compile_wall:.1f} s wall ({len(failed)} failed)")
+    kernel_report = _kernel_report(kernels, artifacts)
 
     # 3. Evaluate: gates + offline timing for every candidate, then server timing for the best.
     shape_results: list[ShapeResult] = []
@@ -244,9 +245,38 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     summary = _summary(cfg, shape_results, evals, passes, fresh, every, compile_wall, len(keys), len(failed), env,
                        stopped_early, time.perf_counter() - t_start)
+    summary["kernels"] = kernel_report
     _write_csv(cfg.out.with_suffix(".csv"), shape_results, env)
     cfg.out.with_suffix(".json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
+
+
+def _kernel_report(kernels: dict, artifacts: dict) -> dict:
+    """Per compiled kernel: registers and spills (ptxas), and from the SASS the matrix instructions (HGMMA on the
+    wgmma path, HMMA on mma.sync) and local-memory loads/stores (spills)."""
+    from backends.sass import inspect
+
+    report = {}
+    for h, (name, k) in kernels.items():
+        a = artifacts[h]
+        entry = {"config": name, "kernel": k.text(), "compiled": a.ok, "compile_seconds": round(a.compile_seconds, 1),
+                 "from_cache": bool(getattr(a, "cached", False))}
+        if a.ok:
+            entry["functions"] = {_short(fn): {"registers": r.registers, "spill_stores": r.spill_stores,
+                                       "spill_loads": r.spill_loads, "stack_frame": r.stack_frame}
+                                  for fn, r in a.resources.items() if r.entry}
+            entry["sass"] = inspect(a.binary)
+        report[h[:12]] = entry
+    return report
+
+
+def _short(symbol: str, limit: int = 72) -> str:
+    """CUTLASS kernels have mangled names of kilobytes; keep a readable head and a hash that tells them apart."""
+    if len(symbol) <= limit:
+        return symbol
+    import hashlib
+
+    return f"{symbol[:limit - 14]}..{hashlib.sha256(symbol.encode()).hexdigest()[:12]}"
 
 
 def _append(path: Path, measurements, name: str) -> None:
@@ -354,6 +384,14 @@ def print_summary(summary: dict) -> None:
     for label, g in summary["by_regime"].items():
         gm = g["offline_geomean_speedup"]
         c.print(f"{label:>12}: {g['shapes']:3d} shapes, offline geomean {gm:.3f}x" if gm else f"{label:>12}: -")
+    for h, kr in summary.get("kernels", {}).items():
+        fns = kr.get("functions") or {}
+        regs = max((f["registers"] for f in fns.values()), default=0)
+        spills = sum(f["spill_stores"] + f["spill_loads"] for f in fns.values())
+        sass = kr.get("sass")
+        sass_txt = ("HGMMA {hgmma}, HMMA {hmma}, LDL/STL {local_loads}/{local_stores}".format(**sass) if sass
+                    else "SASS not inspected (no cuobjdump)")
+        c.print(f"{h} {kr['config']:30s} regs {regs:3d}  spill bytes {spills}  {sass_txt}")
     c.print(f"gate pass rate {summary['gate_pass_rate']:.3f} over {summary['evaluations']} evaluations; "
             f"compile {summary['compile_seconds_per_kernel'] or 0:.1f} s/kernel "
             f"({summary['kernels_compiled']} kernels, {summary['compile_failures']} failed)")
