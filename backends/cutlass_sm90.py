@@ -40,7 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from l2ir.errors import L2IRError, MmaError, ResourceError, TileError
+from l2ir.errors import MmaError, ResourceError, TileError
+from l2ir.errors import UnsupportedLowering as _UnsupportedLowering
 from l2ir.indexing import Const, Expr, Var, cdiv
 from l2ir.nodes import DTYPE_BYTES, Kernel, Problem, Swizzle
 
@@ -72,13 +73,11 @@ def status_name(code: int) -> str:
     return f"unknown status {code}"
 
 
-class UnsupportedLowering(L2IRError, NotImplementedError):
-    """The IR is legal but asks for something CUTLASS's sm90 builders cannot express. `field` names the IR field
-    (e.g. 'epilogue.path'). It is both a NotImplementedError and an L2IRError, so search prunes it like any other."""
+class UnsupportedLowering(_UnsupportedLowering):
+    """cutlass_sm90's UnsupportedLowering: the shared error with the backend's name filled in."""
 
     def __init__(self, field: str, message: str):
-        self.field = field
-        super().__init__(f"cutlass_sm90: {field}: {message}")
+        super().__init__("cutlass_sm90", field, message)
 
 
 # Hopper's shared memory per block (227 KiB opt-in), the capacity CUTLASS's stage-count computation also uses.

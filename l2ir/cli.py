@@ -159,7 +159,7 @@ def cmd_bench(args) -> int:
 
     from search.bench import SWEEPS, BenchConfig, grid_shapes, print_summary, run_bench
 
-    known = SWEEPS.get(args.target, SWEEPS["sm80"])
+    known = SWEEPS.get(args.backend if args.backend in SWEEPS else args.target, SWEEPS["sm80"])
     sweep = known
     if args.sweep is not None:
         unknown = [n for n in args.sweep if n not in known]

@@ -108,5 +108,15 @@ class LoweringError(L2IRError):
     NotImplementedError naming the field); the message carries the kernel's IR text."""
 
 
+class UnsupportedLowering(L2IRError, NotImplementedError):
+    """The IR is legal but asks for something a backend does not generate. `field` names the IR field (e.g.
+    'epilogue.path'). Both a NotImplementedError and an L2IRError, so search prunes it like any other error."""
+
+    def __init__(self, backend: str, field: str, message: str):
+        self.backend = backend
+        self.field = field
+        super().__init__(f"{backend}: {field}: {message}")
+
+
 class InterpError(L2IRError):
     """The reference interpreter found a schedule that does not compute A @ B (unwritten or twice-written output)."""

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from l2ir.errors import L2IRError
+from l2ir.errors import UnsupportedLowering as _UnsupportedLowering
 
 
-class UnsupportedLowering(L2IRError, NotImplementedError):
-    """The IR is legal but asks for something this backend does not generate. `field` names the IR field (e.g.
-    'tile.cluster'). Both a NotImplementedError and an L2IRError, so search prunes it like any other error."""
+class UnsupportedLowering(_UnsupportedLowering):
+    """cuda_ptx's UnsupportedLowering: the shared error with the backend's name filled in."""
 
     def __init__(self, field: str, message: str):
-        self.field = field
-        super().__init__(f"cuda_ptx: {field}: {message}")
+        super().__init__("cuda_ptx", field, message)
 
 
 # l2ir_run return codes of the generated host shims (0 = success).
