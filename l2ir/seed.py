@@ -42,16 +42,22 @@ def _raster(problem: Problem, bm: int, bn: int, group: int) -> Swizzle:
 
 
 def seed_sm80(problem: Problem, arch: str = "sm80", num_sms: int = H200_SMS) -> Kernel:
-    """mma.sync + ldmatrix + cp.async multistage: 128x256 for big outputs, 128x128 mid, 64x64 for thin ones."""
+    """mma.sync + ldmatrix + cp.async multistage. Tiles by regime, from the H200 sweep (bench/NOTES.md): 128x128x64
+    with the 128-byte swizzle for large outputs, 64x128x32 when one side is thin, 64x64x32 for tiny ones."""
     align = alignment(problem)
     m, n = problem.m, problem.n
-    if m <= 64 or n <= 64:
-        block, warps, stages = (64, 64, 32), (2, 2), 3
-    elif m >= 2048 and n >= 2048:
-        block, warps, stages = (128, 256, 32), (2, 4), 3
+    if m <= 64 and n <= 64:
+        block, warps, stages, smem = (64, 64, 32), (2, 2), 3, (2, 3, 3)
+    elif min(m, n) <= 512:
+        block, warps, stages, smem = (64, 128, 32), (2, 2), 4, (2, 3, 3)
     else:
-        block, warps, stages = (128, 128, 32), (2, 2), 4
+        # BK=64 halves = 128-byte rows: <3,3,3> XORs 3 row bits into the 8 16-byte chunks of a row.
+        block, warps, stages, smem = (128, 128, 64), (2, 2), 3, (3, 3, 3)
+    if block[2] % align:
+        block = (block[0], block[1], 32)
     bm, bn, bk = block
+    if (1 << (smem[0] + 3)) > bk:
+        smem = (2, 3, 3)
     slices = _split(problem, bm, bn, bk, num_sms)
     raster = _raster(problem, bm, bn, 8)
     kernel = Kernel(
@@ -60,9 +66,7 @@ def seed_sm80(problem: Problem, arch: str = "sm80", num_sms: int = H200_SMS) -> 
         mma=Mma("mma_sync", (16, 8, 16)),
         # Register prefetch overlaps the next k-step's ldmatrix with this step's MMAs.
         pipeline=Pipeline("multistage", stages, prefetch=True),
-        # BK=32 halves: a 64-byte row holds four 16-byte chunks, so a 2-bit XOR (<2,3,3>) spreads ldmatrix rows
-        # over all banks.
-        swizzle=Swizzle(smem=(2, 3, 3), raster=raster.raster, group=raster.group),
+        swizzle=Swizzle(smem=smem, raster=raster.raster, group=raster.group),
         pad=Pad("predicate", "predicate", "zero_fill", align),
         splitk=SplitK("split_k", slices) if slices > 1 else None,
         epilogue=Epilogue("smem", min(8, align)),
@@ -71,27 +75,28 @@ def seed_sm80(problem: Problem, arch: str = "sm80", num_sms: int = H200_SMS) -> 
 
 
 def seed_sm90a(problem: Problem, num_sms: int = H200_SMS) -> Kernel:
-    """TMA + wgmma warp-specialized: cooperative 128x256 (cluster 2x1) for big outputs, 128x128 mid, ping-pong 64x256
-    for thin M; stream-K when the tiles cannot fill the GPU."""
-    m, n = problem.m, problem.n
-    if m <= 64:
-        block, warps, schedule, cluster = (64, 256, 64), (4, 1), "pingpong", (1, 1)
-    elif m >= 2048 and n >= 2048:
-        block, warps, schedule, cluster = (128, 256, 64), (8, 1), "cooperative", (2, 1)
+    """TMA + wgmma warp-specialized. Ping-pong won 40 of 41 Hopper shapes in the H200 sweep (bench/NOTES.md): its two
+    consumer warpgroups alternate tiles, so one tile's epilogue hides under the other's main loop. Thin M takes
+    64x256 tiles; when the tiles cannot fill the GPU and K is long, cooperative 128x128 with stream-K (the ping-pong
+    kernel has no stream-K scheduler)."""
+    m = problem.m
+    if _split(problem, 128, 128, 64, num_sms) > 1:
+        block, warps, schedule, splitk = (128, 128, 64), (8, 1), "cooperative", SplitK("stream_k")
+    elif m <= 64:
+        block, warps, schedule, splitk = (64, 256, 64), (4, 1), "pingpong", None
     else:
-        block, warps, schedule, cluster = (128, 128, 64), (8, 1), "cooperative", (1, 1)
+        block, warps, schedule, splitk = (128, 128, 64), (4, 1), "pingpong", None
     bm, bn, bk = block
-    stream = _split(problem, bm, bn, bk, num_sms) > 1
     raster = _raster(problem, bm, bn, 8)
     kernel = Kernel(
         target=Target("sm90a"),
-        tile=Tile(block=block, warps=warps, cluster=cluster),
-        mma=Mma("wgmma", (64, bn, 16)),
+        tile=Tile(block=block, warps=warps),
+        mma=Mma("wgmma", (64, bn // warps[1], 16)),
         pipeline=Pipeline("tma_ws", "auto", schedule=schedule, persistent=True),
         # 128-byte rows (BK=64 halves) take TMA's 128-byte swizzle: conflict-free wgmma operand reads.
         swizzle=Swizzle(smem=(3, 3, 3), raster=raster.raster, group=raster.group),
         pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
-        splitk=SplitK("stream_k") if stream else None,
+        splitk=splitk,
         epilogue=Epilogue("tma", 8),
     )
     return check_problem(kernel, problem)

@@ -20,21 +20,22 @@ def test_seed_is_legal_and_applicable(problem, arch):
 
 
 @pytest.mark.parametrize("shape,arch,expect", [
-    ((4096, 4096, 4096), "sm90a", ("wgmma", (128, 256, 64), None)),
-    # 16 (resp. 64) output tiles cannot fill 132 SMs and K is long: stream-K spreads the K loop over the SMs.
-    ((64, 4096, 4096), "sm90a", ("wgmma", (64, 256, 64), "stream_k")),
-    ((1000, 1000, 1000), "sm90a", ("wgmma", (128, 128, 64), "stream_k")),
-    ((1001, 1000, 1000), "sm90a", ("wgmma", (128, 128, 64), "stream_k")),   # M is no leading dimension: TMA is fine
-    ((1000, 1000, 1001), "sm90a", ("mma_sync", (128, 128, 32), "split_k")),  # K rows unaligned: no TMA
-    ((2000, 2048, 1000), "sm90a", ("wgmma", (128, 128, 64), None)),
-    ((4096, 4096, 4096), "sm80", ("mma_sync", (128, 256, 32), None)),
-    ((128, 128, 8192), "sm80", ("mma_sync", (128, 128, 32), "split_k")),
-    ((128, 128, 8192), "sm90a", ("wgmma", (128, 128, 64), "stream_k")),
+    ((4096, 4096, 4096), "sm90a", ("wgmma", "pingpong", (128, 128, 64), None)),
+    ((64, 16384, 512), "sm90a", ("wgmma", "pingpong", (64, 256, 64), None)),
+    # 64 (resp. 4) output tiles cannot fill 132 SMs and K is long: stream-K spreads the K loop over the SMs.
+    ((1000, 1000, 1000), "sm90a", ("wgmma", "cooperative", (128, 128, 64), "stream_k")),
+    ((64, 4096, 4096), "sm90a", ("wgmma", "cooperative", (128, 128, 64), "stream_k")),
+    ((1001, 1000, 1000), "sm90a", ("wgmma", "cooperative", (128, 128, 64), "stream_k")),  # M is no leading dim
+    ((1000, 1000, 1001), "sm90a", ("mma_sync", "none", (128, 128, 64), "split_k")),  # unaligned K rows: no TMA
+    ((4096, 4096, 4096), "sm80", ("mma_sync", "none", (128, 128, 64), None)),
+    ((128, 128, 8192), "sm80", ("mma_sync", "none", (64, 128, 32), "split_k")),
+    ((4096, 256, 256), "sm80", ("mma_sync", "none", (64, 128, 32), None)),
+    ((64, 48, 64), "sm80", ("mma_sync", "none", (64, 64, 32), None)),
 ])
 def test_seed_regimes(shape, arch, expect):
     k = seed(Problem(*shape), arch)
     split = k.splitk.mode if k.splitk else None
-    assert (k.mma.op, k.tile.block, split) == expect
+    assert (k.mma.op, k.pipeline.schedule, k.tile.block, split) == expect
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90a"])
