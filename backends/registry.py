@@ -38,6 +38,9 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("cute_sm80", "backends.cute_sm80", _schedule("mma_sync", "multistage")),
     Backend("cutlass_sm90", "backends.cutlass_sm90", _schedule("wgmma", "tma_ws")),
     Backend("cuda_ptx", "backends.cuda_ptx", _schedule("wgmma", "tma_ws"), default=False),
+    # The same module's sm80 rule (mma.sync + cp.async multistage), asked for by name: cuda_ptx.lower dispatches on
+    # the kernel's mma op and pipeline.
+    Backend("cuda_ptx_sm80", "backends.cuda_ptx", _schedule("mma_sync", "multistage"), default=False),
 )}
 
 

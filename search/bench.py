@@ -104,7 +104,15 @@ PTX_SWEEP: dict[str, Kernel] = {
                     ("ptx_coop_128x128x64", sm90_config((128, 128, 64), "cooperative")))
 }
 
-SWEEPS = {"sm80": SM80_SWEEP, "sm90a": SM90_SWEEP, "cuda_ptx": PTX_SWEEP}
+# The raw CUDA/PTX backend's sm80 rule (mma.sync + ldmatrix + cp.async, no CuTe): the smem epilogue with 16-byte
+# stores, no split-K (the seed brings split-K where the shape wants it).
+PTX_SM80_SWEEP: dict[str, Kernel] = {
+    "ptx_sm80_128x128x32_w2x2_s4": sm80_config((128, 128, 32), (2, 2), 4, (2, 3, 3)),
+    "ptx_sm80_128x256x32_w2x4_s3": sm80_config((128, 256, 32), (2, 4), 3, (2, 3, 3)),
+    "ptx_sm80_64x64x32_w2x2_s3": sm80_config((64, 64, 32), (2, 2), 3, (2, 3, 3)),
+}
+
+SWEEPS = {"sm80": SM80_SWEEP, "sm90a": SM90_SWEEP, "cuda_ptx": PTX_SWEEP, "cuda_ptx_sm80": PTX_SM80_SWEEP}
 
 
 @dataclass(frozen=True)

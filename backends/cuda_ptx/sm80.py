@@ -1,0 +1,767 @@
+"""Lower mma.sync + cp.async multistage kernels (sm80 / sm86 / sm89, and sm90 / sm90a when the schedule is the sm80
+one) to raw CUDA with inline PTX: no CUTLASS, no CuTe.
+
+Two pure steps, like the sm90a rule:
+  canonicalize(kernel, problem) -> Sm80Config   every check; every IR field turned into the one value it means
+  render(cfg) -> str                            the .cu text: the GEMM kernel (+ the split-K reduction kernel)
+`lower()` composes them into a LaunchPlan(form="kernels"): the harness launches the entry points with the L2IR ABI
+    (const void* A, const void* B, void* C, int M, int N, int K, void* workspace)
+so there is no host code at all.
+
+The GEMM kernel (one block per output tile, WM x WN warps, each warp owns a (BM/WM) x (BN/WN) block of C):
+  global -> shared   cp.async.cg 16-byte copies (one 8-element K-chunk of one row per copy) into a ring of `stages`
+                     buffers; the src-size operand (16 or 0) zero-fills chunks past M / N / K without reading them.
+  shared -> regs     ldmatrix.x4: a 16x16 A fragment (m16n8k16's a0..a3) or two 8x16 B fragments (b0,b1 of two n8
+                     blocks) per instruction, from the swizzled K-major tiles.
+  math               mma.sync.aligned.m16n8k16.row.col.f32.{f16|bf16}.{f16|bf16}.f32, fp32 accumulators in registers.
+  epilogue           registers -> global (path=direct), or registers -> shared -> coalesced vector stores (path=smem);
+                     split-K writes fp32 partials to the workspace and a second kernel sums them in slice order.
+
+Field -> code map (the generated lines name their field in a comment):
+  target.arch          sm80/86/89/90/90a -> plan.arch sm_80/sm_86/sm_89/sm_90/sm_90a (the header names it too)
+  tile.block           BM, BN, BK: stage sizes, copy passes, k-steps per tile
+  tile.warps           WM x WN warps: threads, the warp tile (MI m16 x NI n8 fragments); BN/WN must be a multiple of 16
+                       (B fragments come in pairs from one ldmatrix.x4)
+  tile.cluster         1x1 only (clusters are sm90 TMA territory)
+  mma.op / mma.shape   mma_sync 16x8x16 only
+  pipeline.mode        multistage only; stages = ring depth (1 = load, wait, compute without overlap)
+  pipeline.prefetch    register double buffer of ldmatrix fragments across k-steps and k-tiles
+  swizzle.smem         XOR swizzle of each K-major tile's element offsets (l2ir.indexing.smem_swizzle); none = plain
+  swizzle.raster/group block rasterization (l2ir.indexing.rasterize) over pid = blockIdx.x
+  pad.m / pad.n        predicate: rows past M/N are not loaded (stale smem only reaches unstored outputs) and stores
+                       are masked; zero_fill: rows past M/N are zero-filled and stores are masked; divisible: neither
+  pad.k                zero_fill: every k-tile checks K; predicate: only the last k-tile checks (still zero-fills);
+                       divisible: no check
+  pad.align            8 only (16-byte cp.async chunks need K % 8 == 0; C vectors need N % 8 == 0)
+  splitk               split_k + reduce=workspace: grid.z = slices, l2ir.indexing.splitk_range, fp32 partials, a
+                       reduction kernel; reduce=atomic and stream_k raise
+  epilogue.path        direct | smem (tma raises)
+  epilogue.vector      direct: 1 (scalar) or 2 (the accumulator pair); smem: 1/2/4/8 elements per global store
+  problem              a row (K-major), b col (K-major), f16 or bf16 in (same type), f16 or bf16 out, acc f32
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from l2ir.indexing import Const, Var, cdiv, rasterize, smem_swizzle, splitk_range
+from l2ir.nodes import DTYPE_BYTES, Kernel, Problem, Swizzle
+from l2ir.verify import SMEM_LIMIT, verify, verify_problem
+
+from ..plan import Launch, LaunchPlan
+from .common import UnsupportedLowering
+
+GEMM_ENTRY = "l2ir_cuda_ptx_sm80_gemm"
+REDUCE_ENTRY = "l2ir_cuda_ptx_sm80_splitk_reduce"
+ABI = "const void* A_, const void* B_, void* C_, int M, int N, int K, void* workspace_"
+# The split-K reduction kernel: 256 threads, each summing one vector of `vector` outputs over the slices.
+REDUCE_THREADS = 256
+# The smem epilogue pads each staged C row by 8 elements (what l2ir.verify.epilogue_smem_bytes budgets): rows then
+# start 16 (f16) or 32 (f32) bytes apart modulo 128, so the 8 rows of one fragment store hit different banks.
+C_ROW_PAD = 8
+ARCHS = {"sm80": "sm_80", "sm86": "sm_86", "sm89": "sm_89", "sm90": "sm_90", "sm90a": "sm_90a"}
+CTYPE = {"f16": "__half", "bf16": "__nv_bfloat16"}
+PTX_TYPE = {"f16": "f16", "bf16": "bf16"}
+M_, N_ = Var("m"), Var("n")
+
+
+@dataclass(frozen=True)
+class Sm80Config:
+    """Everything the source depends on, already checked."""
+
+    arch: str                 # target.arch
+    in_dtype: str             # "f16" | "bf16"
+    out_dtype: str            # "f16" | "bf16"
+    problem_class: str
+    bm: int
+    bn: int
+    bk: int
+    wm: int
+    wn: int
+    stages: int
+    prefetch: bool
+    swizzle: tuple[int, int, int] | None
+    raster: str
+    group: int
+    pad_m: str
+    pad_n: str
+    pad_k: str
+    epilogue: str             # "direct" | "smem"
+    vector: int
+    slices: int               # 1 = no split-K
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.wm * self.wn
+
+    @property
+    def warp_m(self) -> int:
+        return self.bm // self.wm
+
+    @property
+    def warp_n(self) -> int:
+        return self.bn // self.wn
+
+    @property
+    def split(self) -> bool:
+        return self.slices > 1
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.stages * (self.bm + self.bn) * self.bk * DTYPE_BYTES[self.in_dtype]
+
+    @property
+    def stage_elem_bytes(self) -> int:
+        """What the smem epilogue stages: fp32 partials under split-K (rounded once, after the reduction)."""
+        return 4 if self.split else DTYPE_BYTES[self.out_dtype]
+
+    @property
+    def epilogue_bytes(self) -> int:
+        if self.epilogue != "smem":
+            return 0
+        return self.bm * (self.bn + C_ROW_PAD) * self.stage_elem_bytes
+
+    @property
+    def smem_bytes(self) -> int:
+        # The C tile reuses the ring after the main loop has drained it.
+        return max(self.ring_bytes, self.epilogue_bytes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# canonicalize
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def accepts(kernel: Kernel) -> bool:
+    """The dispatch predicate of this rule: an mma.sync + cp.async multistage schedule, on any target."""
+    return not kernel.is_source and kernel.mma.op == "mma_sync" and kernel.pipeline.mode == "multistage"
+
+
+def canonicalize(kernel: Kernel, problem: Problem) -> Sm80Config:
+    """Check that the kernel is one this rule lowers and turn each IR field into its value in the source."""
+    if kernel.is_source:
+        raise UnsupportedLowering("source", "free-form CUDA is not generated by this backend")
+    verify(kernel)
+    verify_problem(problem)
+    tile, mma, pipe, pad, epi = kernel.tile, kernel.mma, kernel.pipeline, kernel.pad, kernel.epilogue
+    swz = kernel.swizzle or Swizzle()
+    if kernel.target.arch not in ARCHS:
+        raise UnsupportedLowering("target.arch", f"'{kernel.target.arch}': no nvcc arch for it")
+    if mma.op != "mma_sync":
+        raise UnsupportedLowering("mma.op", f"'{mma.op}': the sm80 rule issues mma.sync")
+    if tuple(mma.shape) != (16, 8, 16):
+        raise UnsupportedLowering("mma.shape", f"{'x'.join(map(str, mma.shape))}: only m16n8k16 is generated")
+    if pipe.mode != "multistage":
+        raise UnsupportedLowering("pipeline.mode", f"'{pipe.mode}': the sm80 rule builds cp.async rings")
+    if pipe.schedule != "none":
+        raise UnsupportedLowering("pipeline.schedule", f"'{pipe.schedule}': multistage kernels are not warp-specialized")
+    if pipe.persistent:
+        raise UnsupportedLowering("pipeline.persistent", "one block per output tile; no persistent scheduler")
+    if not isinstance(pipe.stages, int):
+        raise UnsupportedLowering("pipeline.stages", f"{pipe.stages}: a cp.async ring needs an explicit depth")
+    if tile.cluster != (1, 1):
+        raise UnsupportedLowering("tile.cluster", f"{tile.cluster[0]}x{tile.cluster[1]}: clusters are not used by "
+                                  "cp.async pipelines; use 1x1")
+
+    (a_dt, a_lay), (b_dt, b_lay), (c_dt, _) = problem.a, problem.b, problem.c
+    if a_lay != "row":
+        raise UnsupportedLowering("problem.a", f"{a_dt}:{a_lay}: only K-major A (row) is generated (no ldmatrix.trans)")
+    if b_lay != "col":
+        raise UnsupportedLowering("problem.b", f"{b_dt}:{b_lay}: only K-major B (col, the NxK form) is generated")
+    if a_dt not in CTYPE or b_dt != a_dt:
+        raise UnsupportedLowering("problem.b", f"a={a_dt}, b={b_dt}: one 16-bit input type (f16 or bf16)")
+    if c_dt not in CTYPE:
+        raise UnsupportedLowering("problem.c", f"{c_dt}: the epilogue writes f16 or bf16")
+    if problem.acc != "f32":
+        raise UnsupportedLowering("problem.acc", f"{problem.acc}: accumulators are f32")
+
+    bm, bn, bk = tile.block
+    wm, wn = tile.warps
+    # verify's mma_divides_warp_tile guarantees BM % (16 WM) == 0, BN % (8 WN) == 0 and BK % 16 == 0.
+    if (bn // wn) % 16:
+        raise UnsupportedLowering("tile.warps", f"{wm}x{wn}: each warp's N extent BN/WN={bn // wn} must be a "
+                                  "multiple of 16 (one ldmatrix.x4 yields the B fragments of two n8 blocks)")
+    if pad.align != 8:
+        raise UnsupportedLowering("pad.align", f"{pad.align}: cp.async.cg copies 16-byte chunks (8 elements); "
+                                  "narrower alignments are not generated")
+
+    smem = swz.smem
+    if smem is not None and smem[0] == 0:
+        smem = None
+    if smem is not None:
+        b, m, s = smem
+        if m < 3:
+            raise UnsupportedLowering("swizzle.smem", f"<{b},{m},{s}>: M < 3 would split the 16-byte chunks that "
+                                      "cp.async writes and ldmatrix reads")
+        if s < b:
+            raise UnsupportedLowering("swizzle.smem", f"<{b},{m},{s}>: S < B overlaps the XOR source and target "
+                                      "bits, which is not a bijection")
+
+    sk = kernel.splitk
+    slices = 1
+    if sk is not None:
+        if sk.mode != "split_k":
+            raise UnsupportedLowering("splitk.mode", f"{sk.mode}: needs a persistent tile scheduler; use split_k")
+        if sk.reduce != "workspace":
+            raise UnsupportedLowering("splitk.reduce", f"{sk.reduce}: only the deterministic workspace reduction "
+                                      "is generated")
+        slices = sk.slices
+
+    if epi.path not in ("direct", "smem"):
+        raise UnsupportedLowering("epilogue.path", f"{epi.path}: TMA stores need a tma_ws pipeline; use direct or "
+                                  "smem")
+    if epi.path == "direct" and epi.vector > 2:
+        raise UnsupportedLowering("epilogue.vector", f"{epi.vector} with path=direct: a thread's m16n8 accumulator "
+                                  "fragment holds 2 adjacent columns; use path=smem for wider stores")
+
+    cfg = Sm80Config(
+        arch=kernel.target.arch, in_dtype=a_dt, out_dtype=c_dt,
+        problem_class=f"a={a_dt}:{a_lay} b={b_dt}:{b_lay} c={c_dt}:{problem.c[1]} acc={problem.acc}",
+        bm=bm, bn=bn, bk=bk, wm=wm, wn=wn, stages=pipe.stages, prefetch=pipe.prefetch,
+        swizzle=tuple(smem) if smem is not None else None, raster=swz.raster, group=swz.group,
+        pad_m=pad.m, pad_n=pad.n, pad_k=pad.k, epilogue=epi.path, vector=epi.vector, slices=slices,
+    )
+    if cfg.smem_bytes > SMEM_LIMIT[cfg.arch]:
+        from l2ir.errors import ResourceError
+        raise ResourceError("pipeline", "smem_layout", f"{cfg.smem_bytes} B of shared memory exceed "
+                            f"{SMEM_LIMIT[cfg.arch]} B on {cfg.arch}")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# render
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _describe(kernel_text: str) -> list[str]:
+    return ["//   " + line if line else "//" for line in kernel_text.splitlines()]
+
+
+def _load_tile(cfg: Sm80Config, op: str) -> list[str]:
+    """The cp.async copies of one k-tile of A or B (`op`) into stage `stage`: CHUNKS_<op> 16-byte chunks over the
+    block, thread tid taking chunks tid, tid + THREADS, ... Rows follow pad.m / pad.n; K follows pad.k."""
+    rows, dim, pad_rows = ("BM", "M", cfg.pad_m) if op == "A" else ("BN", "N", cfg.pad_n)
+    fld = "pad.m" if op == "A" else "pad.n"
+    ptr, base = ("A", "a_rows") if op == "A" else ("B", "b_rows")
+    smem_off = "SMEM_A + stage * A_STAGE" if op == "A" else "SMEM_B + stage * B_STAGE"
+    out = [
+        f"// k-tile `kt` of {op} ({rows} x BK, K contiguous) into ring stage `stage`.",
+        f"__device__ __forceinline__ void load_{op.lower()}(unsigned smem_base, const InT* __restrict__ {ptr}, "
+        f"int {base}, int M, int N, int K, int kt, int stage, bool check_k) {{",
+        "  (void)M; (void)N; (void)check_k;",
+        "#pragma unroll",
+        f"  for (int it = 0; it < CHUNKS_{op} / THREADS; ++it) {{",
+        "    const int c = it * THREADS + int(threadIdx.x);",
+        "    const int r = c / (BK / 8);            // row of the tile",
+        "    const int kc = (c % (BK / 8)) * 8;     // first K element of the chunk",
+        "    const int k = kt * BK + kc;",
+        f"    const int grow = {base} + r;",
+        f"    const unsigned dst = smem_base + 2u * unsigned({smem_off} + swz(r * BK + kc));",
+        f"    const InT* src = {ptr} + (long long)grow * K + k;",
+    ]
+    k_ok = "(!check_k || k < K)" if cfg.pad_k != "divisible" else None
+    row_ok = f"grow < {dim}"
+    if pad_rows == "divisible":
+        out.append(f"    // {fld}=divisible: every row of the tile exists.")
+        if k_ok:
+            out += ["    // K % 8 == 0 (pad.align=8), so a chunk is wholly inside or wholly outside K.",
+                    f"    cp_async_zfill(dst, {k_ok} ? src : {ptr}, {k_ok});"]
+        else:
+            out.append("    cp_async(dst, src);")
+    elif pad_rows == "predicate":
+        out.append(f"    // {fld}=predicate: a row past {dim} is not loaded; its stale shared memory only reaches "
+                   "outputs that are never stored.")
+        if k_ok:
+            out += [f"    if ({row_ok}) cp_async_zfill(dst, {k_ok} ? src : {ptr}, {k_ok});"]
+        else:
+            out += [f"    if ({row_ok}) cp_async(dst, src);"]
+    else:
+        cond = f"{row_ok} && {k_ok}" if k_ok else row_ok
+        out += [f"    // {fld}=zero_fill: a row past {dim} is written as zeros (src-size 0 reads nothing).",
+                f"    const bool ok = {cond};",
+                f"    cp_async_zfill(dst, ok ? src : {ptr}, ok);"]
+    out += ["  }", "}", ""]
+    return out
+
+
+def _issue(cfg: Sm80Config, tile: str, stage: str, indent: str) -> list[str]:
+    """Issue both operands' copies of k-tile `tile` (relative to k_begin) into `stage`."""
+    if cfg.pad_k == "predicate":
+        check = f"k_begin + {tile} == k_tiles - 1"
+        note = "pad.k=predicate: only the last k-tile can run past K, so only it checks (and zero-fills)"
+    elif cfg.pad_k == "zero_fill":
+        check, note = "true", "pad.k=zero_fill: every k-tile checks K; chunks past K are zero-filled"
+    else:
+        check, note = "false", "pad.k=divisible: K % BK == 0, no k-tile runs past K"
+    return [
+        f"{indent}// {note}",
+        f"{indent}load_a(smem_base, A, a_rows, M, N, K, k_begin + {tile}, {stage}, {check});",
+        f"{indent}load_b(smem_base, B, b_rows, M, N, K, k_begin + {tile}, {stage}, {check});",
+    ]
+
+
+def _mainloop(cfg: Sm80Config) -> list[str]:
+    i = "  "
+    if cfg.stages == 1:
+        return [
+            f"{i}// pipeline.stages=1: one buffer, so a k-tile's copy cannot overlap the MMAs that read the previous one.",
+            f"{i}for (int t = 0; t < k_count; ++t) {{",
+            f"{i}  __syncthreads();   // every warp has finished reading the previous k-tile",
+            *_issue(cfg, "t", "0", i + "  "),
+            f"{i}  cp_async_commit();",
+            f"{i}  cp_async_wait<0>();",
+            f"{i}  __syncthreads();   // the k-tile is in shared memory and visible to every warp",
+            f"{i}#pragma unroll",
+            f"{i}  for (int kk = 0; kk < KSTEPS; ++kk) {{",
+            f"{i}    load_frags(smem_base, 0, kk, fa[0], fb[0]);",
+            f"{i}    mma_all(acc, fa[0], fb[0]);",
+            f"{i}  }}",
+            f"{i}}}",
+        ]
+    lines = [
+        f"{i}// Prologue: put STAGES-1 k-tiles in flight before the first MMA. Every slot commits a group, even an",
+        f"{i}// empty one, so the group count per k-tile stays uniform and cp.async.wait_group N means 'tile t landed'.",
+        f"{i}#pragma unroll",
+        f"{i}for (int s = 0; s < STAGES - 1; ++s) {{",
+        f"{i}  if (s < k_count) {{",
+        *_issue(cfg, "s", "s", i + "    "),
+        f"{i}  }}",
+        f"{i}  cp_async_commit();",
+        f"{i}}}",
+        f"{i}int read_stage = 0;             // stage holding k-tile t",
+        f"{i}int write_stage = STAGES - 1;   // stage k-tile t+STAGES-1 goes to: the one k-tile t-1 used",
+    ]
+    if not cfg.prefetch:
+        return lines + [
+            f"{i}// pipeline.prefetch=false: each k-step's fragments are loaded, then consumed.",
+            f"{i}for (int t = 0; t < k_count; ++t) {{",
+            f"{i}  // Groups committed so far: k-tiles up to t+STAGES-2. Allowing STAGES-2 pending means tile t landed.",
+            f"{i}  cp_async_wait<STAGES - 2>();",
+            f"{i}  // Make tile t visible to every warp; also every warp has finished reading tile t-1, whose stage",
+            f"{i}  // is refilled next.",
+            f"{i}  __syncthreads();",
+            f"{i}  if (t + STAGES - 1 < k_count) {{",
+            *_issue(cfg, "t + STAGES - 1", "write_stage", i + "    "),
+            f"{i}  }}",
+            f"{i}  cp_async_commit();",
+            f"{i}#pragma unroll",
+            f"{i}  for (int kk = 0; kk < KSTEPS; ++kk) {{",
+            f"{i}    load_frags(smem_base, read_stage, kk, fa[0], fb[0]);",
+            f"{i}    mma_all(acc, fa[0], fb[0]);",
+            f"{i}  }}",
+            f"{i}  write_stage = read_stage;",
+            f"{i}  read_stage = (read_stage + 1 == STAGES) ? 0 : read_stage + 1;",
+            f"{i}}}",
+        ]
+    odd = (cfg.bk // 16) % 2 == 1
+    last_step = [f"{i}    if (kk == KSTEPS - 1) {{",
+                 f"{i}      // The next k-tile's first k-step is read below. Groups committed: tiles up to t+STAGES-1,",
+                 f"{i}      // so allowing STAGES-2 pending means tile t+1 landed; the barrier makes it visible.",
+                 f"{i}      read_stage = (read_stage + 1 == STAGES) ? 0 : read_stage + 1;",
+                 f"{i}      cp_async_wait<STAGES - 2>();",
+                 f"{i}      __syncthreads();",
+                 f"{i}    }}"]
+    body_frags = [f"{i}    // Fragments of the next k-step (the next tile's first after the last step) into the other buffer.",
+                  f"{i}    load_frags(smem_base, read_stage, (kk + 1) % KSTEPS, fa[((kk + 1) % KSTEPS) & 1], "
+                  f"fb[((kk + 1) % KSTEPS) & 1]);"]
+    body_mma = [f"{i}    mma_all(acc, fa[kk & 1], fb[kk & 1]);"]
+    if odd:
+        # With an odd number of k-steps the last step's buffer (kk & 1 == 0) is also the next tile's first: issue
+        # its MMAs before overwriting it (the compiler renames registers, so the loads still overlap).
+        body = [f"{i}    if (kk == KSTEPS - 1) {{",
+                f"{i}      // KSTEPS={cfg.bk // 16} is odd: this step's buffer is also the next tile's first, so",
+                f"{i}      // consume it before the loads below overwrite it.",
+                f"{i}      mma_all(acc, fa[kk & 1], fb[kk & 1]);",
+                f"{i}    }}",
+                *last_step, *body_frags,
+                f"{i}    if (kk != KSTEPS - 1) mma_all(acc, fa[kk & 1], fb[kk & 1]);"]
+    else:
+        body = [*last_step, *body_frags, *body_mma]
+    return lines + [
+        f"{i}// pipeline.prefetch=true: ldmatrix of k-step kk+1 (across the tile boundary too) is in flight while",
+        f"{i}// k-step kk's MMAs run, so ldmatrix latency never stalls the tensor cores.",
+        f"{i}cp_async_wait<STAGES - 2>();   // k-tile 0 landed",
+        f"{i}__syncthreads();",
+        f"{i}load_frags(smem_base, read_stage, 0, fa[0], fb[0]);",
+        f"{i}for (int t = 0; t < k_count; ++t) {{",
+        f"{i}#pragma unroll",
+        f"{i}  for (int kk = 0; kk < KSTEPS; ++kk) {{",
+        f"{i}    if (kk == 0) {{",
+        f"{i}      // Refill the stage tile t-1 used: every warp passed the barrier after its last read of it.",
+        f"{i}      if (t + STAGES - 1 < k_count) {{",
+        *_issue(cfg, "t + STAGES - 1", "write_stage", i + "        "),
+        f"{i}      }}",
+        f"{i}      cp_async_commit();",
+        f"{i}      write_stage = (write_stage + 1 == STAGES) ? 0 : write_stage + 1;",
+        f"{i}    }}",
+        *body,
+        f"{i}  }}",
+        f"{i}}}",
+    ]
+
+
+def _bounds(cfg: Sm80Config, m: str, n: str) -> str | None:
+    conds = []
+    if cfg.pad_m != "divisible":
+        conds.append(f"{m} < M")
+    if cfg.pad_n != "divisible":
+        conds.append(f"{n} < N")
+    return " && ".join(conds) if conds else None
+
+
+def _guarded(cond: str | None, stmt: str, indent: str) -> str:
+    return f"{indent}if ({cond}) {stmt}" if cond else f"{indent}{stmt}"
+
+
+def _epilogue(cfg: Sm80Config) -> list[str]:
+    i = "  "
+    bounds_note = ("pad.m/n=divisible: whole tiles, no bounds checks" if _bounds(cfg, "m", "n") is None else
+                   "N % 8 == 0 (pad.align=8), so a vector is wholly inside or wholly outside the matrix")
+    if cfg.epilogue == "direct":
+        dst = ("ws + ((long long)slice * M + m) * N + n" if cfg.split else "C + (long long)m * N + n")
+        if cfg.vector == 2:
+            what = "fp32 pair (8 bytes)" if cfg.split else "packed pair (4 bytes)"
+            st0 = (f"*reinterpret_cast<float2*>({dst}) = make_float2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);"
+                   if cfg.split else
+                   f"*reinterpret_cast<Out2T*>({dst}) = pack2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);")
+            stores = [f"{i}        // epilogue.vector=2: one store of the {what}; {bounds_note}.",
+                      _guarded(_bounds(cfg, "m", "n"), st0, i + "        ")]
+        else:
+            conv = "" if cfg.split else "to_out"
+            c1 = _bounds(cfg, "m", "n + 1")
+            stores = [f"{i}        // epilogue.vector=1: two scalar stores, each predicated.",
+                      _guarded(_bounds(cfg, "m", "n"), f"({dst})[0] = {conv}(acc[mi][ni][2 * h]);", i + "        "),
+                      _guarded(c1, f"({dst})[1] = {conv}(acc[mi][ni][2 * h + 1]);", i + "        ")]
+        return [
+            f"{i}// epilogue.path=direct: each thread stores its accumulators straight from registers. m16n8 f32",
+            f"{i}// fragment: c0,c1 at (groupID, 2*tig + 0/1), c2,c3 at (groupID + 8, ...); groupID = lane/4, tig = lane%4.",
+            f"{i}#pragma unroll",
+            f"{i}for (int mi = 0; mi < MI; ++mi) {{",
+            f"{i}#pragma unroll",
+            f"{i}  for (int ni = 0; ni < NI; ++ni) {{",
+            f"{i}#pragma unroll",
+            f"{i}    for (int h = 0; h < 2; ++h) {{",
+            f"{i}      const int m = tile_m * BM + warp_m * WARP_M + mi * 16 + (lane >> 2) + 8 * h;",
+            f"{i}      const int n = tile_n * BN + warp_n * WARP_N + ni * 8 + (lane & 3) * 2;",
+            f"{i}      {{",
+            *stores,
+            f"{i}      }}",
+            f"{i}    }}",
+            f"{i}  }}",
+            f"{i}}}",
+        ]
+    v = cfg.vector
+    st = "float" if cfg.split else "OutT"
+    if cfg.split:
+        frag_write = ("*reinterpret_cast<float2*>(&c_tile[r * C_PITCH + c]) = "
+                      "make_float2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);")
+        dst = "ws + ((long long)slice * M + m) * N + n"
+        what = "this slice's fp32 partial in the workspace"
+    else:
+        frag_write = "*reinterpret_cast<Out2T*>(&c_tile[r * C_PITCH + c]) = pack2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);"
+        dst = "C + (long long)m * N + n"
+        what = "C"
+    store = f"*reinterpret_cast<Vec<{st}, VEC>*>({dst}) = *reinterpret_cast<const Vec<{st}, VEC>*>(&c_tile[r * C_PITCH + cv]);"
+    passes_exact = (cfg.bm * (cfg.bn // v)) % cfg.threads == 0
+    return [
+        f"{i}// epilogue.path=smem: stage the C tile in shared memory ({st}, rows padded by {C_ROW_PAD} elements), then store",
+        f"{i}// whole rows with {v}-element vectors (epilogue.vector={v}) to {what}: consecutive threads write",
+        f"{i}// consecutive addresses. The tile reuses the ring: drain every cp.async and wait for every warp's last read.",
+        f"{i}cp_async_wait<0>();",
+        f"{i}__syncthreads();",
+        f"{i}{st}* c_tile = reinterpret_cast<{st}*>(smem);",
+        f"{i}#pragma unroll",
+        f"{i}for (int mi = 0; mi < MI; ++mi) {{",
+        f"{i}#pragma unroll",
+        f"{i}  for (int ni = 0; ni < NI; ++ni) {{",
+        f"{i}#pragma unroll",
+        f"{i}    for (int h = 0; h < 2; ++h) {{",
+        f"{i}      const int r = warp_m * WARP_M + mi * 16 + (lane >> 2) + 8 * h;",
+        f"{i}      const int c = warp_n * WARP_N + ni * 8 + (lane & 3) * 2;",
+        f"{i}      {frag_write}",
+        f"{i}    }}",
+        f"{i}  }}",
+        f"{i}}}",
+        f"{i}__syncthreads();",
+        f"{i}constexpr int VEC = {v};",
+        f"{i}#pragma unroll",
+        f"{i}for (int p = 0; p < (BM * (BN / VEC) + THREADS - 1) / THREADS; ++p) {{",
+        f"{i}  const int idx = p * THREADS + int(threadIdx.x);",
+        *([] if passes_exact else [f"{i}  if (idx >= BM * (BN / VEC)) break;"]),
+        f"{i}  const int r = idx / (BN / VEC);",
+        f"{i}  const int cv = (idx % (BN / VEC)) * VEC;",
+        f"{i}  const int m = tile_m * BM + r;",
+        f"{i}  const int n = tile_n * BN + cv;",
+        f"{i}  // {bounds_note}.",
+        _guarded(_bounds(cfg, "m", "n"), store, i + "  "),
+        f"{i}}}",
+    ]
+
+
+def render(cfg: Sm80Config, kernel_text: str = "") -> str:
+    """The .cu text for one configuration. Deterministic: the same config gives the same bytes."""
+    it, ot = CTYPE[cfg.in_dtype], CTYPE[cfg.out_dtype]
+    ptx_t = PTX_TYPE[cfg.in_dtype]
+    tile_m, tile_n = rasterize(cfg.raster, cfg.group)
+    if cfg.swizzle is None:
+        swz_expr, swz_note = "offset", "swizzle.smem=none: plain K-major rows (ldmatrix rows may share banks)"
+    else:
+        b, m, s = cfg.swizzle
+        swz_expr = smem_swizzle(b, m, s).to_cpp()
+        swz_note = (f"swizzle.smem=<{b},{m},{s}>: XOR {b} bit(s) at [{m + s}, {m + s + b}) into [{m}, {m + b}) of the "
+                    "element offset, so the 8 rows one ldmatrix phase reads (and cp.async writes) hit distinct banks")
+    pack = ("__floats2half2_rn(a, b)" if cfg.out_dtype == "f16" else "__floats2bfloat162_rn(a, b)")
+    to_out = ("__float2half_rn(a)" if cfg.out_dtype == "f16" else "__float2bfloat16_rn(a)")
+    out2 = "__half2" if cfg.out_dtype == "f16" else "__nv_bfloat162"
+    L = [
+        f"// Generated by L2IR backends/cuda_ptx (sm80 rule): mma.sync m16n8k16 + ldmatrix + cp.async multistage,",
+        "// raw CUDA with inline PTX. Do not edit: regenerate from the kernel IR.",
+        "// Kernel:",
+        *_describe(kernel_text),
+        f"// Problem class: {cfg.problem_class}",
+        f"// target.arch={cfg.arch}",
+        "#include <cuda_fp16.h>",
+        "#include <cuda_bf16.h>",
+        "",
+        "namespace l2ir_ptx_sm80 {",
+        "",
+        f"using InT = {it};",
+        f"using OutT = {ot};",
+        f"using Out2T = {out2};",
+        "",
+        f"constexpr int BM = {cfg.bm}, BN = {cfg.bn}, BK = {cfg.bk};   // tile.block",
+        f"constexpr int WM = {cfg.wm}, WN = {cfg.wn};                   // tile.warps",
+        "constexpr int THREADS = 32 * WM * WN;",
+        "constexpr int WARP_M = BM / WM, WARP_N = BN / WN;   // each warp's block of C",
+        "constexpr int MI = WARP_M / 16, NI = WARP_N / 8;    // m16n8 accumulator fragments per warp",
+        "constexpr int KSTEPS = BK / 16;                     // m16n8k16 k-steps per k-tile",
+        f"constexpr int STAGES = {cfg.stages};                       // pipeline.stages",
+        "constexpr int A_STAGE = BM * BK, B_STAGE = BN * BK;  // elements per ring stage",
+        "constexpr int SMEM_A = 0, SMEM_B = STAGES * A_STAGE;  // element offsets of the two rings",
+        "constexpr int CHUNKS_A = BM * BK / 8, CHUNKS_B = BN * BK / 8;   // 16-byte cp.async chunks per tile",
+        "static_assert(CHUNKS_A % THREADS == 0 && CHUNKS_B % THREADS == 0, \"whole copy passes\");",
+        "static_assert(NI % 2 == 0, \"B fragments come in pairs from one ldmatrix.x4\");",
+        *([f"constexpr int C_PITCH = BN + {C_ROW_PAD};   // staged C row pitch (epilogue.path=smem)"]
+          if cfg.epilogue == "smem" else []),
+        "",
+        f"// {swz_note}.",
+        "// It acts on element offsets inside one K-major tile and keeps every 8-element (16-byte) chunk whole.",
+        f"__device__ __forceinline__ int swz(int offset) {{ return {swz_expr}; }}",
+        "",
+        "// A vector of V elements, aligned to its size so one load/store instruction (two for 32 bytes) moves it.",
+        "template <class T, int V>",
+        "struct alignas(sizeof(T) * V) Vec { T v[V]; };",
+        "",
+        f"__device__ __forceinline__ Out2T pack2(float a, float b) {{ return {pack}; }}",
+        f"__device__ __forceinline__ OutT to_out(float a) {{ return {to_out}; }}",
+        "",
+        "// cp.async.cg: 16 bytes global -> shared, bypassing L1 (the tile is reused from shared memory, not L1).",
+        "__device__ __forceinline__ void cp_async(unsigned dst, const void* src) {",
+        '  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" :: "r"(dst), "l"(src) : "memory");',
+        "}",
+        "// src-size 0 writes 16 zero bytes and reads nothing: out-of-range chunks cost no traffic and add 0 to every",
+        "// dot product. `src` must still be a valid address, so callers pass the operand's base when !valid.",
+        "__device__ __forceinline__ void cp_async_zfill(unsigned dst, const void* src, bool valid) {",
+        "  const int src_bytes = valid ? 16 : 0;",
+        '  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" :: "r"(dst), "l"(src), "r"(src_bytes)',
+        '               : "memory");',
+        "}",
+        "__device__ __forceinline__ void cp_async_commit() { asm volatile(\"cp.async.commit_group;\\n\" ::: \"memory\"); }",
+        "template <int N>",
+        "__device__ __forceinline__ void cp_async_wait() {",
+        '  asm volatile("cp.async.wait_group %0;\\n" :: "n"(N) : "memory");',
+        "}",
+        "",
+        "// ldmatrix.x4: lanes 8j..8j+7 give the row addresses of 8x8 matrix j; register j of lane l receives row l/4,",
+        "// columns 2(l%4), 2(l%4)+1 of matrix j, which is exactly the m16n8k16 fragment layout.",
+        "__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {",
+        '  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\\n"',
+        '               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");',
+        "}",
+        "",
+        f"// D = A * B + D, m16n8k16, A row (K-major), B col (K-major), {ptx_t} in, fp32 accumulate.",
+        "__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {",
+        f'  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ptx_t}.{ptx_t}.f32 "',
+        '               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"',
+        '               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])',
+        '               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));',
+        "}",
+        "",
+        "// One k-step's fragments of this warp from ring stage `stage`.",
+        "// A (m16 x k16 per mi): lane l addresses row l%16, k 8*(l/16): matrices (rows 0-7,k 0-7), (8-15,0-7),",
+        "//   (0-7,8-15), (8-15,8-15) = a0, a1, a2, a3.",
+        "// B (two n8 x k16 blocks per ldmatrix): lane l addresses n (l%8) + 8*(l/16), k 8*((l/8)%2): matrices",
+        "//   (n 0-7,k 0-7), (0-7,8-15), (8-15,0-7), (8-15,8-15) = b0,b1 of block 2j and b0,b1 of block 2j+1.",
+        "__device__ __forceinline__ void load_frags(unsigned smem_base, int stage, int kk, unsigned (&fa)[MI][4],",
+        "                                           unsigned (&fb)[NI][2]) {",
+        "  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;",
+        "  const int warp_m = warp / WN, warp_n = warp % WN;",
+        "#pragma unroll",
+        "  for (int mi = 0; mi < MI; ++mi) {",
+        "    const int r = warp_m * WARP_M + mi * 16 + (lane & 15);",
+        "    const int k = kk * 16 + (lane >> 4) * 8;",
+        "    ldmatrix_x4(fa[mi], smem_base + 2u * unsigned(SMEM_A + stage * A_STAGE + swz(r * BK + k)));",
+        "  }",
+        "#pragma unroll",
+        "  for (int nj = 0; nj < NI / 2; ++nj) {",
+        "    const int r = warp_n * WARP_N + nj * 16 + (lane & 7) + ((lane >> 4) << 3);",
+        "    const int k = kk * 16 + ((lane >> 3) & 1) * 8;",
+        "    unsigned t[4];",
+        "    ldmatrix_x4(t, smem_base + 2u * unsigned(SMEM_B + stage * B_STAGE + swz(r * BK + k)));",
+        "    fb[2 * nj][0] = t[0]; fb[2 * nj][1] = t[1];",
+        "    fb[2 * nj + 1][0] = t[2]; fb[2 * nj + 1][1] = t[3];",
+        "  }",
+        "}",
+        "",
+        "__device__ __forceinline__ void mma_all(float (&acc)[MI][NI][4], const unsigned (&fa)[MI][4],",
+        "                                        const unsigned (&fb)[NI][2]) {",
+        "#pragma unroll",
+        "  for (int mi = 0; mi < MI; ++mi)",
+        "#pragma unroll",
+        "    for (int ni = 0; ni < NI; ++ni) mma_16816(acc[mi][ni], fa[mi], fb[ni]);",
+        "}",
+        "",
+        *_load_tile(cfg, "A"),
+        *_load_tile(cfg, "B"),
+        "}  // namespace l2ir_ptx_sm80",
+        "",
+        f'extern "C" __global__ void __launch_bounds__({cfg.threads})',
+        f"{GEMM_ENTRY}({ABI}) {{",
+        "  using namespace l2ir_ptx_sm80;",
+        "  // 16-byte alignment is all cp.async and ldmatrix need (the swizzle works on offsets inside each tile).",
+        "  extern __shared__ __align__(128) unsigned char smem[];",
+        "  const unsigned smem_base = static_cast<unsigned>(__cvta_generic_to_shared(smem));",
+        "  const InT* __restrict__ A = static_cast<const InT*>(A_);",
+        "  const InT* __restrict__ B = static_cast<const InT*>(B_);",
+        *(["  // splitk: this kernel writes fp32 partials to the workspace; the reduction kernel writes C.",
+          "  (void)C_;", "  float* __restrict__ ws = static_cast<float*>(workspace_);"] if cfg.split
+          else ["  OutT* __restrict__ C = static_cast<OutT*>(C_);", "  (void)workspace_;"]),
+        "",
+        f"  // swizzle.raster={cfg.raster} group={cfg.group}: linear block id -> output tile (l2ir.indexing.rasterize);",
+        "  // blocks that run together share A and B tiles in L2.",
+        "  const int pid = int(blockIdx.x);",
+        "  const int tiles_m = (M + BM - 1) / BM;",
+        "  const int tiles_n = (N + BN - 1) / BN;",
+        f"  const int tile_m = {tile_m.to_cpp()};",
+        f"  const int tile_n = {tile_n.to_cpp()};",
+        "  (void)tiles_n;",
+        "  const int a_rows = tile_m * BM, b_rows = tile_n * BN;   // first row of this tile in A (M) and B (N)",
+        "  const int k_tiles = (K + BK - 1) / BK;",
+    ]
+    if cfg.split:
+        kb, ke = splitk_range(cfg.slices)
+        L += [
+            f"  // splitk slices={cfg.slices} (grid.z, l2ir.indexing.splitk_range): this slice owns k-tiles "
+            "[k_begin, k_end);",
+            "  // an empty range still writes a zero partial, so the reduction never reads unwritten workspace.",
+            "  const int slice = int(blockIdx.z);",
+            f"  const int k_begin = {kb.to_cpp()};",
+            f"  const int k_end = {ke.to_cpp()};",
+        ]
+    else:
+        L += ["  const int k_begin = 0, k_end = k_tiles;"]
+    L += [
+        "  const int k_count = k_end - k_begin;",
+        "  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;",
+        "  const int warp_m = warp / WN, warp_n = warp % WN;",
+        "  (void)lane; (void)warp_m; (void)warp_n;",
+        "",
+        "  float acc[MI][NI][4];",
+        "#pragma unroll",
+        "  for (int mi = 0; mi < MI; ++mi)",
+        "#pragma unroll",
+        "    for (int ni = 0; ni < NI; ++ni)",
+        "#pragma unroll",
+        "      for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;",
+        ("  unsigned fa[2][MI][4], fb[2][NI][2];   // pipeline.prefetch=true: two k-steps of fragments"
+         if cfg.prefetch and cfg.stages > 1 else
+         "  unsigned fa[1][MI][4], fb[1][NI][2];   // one k-step of fragments"),
+        "",
+        *_mainloop(cfg),
+        "",
+        *_epilogue(cfg),
+        "}",
+    ]
+    if cfg.split:
+        v = cfg.vector
+        L += [
+            "",
+            f"// splitk reduce=workspace: C = sum over the {cfg.slices} slices of the fp32 partials, in slice order",
+            "// (deterministic), rounded to C once. C is row-major with leading dimension N, so the output is one",
+            f"// contiguous run of M*N elements; each thread owns {v} consecutive ones (M*N % {v} == 0: pad.align=8).",
+            f'extern "C" __global__ void __launch_bounds__({REDUCE_THREADS})',
+            f"{REDUCE_ENTRY}({ABI}) {{",
+            "  using namespace l2ir_ptx_sm80;",
+            "  (void)A_; (void)B_; (void)K;",
+            "  const float* __restrict__ ws = static_cast<const float*>(workspace_);",
+            "  OutT* __restrict__ C = static_cast<OutT*>(C_);",
+            "  const long long total = (long long)M * N;",
+            f"  const long long i = ((long long)blockIdx.x * {REDUCE_THREADS} + threadIdx.x) * {v};",
+            "  if (i >= total) return;",
+            f"  Vec<float, {v}> sum = *reinterpret_cast<const Vec<float, {v}>*>(ws + i);",
+            "#pragma unroll",
+            f"  for (int s = 1; s < {cfg.slices}; ++s) {{",
+            f"    const Vec<float, {v}> part = *reinterpret_cast<const Vec<float, {v}>*>(ws + s * total + i);",
+            "#pragma unroll",
+            f"    for (int e = 0; e < {v}; ++e) sum.v[e] += part.v[e];",
+            "  }",
+            f"  Vec<OutT, {v}> out;",
+            "#pragma unroll",
+            f"  for (int e = 0; e < {v}; ++e) out.v[e] = to_out(sum.v[e]);",
+            f"  *reinterpret_cast<Vec<OutT, {v}>*>(C + i) = out;",
+            "}",
+        ]
+    return "\n".join(L) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# lower
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _problem_text(problem: Problem) -> str:
+    return (f"gemm a={problem.a[0]}:{problem.a[1]} b={problem.b[0]}:{problem.b[1]} "
+            f"c={problem.c[0]}:{problem.c[1]} acc={problem.acc}")
+
+
+def launches(cfg: Sm80Config) -> tuple[Launch, ...]:
+    tiles = cdiv(M_, cfg.bm) * cdiv(N_, cfg.bn)
+    gemm = Launch(entry=GEMM_ENTRY, grid=(tiles, Const(1), Const(cfg.slices)), block=(cfg.threads, 1, 1),
+                  smem=cfg.smem_bytes)
+    if not cfg.split:
+        return (gemm,)
+    reduce = Launch(entry=REDUCE_ENTRY, grid=(cdiv(M_ * N_, REDUCE_THREADS * cfg.vector), Const(1), Const(1)),
+                    block=(REDUCE_THREADS, 1, 1), smem=0)
+    return (gemm, reduce)
+
+
+def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
+    """IR -> LaunchPlan(form="kernels")."""
+    cfg = canonicalize(kernel, problem)
+    text = kernel.text()
+    return LaunchPlan(
+        source=render(cfg, text),
+        arch=ARCHS[cfg.arch],
+        form="kernels",
+        launches=launches(cfg),
+        workspace_bytes=(Const(cfg.slices) * M_ * N_ * 4) if cfg.split else Const(0),
+        zero_workspace=False,
+        needs_cutlass=False,
+        ir_text=text,
+        problem_text=_problem_text(problem),
+    )
+
+
+# The reference build command for tests: sm_80-level code as sm_90 SASS (what backends/compile.py builds for an H200).
+NVCC_FLAGS = ("-cubin", "-std=c++17", "-O3", "-gencode=arch=compute_80,code=sm_90")
+
+
+def nvcc_command(source_path: str, output_path: str, nvcc: str = "nvcc", verbose_ptxas: bool = True) -> list[str]:
+    cmd = [nvcc, *NVCC_FLAGS]
+    if verbose_ptxas:
+        cmd += ["-Xptxas", "-v"]
+    return cmd + ["-o", output_path, source_path]
+
+
+__all__ = ["Sm80Config", "accepts", "canonicalize", "render", "launches", "lower", "nvcc_command", "GEMM_ENTRY",
+           "REDUCE_ENTRY"]

@@ -1,0 +1,286 @@
+"""backends/cuda_ptx (sm80 rule): golden source, determinism, dispatch, one test per IR field, the refusals, and nvcc
+builds.
+
+Regenerate the golden sources after an intended change to the lowering:
+    python tests/test_cuda_ptx_sm80.py --update-golden
+and review the diff of tests/golden/cuda_ptx_sm80/ like any other code change.
+
+The nvcc tests build two configurations as the harness does for an H200 (sm_80-level code, sm_90 SASS); they skip
+cleanly without nvcc.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backends.cuda_ptx import UnsupportedLowering, lower, rule_for  # noqa: E402
+from backends.cuda_ptx import sm80  # noqa: E402
+from backends.registry import backend_for  # noqa: E402
+from backends.registry import lower as registry_lower  # noqa: E402
+from l2ir.errors import L2IRError, VerifyError  # noqa: E402
+from l2ir.indexing import smem_swizzle  # noqa: E402
+from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target,  # noqa: E402
+                        Tile)
+from l2ir.verify import smem_bytes  # noqa: E402
+
+GOLDEN = Path(__file__).parent / "golden" / "cuda_ptx_sm80"
+PROBLEM = Problem(m=4096, n=4096, k=4096)
+
+
+def ms(block=(128, 128, 32), warps=(2, 2), stages=4, arch="sm80", **changes) -> Kernel:
+    """The base sm80 schedule: mma.sync 16x8x16, cp.async ring with register prefetch, <2,3,3>, smem epilogue."""
+    k = Kernel(target=Target(arch), tile=Tile(block, warps), mma=Mma("mma_sync", (16, 8, 16)),
+               pipeline=Pipeline("multistage", stages, prefetch=True),
+               swizzle=Swizzle((2, 3, 3), "along_n", 8), pad=Pad("predicate", "predicate", "zero_fill", 8),
+               epilogue=Epilogue("smem", 8))
+    return k.replace(**changes)
+
+
+CASES: dict[str, tuple[Kernel, Problem]] = {
+    "128x128x32_w2x2_s4_prefetch_smem8": (ms(), PROBLEM),
+    "128x256x32_w2x4_s3_direct2_along_m": (
+        ms((128, 256, 32), (2, 4), 3, epilogue=Epilogue("direct", 2), swizzle=Swizzle((2, 3, 3), "along_m", 4)),
+        PROBLEM),
+    "64x64x32_w2x2_s3_splitk4_smem8": (ms((64, 64, 32), stages=3, splitk=SplitK("split_k", 4)), PROBLEM),
+    "sm86_64x128x48_s1_direct1_divisible_bf16": (
+        ms((64, 128, 48), stages=1, arch="sm86", swizzle=None, epilogue=Epilogue("direct", 1),
+           pad=Pad("divisible", "zero_fill", "predicate", 8)),
+        Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col"), c=("bf16", "row"))),
+    "sm90_64x128x48_s2_noprefetch_splitk3_direct2": (
+        ms((64, 128, 48), stages=2, arch="sm90", swizzle=Swizzle(None, "along_n", 1),
+           pipeline=Pipeline("multistage", 2, prefetch=False), pad=Pad("zero_fill", "predicate", "divisible", 8),
+           splitk=SplitK("split_k", 3), epilogue=Epilogue("direct", 2)), PROBLEM),
+}
+
+
+def golden_path(name: str) -> Path:
+    return GOLDEN / f"{name}.cu"
+
+
+def update_golden() -> None:
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    for name, (kernel, problem) in CASES.items():
+        golden_path(name).write_text(lower(kernel, problem).source)
+        print("wrote", golden_path(name))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Golden source, determinism, plan, dispatch.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden_source(name):
+    kernel, problem = CASES[name]
+    expected = golden_path(name)
+    assert expected.exists(), f"missing {expected}: run python tests/test_cuda_ptx_sm80.py --update-golden"
+    assert lower(kernel, problem).source == expected.read_text(), (
+        f"generated source for {name} changed; if intended, regenerate with "
+        "python tests/test_cuda_ptx_sm80.py --update-golden and review the diff")
+
+
+def test_deterministic_in_process():
+    for kernel, problem in CASES.values():
+        assert lower(kernel, problem) == lower(kernel, problem)
+
+
+def test_deterministic_across_processes():
+    """A fresh interpreter (different hash seed) produces byte-identical source."""
+    code = ("import sys, hashlib; sys.path.insert(0, %r); from tests.test_cuda_ptx_sm80 import CASES, lower; "
+            "print(hashlib.sha256(''.join(lower(*c).source for c in CASES.values()).encode()).hexdigest())"
+            % str(Path(__file__).resolve().parents[1]))
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(outs) == 1
+
+
+def test_plan_fields():
+    plan = lower(ms(), PROBLEM)
+    assert plan.form == "kernels" and plan.arch == "sm_80" and not plan.needs_cutlass
+    assert not plan.zero_workspace and plan.workspace_for(4096, 4096, 4096) == 0
+    (launch,) = plan.launches
+    assert launch.entry == sm80.GEMM_ENTRY and launch.block == (128, 1, 1)
+    assert launch.grid_for(1000, 1000, 1000) == (8 * 8, 1, 1)
+    assert launch.smem == 4 * (128 + 128) * 32 * 2 == smem_bytes(ms())
+    assert f'extern "C" __global__ void __launch_bounds__(128)\n{sm80.GEMM_ENTRY}(const void* A_, const void* B_, ' \
+           'void* C_, int M, int N, int K, void* workspace_)' in plan.source
+    assert plan.problem_text == "gemm a=f16:row b=f16:col c=f16:row acc=f32"
+    assert plan.ir_text == ms().text()
+    for instr in ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                  "cp.async.cg.shared.global [%0], [%1], 16, %2;", "cp.async.commit_group;",
+                  "cp.async.wait_group %0;"):
+        assert instr in plan.source, instr
+    assert "cute" not in plan.source.lower() and "cutlass" not in plan.source.lower()
+
+
+def test_splitk_plan():
+    kernel = ms((64, 64, 32), stages=3, splitk=SplitK("split_k", 4))
+    plan = lower(kernel, PROBLEM)
+    gemm, reduce = plan.launches
+    assert gemm.grid_for(1000, 1000, 1000) == (16 * 16, 1, 4)
+    assert reduce.entry == sm80.REDUCE_ENTRY and reduce.block == (256, 1, 1)
+    assert reduce.grid_for(1000, 1000, 1000) == (-(-1000 * 1000 // (256 * 8)), 1, 1)
+    assert plan.workspace_for(1000, 1000, 1000) == 4 * 1000 * 1000 * 4
+    assert gemm.smem == smem_bytes(kernel)           # the fp32 C stage (64 x 72 x 4) is below the 3-stage ring
+
+
+def test_dispatch_on_mma_op_and_pipeline():
+    """Rules are chosen by what the kernel computes with: mma.sync multistage on sm90/sm90a is the sm80 rule's."""
+    for arch in ("sm80", "sm86", "sm89", "sm90", "sm90a"):
+        assert rule_for(ms(arch=arch)) == "sm80"
+        assert lower(ms(arch=arch), PROBLEM).arch == sm80.ARCHS[arch]
+    wgmma = Kernel(target=Target("sm90a"), tile=Tile((128, 128, 64), (8, 1)), mma=Mma("wgmma", (64, 128, 16)),
+                   pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=True),
+                   pad=Pad("zero_fill", "zero_fill", "zero_fill", 8), epilogue=Epilogue("smem", 8))
+    assert rule_for(wgmma) == "sm90a"
+
+
+def test_registry_entry():
+    assert backend_for(ms(), "cuda_ptx_sm80").name == "cuda_ptx_sm80"
+    assert backend_for(ms()).name == "cute_sm80"                # not a default backend
+    assert registry_lower(ms(), PROBLEM, "cuda_ptx_sm80").source == lower(ms(), PROBLEM).source
+
+
+def test_sweep_lowers():
+    from search.bench import PTX_SM80_SWEEP, SWEEPS
+    assert SWEEPS["cuda_ptx_sm80"] is PTX_SM80_SWEEP and len(PTX_SM80_SWEEP) >= 2
+    for kernel in PTX_SM80_SWEEP.values():
+        plan = registry_lower(kernel, Problem(1, 1, 1), "cuda_ptx_sm80")
+        assert plan.launches[0].smem <= smem_bytes(kernel)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Each IR field changes the source (or is refused: see below).
+# ---------------------------------------------------------------------------------------------------------------
+
+BF16 = Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col"))
+FIELD_CASES = [
+    ("target.arch", ms(arch="sm89"), PROBLEM, "// target.arch=sm89"),
+    ("tile.block", ms((128, 128, 64)), PROBLEM, "constexpr int BM = 128, BN = 128, BK = 64;"),
+    ("tile.warps", ms(warps=(4, 1)), PROBLEM, "constexpr int WM = 4, WN = 1;"),
+    ("pipeline.stages", ms(stages=3), PROBLEM, "constexpr int STAGES = 3;"),
+    ("pipeline.stages=1", ms(stages=1), PROBLEM, "// pipeline.stages=1"),
+    ("pipeline.prefetch", ms(pipeline=Pipeline("multistage", 4, prefetch=False)), PROBLEM,
+     "// pipeline.prefetch=false"),
+    ("swizzle.smem", ms(swizzle=Swizzle((1, 3, 3), "along_n", 8)), PROBLEM,
+     f"return {smem_swizzle(1, 3, 3).to_cpp()};"),
+    ("swizzle.smem=none", ms(swizzle=Swizzle(None, "along_n", 8)), PROBLEM, "// swizzle.smem=none"),
+    ("swizzle.raster", ms(swizzle=Swizzle((2, 3, 3), "along_m", 8)), PROBLEM, "// swizzle.raster=along_m group=8"),
+    ("swizzle.group", ms(swizzle=Swizzle((2, 3, 3), "along_n", 2)), PROBLEM, "// swizzle.raster=along_n group=2"),
+    ("pad.m=zero_fill", ms(pad=Pad("zero_fill", "predicate", "zero_fill", 8)), PROBLEM, "// pad.m=zero_fill"),
+    ("pad.m=divisible", ms(pad=Pad("divisible", "predicate", "zero_fill", 8)), PROBLEM, "// pad.m=divisible"),
+    ("pad.n=zero_fill", ms(pad=Pad("predicate", "zero_fill", "zero_fill", 8)), PROBLEM, "// pad.n=zero_fill"),
+    ("pad.n=divisible", ms(pad=Pad("predicate", "divisible", "zero_fill", 8)), PROBLEM, "// pad.n=divisible"),
+    ("pad.k=predicate", ms(pad=Pad("predicate", "predicate", "predicate", 8)), PROBLEM, "// pad.k=predicate"),
+    ("pad.k=divisible", ms(pad=Pad("predicate", "predicate", "divisible", 8)), PROBLEM, "// pad.k=divisible"),
+    ("splitk", ms(splitk=SplitK("split_k", 2)), PROBLEM, f"{sm80.REDUCE_ENTRY}("),
+    ("splitk.slices", ms(splitk=SplitK("split_k", 3)), PROBLEM, "for (int s = 1; s < 3; ++s)"),
+    ("epilogue.path", ms(epilogue=Epilogue("direct", 2)), PROBLEM, "// epilogue.path=direct"),
+    ("epilogue.vector", ms(epilogue=Epilogue("smem", 4)), PROBLEM, "constexpr int VEC = 4;"),
+    ("epilogue.vector.direct", ms(epilogue=Epilogue("direct", 1)), PROBLEM, "// epilogue.vector=1"),
+    ("problem.dtype", ms(), BF16, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
+    ("problem.c", ms(), Problem(m=1, n=1, k=1, c=("bf16", "row")), "using OutT = __nv_bfloat16;"),
+]
+
+
+@pytest.mark.parametrize("field,kernel,problem,expected", FIELD_CASES, ids=[c[0] for c in FIELD_CASES])
+def test_field_changes_source(field, kernel, problem, expected):
+    base = lower(ms(), PROBLEM).source
+    src = lower(kernel, problem).source
+    assert expected in src, f"{field}: expected line not generated"
+    assert expected not in base, f"{field}: the base kernel already contains the line, so the test proves nothing"
+
+
+def test_divisible_drops_predicates():
+    base = lower(ms(), PROBLEM).source
+    div = lower(ms(pad=Pad("divisible", "divisible", "divisible", 8)), PROBLEM).source
+    assert "if (m < M && n < N)" in base and "if (grow < M)" in base
+    for guard in ("m < M", "n < N", "grow < M", "grow < N", "(!check_k || k < K)"):
+        assert guard not in div, guard
+    assert "cp_async(dst, src);" in div and "cp_async_zfill(dst," not in div
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Refusals: every field this rule does not implement raises, naming the field.
+# ---------------------------------------------------------------------------------------------------------------
+
+REFUSALS = [
+    ("problem.a", ms(), Problem(m=1, n=1, k=1, a=("f16", "col"))),
+    ("problem.b", ms(), Problem(m=1, n=1, k=1, b=("f16", "row"))),
+    ("problem.c", ms(), Problem(m=1, n=1, k=1, c=("f32", "row"))),
+    ("problem.acc", ms(), Problem(m=1, n=1, k=1, acc="f16")),
+    ("pad.align", ms(pad=Pad("predicate", "predicate", "zero_fill", 4), epilogue=Epilogue("smem", 4)), PROBLEM),
+    ("splitk.reduce", ms(splitk=SplitK("split_k", 2, "atomic")), PROBLEM),
+    ("epilogue.vector", ms(epilogue=Epilogue("direct", 8)), PROBLEM),
+    ("tile.cluster", ms(arch="sm90", tile=Tile((128, 128, 32), (2, 2), (2, 1))), PROBLEM),
+    ("mma.shape", ms(mma=Mma("mma_sync", (16, 8, 8))), PROBLEM),
+    ("tile.warps", ms((64, 64, 32), (1, 8)), PROBLEM),
+]
+
+
+@pytest.mark.parametrize("field,kernel,problem", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_refusals_name_the_field(field, kernel, problem):
+    with pytest.raises(UnsupportedLowering) as info:
+        lower(kernel, problem)
+    assert info.value.field == field
+    assert isinstance(info.value, NotImplementedError) and isinstance(info.value, L2IRError)
+    assert field in str(info.value)
+
+
+def test_illegal_ir_raises_verify_error():
+    with pytest.raises(VerifyError):
+        lower(ms(stages=14), PROBLEM)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# nvcc builds (skip cleanly without nvcc).
+# ---------------------------------------------------------------------------------------------------------------
+
+NVCC_CASES = ["128x128x32_w2x2_s4_prefetch_smem8", "64x64x32_w2x2_s3_splitk4_smem8"]
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not on PATH")
+    procs = {}
+    for name in NVCC_CASES:
+        d = tmp_path_factory.mktemp(name)
+        (d / "kernel.cu").write_text(lower(*CASES[name]).source)
+        cmd = sm80.nvcc_command(str(d / "kernel.cu"), str(d / "kernel.cubin"), nvcc=nvcc)
+        procs[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), cmd)
+    out = {}
+    for name, (proc, cmd) in procs.items():
+        log, _ = proc.communicate(timeout=600)
+        out[name] = {"rc": proc.returncode, "log": log, "cmd": cmd}
+    return out
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("name", NVCC_CASES)
+def test_nvcc_builds_without_spills(builds, name):
+    b = builds[name]
+    assert b["rc"] == 0, "nvcc failed; reproduce with:\n  " + " ".join(b["cmd"]) + "\n" + b["log"][-4000:]
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", b["log"])
+    entries = 2 if CASES[name][0].splitk is not None else 1
+    assert len(spills) == entries and all(s == ("0", "0") for s in spills), f"register spills: {spills}"
+    assert "warning" not in b["log"].lower(), b["log"]
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", b["log"])]
+    assert regs and max(regs) <= 255, regs
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--update-golden"]:
+        update_golden()
+    else:
+        print(__doc__)
