@@ -321,24 +321,15 @@ def ragged_shapes(problem: Problem) -> list[tuple[int, int, int]]:
 
 
 def applicable(kernel: Kernel, problem: Problem) -> tuple[bool, str]:
-    """Whether the kernel may be run on this problem, and if not why. The verifier's check_problem decides; where
-    it is not installed, the Pad node's documented rules do (a Source kernel has no Pad: it must handle any shape)."""
+    """Whether the kernel may be run on this problem, and if not why: the verifier's problem rules decide
+    (divisibility, alignment, split-K vs K); a Source kernel has no Pad and must handle any shape."""
+    from l2ir.verify import check_problem
+
     try:
-        from l2ir.verify import check_problem
-    except ImportError:
-        check_problem = None
-    if check_problem is not None:
-        try:
-            check_problem(kernel, problem)
-        except VerifyError as e:
-            return False, str(e)
-        return True, ""
-    return _pad_rules(kernel, problem)
-
-
-def _pad_rules(kernel: Kernel, problem: Problem) -> tuple[bool, str]:
-    if kernel.is_source or kernel.pad is None:
-        return True, ""
+        check_problem(kernel, problem)
+    except VerifyError as e:
+        return False, str(e)
+    return True, ""
     pad, tile = kernel.pad, kernel.tile
     if tile is not None:
         for dim, size, block in (("m", problem.m, tile.bm), ("n", problem.n, tile.bn), ("k", problem.k, tile.bk)):
