@@ -211,12 +211,22 @@ def test_refusals_name_the_field(field, kernel, problem):
     assert field in str(info.value)
 
 
-def test_other_targets_refused():
+def test_dispatch_by_schedule():
+    """mma.sync + cp.async kernels go to the sm80 rule on every target, wgmma to the sm90a rule; a Source kernel is
+    refused naming the field."""
+    from backends.cuda_ptx import rule_for
+    from l2ir.indexing import Const
+    from l2ir.nodes import Source
+
     k = Kernel(target=Target("sm80"), tile=Tile((128, 128, 32), (2, 2)), mma=Mma("mma_sync", (16, 8, 16)),
                pipeline=Pipeline("multistage", 3), pad=Pad(), epilogue=Epilogue("smem", 8))
+    assert rule_for(k) == "sm80"
+    assert rule_for(k.replace(target=Target("sm90a"))) == "sm80"
+    assert rule_for(coop()) == "sm90a"
+    src = Kernel(target=Target("sm90a"), source=Source("k", (Const(1),) * 3, (32, 1, 1), 0, "__global__ void k(){}"))
     with pytest.raises(UnsupportedLowering) as info:
-        lower(k, PROBLEM)
-    assert info.value.field == "target.arch"
+        lower(src, PROBLEM)
+    assert info.value.field == "source"
 
 
 def test_illegal_ir_raises_verify_error():
