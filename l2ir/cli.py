@@ -5,6 +5,8 @@
     l2ir edit FILE 'EDIT'...           apply edits, print the verified result
     l2ir interp FILE --shape MxNxK     run the reference interpreter against float64 A @ B
     l2ir seed --shape MxNxK --target sm90a
+    l2ir compile FILE                  lower + compile (nvcc/NVRTC): stages on disk, registers, spills, SASS
+    l2ir bench ...                     (GPU) seed + sweep over grid shapes, gated, timed against torch.matmul
 
 FILE is a .l2 file or '-' for standard input. Bad input exits with status 1 (2 for usage errors) and a located
 message, never a traceback.
@@ -153,6 +155,50 @@ def cmd_seed(args) -> int:
     return 0
 
 
+def cmd_compile(args) -> int:
+    """Lower and compile one kernel file; report where every stage is on disk, resources and SASS."""
+    from backends.compile import CompileOptions, compile_plan
+    from backends.registry import backend_for
+    from backends.sass import inspect
+
+    from .verify import verify
+
+    file_problem, kernel, lines, name = _load(args.file)
+    problem = file_problem or Problem(1, 1, 1)
+    try:
+        verify(kernel)
+    except VerifyError as e:
+        print(_located(e, lines, name), file=sys.stderr)
+        return 1
+    try:
+        backend = backend_for(kernel, args.backend)
+        plan = backend.lower(kernel, problem)
+    except NotImplementedError as e:
+        raise CliError(f"{name}: not lowered: {e}") from None
+    options = CompileOptions(device_sm=args.device_sm, compiler=args.compiler, cache_dir=args.cache_dir)
+    result = compile_plan(plan, options)
+    print(f"{name}: kernel {kernel.short_hash}, backend {backend.name}, {plan.form} for {plan.arch}, "
+          f"built for {args.device_sm} with {args.compiler}")
+    if not result.ok:
+        print(f"compile {result.reason}: {result.summary()}", file=sys.stderr)
+        print(f"reproduce: {result.repro}", file=sys.stderr)
+        return 1
+    cached = " (from the cache)" if result.cached else ""
+    print(f"stages in {result.dir}: kernel.l2, kernel.cu, {result.binary.name}, compile.log, resources.json")
+    print(f"compile seconds: {result.compile_seconds:.1f}{cached}")
+    for fn, r in result.resources.items():
+        if r.entry:
+            label = fn if len(fn) <= 60 else fn[:48] + "..."
+            print(f"  {label}: {r.registers} registers, {r.smem_static} B static smem, stack {r.stack_frame} B, "
+                  f"spills {r.spill_stores}/{r.spill_loads} B")
+    sass = inspect(result.binary) if args.sass else None
+    if sass is not None:
+        print("  SASS: " + ", ".join(f"{k} {v}" for k, v in sass.items()))
+    elif args.sass:
+        print("  SASS: not inspected (cuobjdump/nvdisasm not found)")
+    return 0
+
+
 def cmd_bench(args) -> int:
     """GPU benchmark: seed + sweep over grid shapes, every timed kernel gated (search/bench.py)."""
     from pathlib import Path
@@ -210,6 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", choices=ARCHS, default="sm90a")
     s.add_argument("--problem", help="problem line giving dtypes/layouts; --shape sets the sizes")
     s.set_defaults(fn=cmd_seed)
+
+    s = sub.add_parser("compile", help="lower and compile a kernel file; report the stages, resources and SASS")
+    s.add_argument("file")
+    s.add_argument("--backend", help="force a backend (default: the one default backend for the kernel)")
+    s.add_argument("--device-sm", default="sm_90", help="the GPU the SASS is for (default sm_90, an H100/H200)")
+    s.add_argument("--compiler", choices=("nvcc", "nvrtc"), default="nvcc")
+    s.add_argument("--cache-dir", default=".l2ir-cache")
+    s.add_argument("--no-sass", dest="sass", action="store_false", help="skip disassembling the binary")
+    s.set_defaults(fn=cmd_compile)
 
     s = sub.add_parser("bench", help="(GPU) evaluate the seed and a config sweep over grid shapes vs torch.matmul")
     s.add_argument("--target", choices=ARCHS, default="sm80", help="target of the seed kernels and the sweep")

@@ -105,3 +105,20 @@ def test_malformed_input_is_located_not_a_traceback(capsys, tmp_path):
 def test_console_script():
     r = subprocess.run(["l2ir", "verify", EX], capture_output=True, text=True)
     assert r.returncode == 0 and "ok" in r.stdout
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_compile_reports_stages_and_resources(capsys, tmp_path):
+    cache = str(tmp_path / "cache")
+    code, out, _ = run(capsys, "compile", "examples/source_naive.l2", "--cache-dir", cache, "--no-sass")
+    assert code == 0
+    assert "backend source, kernels for sm_80" in out
+    assert f"stages in {cache}" in out
+    assert "naive_gemm:" in out and "registers" in out and "spills 0/0 B" in out
+    code, out, _ = run(capsys, "compile", "examples/source_naive.l2", "--cache-dir", cache, "--no-sass")
+    assert code == 0 and "(from the cache)" in out
+    bad = tmp_path / "bad.l2"
+    bad.write_text(open("examples/source_naive.l2").read().replace("float acc = 0.f;", "float acc = 0.f"))
+    code, _, err = run(capsys, "compile", str(bad), "--cache-dir", cache, "--no-sass")
+    assert code == 1 and "compile error" in err and "reproduce: " in err
