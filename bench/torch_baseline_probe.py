@@ -71,6 +71,28 @@ def main() -> None:
                     print(row, flush=True)
                 del data
                 torch.cuda.empty_cache()
+    # A/A test of the evaluator's offline harness: torch.matmul timed against itself, interleaved exactly as a
+    # candidate and its baseline are. A ratio away from 1.0 would be a bias of the harness, not of a kernel.
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from search.timing import TimingConfig, time_offline
+
+    for (m, n, k) in ((4096, 4096, 4096), (8192, 8192, 512)):
+        sets = max(2, -(-2 * l2 // (2 * (m * k + k * n + m * n))))
+        data = [(torch.randn(m, k, device="cuda").half(), torch.randn(n, k, device="cuda").half().t(),
+                 torch.empty(m, n, device="cuda", dtype=torch.half), torch.empty(m, n, device="cuda", dtype=torch.half))
+                for _ in range(sets)]
+        first = lambda i: torch.matmul(data[i][0], data[i][1], out=data[i][2])     # noqa: E731
+        second = lambda i: torch.matmul(data[i][0], data[i][1], out=data[i][3])    # noqa: E731
+        ks, bs, reps = time_offline(first, second, sets, TimingConfig(trials=7, target_ms=10.0))
+        row = dict(shape=f"{m}x{n}x{k}", test="A/A torch vs torch in search.timing.time_offline", sets=sets,
+                   reps=reps, first_us=round(statistics.median(ks), 2), second_us=round(statistics.median(bs), 2),
+                   ratio=round(statistics.median(bs) / statistics.median(ks), 4))
+        rows.append(row)
+        print(row, flush=True)
+        del data
     env = dict(gpu=props.name, torch=torch.__version__, cuda=torch.version.cuda)
     if args.out:
         with open(args.out, "w") as fh:
