@@ -221,7 +221,8 @@ def cmd_bench(args) -> int:
     cfg = BenchConfig(out=Path(args.out), shapes=shapes, sweep=tuple(sweep.items()), target=args.target,
                       budget_s=args.budget_s, resume=not args.no_resume, backend=args.backend,
                       cache_dir=args.cache_dir, command="l2ir " + " ".join(sys.argv[1:]),
-                      baseline_reduced_precision=args.torch_defaults)
+                      baseline_reduced_precision=args.torch_defaults,
+                      problem=parse_problem(args.problem, "--problem") if args.problem else Problem(1, 1, 1))
     print_summary(run_bench(cfg))
     return 0
 
@@ -277,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-resume", action="store_true", help="discard earlier measurements in OUT.jsonl")
     s.add_argument("--backend", help="force a backend (cute_sm80, cutlass_sm90, cuda_ptx)")
     s.add_argument("--cache-dir", default=".l2ir-cache", help="compile cache")
+    s.add_argument("--problem", help="problem class, e.g. 'gemm m=1 n=1 k=1 a=bf16:row b=bf16:row c=bf16:row "
+                                     "acc=f32' (sizes come from the shapes)")
     s.add_argument("--torch-defaults", action="store_true",
                    help="time torch.matmul with PyTorch's default flags (fp16 reduced-precision reductions allowed) "
                         "instead of holding it to fp32 accumulation")

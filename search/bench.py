@@ -22,7 +22,8 @@ from pathlib import Path
 
 from l2ir.errors import L2IRError
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
-from l2ir.seed import alignment, seed
+from l2ir.seed import seed
+from l2ir.text import print_problem
 from l2ir.verify import applicable
 
 GRID = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 12288, 16384)
@@ -127,6 +128,8 @@ class BenchConfig:
     compile_jobs: int = 0
     cache_dir: str = ".l2ir-cache"
     command: str = ""
+    # The problem class (dtypes, layouts, accumulator); each shape replaces its sizes.
+    problem: Problem = Problem(1, 1, 1)
     # False holds cuBLAS to the fp32-accumulation contract (no fp16 split-K reductions); True times torch.matmul
     # with PyTorch's default flags, which is what a user calling it gets.
     baseline_reduced_precision: bool = False
@@ -179,7 +182,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     # 1. Candidates per shape: the seed plus every sweep config the problem admits.
     per_shape: dict[tuple[int, int, int], list[tuple[str, Kernel]]] = {}
     kernels: dict[str, tuple[str, Kernel]] = {}
-    base = Problem(1, 1, 1)
+    base = cfg.problem
     for shape in cfg.shapes:
         problem = base.with_shape(*shape)
         cands = [("seed", seed(problem, cfg.target))] + list(cfg.sweep)
@@ -354,6 +357,7 @@ def _summary(cfg, results, evals, passes, fresh, every, compile_wall, n_kernels,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "environment": env,
         "target": cfg.target,
+        "problem_class": " ".join(w for w in print_problem(cfg.problem).split()[4:]),   # after "gemm m= n= k="
         "shapes_planned": len(cfg.shapes),
         "shapes_done": len(results),
         "stopped_early": stopped,
