@@ -11,6 +11,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
+from l2ir.errors import L2IRError, LoweringError
 from l2ir.nodes import Kernel, Problem
 
 from .plan import LaunchPlan
@@ -24,9 +25,17 @@ class Backend:
     default: bool = True                # False: only used when asked for by name
 
     def lower(self, kernel: Kernel, problem: Problem) -> LaunchPlan:
+        """The backend's lowering. Unsupported features are NotImplementedError naming the field and illegal IR the
+        verifier's typed error; anything else is a bug of the backend, reported as a LoweringError with the IR so
+        that a search records the candidate as failed instead of stopping."""
         mod = importlib.import_module(self.module)
-        fn = getattr(mod, "lower_source", None) if self.name == "source" else getattr(mod, "lower")
-        return fn(kernel, problem)
+        try:
+            return mod.lower(kernel, problem)
+        except (NotImplementedError, L2IRError):
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise LoweringError(f"{self.name} failed to lower a kernel: {type(e).__name__}: {e}\n"
+                                f"{kernel.text()}") from e
 
 
 def _schedule(op: str, mode: str) -> Callable[[Kernel], bool]:

@@ -8,11 +8,12 @@ grid expressions and block, with the node's dynamic shared memory, and never run
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 from l2ir.errors import SourceError
 from l2ir.nodes import Kernel, Problem
+from l2ir.text import print_problem
+from l2ir.verify import verify
 
 from .plan import Launch, LaunchPlan
 
@@ -33,20 +34,12 @@ def nvcc_arch(arch: str) -> str:
 
 
 def problem_text(problem: Problem) -> str:
-    """The canonical one-line problem text, e.g. 'gemm m=4096 n=4096 k=4096 a=f16:row b=f16:col c=f16:row acc=f32',
-    rendered through the fields' own types (the same schema the parser reads)."""
-    parts = [problem.kind]
-    for fl in dataclasses.fields(problem):
-        parts.append(f"{fl.name}={fl.metadata['type'].render(getattr(problem, fl.name))}")
-    return " ".join(parts)
+    """The canonical one-line problem text, e.g. 'gemm m=4096 n=4096 k=4096 a=f16:row b=f16:col c=f16:row acc=f32'."""
+    return print_problem(problem)
 
 
 def kernel_text(kernel: Kernel) -> str:
-    """The kernel's IR text (the printer in l2ir.text); its constructor repr while the printer is not installed."""
-    try:
-        return kernel.text()
-    except ImportError:
-        return repr(kernel)
+    return kernel.text()
 
 
 def lower_source(kernel: Kernel, problem: Problem) -> LaunchPlan:
@@ -55,10 +48,7 @@ def lower_source(kernel: Kernel, problem: Problem) -> LaunchPlan:
     if src is None:
         raise SourceError("source", "present", "lower_source needs a kernel with a source node; this kernel has a "
                           "schedule (lower it with its backend)")
-    if 'extern "C"' not in src.code or not re.search(r"\b" + re.escape(src.entry) + r"\s*\(", src.code):
-        raise SourceError("source", "entry_defined",
-                          f"the code defines no extern \"C\" __global__ function '{src.entry}' (the entry point "
-                          "must be extern \"C\" so the harness can find it by name)")
+    verify(kernel)   # the entry point is an extern "C" __global__, launch expressions are well formed, ...
     launch = Launch(entry=src.entry, grid=src.grid, block=src.block, smem=src.smem)
     return LaunchPlan(
         source=src.code if src.code.endswith("\n") else src.code + "\n",
@@ -69,3 +59,6 @@ def lower_source(kernel: Kernel, problem: Problem) -> LaunchPlan:
         ir_text=kernel_text(kernel),
         problem_text=problem_text(problem),
     )
+
+
+lower = lower_source   # the name every backend module exports

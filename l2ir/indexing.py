@@ -53,6 +53,11 @@ class Expr:
 class Const(Expr):
     value: int
 
+    def __post_init__(self):
+        if self.value < 0:
+            raise ExprError(f"constant {self.value}: index expressions use non-negative constants (write m - 1, "
+                            "not m + -1)")
+
     def eval(self, env):
         return self.value
 
@@ -86,24 +91,35 @@ class Var(Expr):
         return self.name
 
 
-def _np_or_int(fn_int, fn_np):
-    def apply(a, b):
-        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-            return fn_np(a, b)
-        return fn_int(a, b)
-    return apply
+def _non_negative(op: str, *values) -> None:
+    """Index arithmetic is on non-negative integers: there C++ `/`, `%` and shifts agree with Python's."""
+    for v in values:
+        if np.any(np.asarray(v) < 0):
+            raise ExprError(f"'{op}' on a negative value: index expressions must stay non-negative "
+                            "(C++ and Python disagree on negative division, modulo and shifts)")
 
 
 def _div(a, b):
+    _non_negative("/", a, b)
     if np.any(np.asarray(b) == 0):
         raise ExprError("division by zero in index expression")
     return a // b
 
 
 def _mod(a, b):
+    _non_negative("%", a, b)
     if np.any(np.asarray(b) == 0):
         raise ExprError("modulo by zero in index expression")
     return a % b
+
+
+def _shift(op: str):
+    def apply(a, b):
+        _non_negative(op, a, b)
+        if np.any(np.asarray(b) > 62):
+            raise ExprError(f"shift by more than 62 bits in '{op}': the value would not fit a 64-bit index")
+        return a << b if op == "<<" else a >> b
+    return apply
 
 
 _BIN_EVAL = {
@@ -114,8 +130,8 @@ _BIN_EVAL = {
     "%": _mod,
     "^": lambda a, b: a ^ b,
     "&": lambda a, b: a & b,
-    ">>": lambda a, b: a >> b,
-    "<<": lambda a, b: a << b,
+    ">>": _shift(">>"),
+    "<<": _shift("<<"),
 }
 
 # Precedence for printing with the fewest parentheses that still parse back the same tree.
@@ -189,6 +205,11 @@ class Call(Expr):
 
     def __str__(self):
         return f"{self.fn}({', '.join(str(x) for x in self.args)})"
+
+
+def ceil_div(a: int, b: int) -> int:
+    """Python-side ceil(a / b) for non-negative ints (tile counts); `cdiv` builds the same as an expression."""
+    return -(-a // b)
 
 
 def lift(x) -> Expr:

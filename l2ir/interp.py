@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from .errors import InterpError
-from .indexing import rasterize, smem_swizzle, splitk_range
+from .indexing import ceil_div, rasterize, smem_swizzle, splitk_range
 from .nodes import Kernel, Problem
 from .verify import check_problem, resolved_stages
 
@@ -37,7 +37,7 @@ class InterpResult:
     order: list[tuple[int, int]]           # output tiles in launch order (first visit)
     c_writes: np.ndarray                   # times each element of C was written (all ones when correct)
     workspace_writes: np.ndarray | None = None
-    k_tiles_per_tile: dict = field(default_factory=dict)
+    k_ranges: dict = field(default_factory=dict)   # (tile_m, tile_n) -> the k-tile ranges accumulated into it
 
 
 def random_inputs(problem: Problem, rng: np.random.Generator, integers: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -100,9 +100,9 @@ class _Schedule:
         self.kernel, self.problem = kernel, problem
         self.a, self.b = a, b
         self.bm, self.bn, self.bk = kernel.tile.block
-        self.tiles_m = -(-problem.m // self.bm)
-        self.tiles_n = -(-problem.n // self.bn)
-        self.k_tiles = -(-problem.k // self.bk)
+        self.tiles_m = ceil_div(problem.m, self.bm)
+        self.tiles_n = ceil_div(problem.n, self.bn)
+        self.k_tiles = ceil_div(problem.k, self.bk)
         self.in_dtype = NP_DTYPES[problem.a[0]]
         self.acc_dtype = NP_DTYPES[problem.acc]
         self.out_dtype = NP_DTYPES[problem.c[0]]
@@ -134,10 +134,27 @@ class _Schedule:
         acc = np.zeros((self.bm, self.bn), dtype=self.acc_dtype)
         bt = self.b.T   # B is consumed K-major (N x K), as the MMA's "col" operand
         predicate_k = self.kernel.pad.k == "predicate"
-        for i, kt in enumerate(range(kb, ke)):
-            slot = i % self.stages
-            ring_a.store(slot, self._tile(self.a, tm * self.bm, self.bm, kt * self.bk, self.bk, "m", "k"))
-            ring_b.store(slot, self._tile(bt, tn * self.bn, self.bn, kt * self.bk, self.bk, "n", "k"))
+        stages, n = self.stages, ke - kb
+
+        def produce(i: int) -> None:
+            """The copy of k tile kb+i into its ring slot."""
+            kt = kb + i
+            ring_a.store(i % stages, self._tile(self.a, tm * self.bm, self.bm, kt * self.bk, self.bk, "m", "k"))
+            ring_b.store(i % stages, self._tile(bt, tn * self.bn, self.bn, kt * self.bk, self.bk, "n", "k"))
+
+        # The producer runs stages-1 tiles ahead: the prologue fills all but one slot, and each iteration refills
+        # the slot consumed one iteration earlier before it consumes its own. A wrong slot mapping therefore
+        # consumes the wrong tile (or poison) and shows in the result.
+        ahead = max(stages - 1, 0)
+        for i in range(min(ahead, n)):
+            produce(i)
+        for i in range(n):
+            kt = kb + i
+            if i + ahead < n and ahead:
+                produce(i + ahead)
+            elif not ahead:
+                produce(i)          # one stage: load, wait, compute
+            slot = i % stages
             a_t = ring_a.load(slot).astype(np.float32)
             b_t = ring_b.load(slot).astype(np.float32)
             valid_k = min(self.bk, self.problem.k - kt * self.bk) if predicate_k else self.bk
@@ -156,17 +173,13 @@ class _Schedule:
     # ---- epilogue -------------------------------------------------------------------------------------------
     def store(self, c: np.ndarray, writes: np.ndarray, tm: int, tn: int, tile: np.ndarray) -> None:
         """Round to the output dtype and store the in-range part in vectors of epilogue.vector elements."""
-        out = tile.astype(np.float32).astype(self.out_dtype)
-        if self.kernel.epilogue.path == "smem":
-            staged = np.empty_like(out)   # the C tile passes through shared memory for coalesced stores
-            staged[:] = out
-            out = staged
+        out = tile.astype(np.float32).astype(self.out_dtype)   # (the smem path only reorders the same stores)
         r0, c0 = tm * self.bm, tn * self.bn
         vr = min(self.bm, self.problem.m - r0)
         vc = min(self.bn, self.problem.n - c0)
         vec = self.kernel.epilogue.vector
         for j in range(0, vc, vec):
-            if j + vec > vc and vc % vec:
+            if j + vec > vc:
                 raise InterpError(f"a {vec}-element vector store at column {c0 + j} crosses N={self.problem.n}")
             c[r0:r0 + vr, c0 + j:c0 + j + vec] = out[:vr, j:j + vec]
             writes[r0:r0 + vr, c0 + j:c0 + j + vec] += 1
@@ -237,9 +250,13 @@ class _Schedule:
         total = ws[0].copy()
         for s in range(1, slices):
             total += ws[s]
-        out = total.astype(self.out_dtype)
-        c[:, :] = out
-        writes += 1
+        # The reduction pass writes C tile by tile through the same vector stores as the epilogue.
+        for tm, tn in order:
+            r0, c0 = tm * self.bm, tn * self.bn
+            tile = np.zeros((self.bm, self.bn), dtype=np.float32)
+            part = total[r0:r0 + self.bm, c0:c0 + self.bn]
+            tile[:part.shape[0], :part.shape[1]] = part
+            self.store(c, writes, tm, tn, tile)
         return ws_writes
 
     def _stream_k(self, c, writes, order, workers, k_cover):

@@ -88,9 +88,6 @@ class IntOrAuto(Int):
             return "auto"
         return super().convert(kind, payload)
 
-    def render(self, value):
-        return str(value)
-
 
 @dataclass(frozen=True)
 class IntChoice(FieldType):
@@ -153,7 +150,8 @@ class Dims(FieldType):
     def convert(self, kind, payload):
         if kind == "int" and self.n == 1:
             payload = (payload,)
-        elif kind != "tuple" or len(payload) != self.n or not all(isinstance(v, int) for v in payload):
+        elif kind != "tuple" or len(payload) != self.n or \
+                not all(isinstance(v, int) and not isinstance(v, bool) for v in payload):
             raise ValueError(f"expected {self.describe}")
         for v in payload:
             if not self.lo <= v <= self.hi:
@@ -223,6 +221,8 @@ class Code(FieldType):
 
     def convert(self, kind, payload):
         if kind in ("code", "name") and isinstance(payload, str):
+            if "\n```" in "\n" + payload:
+                raise ValueError("the code has a line starting with ```, which would end its fenced block")
             return payload
         raise ValueError(f"expected {self.describe}")
 
@@ -300,9 +300,10 @@ class Problem(Node):
     """
 
     kind: ClassVar[str] = "gemm"
-    m: int = f(Int(1))
-    n: int = f(Int(1))
-    k: int = f(Int(1))
+    # The kernel ABI passes M, N, K as 32-bit ints.
+    m: int = f(Int(1, (1 << 31) - 1))
+    n: int = f(Int(1, (1 << 31) - 1))
+    k: int = f(Int(1, (1 << 31) - 1))
     a: tuple[str, str] = f(Operand(DTYPES_IN, ("row", "col")), ("f16", "row"))
     b: tuple[str, str] = f(Operand(DTYPES_IN, ("row", "col")), ("f16", "col"))
     c: tuple[str, str] = f(Operand(DTYPES_OUT, ("row",)), ("f16", "row"))

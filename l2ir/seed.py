@@ -7,6 +7,7 @@ split-K / stream-K only when there are too few output tiles to fill the GPU. The
 from __future__ import annotations
 
 from .nodes import (ARCHS, Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile)
+from .indexing import ceil_div
 from .verify import check_problem, leading_dims, verify_problem
 
 H200_SMS = 132
@@ -20,22 +21,18 @@ def alignment(problem: Problem) -> int:
     return 1
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _split(problem: Problem, bm: int, bn: int, bk: int, num_sms: int) -> int:
     """Split K when the output tiles fill less than half the SMs and K is long enough to share."""
-    tiles = _cdiv(problem.m, bm) * _cdiv(problem.n, bn)
-    k_tiles = _cdiv(problem.k, bk)
+    tiles = ceil_div(problem.m, bm) * ceil_div(problem.n, bn)
+    k_tiles = ceil_div(problem.k, bk)
     if tiles * 2 > num_sms or k_tiles < 8:
         return 1
-    return max(1, min(8, k_tiles // 4, _cdiv(num_sms, tiles)))
+    return max(1, min(8, k_tiles // 4, ceil_div(num_sms, tiles)))
 
 
 def _raster(problem: Problem, bm: int, bn: int, group: int) -> Swizzle:
     """Walk the longer output dimension in strips of `group` tiles so concurrent blocks share A/B tiles in L2."""
-    tiles_m, tiles_n = _cdiv(problem.m, bm), _cdiv(problem.n, bn)
+    tiles_m, tiles_n = ceil_div(problem.m, bm), ceil_div(problem.n, bn)
     if tiles_m * tiles_n <= group * group:
         return Swizzle(raster="along_n", group=1)
     return Swizzle(raster="along_n" if tiles_n >= tiles_m else "along_m", group=group)
@@ -53,11 +50,7 @@ def seed_sm80(problem: Problem, arch: str = "sm80", num_sms: int = H200_SMS) -> 
     else:
         # BK=64 halves = 128-byte rows: <3,3,3> XORs 3 row bits into the 8 16-byte chunks of a row.
         block, warps, stages, smem = (128, 128, 64), (2, 2), 3, (3, 3, 3)
-    if block[2] % align:
-        block = (block[0], block[1], 32)
     bm, bn, bk = block
-    if (1 << (smem[0] + 3)) > bk:
-        smem = (2, 3, 3)
     slices = _split(problem, bm, bn, bk, num_sms)
     raster = _raster(problem, bm, bn, 8)
     kernel = Kernel(

@@ -54,7 +54,7 @@ def _describe_expected(expected) -> str:
 def _line_of(text: str, line: int | None) -> str | None:
     if line is None:
         return None
-    lines = text.splitlines()
+    lines = text.split("\n")   # as the lexer counts lines (splitlines would also split at \x0c, \u2028, ...)
     return lines[line - 1] if 0 < line <= len(lines) else None
 
 
@@ -212,6 +212,7 @@ class _ToRaw(Transformer):
 
 
 def _parse_tree(text: str, start: str, filename: str | None):
+    text = text.replace("\r\n", "\n")   # files written on Windows (CRLF) parse like any other
     try:
         tree = _parser().parse(text, start=start)
         return _ToRaw().transform(tree)

@@ -16,14 +16,18 @@ from typing import Callable
 
 from .errors import (EpilogueError, ExprError, MmaError, PadError, PipelineError, ProblemError, ResourceError,
                      SourceError, SplitKError, SwizzleError, TargetError, TileError, VerifyError)
-from .indexing import LAUNCH_VARS
+from .indexing import LAUNCH_VARS, ceil_div
 from .nodes import DTYPE_BYTES, SCHEDULE_NODES, Kernel, Problem
 
 KB = 1024
 
-# Largest dynamic shared memory one block may opt into: A100 (sm80) 163 KB + 1 KB reserved -> the 164 KB
-# carve-out; consumer Ampere/Ada (sm86/sm89) 99 KB + 1; Hopper 227 KB.
-SMEM_LIMIT = {"sm80": 164 * KB, "sm86": 100 * KB, "sm89": 100 * KB, "sm90": 227 * KB, "sm90a": 227 * KB}
+# Largest shared memory one block may opt into (cudaDevAttrMaxSharedMemoryPerBlockOptin): A100 163 KB (of its
+# 164 KB per SM, 1 KB is reserved per block), consumer Ampere/Ada 99 KB (of 100), Hopper 227 KB (of 228).
+SMEM_LIMIT = {"sm80": 163 * KB, "sm86": 99 * KB, "sm89": 99 * KB, "sm90": 227 * KB, "sm90a": 227 * KB}
+# TMA boxes span at most 256 elements per dimension.
+TMA_BOX_MAX = 256
+# blockDim limits: x and y up to 1024, z up to 64 (and 1024 threads in all).
+BLOCK_DIM_MAX = (1024, 1024, 64)
 # 255 registers per thread is the ISA limit; some are always needed for addresses, loop counters and predicates.
 MAX_REGS = 255
 REG_OVERHEAD = 40
@@ -137,7 +141,6 @@ class Rule:
     name: str
     error: type[VerifyError]
     check: Callable
-    on_problem: bool
     doc: str
 
 
@@ -155,7 +158,7 @@ def rule(node: str, name: str, error: type[VerifyError], schedule_only: bool = T
                 return None
             return fn(*args)
 
-        r = Rule(node, name, error, check, problem, (fn.__doc__ or "").strip())
+        r = Rule(node, name, error, check, (fn.__doc__ or "").strip())
         (PROBLEM_RULES if problem else KERNEL_RULES).append(r)
         return fn
 
@@ -332,6 +335,13 @@ def _wgmma_bk(k: Kernel):
         return f"BK={k.tile.bk} must be a multiple of 32 for TMA tiles (>= 64-byte rows)"
 
 
+@rule("tile", "tma_box", TileError)
+def _tma_box(k: Kernel):
+    """A TMA copy moves a box of at most 256 elements per dimension; each operand tile is one box."""
+    if k.pipeline.mode == "tma_ws" and max(k.tile.block) > TMA_BOX_MAX:
+        return f"tile {k.tile.bm}x{k.tile.bn}x{k.tile.bk}: TMA boxes span at most {TMA_BOX_MAX} elements per dimension"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Pipeline.
 # ---------------------------------------------------------------------------------------------------------------
@@ -484,6 +494,8 @@ def _splitk(k: Kernel):
             return "stream_k needs a tma_ws pipeline (a persistent tile scheduler)"
         if sk.reduce != "workspace":
             return "stream_k fixes up partial tiles through the workspace; reduce=atomic is for split_k"
+        if not k.pipeline.persistent:
+            return "stream_k splits the MAC loop over a persistent grid: set pipeline.persistent=true"
 
 
 @rule("epilogue", "path_and_vector", EpilogueError)
@@ -510,8 +522,12 @@ def _source(k: Kernel):
         return None
     if not re.search(r"__global__[^;{]*\b" + re.escape(src.entry) + r"\s*\(", src.code):
         return f"code defines no __global__ function named '{src.entry}'"
-    if "\n```" in src.code or src.code.startswith("```"):
-        return "code contains a ``` fence line, which would end the code block"
+    if not re.search(r'extern\s+"C"[^;{]*\b' + re.escape(src.entry) + r"\s*\(", src.code):
+        return (f"'{src.entry}' must be declared extern \"C\": the harness looks the entry point up by its "
+                "unmangled name")
+    for axis, size, lim in zip("xyz", src.block, BLOCK_DIM_MAX):
+        if size > lim:
+            return f"block.{axis}={size} exceeds the hardware limit {lim}"
     for axis, e in zip("xyz", src.grid):
         extra = e.free_vars() - LAUNCH_VARS
         if extra:
@@ -587,9 +603,12 @@ def _slices_vs_k(k: Kernel, p: Problem):
     """Each split-K slice must own at least one k tile, or it only adds a zero partial and a workspace pass."""
     if k.splitk is None or k.splitk.mode != "split_k":
         return None
-    k_tiles = -(-p.k // k.tile.bk)
-    if k_tiles < k.splitk.slices:
-        return f"split_k slices={k.splitk.slices} but K={p.k} has only {k_tiles} tile(s) of BK={k.tile.bk}"
+    slices = k.splitk.slices
+    k_tiles = ceil_div(p.k, k.tile.bk)
+    per = ceil_div(k_tiles, slices)   # the partition of indexing.splitk_range
+    if (slices - 1) * per >= k_tiles:
+        return (f"split_k slices={slices} over K={p.k} ({k_tiles} tile(s) of BK={k.tile.bk}, {per} per slice) "
+                f"leaves the last slice(s) without a k tile")
 
 
 @rule("source", "grid_limits", SourceError, schedule_only=False, problem=True)
@@ -603,4 +622,5 @@ def _source_grid(k: Kernel, p: Problem):
         except ExprError as err:
             return f"grid.{axis} = {e}: {err}"
         if not 1 <= v <= lim:
-            return f"grid.{axis} = {e} is {v} for m,n,k={p.shape}; allowed 1..{lim}"
+            shown = v if abs(v) < 10 ** 12 else f"about 2^{int(v).bit_length() - 1}"
+            return f"grid.{axis} = {e} is {shown} for m,n,k={p.shape}; allowed 1..{lim}"

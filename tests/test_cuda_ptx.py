@@ -198,7 +198,6 @@ REFUSALS = [
     ("problem.c", coop(), Problem(m=1, n=1, k=1, c=("f32", "row"))),
     ("problem.acc", coop(), Problem(m=1, n=1, k=1, acc="f16")),
     ("swizzle.smem", coop((128, 256, 96), pipeline=Pipeline("tma_ws", 2, "cooperative", persistent=True)), PROBLEM),
-    ("tile.block", coop((384, 64, 64)), PROBLEM),
 ]
 
 

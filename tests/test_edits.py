@@ -64,7 +64,7 @@ def test_edit_records_print_and_parse_back():
     ("remove splitk", EditError, "no splitk node to remove"),
     ("remove target", EditError, "cannot be removed"),
     ("set splitk.slices = 4", EditError, "use 'insert splitk ...'"),
-    ("set pipeline.stages = 13", ResourceError, "sm80 allows 164 KB"),
+    ("set pipeline.stages = 13", ResourceError, "sm80 allows 163 KB"),
     ("set target.arch = sm80\nreplace mma with mma op=wgmma shape=64x128x16", TargetError, "wgmma needs target sm90a"),
 ])
 def test_bad_edits_raise_typed_errors(edit, cls, text):

@@ -133,3 +133,22 @@ def test_source_kernels_are_not_interpreted():
     p = Problem(16, 16, 16)
     with pytest.raises(InterpError, match="GPU evaluator"):
         interpret(k, p, *random_inputs(p, np.random.default_rng(0)))
+
+
+def test_broken_stage_ring_gives_a_wrong_product(monkeypatch):
+    """The producer runs stages-1 tiles ahead, so a ring that ignores its slot index consumes the wrong k tile."""
+    p = Problem(64, 64, 256)
+    a, b = random_inputs(p, np.random.default_rng(0), integers=True)
+    good = interpret(SM80, p, a, b).c
+    np.testing.assert_array_equal(good.astype(np.float64), reference(a, b))
+    store, load = interp_mod._Ring.store, interp_mod._Ring.load
+    monkeypatch.setattr(interp_mod._Ring, "store", lambda self, slot, tile: store(self, 0, tile))
+    monkeypatch.setattr(interp_mod._Ring, "load", lambda self, slot: load(self, 0))
+    bad = interpret(SM80, p, a, b).c
+    assert not np.array_equal(bad.astype(np.float64), reference(a, b))
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 7])
+def test_every_stage_count_is_exact(stages):
+    kernel = SM80.replace(pipeline=dataclasses.replace(SM80.pipeline, stages=stages))
+    _check(kernel, Problem(96, 72, 200), 5, integers=True)

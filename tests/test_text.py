@@ -89,3 +89,32 @@ def test_invalid_files_report_located_errors(text, want, at):
     if at is not None:
         assert (err.line, err.column) == at
     assert str(err).startswith(f"bad.l2:{err.line}:")
+
+
+def test_crlf_files_and_tagged_fences_parse_like_plain_ones():
+    text = open(os.path.join(HERE, "..", "examples", "source_naive.l2")).read()
+    kernel = parse_kernel(text)
+    assert parse_kernel(text.replace("\n", "\r\n")) == kernel
+    # LLM replies tag their fences: ```cuda opens a code block like ``` does.
+    assert parse_kernel(text.replace("code=```", "code=```cuda")) == kernel
+
+
+def test_values_that_cannot_be_printed_are_rejected_at_construction():
+    from l2ir.errors import ExprError
+    from l2ir.nodes import Tile
+
+    with pytest.raises(ParseError, match="line starting with ```"):
+        Source("k", (Const(1),) * 3, (32, 1, 1), 0, '__global__ void k() {}\n```\n')
+    with pytest.raises(ParseError, match="expected dims"):
+        Tile(block=(64, 64, 32), warps=(True, 2))
+    with pytest.raises(ExprError, match="non-negative constants"):
+        Var("m") + (-1)
+
+
+@pytest.mark.parametrize("expr,message", [("1 << (m - 2)", "negative value"), ("(m - 6) / 4", "negative value"),
+                                          ("1 << 100", "more than 62 bits")])
+def test_index_expressions_refuse_what_cpp_would_compute_differently(expr, message):
+    from l2ir.errors import ExprError
+
+    with pytest.raises(ExprError, match=message):
+        parse_expr(expr).eval({"m": 1})
