@@ -173,6 +173,16 @@ def nvrtc_version() -> str:
     return f"nvrtc {major}.{minor}"
 
 
+@functools.lru_cache(maxsize=None)
+def host_compiler_version() -> str:
+    """The host C++ compiler nvcc uses for host code (part of a host shim's cache key)."""
+    try:
+        out = subprocess.run(["c++", "--version"], capture_output=True, text=True, timeout=30).stdout
+        return out.splitlines()[0] if out else "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
 def cutlass_version() -> str | None:
     try:
         return importlib.metadata.version("nvidia-cutlass")
@@ -240,6 +250,9 @@ def cache_key(plan: LaunchPlan, options: CompileOptions) -> str:
         "flags": flags,
         "toolchain": toolchain,
         "cutlass": cutlass_version() if plan.needs_cutlass else None,
+        # Environment variables nvcc reads change the binary too; host shims also contain host-compiled code.
+        "nvcc_env": {v: os.environ.get(v) for v in ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")},
+        "host_compiler": host_compiler_version() if plan.form == "host_shim" else None,
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
@@ -385,10 +398,13 @@ def compile_plan(plan: LaunchPlan, options: CompileOptions = CompileOptions()) -
     seconds = time.perf_counter() - t1
     (tmp / "compile.log").write_text(log)
 
-    if code is None:
-        # Not cached: a timeout says as much about the machine's load as about the kernel.
+    if code is None or code < 0:
+        # Not cached: a timeout or a compiler killed by a signal (the OOM killer, with many CUTLASS builds in
+        # parallel) says as much about the machine's load as about the kernel.
         shutil.rmtree(tmp, ignore_errors=True)
-        return CompileFailure(key=key, reason="timeout", log=log, repro=repro, compile_seconds=seconds)
+        reason = "timeout" if code is None else "killed"
+        return CompileFailure(key=key, reason=reason, log=log + f"\n(compiler {reason})", repro=repro,
+                              compile_seconds=seconds)
 
     status = "ok" if code == 0 and (tmp / binary).is_file() else "error"
     resources = parse_ptxas(log) if status == "ok" else {}

@@ -32,8 +32,11 @@ def disassemble(binary: str | Path, timeout_s: float = 120.0) -> str | None:
     cuobjdump = shutil.which("cuobjdump", path=path)
     if cuobjdump is None:
         return None
-    proc = subprocess.run([cuobjdump, "-sass", str(binary)], capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "PATH": path})
+    try:
+        proc = subprocess.run([cuobjdump, "-sass", str(binary)], capture_output=True, text=True, timeout=timeout_s,
+                              env={**os.environ, "PATH": path})
+    except (subprocess.TimeoutExpired, OSError):
+        return None          # a report without SASS beats no report
     if proc.returncode != 0:
         return None
     return proc.stdout

@@ -29,7 +29,11 @@ class TimingConfig:
     server_samples: int = 21          # server: single calls per side
     idle_gap_s: float = 0.002         # server: host-side pause before each call
     flush_bytes: int = 0              # server: L2 flush write; 0 = 2x the L2 size (at least 128 MiB)
-    spin_cycles: int = 40_000         # server: device spin (~20 us at 2 GHz) queued before the start event
+    # server: a device spin queued before the start event (~0.5 ms at 2 GHz), long enough that the host has queued
+    # the timed call (a ctypes or cuda-python launch, a host shim's setup) before the spin ends; a 20 us spin was
+    # seen to let 60-140 us of host launch latency into small kernels' "device time". The spin does no memory
+    # traffic, so L2 stays flushed.
+    spin_cycles: int = 1_000_000
     warmup: int = 3
 
 

@@ -19,6 +19,7 @@ def test_grid_shapes_spread_over_the_flop_range():
     big = grid_shapes(20, min_gflop=1000)
     assert len(big) == 20 and all(2 * m * n * k >= 1e12 for m, n, k in big)
     assert len(grid_shapes(5000)) == 1000
+    assert grid_shapes(1) == [(16384, 16384, 16384)] and grid_shapes(0) == []
 
 
 @pytest.mark.parametrize("name", sorted(SWEEPS))
@@ -30,9 +31,10 @@ def test_every_sweep_kernel_is_legal(name):
 def test_resume_records_survive_a_cut_line(tmp_path):
     path = tmp_path / "r.jsonl"
     rec = {"kernel_hash": "h", "problem": "gemm m=1", "scenario": "offline", "speedup": 1.5}
-    path.write_text(json.dumps(rec) + "\n" + json.dumps(rec)[:20])      # the second line was cut by a kill
+    # the second line was cut by a kill; the third is valid JSON but no measurement
+    path.write_text(json.dumps(rec) + "\n" + json.dumps(rec)[:20] + "\n" + json.dumps({"note": 1}) + "\n")
     done = _load_done(path)
-    assert done == {("h", "gemm m=1", "offline"): rec}
+    assert done == {("h", "gemm m=1", "offline", ""): rec, ("h", "gemm m=1", "offline"): rec}
     assert _load_done(tmp_path / "missing.jsonl") == {}
 
 
