@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from .edits import apply_edits, parse_edits
+from .edits import apply_edit, parse_edits
 from .errors import L2IRError, ParseError, VerifyError
 from .nodes import ARCHS, Kernel, Problem
 from .text import parse_kernel_file, parse_problem, print_kernel, print_problem
@@ -38,6 +38,8 @@ def _read(path: str) -> tuple[str, str]:
             return fh.read(), path
     except OSError as e:
         raise CliError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise CliError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None
 
 
 def _load(path: str) -> tuple[Problem | None, Kernel, dict[str, int], str]:
@@ -98,10 +100,13 @@ def cmd_verify(args) -> int:
 
 def cmd_edit(args) -> int:
     problem, kernel, _, _ = _load(args.file)
-    edits = []
+    result = kernel
     for i, text in enumerate(args.edits, 1):
-        edits += parse_edits(text, f"edit {i}")
-    result = apply_edits(kernel, edits)
+        for edit in parse_edits(text, f"edit {i}"):
+            try:
+                result = apply_edit(result, edit)
+            except L2IRError as e:
+                raise CliError(f"edit {i} ({edit}): [{type(e).__name__}] {e}") from None
     if problem is not None:
         sys.stdout.write(print_problem(problem) + "\n")
     sys.stdout.write(print_kernel(result))
@@ -116,6 +121,11 @@ def cmd_interp(args) -> int:
 
     file_problem, kernel, lines, name = _load(args.file)
     problem = _problem(args, file_problem)
+    m, n, k = problem.shape
+    need = 8 * (m * k + k * n) + 16 * m * n     # float64 reference operands, C, write counts, bound
+    if need > args.max_bytes:
+        raise CliError(f"{m}x{n}x{k} needs about {need / 2**30:.1f} GiB in the interpreter (limit "
+                       f"{args.max_bytes / 2**30:.1f} GiB, --max-bytes); it checks schedules, not throughput")
     rng = np.random.default_rng(args.seed)
     a, b = random_inputs(problem, rng, integers=args.integers)
     t0 = time.perf_counter()
@@ -250,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--problem", help="a full problem line: 'gemm m=.. n=.. k=.. a=f16:row b=f16:col ...'")
     s.add_argument("--seed", type=int, default=0, help="random seed of the inputs")
     s.add_argument("--integers", action="store_true", help="small-integer inputs: the result must be exact")
+    s.add_argument("--max-bytes", type=float, default=2 * 2**30, help="refuse problems needing more memory")
     s.set_defaults(fn=cmd_interp)
 
     s = sub.add_parser("seed", help="the rule-based seed kernel for a problem and target")

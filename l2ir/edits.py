@@ -126,7 +126,7 @@ def parse_edits(text: str, filename: str | None = None) -> list[Edit]:
             cls = NODE_TYPES.get(node)
             if cls is None:
                 raise loc.error(f"unknown node '{node}' (nodes: {', '.join(NODE_TYPES)})", line, col)
-            out.append(SetField(node, fld, loc.convert_field(cls, fld, value)))
+            out.append(SetField(node, fld, loc.convert_field(cls, fld, value, (line, col + len(node) + 1))))
         elif tag == "replace":
             _, name, raw_node, line, col = raw
             node = loc.build_node(raw_node, NODE_TYPES)

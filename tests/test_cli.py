@@ -59,8 +59,8 @@ def test_edit(capsys):
 
 
 def test_edit_errors(capsys):
-    code, _, err = run(capsys, "edit", EX, "set pipeline.stages = 13")
-    assert code == 1 and "error [ResourceError]" in err
+    code, _, err = run(capsys, "edit", EX, "set pipeline.stages = 3", "set pipeline.stages = 13")
+    assert code == 1 and err.startswith("error: edit 2 (set pipeline.stages = 13): [ResourceError]")
     code, _, err = run(capsys, "edit", EX, "set pipeline stages = 3")
     assert code == 1 and err.startswith("error: edit 1:1:14: unexpected 'stages'; expected '.'")
 
@@ -122,3 +122,12 @@ def test_compile_reports_stages_and_resources(capsys, tmp_path):
     bad.write_text(open("examples/source_naive.l2").read().replace("float acc = 0.f;", "float acc = 0.f"))
     code, _, err = run(capsys, "compile", str(bad), "--cache-dir", cache, "--no-sass")
     assert code == 1 and "compile error" in err and "reproduce: " in err
+
+
+def test_unreadable_and_oversized_inputs_are_refused(capsys, tmp_path):
+    binary = tmp_path / "b.l2"
+    binary.write_bytes(b"\xff\xfe")
+    code, _, err = run(capsys, "fmt", str(binary))
+    assert code == 1 and "not UTF-8 text (byte 0" in err
+    code, _, err = run(capsys, "interp", EX, "--shape", "100000x100000x100000")
+    assert code == 1 and "GiB in the interpreter" in err
