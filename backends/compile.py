@@ -265,7 +265,9 @@ def _command(plan: LaunchPlan, options: CompileOptions) -> tuple[list[str], dict
             raise ArchError("NVRTC builds device code only; a host_shim plan needs nvcc")
         argv = [options.python, "-m", "backends.compile", "--nvrtc", "kernel.cu", "-o", "kernel.cubin", "--",
                 *flags, *includes]
-        return argv, {"PYTHONPATH": str(REPO_ROOT)}, "kernel.cubin"
+        # The child sees the packages this process sees (wheels installed with --target, a venv, the repo).
+        path = os.pathsep.join(dict.fromkeys([str(REPO_ROOT)] + [p for p in sys.path if p]))
+        return argv, {"PYTHONPATH": path}, "kernel.cubin"
     if plan.form == "kernels":
         return [options.nvcc, "-cubin", *flags, *includes, "-o", "kernel.cubin", "kernel.cu"], None, "kernel.cubin"
     if plan.form == "host_shim":

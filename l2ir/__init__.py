@@ -5,12 +5,7 @@ Data flows through the packages in this order:
     backends/  lowering to CUDA (CuTe sm80, CUTLASS 3.x sm90, raw CUDA/PTX, free-form Source) and compilation
     search/    the GPU evaluator (correctness gates, timing against torch.matmul) and the benchmark driver
     policy/    proposers of IR edits (to come)
+
+Importing the package loads nothing: the compile and evaluator worker processes import single modules
+(l2ir.errors, l2ir.nodes) without pulling in the parser's dependencies.
 """
-
-from .errors import L2IRError, ParseError, VerifyError
-from .nodes import Kernel, Problem
-from .text import parse_kernel, parse_problem, print_kernel, print_problem
-from .verify import check_problem, verify
-
-__all__ = ["Kernel", "Problem", "parse_kernel", "parse_problem", "print_kernel", "print_problem", "verify",
-           "check_problem", "L2IRError", "ParseError", "VerifyError"]

@@ -244,6 +244,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             h = k.content_hash()
             key = (kernel_hash(k), ptext, scenario) + (() if cfg.report_only else (artifacts[h].key,))
             rec = done.get(key)
+            if rec is not None and rec.get("errors") and not cfg.report_only:
+                rec = None     # an error (out of memory, a dead worker) is no verdict on the kernel: measure again
             if rec is None and not cfg.report_only:
                 ms = evaluators[scenario].evaluate(k, problem, plans[h], artifacts[h])
                 _append(jsonl, ms, name)

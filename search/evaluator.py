@@ -13,6 +13,7 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import multiprocessing as mp
@@ -472,12 +473,19 @@ def _worker_main(conn, device: int):
             conn.send((kind, payload))
 
         try:
-            conn.send(("done", run_job(msg[1], send)))
+            result = run_job(msg[1], send)
         except BaseException as e:  # noqa: BLE001
             fatal = not _context_healthy(device)
-            conn.send(("done", {"errors": [f"{type(e).__name__}: {e}"], "fatal": fatal, "phase": phase[0]}))
+            result = {"errors": [f"{type(e).__name__}: {e}"], "fatal": fatal, "phase": phase[0]}
             if fatal:
+                conn.send(("done", result))
                 os._exit(3)
+        # Give the job's buffers back to the device: several workers share one GPU (the bench runs one per
+        # scenario), and a cache of 16k^2 operands, float64 references and ragged cases left in one worker was seen
+        # to make the other run out of memory.
+        gc.collect()
+        torch.cuda.empty_cache()
+        conn.send(("done", result))
 
 
 # ---------------------------------------------------------------------------------------------------------------
