@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -27,10 +26,10 @@ import numpy as np
 
 from backends.compile import CompileResult, cutlass_version
 from backends.plan import LaunchPlan
-from backends.source import kernel_text, problem_text
+from backends.source import problem_text
 from l2ir.nodes import Kernel, Problem
 
-from .gates import (GuardedBuffer, Verdict, applicable, check_accuracy, poison, probe_f16_error, probe_inputs,
+from .gates import (GuardedBuffer, Verdict, admits, check_accuracy, poison, probe_f16_error, probe_inputs,
                     probe_k, ragged_shapes, relative_error, unwritten)
 from .timing import TimingConfig, sets_for, summarize, time_offline, time_server
 
@@ -96,7 +95,7 @@ class Measurement:
 
 
 def kernel_hash(kernel: Kernel) -> str:
-    return hashlib.sha256(kernel_text(kernel).encode()).hexdigest()
+    return kernel.content_hash()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -326,7 +325,7 @@ def run_job(job: dict, send, launcher=None, device=None) -> dict:
         send("phase", "gate:ragged_shapes")
         ran, failures, skipped = [], [], []
         for shape in ragged_shapes(problem, kernel.tile.block if kernel.tile is not None else None):
-            ok, why = applicable(kernel, problem.with_shape(*shape))
+            ok, why = admits(kernel, problem.with_shape(*shape))
             if not ok:
                 skipped.append(f"{shape}: {why}")
                 continue

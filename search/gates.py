@@ -191,7 +191,7 @@ def probe_k(kernel: Kernel, problem: Problem) -> int | None:
         k = problem.k * mult
         if k < PROBE_MIN_K or probe_f16_error(k) < 10 * tolerance(k, "f32", out):
             continue
-        if mult == 1 or applicable(kernel, problem.with_shape(problem.m, problem.n, k))[0]:
+        if mult == 1 or admits(kernel, problem.with_shape(problem.m, problem.n, k))[0]:
             return k
     return None
 
@@ -344,7 +344,7 @@ def ragged_shapes(problem: Problem, tile: tuple[int, int, int] | None = None) ->
     return out
 
 
-def applicable(kernel: Kernel, problem: Problem) -> tuple[bool, str]:
+def admits(kernel: Kernel, problem: Problem) -> tuple[bool, str]:
     """Whether the kernel may be run on this problem, and if not why: the verifier's problem rules decide
     (divisibility, alignment, split-K vs K); a Source kernel has no Pad and must handle any shape."""
     from l2ir.verify import check_problem

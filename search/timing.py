@@ -1,8 +1,8 @@
 """Timing a kernel against the baseline, in one process, interleaved trial by trial.
 
 offline: the device time per call of back-to-back launches. Each trial replays a CUDA graph of `reps` launches that
-         rotate over several input sets (enough sets to exceed L2 when a set is small, so each call reads its
-         operands from HBM as a stream of distinct requests would), timed with events around the replay. The graph
+         rotate over several input sets (enough sets to exceed 2x L2, up to max_sets: below ~1 MB per set the
+         64 sets still fit in L2, and tiny problems are timed with warm operands on both sides), timed with events around the replay. The graph
          removes host launch overhead, which for small shapes is larger than the kernel.
 server:  one call after the L2 has been flushed (a write of >= 2x its size) and an idle gap, timed with events. A
          short device-side spin is queued first, so the start event is stamped after the launch has reached the

@@ -9,7 +9,7 @@ import pytest
 
 from l2ir.indexing import Const, Var, cdiv
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, Source, Target, Tile
-from search.gates import (GuardedBuffer, Verdict, applicable, check_accuracy, f16_accumulated_dot, poison,
+from search.gates import (GuardedBuffer, Verdict, admits, check_accuracy, f16_accumulated_dot, poison,
                           probe_f16_error, probe_inputs, probe_k, probe_pattern, ragged_shapes, tolerance, unwritten)
 from search.timing import TimingConfig, reps_for, sets_for, summarize
 
@@ -110,12 +110,12 @@ def test_ragged_shapes_are_divisible_by_no_tile():
     assert any(all(d % 8 == 0 and d % 16 for d in s) for s in shapes)   # 16-byte aligned, still ragged
 
 
-def test_applicable_follows_pad():
+def test_admits_follows_pad():
     ragged = Problem(m=4099, n=4096, k=4096)
-    assert applicable(source_kernel(), ragged)[0]
-    ok, why = applicable(schedule_kernel(Pad(m="divisible")), ragged)
+    assert admits(source_kernel(), ragged)[0]
+    ok, why = admits(schedule_kernel(Pad(m="divisible")), ragged)
     assert not ok and why
-    assert applicable(schedule_kernel(Pad(m="divisible")), Problem(m=4096, n=4096, k=4096))[0]
+    assert admits(schedule_kernel(Pad(m="divisible")), Problem(m=4096, n=4096, k=4096))[0]
 
 
 def test_guard_bands_detect_writes_before_and_after():
