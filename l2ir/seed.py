@@ -27,7 +27,11 @@ def _split(problem: Problem, bm: int, bn: int, bk: int, num_sms: int) -> int:
     k_tiles = ceil_div(problem.k, bk)
     if tiles * 2 > num_sms or k_tiles < 8:
         return 1
-    return max(1, min(8, k_tiles // 4, ceil_div(num_sms, tiles)))
+    slices = max(1, min(8, k_tiles // 4, ceil_div(num_sms, tiles)))
+    # The split-K partition gives each slice ceil(k_tiles / slices) tiles; fewer slices if the last would get none.
+    while slices > 1 and (slices - 1) * ceil_div(k_tiles, slices) >= k_tiles:
+        slices -= 1
+    return slices
 
 
 def _raster(problem: Problem, bm: int, bn: int, group: int) -> Swizzle:

@@ -14,7 +14,7 @@ from importlib import resources
 from typing import Any
 
 import lark
-from lark import Token, Transformer, v_args
+from lark import Transformer, v_args
 
 from .errors import ExprError, ParseError
 from .indexing import Bin, Call, Const, Expr, Var

@@ -22,6 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from golden_sources import GoldenSources  # noqa: E402
 from backends.cuda_ptx import UnsupportedLowering, lower  # noqa: E402
 from backends.cuda_ptx import common, sm90a  # noqa: E402
 from l2ir.errors import L2IRError  # noqa: E402
@@ -29,7 +30,6 @@ from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, S
                         Tile)
 from l2ir.verify import resolved_stages  # noqa: E402
 
-GOLDEN = Path(__file__).parent / "golden" / "cuda_ptx"
 PROBLEM = Problem(m=4096, n=4096, k=4096)
 
 
@@ -57,45 +57,20 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
 }
 
 
-def golden_path(name: str) -> Path:
-    return GOLDEN / f"{name}.cu"
-
-
-def update_golden() -> None:
-    GOLDEN.mkdir(parents=True, exist_ok=True)
-    for name, (kernel, problem) in CASES.items():
-        golden_path(name).write_text(lower(kernel, problem).source)
-        print("wrote", golden_path(name))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Golden source, determinism, plan.
-# ---------------------------------------------------------------------------------------------------------------
+GOLDENS = GoldenSources("cuda_ptx", CASES, lower, __file__)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_golden_source(name):
-    kernel, problem = CASES[name]
-    expected = golden_path(name)
-    assert expected.exists(), f"missing {expected}: run python tests/test_cuda_ptx.py --update-golden"
-    assert lower(kernel, problem).source == expected.read_text(), (
-        f"generated source for {name} changed; if intended, regenerate with "
-        "python tests/test_cuda_ptx.py --update-golden and review the diff")
+    GOLDENS.check(name)
 
 
 def test_deterministic_in_process():
-    for kernel, problem in CASES.values():
-        assert lower(kernel, problem) == lower(kernel, problem)
+    GOLDENS.check_deterministic()
 
 
 def test_deterministic_across_processes():
-    """A fresh interpreter (different hash seed) produces byte-identical source."""
-    code = ("import sys, hashlib; sys.path.insert(0, %r); from tests.test_cuda_ptx import CASES, lower; "
-            "print(hashlib.sha256(''.join(lower(*c).source for c in CASES.values()).encode()).hexdigest())"
-            % str(Path(__file__).resolve().parents[1]))
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
-    assert len(outs) == 1
+    GOLDENS.check_across_processes()
 
 
 def test_plan_fields():
@@ -333,7 +308,4 @@ def test_host_shim_refuses_without_gpu(builds):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--update-golden"]:
-        update_golden()
-    else:
-        print(__doc__)
+    GOLDENS.main(sys.argv[1:], __doc__)

@@ -11,7 +11,6 @@ cleanly without nvcc.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -22,6 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from golden_sources import GoldenSources  # noqa: E402
 from backends.cuda_ptx import UnsupportedLowering, lower, rule_for  # noqa: E402
 from backends.cuda_ptx import sm80  # noqa: E402
 from backends.registry import backend_for  # noqa: E402
@@ -32,7 +32,6 @@ from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, S
                         Tile)
 from l2ir.verify import smem_bytes  # noqa: E402
 
-GOLDEN = Path(__file__).parent / "golden" / "cuda_ptx_sm80"
 PROBLEM = Problem(m=4096, n=4096, k=4096)
 
 
@@ -62,45 +61,20 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
 }
 
 
-def golden_path(name: str) -> Path:
-    return GOLDEN / f"{name}.cu"
-
-
-def update_golden() -> None:
-    GOLDEN.mkdir(parents=True, exist_ok=True)
-    for name, (kernel, problem) in CASES.items():
-        golden_path(name).write_text(lower(kernel, problem).source)
-        print("wrote", golden_path(name))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Golden source, determinism, plan, dispatch.
-# ---------------------------------------------------------------------------------------------------------------
+GOLDENS = GoldenSources("cuda_ptx_sm80", CASES, lower, __file__)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_golden_source(name):
-    kernel, problem = CASES[name]
-    expected = golden_path(name)
-    assert expected.exists(), f"missing {expected}: run python tests/test_cuda_ptx_sm80.py --update-golden"
-    assert lower(kernel, problem).source == expected.read_text(), (
-        f"generated source for {name} changed; if intended, regenerate with "
-        "python tests/test_cuda_ptx_sm80.py --update-golden and review the diff")
+    GOLDENS.check(name)
 
 
 def test_deterministic_in_process():
-    for kernel, problem in CASES.values():
-        assert lower(kernel, problem) == lower(kernel, problem)
+    GOLDENS.check_deterministic()
 
 
 def test_deterministic_across_processes():
-    """A fresh interpreter (different hash seed) produces byte-identical source."""
-    code = ("import sys, hashlib; sys.path.insert(0, %r); from tests.test_cuda_ptx_sm80 import CASES, lower; "
-            "print(hashlib.sha256(''.join(lower(*c).source for c in CASES.values()).encode()).hexdigest())"
-            % str(Path(__file__).resolve().parents[1]))
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
-    assert len(outs) == 1
+    GOLDENS.check_across_processes()
 
 
 def test_plan_fields():
@@ -280,7 +254,4 @@ def test_nvcc_builds_without_spills(builds, name):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--update-golden"]:
-        update_golden()
-    else:
-        print(__doc__)
+    GOLDENS.main(sys.argv[1:], __doc__)

@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from golden_sources import GoldenSources  # noqa: E402
 from backends.cute_sm80 import LoweringError, derive, lower  # noqa: E402
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile  # noqa: E402
 
-GOLDEN_DIR = Path(__file__).parent / "golden" / "cute_sm80"
 
 
 def kern(block=(128, 128, 32), warps=(2, 2), stages=3, *, prefetch=True, swizzle=(2, 3, 3), raster="along_n",
@@ -64,15 +64,20 @@ GOLDEN = {
 }
 
 
-def golden_path(name: str) -> Path:
-    return GOLDEN_DIR / f"{name}.cu"
+GOLDENS = GoldenSources("cute_sm80", GOLDEN, lower, __file__)
 
 
-def update_goldens() -> None:
-    GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
-    for name, (k, p) in GOLDEN.items():
-        golden_path(name).write_text(lower(k, p).source)
-        print(f"wrote {golden_path(name)}")
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_golden_source(name):
+    GOLDENS.check(name)
+
+
+def test_deterministic_in_process():
+    GOLDENS.check_deterministic()
+
+
+def test_deterministic_across_processes():
+    GOLDENS.check_across_processes()
 
 
 def changed(a: str, b: str) -> list[str]:
@@ -91,42 +96,6 @@ def edit(kernel: Kernel, node: str, **fields) -> Kernel:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Golden sources and determinism.
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", sorted(GOLDEN))
-def test_golden_source(name):
-    k, p = GOLDEN[name]
-    path = golden_path(name)
-    assert path.exists(), f"missing golden {path}: run `python tests/test_cute_sm80.py --update-goldens`"
-    got = lower(k, p).source
-    want = path.read_text()
-    if got != want:
-        diff = "\n".join(difflib.unified_diff(want.splitlines(), got.splitlines(), "golden", "now", lineterm=""))
-        pytest.fail(f"generated source changed for {name} (regenerate with "
-                    f"`python tests/test_cute_sm80.py --update-goldens` if intended):\n{diff[:4000]}")
-
-
-def test_deterministic_in_process():
-    for k, p in GOLDEN.values():
-        assert lower(k, p) == lower(k, p)
-
-
-def test_deterministic_across_processes():
-    code = ("import sys, hashlib; sys.path.insert(0, %r); from tests.test_cute_sm80 import GOLDEN, lower; "
-            "print(hashlib.sha256(''.join(lower(k, p).source for k, p in GOLDEN.values()).encode()).hexdigest())"
-            % str(ROOT))
-    outs = set()
-    for seed in ("0", "1", "12345"):
-        env = dict(os.environ, PYTHONHASHSEED=seed)
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
-        assert r.returncode == 0, r.stderr
-        outs.add(r.stdout.strip())
-    assert len(outs) == 1
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Every field changes the code, in the expected place.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -337,7 +306,4 @@ def test_nvcc_compiles(compiled, name):
 
 
 if __name__ == "__main__":
-    if "--update-goldens" in sys.argv[1:]:
-        update_goldens()
-    else:
-        print(__doc__)
+    GOLDENS.main(sys.argv[1:], __doc__)

@@ -95,7 +95,7 @@ def test_predicate_padding_masks_poison():
 
 def test_broken_rasterization_is_caught(monkeypatch):
     """A rasterization that sends two blocks to one tile leaves another unwritten: the interpreter says so."""
-    from l2ir.indexing import Const, Var
+    from l2ir.indexing import Var
 
     monkeypatch.setattr(interp_mod, "rasterize", lambda order, group: (Var("pid") // Var("tiles_n") // 2 * 2,
                                                                        Var("pid") % Var("tiles_n")))
@@ -105,7 +105,7 @@ def test_broken_rasterization_is_caught(monkeypatch):
 
 
 def test_broken_splitk_partition_is_caught(monkeypatch):
-    from l2ir.indexing import Const, Var, emin
+    from l2ir.indexing import Var, emin
 
     # Every slice starts one k tile late: tile 0 is never accumulated.
     monkeypatch.setattr(interp_mod, "splitk_range",

@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from l2ir.errors import (EpilogueError, L2IRError, MmaError, PadError, PipelineError, ProblemError, ResourceError,
                          SourceError, SplitKError, SwizzleError, TargetError, TileError, VerifyError)
 from l2ir.indexing import Const, Var
-from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, Source, SplitK, Swizzle, Target, Tile
+from l2ir.nodes import Kernel, Problem, Source, SplitK, Swizzle, Target
 from l2ir.text import parse_kernel
 from l2ir.verify import check_problem, smem_bytes, verify, violations
-from strategies import kernel_problem_pairs, kernels, sm80_kernels, sm90a_kernels
+from strategies import kernel_problem_pairs, kernels
 
 SM80 = parse_kernel(open("examples/sm80_128x128x32.l2").read())
 SM90 = parse_kernel(open("examples/sm90a_cooperative_128x256x64.l2").read())
