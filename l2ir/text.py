@@ -276,6 +276,8 @@ def parse_kernel_file(text: str, filename: str | None = None) -> tuple[Problem |
     loc = _Located(text, filename)
     problem = loc.build_node(raw_problem, {"gemm": Problem}) if raw_problem is not None else None
     kernel, lines = loc.build_kernel(raw_kernel)
+    if raw_problem is not None:
+        lines["gemm"] = raw_problem.line      # so problem-rule errors point at the gemm line
     return problem, kernel, lines  # type: ignore[return-value]
 
 

@@ -552,22 +552,41 @@ def _source(k: Kernel):
 
 
 def verify_problem(problem: Problem) -> Problem:
-    """The problem's own consistency: same input dtypes; fp16 accumulation only with fp16 inputs."""
-    if problem.a[0] != problem.b[0]:
-        raise ProblemError("gemm", "input_dtypes", f"A is {problem.a[0]} but B is {problem.b[0]}; mixed inputs "
-                                                   "are not supported")
-    if problem.acc == "f16" and problem.a[0] != "f16":
-        raise ProblemError("gemm", "accumulator", f"acc=f16 needs f16 inputs, not {problem.a[0]}")
+    """The problem's own consistency (the gemm rules that need no kernel)."""
+    for r in PROBLEM_RULES:
+        if r.node == "gemm":
+            msg = r.check(None, problem)
+            if msg:
+                raise r.error(r.node, r.name, msg)
     return problem
 
 
-@rule("gemm", "problem_consistent", ProblemError, schedule_only=False, problem=True)
-def _problem_ok(k: Kernel, p: Problem):
-    """The problem spec is consistent on its own."""
-    try:
-        verify_problem(p)
-    except ProblemError as e:
-        return e.message
+@rule("gemm", "input_dtypes", ProblemError, schedule_only=False, problem=True)
+def _input_dtypes(k: Kernel, p: Problem):
+    """A and B share one dtype (no mixed-input MMA)."""
+    if p.a[0] != p.b[0]:
+        return f"A is {p.a[0]} but B is {p.b[0]}; mixed inputs are not supported"
+
+
+@rule("gemm", "accumulator", ProblemError, schedule_only=False, problem=True)
+def _accumulator(k: Kernel, p: Problem):
+    """fp16 accumulation exists only for fp16 inputs (mma.sync/wgmma f16.f16.f16)."""
+    if p.acc == "f16" and p.a[0] != "f16":
+        return f"acc=f16 needs f16 inputs, not {p.a[0]}"
+
+
+@rule("pipeline", "smem_budget_output", ResourceError, problem=True)
+def _smem_with_output(k: Kernel, p: Problem):
+    """The epilogue stages C in the problem's output dtype: an fp32 C doubles the smem epilogue's tile."""
+    out_bytes = DTYPE_BYTES[p.c[0]]
+    if out_bytes == 2:
+        return None                       # the kernel rule already counted 16-bit output
+    ring = resolved_stages(k) * stage_bytes(k)
+    epi = epilogue_smem_bytes(k, out_bytes)
+    need = max(ring, epi) if k.pipeline.mode == "multistage" and k.epilogue.path == "smem" else ring + epi
+    if need > SMEM_LIMIT[k.target.arch]:
+        return (f"with c={p.c[0]} the kernel needs {need / KB:.1f} KB of shared memory; "
+                f"{k.target.arch} allows {SMEM_LIMIT[k.target.arch] // KB} KB")
 
 
 @rule("pad", "divisible", PadError, problem=True)

@@ -136,6 +136,8 @@ PROBLEM_ILLEGAL = [
      "A is f16 but B is bf16"),
     ("bf16 with f16 acc", SM80, Problem(128, 128, 128, a=("bf16", "row"), b=("bf16", "col"), acc="f16"), ProblemError,
      "acc=f16 needs f16 inputs"),
+    ("fp32 output staging", rep(rep(SM80, "tile", block=(256, 256, 32), warps=(4, 4)), "pipeline", stages=3),
+     Problem(1024, 1024, 1024, c=("f32", "row")), ResourceError, "with c=f32 the kernel needs"),
     ("source grid limit", SOURCE.replace(source=dataclasses.replace(SOURCE.source, grid=(Const(1), Var("m"),
                                                                                          Const(1)))),
      Problem(70000, 8, 8), SourceError, "allowed 1..65535"),
