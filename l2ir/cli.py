@@ -232,6 +232,7 @@ def cmd_bench(args) -> int:
                       budget_s=args.budget_s, resume=not args.no_resume, backend=args.backend,
                       cache_dir=args.cache_dir, command="l2ir " + " ".join(sys.argv[1:]),
                       baseline_reduced_precision=args.torch_defaults, report_only=args.report_only,
+                      device_sm=args.device_sm,
                       problem=parse_problem(args.problem, "--problem") if args.problem else Problem(1, 1, 1))
     print_summary(run_bench(cfg))
     return 0
@@ -291,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-dir", default=".l2ir-cache", help="compile cache")
     s.add_argument("--problem", help="problem class, e.g. 'gemm m=1 n=1 k=1 a=bf16:row b=bf16:row c=bf16:row "
                                      "acc=f32' (sizes come from the shapes)")
+    s.add_argument("--device-sm", default="sm_90", help="SASS target of the GPU that runs the kernels")
     s.add_argument("--report-only", action="store_true",
                    help="rebuild OUT.csv/OUT.json from the measurements in OUT.jsonl; run nothing on a GPU")
     s.add_argument("--torch-defaults", action="store_true",

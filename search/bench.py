@@ -132,6 +132,7 @@ class BenchConfig:
     cache_dir: str = ".l2ir-cache"
     command: str = ""
     report_only: bool = False                   # rebuild the summary from OUT.jsonl; measure nothing (no GPU)
+    device_sm: str = "sm_90"                    # the SASS target: the GPU the kernels run on (H100/H200 = sm_90)
     # The problem class (dtypes, layouts, accumulator); each shape replaces its sizes.
     problem: Problem = Problem(1, 1, 1)
     # False holds cuBLAS to the fp32-accumulation contract (no fp16 split-K reductions); True times torch.matmul
@@ -215,7 +216,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     for shape in per_shape:
         per_shape[shape] = [(n, k) for n, k in per_shape[shape] if k.content_hash() in kernels]
     keys = list(plans)
-    results = compile_many([plans[h] for h in keys], CompileOptions(cache_dir=cfg.cache_dir, jobs=cfg.compile_jobs))
+    results = compile_many([plans[h] for h in keys], CompileOptions(cache_dir=cfg.cache_dir, jobs=cfg.compile_jobs,
+                                                                           device_sm=cfg.device_sm))
     artifacts = dict(zip(keys, results))
     compile_wall = time.perf_counter() - t0
     fresh = [a.compile_seconds for a in results if not getattr(a, "cached", False)]
