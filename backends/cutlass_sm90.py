@@ -44,6 +44,7 @@ from l2ir.errors import MmaError, ResourceError, TileError
 from l2ir.errors import UnsupportedLowering as _UnsupportedLowering
 from l2ir.indexing import Const, Expr, Var, cdiv
 from l2ir.nodes import DTYPE_BYTES, Kernel, Problem, Swizzle
+from l2ir.text import print_problem_class
 
 from .plan import LaunchPlan
 
@@ -663,18 +664,6 @@ def render(cfg: Sm90Config) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _problem_text(problem: Problem) -> str:
-    return (f"gemm a={problem.a[0]}:{problem.a[1]} b={problem.b[0]}:{problem.b[1]} "
-            f"c={problem.c[0]}:{problem.c[1]} acc={problem.acc}")
-
-
-def _ir_text(kernel: Kernel) -> str:
-    try:
-        return kernel.text()
-    except ImportError:   # the text printer is optional for lowering
-        return repr(kernel)
-
-
 def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
     """IR -> LaunchPlan(form="host_shim"): the .cu of a shared library exporting l2ir_workspace_size / l2ir_run."""
     cfg = canonicalize(kernel, problem)
@@ -685,8 +674,8 @@ def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
         workspace_bytes=workspace_bound(cfg),
         zero_workspace=False,       # CUTLASS's initialize() zeroes the barrier flags it needs on the stream
         needs_cutlass=True,
-        ir_text=_ir_text(kernel),
-        problem_text=_problem_text(problem),
+        ir_text=kernel.text(),
+        problem_text=print_problem_class(problem),
     )
 
 

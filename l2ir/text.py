@@ -333,3 +333,10 @@ def print_kernel(kernel: Kernel) -> str:
 
 def print_problem(problem: Problem) -> str:
     return print_node(problem)
+
+
+def print_problem_class(problem: Problem) -> str:
+    """The compile-time part of a problem (dtypes, layouts, accumulator; not the sizes): 'a=f16:row b=f16:col ...'.
+    A lowering depends on exactly this, which is why backends record it beside the source."""
+    return " ".join(f"{fl.name}={fl.metadata['type'].render(getattr(problem, fl.name))}"
+                    for fl in dataclasses.fields(problem) if fl.name not in ("m", "n", "k"))

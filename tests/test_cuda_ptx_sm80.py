@@ -87,7 +87,7 @@ def test_plan_fields():
     assert launch.smem == 4 * (128 + 128) * 32 * 2 == smem_bytes(ms())
     assert f'extern "C" __global__ void __launch_bounds__(128)\n{sm80.GEMM_ENTRY}(const void* A_, const void* B_, ' \
            'void* C_, int M, int N, int K, void* workspace_)' in plan.source
-    assert plan.problem_text == "gemm a=f16:row b=f16:col c=f16:row acc=f32"
+    assert plan.problem_text == "a=f16:row b=f16:col c=f16:row acc=f32"
     assert plan.ir_text == ms().text()
     for instr in ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
                   "cp.async.cg.shared.global [%0], [%1], 16, %2;", "cp.async.commit_group;",

@@ -83,7 +83,7 @@ def test_plan_fields():
     assert plan.launches == () and not plan.zero_workspace
     assert 'extern "C" size_t l2ir_workspace_size(int M, int N, int K)' in plan.source
     assert 'extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,' in plan.source
-    assert plan.problem_text == "gemm a=f16:row b=f16:col c=f16:row acc=f32"
+    assert plan.problem_text == "a=f16:row b=f16:col c=f16:row acc=f32"
     assert plan.workspace_for(4096, 4096, 4096) == 0
 
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 from l2ir.indexing import Const, Var, cdiv, rasterize, smem_swizzle, splitk_range
 from l2ir.nodes import DTYPE_BYTES, Kernel, Problem, Swizzle
+from l2ir.text import print_problem_class
 from l2ir.verify import SMEM_LIMIT, verify, verify_problem
 
 from ..plan import Launch, LaunchPlan
@@ -216,7 +217,7 @@ def canonicalize(kernel: Kernel, problem: Problem) -> Sm80Config:
 
     cfg = Sm80Config(
         arch=kernel.target.arch, in_dtype=a_dt, out_dtype=c_dt,
-        problem_class=f"a={a_dt}:{a_lay} b={b_dt}:{b_lay} c={c_dt}:{problem.c[1]} acc={problem.acc}",
+        problem_class=print_problem_class(problem),
         bm=bm, bn=bn, bk=bk, wm=wm, wn=wn, stages=pipe.stages, prefetch=pipe.prefetch,
         swizzle=tuple(smem) if smem is not None else None, raster=swz.raster, group=swz.group,
         pad_m=pad.m, pad_n=pad.n, pad_k=pad.k, epilogue=epi.path, vector=epi.vector, slices=slices,
@@ -719,11 +720,6 @@ def render(cfg: Sm80Config, kernel_text: str = "") -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _problem_text(problem: Problem) -> str:
-    return (f"gemm a={problem.a[0]}:{problem.a[1]} b={problem.b[0]}:{problem.b[1]} "
-            f"c={problem.c[0]}:{problem.c[1]} acc={problem.acc}")
-
-
 def launches(cfg: Sm80Config) -> tuple[Launch, ...]:
     tiles = cdiv(M_, cfg.bm) * cdiv(N_, cfg.bn)
     gemm = Launch(entry=GEMM_ENTRY, grid=(tiles, Const(1), Const(cfg.slices)), block=(cfg.threads, 1, 1),
@@ -748,7 +744,7 @@ def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
         zero_workspace=False,
         needs_cutlass=False,
         ir_text=text,
-        problem_text=_problem_text(problem),
+        problem_text=print_problem_class(problem),
     )
 
 

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from l2ir.errors import ResourceError
 from l2ir.indexing import Const, rasterize
 from l2ir.nodes import DTYPE_BYTES, Kernel, Problem, Swizzle
+from l2ir.text import print_problem_class
 from l2ir.seed import H200_SMS
 from l2ir.verify import SMEM_LIMIT, resolved_stages, verify, verify_problem
 
@@ -254,7 +255,7 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
     stages = resolved_stages(kernel)
     cfg = PtxConfig(
         in_dtype=a_dt, out_dtype=c_dt,
-        problem_class=f"a={a_dt}:{a_lay} b={b_dt}:{b_lay} c={c_dt}:{problem.c[1]} acc={problem.acc}",
+        problem_class=print_problem_class(problem),
         bm=bm, bn=bn, bk=bk, consumer_wgs=wgs, stages=stages, stages_field=str(pipe.stages),
         persistent=pipe.persistent, num_sms=num_sms, raster=swz.raster, group=swz.group,
         swizzle_bits=bits, swizzle_field=swizzle_field,
@@ -791,11 +792,6 @@ def render(cfg: PtxConfig) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _problem_text(problem: Problem) -> str:
-    return (f"gemm a={problem.a[0]}:{problem.a[1]} b={problem.b[0]}:{problem.b[1]} "
-            f"c={problem.c[0]}:{problem.c[1]} acc={problem.acc}")
-
-
 def lower(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> LaunchPlan:
     """IR -> LaunchPlan(form="host_shim"): a shared library exporting l2ir_workspace_size / l2ir_run."""
     cfg = canonicalize(kernel, problem, num_sms)
@@ -807,7 +803,7 @@ def lower(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> LaunchPl
         zero_workspace=False,
         needs_cutlass=False,
         ir_text=kernel.text(),
-        problem_text=_problem_text(problem),
+        problem_text=print_problem_class(problem),
     )
 
 

@@ -13,21 +13,16 @@ from __future__ import annotations
 from l2ir.errors import L2IRError
 from l2ir.indexing import Const, Var, cdiv
 from l2ir.nodes import Kernel, Problem
+from l2ir.text import print_problem_class
 
 from backends.plan import Launch, LaunchPlan
 
 from .config import REDUCE_THREADS, LoweringError, Plan, derive, ir_text
 from .emit import CONVERT_ENTRY, GEMM_ENTRY, REDUCE_ENTRY, emit_source
 
-__all__ = ["lower", "derive", "LoweringError", "Plan", "problem_class"]
+__all__ = ["lower", "derive", "LoweringError", "Plan"]
 
 M, N, K = Var("m"), Var("n"), Var("k")
-
-
-def problem_class(problem: Problem) -> str:
-    """The compile-time part of a problem: dtypes, layouts and the accumulator (not the sizes)."""
-    return (f"a={problem.a[0]}:{problem.a[1]} b={problem.b[0]}:{problem.b[1]} "
-            f"c={problem.c[0]}:{problem.c[1]} acc={problem.acc}")
 
 
 def _launches(p: Plan) -> tuple[Launch, ...]:
@@ -53,7 +48,7 @@ def _workspace(p: Plan):
 def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
     try:
         p = derive(kernel, problem)
-        source = emit_source(kernel, p, problem_class(problem))
+        source = emit_source(kernel, p, print_problem_class(problem))
         return LaunchPlan(
             source=source,
             arch=p.arch,
@@ -63,7 +58,7 @@ def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
             zero_workspace=p.splitk == "atomic",
             needs_cutlass=True,
             ir_text=ir_text(kernel),
-            problem_text=problem_class(problem),
+            problem_text=print_problem_class(problem),
         )
     except (NotImplementedError, L2IRError):
         raise
