@@ -12,6 +12,26 @@ class UnsupportedLowering(_UnsupportedLowering):
         super().__init__("cuda_ptx", field, message)
 
 
+# C++ element types of the 16-bit dtypes both rules read and write.
+CTYPE = {"f16": "__half", "bf16": "__nv_bfloat16"}
+
+
+def check_problem_class(problem, why_a_row: str = "") -> None:
+    """The problem class both rules generate: K-major A (row) and B (col, NxK), one 16-bit input type, a 16-bit C,
+    fp32 accumulation. Anything else is an UnsupportedLowering naming the problem field."""
+    (a_dt, a_lay), (b_dt, b_lay), (c_dt, _) = problem.a, problem.b, problem.c
+    if a_lay != "row":
+        raise UnsupportedLowering("problem.a", f"{a_dt}:{a_lay}: only K-major A (row) is generated{why_a_row}")
+    if b_lay != "col":
+        raise UnsupportedLowering("problem.b", f"{b_dt}:{b_lay}: only K-major B (col, the NxK form) is generated")
+    if a_dt not in CTYPE or b_dt != a_dt:
+        raise UnsupportedLowering("problem.b", f"a={a_dt}, b={b_dt}: one 16-bit input type (f16 or bf16)")
+    if c_dt not in CTYPE:
+        raise UnsupportedLowering("problem.c", f"{c_dt}: the epilogue writes f16 or bf16")
+    if problem.acc != "f32":
+        raise UnsupportedLowering("problem.acc", f"{problem.acc}: accumulators are f32")
+
+
 # l2ir_run return codes of the generated host shims (0 = success).
 STATUS_MISALIGNED = 1            # an operand pointer or leading dimension breaks TMA's 16-byte rule or the store vector
 STATUS_NOT_DIVISIBLE = 102       # the shape breaks a pad=divisible promise

@@ -50,7 +50,7 @@ from l2ir.text import print_problem_class
 from l2ir.verify import SMEM_LIMIT, verify, verify_problem
 
 from ..plan import Launch, LaunchPlan
-from .common import UnsupportedLowering
+from .common import CTYPE, UnsupportedLowering, check_problem_class
 
 GEMM_ENTRY = "l2ir_cuda_ptx_sm80_gemm"
 REDUCE_ENTRY = "l2ir_cuda_ptx_sm80_splitk_reduce"
@@ -61,7 +61,6 @@ REDUCE_THREADS = 256
 # start 16 (f16) or 32 (f32) bytes apart modulo 128, so the 8 rows of one fragment store hit different banks.
 C_ROW_PAD = 8
 ARCHS = {"sm80": "sm_80", "sm86": "sm_86", "sm89": "sm_89", "sm90": "sm_90", "sm90a": "sm_90a"}
-CTYPE = {"f16": "__half", "bf16": "__nv_bfloat16"}
 PTX_TYPE = {"f16": "f16", "bf16": "bf16"}
 M_, N_ = Var("m"), Var("n")
 
@@ -164,17 +163,7 @@ def canonicalize(kernel: Kernel, problem: Problem) -> Sm80Config:
         raise UnsupportedLowering("tile.cluster", f"{tile.cluster[0]}x{tile.cluster[1]}: clusters are not used by "
                                   "cp.async pipelines; use 1x1")
 
-    (a_dt, a_lay), (b_dt, b_lay), (c_dt, _) = problem.a, problem.b, problem.c
-    if a_lay != "row":
-        raise UnsupportedLowering("problem.a", f"{a_dt}:{a_lay}: only K-major A (row) is generated (no ldmatrix.trans)")
-    if b_lay != "col":
-        raise UnsupportedLowering("problem.b", f"{b_dt}:{b_lay}: only K-major B (col, the NxK form) is generated")
-    if a_dt not in CTYPE or b_dt != a_dt:
-        raise UnsupportedLowering("problem.b", f"a={a_dt}, b={b_dt}: one 16-bit input type (f16 or bf16)")
-    if c_dt not in CTYPE:
-        raise UnsupportedLowering("problem.c", f"{c_dt}: the epilogue writes f16 or bf16")
-    if problem.acc != "f32":
-        raise UnsupportedLowering("problem.acc", f"{problem.acc}: accumulators are f32")
+    check_problem_class(problem, " (no ldmatrix.trans)")
 
     bm, bn, bk = tile.block
     wm, wn = tile.warps
@@ -216,7 +205,7 @@ def canonicalize(kernel: Kernel, problem: Problem) -> Sm80Config:
                                   "fragment holds 2 adjacent columns; use path=smem for wider stores")
 
     cfg = Sm80Config(
-        arch=kernel.target.arch, in_dtype=a_dt, out_dtype=c_dt,
+        arch=kernel.target.arch, in_dtype=problem.a[0], out_dtype=problem.c[0],
         problem_class=print_problem_class(problem),
         bm=bm, bn=bn, bk=bk, wm=wm, wn=wn, stages=pipe.stages, prefetch=pipe.prefetch,
         swizzle=tuple(smem) if smem is not None else None, raster=swz.raster, group=swz.group,

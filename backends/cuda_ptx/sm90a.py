@@ -60,7 +60,7 @@ from l2ir.verify import SMEM_LIMIT, resolved_stages, verify, verify_problem
 
 from ..plan import LaunchPlan
 from .common import (STATUS_BAD_ARGUMENT, STATUS_CUDA_ERROR, STATUS_MISALIGNED, STATUS_NOT_DIVISIBLE,
-                     STATUS_TENSOR_MAP, UnsupportedLowering)
+                     STATUS_TENSOR_MAP, CTYPE, UnsupportedLowering, check_problem_class)
 
 ENTRY = "l2ir_cuda_ptx_sm90a_gemm"
 # setmaxnreg targets. The register file holds 64K 32-bit registers per SM; with one 384-thread block per SM the
@@ -72,7 +72,6 @@ TMA_BOX_MAX = 256
 # wgmma swizzle modes in the descriptor's bits 62-63, by swizzle bits B of <B,3,3>.
 DESC_SWIZZLE_MODE = {3: 1, 2: 2, 1: 3}      # 128B, 64B, 32B
 TMA_SWIZZLE = {3: "CU_TENSOR_MAP_SWIZZLE_128B", 2: "CU_TENSOR_MAP_SWIZZLE_64B", 1: "CU_TENSOR_MAP_SWIZZLE_32B"}
-CTYPE = {"f16": "__half", "bf16": "__nv_bfloat16"}
 TMA_DTYPE = {"f16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}
 
 
@@ -214,17 +213,7 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
         raise UnsupportedLowering("splitk", f"mode={kernel.splitk.mode}: split-K / stream-K are not generated")
 
     # Problem class: K-major A and B are wgmma's native (non-transposed) descriptor layout.
-    (a_dt, a_lay), (b_dt, b_lay), (c_dt, _) = problem.a, problem.b, problem.c
-    if a_lay != "row":
-        raise UnsupportedLowering("problem.a", f"{a_dt}:{a_lay}: only K-major A (row) is generated")
-    if b_lay != "col":
-        raise UnsupportedLowering("problem.b", f"{b_dt}:{b_lay}: only K-major B (col, the NxK form) is generated")
-    if a_dt not in CTYPE or b_dt != a_dt:
-        raise UnsupportedLowering("problem.b", f"a={a_dt}, b={b_dt}: one 16-bit input type (f16 or bf16)")
-    if c_dt not in CTYPE:
-        raise UnsupportedLowering("problem.c", f"{c_dt}: the epilogue writes f16 or bf16")
-    if problem.acc != "f32":
-        raise UnsupportedLowering("problem.acc", f"{problem.acc}: accumulators are f32")
+    check_problem_class(problem)
 
     bm, bn, bk = tile.block
     wgs = 2
@@ -254,7 +243,7 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
 
     stages = resolved_stages(kernel)
     cfg = PtxConfig(
-        in_dtype=a_dt, out_dtype=c_dt,
+        in_dtype=problem.a[0], out_dtype=problem.c[0],
         problem_class=print_problem_class(problem),
         bm=bm, bn=bn, bk=bk, consumer_wgs=wgs, stages=stages, stages_field=str(pipe.stages),
         persistent=pipe.persistent, num_sms=num_sms, raster=swz.raster, group=swz.group,
@@ -328,7 +317,6 @@ def _tile_loop(cfg: PtxConfig, indent: str) -> list[str]:
 
 def _epilogue_direct(cfg: PtxConfig) -> list[str]:
     dm, dn, _ = cfg.divisible
-    out = CTYPE[cfg.out_dtype]
     lines = [
         "      // epilogue.path=direct: each thread stores its fragment straight to global memory. Fragment layout of",
         "      // wgmma m64nN f32: d[4c + 2h + e] is row 16*warp + lane/4 + 8h, column 8c + 2*(lane%4) + e.",
