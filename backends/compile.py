@@ -37,7 +37,7 @@ from pathlib import Path
 
 from l2ir.errors import L2IRError
 
-from .plan import LaunchPlan
+from l2ir.runtime import LaunchPlan
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -263,7 +263,7 @@ def _command(plan: LaunchPlan, options: CompileOptions) -> tuple[list[str], dict
     if options.compiler == "nvrtc":
         if plan.form != "kernels":
             raise ArchError("NVRTC builds device code only; a host_shim plan needs nvcc")
-        argv = [options.python, "-m", "backends.compile", "--nvrtc", "kernel.cu", "-o", "kernel.cubin", "--",
+        argv = [options.python, "-m", "l2ir.backends.compile", "--nvrtc", "kernel.cu", "-o", "kernel.cubin", "--",
                 *flags, *includes]
         # The child sees the packages this process sees (wheels installed with --target, a venv, the repo).
         path = os.pathsep.join(dict.fromkeys([str(REPO_ROOT)] + [p for p in sys.path if p]))
@@ -444,7 +444,7 @@ def _guarded_compile(plan: LaunchPlan, options: CompileOptions) -> CompileResult
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The NVRTC child process: `python -m backends.compile --nvrtc kernel.cu -o kernel.cubin -- <nvrtc options>`.
+# The NVRTC child process: `python -m l2ir.backends.compile --nvrtc kernel.cu -o kernel.cubin -- <nvrtc options>`.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -479,7 +479,7 @@ def _nvrtc_main(argv: list[str]) -> int:
     """argv: kernel.cu -o kernel.cubin -- <nvrtc options>. Parsed by hand: NVRTC options such as -std=c++17 or
     -Xptxas would be taken by an option parser as its own."""
     if "--" not in argv or argv[1:2] != ["-o"] or len(argv) < 4:
-        sys.stderr.write("usage: python -m backends.compile --nvrtc kernel.cu -o kernel.cubin -- <nvrtc options>\n")
+        sys.stderr.write("usage: python -m l2ir.backends.compile --nvrtc kernel.cu -o kernel.cubin -- <nvrtc options>\n")
         return 2
     source, output, opts = argv[0], argv[2], argv[argv.index("--") + 1:]
     cubin, log = nvrtc_compile(Path(source).read_text(), source, opts)
@@ -492,5 +492,5 @@ def _nvrtc_main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["--nvrtc"]:
-        sys.exit("usage: python -m backends.compile --nvrtc kernel.cu -o kernel.cubin -- <nvrtc options>")
+        sys.exit("usage: python -m l2ir.backends.compile --nvrtc kernel.cu -o kernel.cubin -- <nvrtc options>")
     sys.exit(_nvrtc_main(sys.argv[2:]))

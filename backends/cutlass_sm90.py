@@ -28,7 +28,7 @@ Field -> CUTLASS map (each generated line that depends on a field names it in a 
   problem a/b/c/acc          element types, RowMajor/ColumnMajor tags; C is read as void (alpha = 1, beta = 0)
 
 l2ir_run return codes: 0 success; 1..11 a cutlass::Status (can_implement, initialize or run refused, e.g. 1 =
-kErrorMisalignedOperand for a K that is not a multiple of 8); the STATUS_* codes below for L2IR's own refusals.
+kErrorMisalignedOperand for a K that is not a multiple of 8); the l2ir.runtime STATUS_* codes for L2IR's own refusals.
 
 Workspace: the true size comes from the library (`l2ir_workspace_size`). LaunchPlan.workspace_bytes is an upper bound
 written as an expression of m, n, k (see `workspace_bound`), and l2ir_run returns STATUS_WORKSPACE_TOO_SMALL rather than
@@ -46,33 +46,7 @@ from l2ir.indexing import Const, Expr, Var, cdiv
 from l2ir.nodes import DTYPE_BYTES, Kernel, Problem, Swizzle
 from l2ir.text import print_problem_class
 
-from .plan import LaunchPlan
-
-# L2IR's own refusal codes from l2ir_run (CUTLASS's cutlass::Status values stay below 100).
-STATUS_WORKSPACE_TOO_SMALL = 101
-STATUS_NOT_DIVISIBLE = 102
-STATUS_BAD_ARGUMENT = 103
-STATUS_CUDA_ERROR = 104
-STATUS_EXCEPTION = 105
-
-CUTLASS_STATUS_NAMES = (
-    "kSuccess", "kErrorMisalignedOperand", "kErrorInvalidDataType", "kErrorInvalidLayout", "kErrorInvalidProblem",
-    "kErrorNotSupported", "kErrorWorkspaceNull", "kErrorInternal", "kErrorArchMismatch", "kErrorInsufficientDriver",
-    "kErrorMemoryAllocation", "kInvalid",
-)
-
-
-def status_name(code: int) -> str:
-    """A readable name for an l2ir_run return code."""
-    own = {STATUS_WORKSPACE_TOO_SMALL: "workspace too small", STATUS_NOT_DIVISIBLE: "shape violates pad=divisible",
-           STATUS_BAD_ARGUMENT: "bad argument", STATUS_CUDA_ERROR: "CUDA runtime error",
-           STATUS_EXCEPTION: "C++ exception"}
-    if code in own:
-        return own[code]
-    if 0 <= code < len(CUTLASS_STATUS_NAMES):
-        return "cutlass::Status::" + CUTLASS_STATUS_NAMES[code]
-    return f"unknown status {code}"
-
+from l2ir.runtime import LaunchPlan, status_constants_cpp
 
 class UnsupportedLowering(_UnsupportedLowering):
     """cutlass_sm90's UnsupportedLowering: the shared error with the backend's name filled in."""
@@ -475,11 +449,7 @@ def render(cfg: Sm90Config) -> str:
         "",
         "namespace {",
         "",
-        f"constexpr int L2IR_STATUS_WORKSPACE_TOO_SMALL = {STATUS_WORKSPACE_TOO_SMALL};",
-        f"constexpr int L2IR_STATUS_NOT_DIVISIBLE = {STATUS_NOT_DIVISIBLE};",
-        f"constexpr int L2IR_STATUS_BAD_ARGUMENT = {STATUS_BAD_ARGUMENT};",
-        f"constexpr int L2IR_STATUS_CUDA_ERROR = {STATUS_CUDA_ERROR};",
-        f"constexpr int L2IR_STATUS_EXCEPTION = {STATUS_EXCEPTION};",
+        *status_constants_cpp("WORKSPACE_TOO_SMALL", "NOT_DIVISIBLE", "BAD_ARGUMENT", "CUDA_ERROR", "EXCEPTION"),
         "",
         "// ---- operands (problem class) ----",
         f"using ElementA = {cfg.element_a};",
@@ -709,6 +679,5 @@ def nvcc_command(plan: LaunchPlan, source_path: str, output_path: str, nvcc: str
 
 __all__ = [
     "Sm90Config", "UnsupportedLowering", "canonicalize", "render", "workspace_bound", "lower", "nvcc_command",
-    "cutlass_includes", "status_name", "STATUS_WORKSPACE_TOO_SMALL", "STATUS_NOT_DIVISIBLE", "STATUS_BAD_ARGUMENT",
-    "STATUS_CUDA_ERROR", "STATUS_EXCEPTION",
+    "cutlass_includes",
 ]

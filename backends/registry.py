@@ -14,7 +14,7 @@ from typing import Callable
 from l2ir.errors import L2IRError, LoweringError
 from l2ir.nodes import Kernel, Problem
 
-from .plan import LaunchPlan
+from l2ir.runtime import LaunchPlan
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,13 @@ def _schedule(op: str, mode: str) -> Callable[[Kernel], bool]:
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
-    Backend("source", "backends.source", lambda k: k.is_source),
-    Backend("cute_sm80", "backends.cute_sm80", _schedule("mma_sync", "multistage")),
-    Backend("cutlass_sm90", "backends.cutlass_sm90", _schedule("wgmma", "tma_ws")),
-    Backend("cuda_ptx", "backends.cuda_ptx", _schedule("wgmma", "tma_ws"), default=False),
+    Backend("source", "l2ir.backends.source", lambda k: k.is_source),
+    Backend("cute_sm80", "l2ir.backends.cute_sm80", _schedule("mma_sync", "multistage")),
+    Backend("cutlass_sm90", "l2ir.backends.cutlass_sm90", _schedule("wgmma", "tma_ws")),
+    Backend("cuda_ptx", "l2ir.backends.cuda_ptx", _schedule("wgmma", "tma_ws"), default=False),
     # The same module's sm80 rule (mma.sync + cp.async multistage), asked for by name: cuda_ptx.lower dispatches on
     # the kernel's mma op and pipeline.
-    Backend("cuda_ptx_sm80", "backends.cuda_ptx", _schedule("mma_sync", "multistage"), default=False),
+    Backend("cuda_ptx_sm80", "l2ir.backends.cuda_ptx", _schedule("mma_sync", "multistage"), default=False),
 )}
 
 

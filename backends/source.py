@@ -15,7 +15,7 @@ from l2ir.nodes import Kernel, Problem
 from l2ir.text import print_problem
 from l2ir.verify import verify
 
-from .plan import Launch, LaunchPlan
+from l2ir.runtime import Launch, LaunchPlan
 
 # nvcc spelling of each IR arch. The "a" suffix (sm_90a) is the arch-specific feature set (wgmma, setmaxnreg):
 # its code runs only on that exact SM, so it must be kept all the way to the SASS target.

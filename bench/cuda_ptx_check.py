@@ -43,7 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backends.cuda_ptx import common, lower, sm90a  # noqa: E402
+from l2ir.backends.cuda_ptx import lower, sm90a  # noqa: E402
+from l2ir.runtime import status_name  # noqa: E402
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, Swizzle, Target, Tile  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -296,7 +297,7 @@ def child_main(args) -> int:
                 time.sleep(0.001)
             torch.cuda.synchronize()
             if errors:
-                rec["status"] = f"refused: {common.status_name(errors[0])} ({errors[0]})"
+                rec["status"] = f"refused: {status_name(errors[0])} ({errors[0]})"
                 emit(rec)
                 continue
             status, info = compare(torch, c[0], ref, args.tol, args.elem_tol)
@@ -312,7 +313,7 @@ def child_main(args) -> int:
                        tflops=2 * m * n * k / (ours * 1e-6) / 1e12, torch_tflops=2 * m * n * k / (tor * 1e-6) / 1e12,
                        speedup=tor / ours)
             if errors:
-                rec["status"] = f"FAIL during timing: {common.status_name(errors[0])}"
+                rec["status"] = f"FAIL during timing: {status_name(errors[0])}"
             else:
                 status, info = compare(torch, c[0], ref, args.tol, args.elem_tol)
                 rec["rel_err_after"] = info["rel_err"]

@@ -134,7 +134,7 @@ def nvcc_cmd(cu: Path, cubin: Path, include: str, sm: int) -> list[str]:
 
 
 def compile_one(cfg: Config, workdir: Path, include: str, sm: int) -> dict:
-    from backends.cute_sm80 import lower  # noqa: PLC0415
+    from l2ir.backends.cute_sm80 import lower  # noqa: PLC0415
 
     rec = {"name": cfg.name}
     try:
@@ -202,7 +202,7 @@ class Module:
 def run_config(cfg: Config, cubin_path: str, shapes, time_iters: int) -> list[dict]:
     import torch  # noqa: PLC0415
 
-    from backends.cute_sm80 import lower  # noqa: PLC0415
+    from l2ir.backends.cute_sm80 import lower  # noqa: PLC0415
     from l2ir.verify import check_problem  # noqa: PLC0415
 
     plan = lower(cfg.kernel, cfg.problem)

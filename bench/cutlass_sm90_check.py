@@ -42,7 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backends import cutlass_sm90 as sm90  # noqa: E402
+from l2ir.backends import cutlass_sm90 as sm90  # noqa: E402
+from l2ir.runtime import status_name  # noqa: E402
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Tile, Target  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -302,7 +303,7 @@ def check_one(torch, lib: Lib, built: Built, inp: Inputs, args) -> Row:
     launch_ours(0)
     torch.cuda.synchronize()
     if errors:
-        row.status = f"refused: {sm90.status_name(errors[0])}"
+        row.status = f"refused: {status_name(errors[0])}"
         return row
     unwritten = int(torch.isnan(inp.c[0]).sum())
     row.rel_err = rel_error(torch, inp.c[0], inp.ref)
@@ -316,7 +317,7 @@ def check_one(torch, lib: Lib, built: Built, inp: Inputs, args) -> Row:
         torch, launch_ours, launch_torch, inp.nsets, args.iters, args.trials)
     torch.cuda.synchronize()
     if errors:
-        row.status = f"FAIL during timing: {sm90.status_name(errors[0])}"
+        row.status = f"FAIL during timing: {status_name(errors[0])}"
         return row
     row.rel_err_after = rel_error(torch, inp.c[0], inp.ref)
     row.status = "ok" if row.rel_err_after < args.tol else f"FAIL after timing: rel err {row.rel_err_after:.2e}"

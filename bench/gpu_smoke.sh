@@ -7,7 +7,9 @@ OUT=${OUT:-/tmp/l2ir-smoke}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+# The folders install under l2ir.* through the editable finder (a bare PYTHONPATH would not map them).
+python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 steps=${*:-"evaluator cute sm90"}
 for step in $steps; do
   case $step in

@@ -77,7 +77,7 @@ def main() -> None:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from search.timing import TimingConfig, time_offline
+    from l2ir.search.timing import TimingConfig, time_offline
 
     for (m, n, k) in ((4096, 4096, 4096), (8192, 8192, 512)):
         sets = max(2, -(-2 * l2 // (2 * (m * k + k * n + m * n))))

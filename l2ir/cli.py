@@ -167,9 +167,9 @@ def cmd_seed(args) -> int:
 
 def cmd_compile(args) -> int:
     """Lower and compile one kernel file; report where every stage is on disk, resources and SASS."""
-    from backends.compile import CompileOptions, compile_plan
-    from backends.registry import backend_for
-    from backends.sass import inspect
+    from l2ir.backends.compile import CompileOptions, compile_plan
+    from l2ir.backends.registry import backend_for
+    from l2ir.backends.sass import inspect
 
     from .verify import verify
 
@@ -213,7 +213,7 @@ def cmd_bench(args) -> int:
     """GPU benchmark: seed + sweep over grid shapes, every timed kernel gated (search/bench.py)."""
     from pathlib import Path
 
-    from search.bench import SWEEPS, BenchConfig, grid_shapes, print_summary, run_bench
+    from l2ir.search.bench import SWEEPS, BenchConfig, grid_shapes, print_summary, run_bench
 
     known = SWEEPS.get(args.backend if args.backend in SWEEPS else args.target, SWEEPS["sm80"])
     sweep = known

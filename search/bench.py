@@ -172,9 +172,9 @@ def _load_done(path: Path) -> dict[tuple[str, str, str], dict]:
 
 def run_bench(cfg: BenchConfig) -> dict:
     """Run the benchmark on this machine's GPU and write the results. Returns the summary."""
-    from backends.compile import CompileOptions, compile_many
-    from backends.registry import lower
-    from backends.source import problem_text
+    from l2ir.backends.compile import CompileOptions, compile_many
+    from l2ir.backends.registry import lower
+    from l2ir.backends.source import problem_text
 
     from .evaluator import EvalConfig, Evaluator, kernel_hash
     from .timing import TimingConfig
@@ -306,7 +306,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 def _kernel_report(kernels: dict, artifacts: dict) -> dict:
     """Per compiled kernel: registers and spills (ptxas), and from the SASS the matrix instructions (HGMMA on the
     wgmma path, HMMA on mma.sync) and local-memory loads/stores (spills)."""
-    from backends.sass import inspect
+    from l2ir.backends.sass import inspect
 
     report = {}
     for h, (name, k) in kernels.items():

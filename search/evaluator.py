@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from backends.compile import CompileResult, cutlass_version
-from backends.plan import LaunchPlan
-from backends.source import problem_text
+from l2ir.backends.compile import CompileResult, cutlass_version
+from l2ir.runtime import LaunchPlan
+from l2ir.backends.source import problem_text
 from l2ir.nodes import Kernel, Problem
 
 from .gates import (GuardedBuffer, Verdict, admits, check_accuracy, poison, probe_f16_error, probe_inputs,
@@ -241,7 +241,7 @@ def run_job(job: dict, send, launcher=None, device=None) -> dict:
     `launcher` and `device` replace the artifact's launcher and the GPU (the gate flow is tested on CPU that way)."""
     import torch
 
-    from .launcher import load
+    from l2ir.runtime import load
 
     kernel: Kernel = job["kernel"]
     problem: Problem = job["problem"]

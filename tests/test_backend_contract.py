@@ -3,7 +3,7 @@ memory it asks for never exceeds what the verifier budgeted."""
 
 from hypothesis import given
 
-from backends.registry import backend_for, lower
+from l2ir.backends.registry import backend_for, lower
 from l2ir.nodes import Problem
 from l2ir.verify import SMEM_LIMIT, smem_bytes
 from strategies import kernels
@@ -24,7 +24,7 @@ def test_lowering_stays_within_the_verified_budget(kernel):
 
 
 def test_every_kernel_kind_has_one_default_backend():
-    from search.bench import SM80_SWEEP, SM90_SWEEP
+    from l2ir.search.bench import SM80_SWEEP, SM90_SWEEP
 
     assert {backend_for(k).name for k in SM80_SWEEP.values()} == {"cute_sm80"}
     assert {backend_for(k).name for k in SM90_SWEEP.values()} == {"cutlass_sm90"}

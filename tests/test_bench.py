@@ -5,7 +5,7 @@ import json
 import pytest
 
 from l2ir.verify import verify
-from search.bench import (GRID, SWEEPS, BenchConfig, ShapeResult, _geomean, _load_done, _short, _summary,
+from l2ir.search.bench import (GRID, SWEEPS, BenchConfig, ShapeResult, _geomean, _load_done, _short, _summary,
                           grid_shapes)
 
 

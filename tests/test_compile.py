@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from backends.compile import (ArchError, CompileOptions, cache_key, compile_many, compile_plan, gencode,
+from l2ir.backends.compile import (ArchError, CompileOptions, cache_key, compile_many, compile_plan, gencode,
                               parse_ptxas)
-from backends.plan import Launch, LaunchPlan
+from l2ir.runtime import Launch, LaunchPlan
 from l2ir.indexing import Const
 
 HAVE_NVCC = shutil.which("nvcc") is not None
@@ -18,7 +18,7 @@ nvcc = [pytest.mark.nvcc, pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not 
 
 def _have_nvrtc():
     try:
-        from backends.compile import nvrtc_version
+        from l2ir.backends.compile import nvrtc_version
         nvrtc_version()                     # loads libnvrtc (the nvidia-cuda-nvrtc wheel)
     except Exception:  # noqa: BLE001 - bindings or library missing
         return False

@@ -23,8 +23,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from golden_sources import GoldenSources  # noqa: E402
-from backends.cuda_ptx import UnsupportedLowering, lower  # noqa: E402
-from backends.cuda_ptx import common, sm90a  # noqa: E402
+from l2ir.backends.cuda_ptx import UnsupportedLowering, lower  # noqa: E402
+from l2ir.backends.cuda_ptx import sm90a  # noqa: E402
+from l2ir.runtime import STATUS_BAD_ARGUMENT, STATUS_MISALIGNED  # noqa: E402
 from l2ir.errors import L2IRError  # noqa: E402
 from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target,  # noqa: E402
                         Tile)
@@ -188,7 +189,7 @@ def test_refusals_name_the_field(field, kernel, problem):
 def test_dispatch_by_schedule():
     """mma.sync + cp.async kernels go to the sm80 rule on every target, wgmma to the sm90a rule; a Source kernel is
     refused naming the field."""
-    from backends.cuda_ptx import rule_for
+    from l2ir.backends.cuda_ptx import rule_for
     from l2ir.indexing import Const
     from l2ir.nodes import Source
 
@@ -299,11 +300,11 @@ def test_host_shim_refuses_without_gpu(builds):
                                                                           ctypes.c_void_p]
     so.l2ir_workspace_size.restype = ctypes.c_size_t
     so.l2ir_workspace_size.argtypes = [ctypes.c_int] * 3
-    assert so.l2ir_run(None, None, None, 64, 64, 64, None, 0, None) == common.STATUS_BAD_ARGUMENT
-    assert so.l2ir_run(16, 16, 16, 0, 64, 64, None, 0, None) == common.STATUS_BAD_ARGUMENT
-    assert so.l2ir_run(8, 16, 16, 64, 64, 64, None, 0, None) == common.STATUS_MISALIGNED      # A not 16-byte aligned
-    assert so.l2ir_run(16, 16, 16, 64, 64, 60, None, 0, None) == common.STATUS_MISALIGNED     # K % 8 != 0
-    assert so.l2ir_run(16, 16, 18, 64, 64, 64, None, 0, None) == common.STATUS_MISALIGNED     # C not 4-byte aligned
+    assert so.l2ir_run(None, None, None, 64, 64, 64, None, 0, None) == STATUS_BAD_ARGUMENT
+    assert so.l2ir_run(16, 16, 16, 0, 64, 64, None, 0, None) == STATUS_BAD_ARGUMENT
+    assert so.l2ir_run(8, 16, 16, 64, 64, 64, None, 0, None) == STATUS_MISALIGNED      # A not 16-byte aligned
+    assert so.l2ir_run(16, 16, 16, 64, 64, 60, None, 0, None) == STATUS_MISALIGNED     # K % 8 != 0
+    assert so.l2ir_run(16, 16, 18, 64, 64, 64, None, 0, None) == STATUS_MISALIGNED     # C not 4-byte aligned
     assert so.l2ir_workspace_size(4096, 4096, 4096) == 0
 
 

@@ -22,10 +22,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from golden_sources import GoldenSources  # noqa: E402
-from backends.cuda_ptx import UnsupportedLowering, lower, rule_for  # noqa: E402
-from backends.cuda_ptx import sm80  # noqa: E402
-from backends.registry import backend_for  # noqa: E402
-from backends.registry import lower as registry_lower  # noqa: E402
+from l2ir.backends.cuda_ptx import UnsupportedLowering, lower, rule_for  # noqa: E402
+from l2ir.backends.cuda_ptx import sm80  # noqa: E402
+from l2ir.backends.registry import backend_for  # noqa: E402
+from l2ir.backends.registry import lower as registry_lower  # noqa: E402
 from l2ir.errors import L2IRError, VerifyError  # noqa: E402
 from l2ir.indexing import smem_swizzle  # noqa: E402
 from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target,  # noqa: E402
@@ -125,7 +125,7 @@ def test_registry_entry():
 
 
 def test_sweep_lowers():
-    from search.bench import PTX_SM80_SWEEP, SWEEPS
+    from l2ir.search.bench import PTX_SM80_SWEEP, SWEEPS
     assert SWEEPS["cuda_ptx_sm80"] is PTX_SM80_SWEEP and len(PTX_SM80_SWEEP) >= 2
     for kernel in PTX_SM80_SWEEP.values():
         plan = registry_lower(kernel, Problem(1, 1, 1), "cuda_ptx_sm80")

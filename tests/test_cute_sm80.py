@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from golden_sources import GoldenSources  # noqa: E402
-from backends.cute_sm80 import LoweringError, derive, lower  # noqa: E402
+from l2ir.backends.cute_sm80 import LoweringError, derive, lower  # noqa: E402
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile  # noqa: E402
 
 
@@ -240,7 +240,7 @@ def test_unsupported_names_the_field(kernel, problem, field):
 
 
 def test_internal_failure_is_a_lowering_error(monkeypatch):
-    import backends.cute_sm80 as backend
+    import l2ir.backends.cute_sm80 as backend
 
     def boom(*a, **k):
         raise ValueError("emitter bug")

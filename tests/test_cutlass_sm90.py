@@ -22,8 +22,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from golden_sources import GoldenSources  # noqa: E402
-from backends import cutlass_sm90 as sm90  # noqa: E402
-from backends.cutlass_sm90 import UnsupportedLowering, lower  # noqa: E402
+from l2ir.backends import cutlass_sm90 as sm90  # noqa: E402
+from l2ir.runtime import STATUS_BAD_ARGUMENT, STATUS_NOT_DIVISIBLE, STATUS_WORKSPACE_TOO_SMALL, status_name  # noqa: E402
+from l2ir.backends.cutlass_sm90 import UnsupportedLowering, lower  # noqa: E402
 from l2ir.errors import L2IRError, MmaError, ResourceError, TileError  # noqa: E402
 from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target,  # noqa: E402
                         Tile)
@@ -245,9 +246,9 @@ def test_inconsistent_ir_raises_verify_error(error, kernel):
 
 
 def test_status_names():
-    assert sm90.status_name(0) == "cutlass::Status::kSuccess"
-    assert sm90.status_name(1) == "cutlass::Status::kErrorMisalignedOperand"
-    assert sm90.status_name(sm90.STATUS_WORKSPACE_TOO_SMALL) == "workspace too small"
+    assert status_name(0) == "cutlass::Status::kSuccess"
+    assert status_name(1) == "cutlass::Status::kErrorMisalignedOperand"
+    assert status_name(STATUS_WORKSPACE_TOO_SMALL) == "workspace too small"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -306,7 +307,7 @@ def check_abi_without_gpu(lib: Path) -> None:
                                                                           ctypes.c_void_p]
     so.l2ir_workspace_size.restype = ctypes.c_size_t
     so.l2ir_workspace_size.argtypes = [ctypes.c_int] * 3
-    assert so.l2ir_run(None, None, None, 256, 256, 256, None, 0, None) == sm90.STATUS_BAD_ARGUMENT
+    assert so.l2ir_run(None, None, None, 256, 256, 256, None, 0, None) == STATUS_BAD_ARGUMENT
     # A misaligned (but non-null) operand is refused before any CUDA call: TMA needs 16-byte bases.
     assert so.l2ir_run(8, 16, 16, 256, 256, 256, None, 0, None) == 1   # kErrorMisalignedOperand
     assert so.l2ir_workspace_size(0, 64, 64) == 0
@@ -359,7 +360,7 @@ def test_nvcc_slow(request, tmp_path, name, wgmma):
         so = ctypes.CDLL(str(result["lib"]))
         so.l2ir_run.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_size_t,
                                                                               ctypes.c_void_p]
-        assert so.l2ir_run(16, 16, 16, 100, 256, 256, None, 0, None) == sm90.STATUS_NOT_DIVISIBLE
+        assert so.l2ir_run(16, 16, 16, 100, 256, 256, None, 0, None) == STATUS_NOT_DIVISIBLE
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ import pytest
 
 from l2ir.indexing import Const, Var, cdiv
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, Source, Target, Tile
-from search.gates import (GuardedBuffer, Verdict, admits, check_accuracy, f16_accumulated_dot, poison,
+from l2ir.search.gates import (GuardedBuffer, Verdict, admits, check_accuracy, f16_accumulated_dot, poison,
                           probe_f16_error, probe_inputs, probe_k, probe_pattern, ragged_shapes, tolerance, unwritten)
-from search.timing import TimingConfig, reps_for, sets_for, summarize
+from l2ir.search.timing import TimingConfig, reps_for, sets_for, summarize
 
 torch = pytest.importorskip("torch")
 
@@ -173,7 +173,7 @@ def test_timing_helpers():
 
 
 def test_measurement_json_round_trip():
-    from search.evaluator import Measurement
+    from l2ir.search.evaluator import Measurement
 
     m = Measurement(kernel_hash="ab" * 32, problem="gemm m=1 n=1 k=1 a=f16:row b=f16:col c=f16:row acc=f32",
                     scenario="offline", environment={"gpu": "X"},
@@ -249,7 +249,7 @@ class _Plan:
                                          ("unwritten", "all_written"), ("divisible", "ragged_shapes"),
                                          ("stale", "stale_output")])
 def test_gate_flow_on_cpu(defect, gate):
-    from search.evaluator import EvalConfig, run_job
+    from l2ir.search.evaluator import EvalConfig, run_job
 
     sent = []
     job = {"kernel": source_kernel(), "problem": Problem(m=64, n=96, k=256), "plan": _Plan(),

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from backends.compile import CompileOptions, compile_plan
-from backends.source import lower_source
+from l2ir.backends.compile import CompileOptions, compile_plan
+from l2ir.backends.source import lower_source
 from l2ir.indexing import Const, Var, cdiv
 from l2ir.nodes import Kernel, Problem, Source, Target
 
@@ -71,7 +71,7 @@ def cache(tmp_path_factory):
 def build(kernel, cache, compiler="nvcc", problem=PROBLEM):
     if compiler == "nvrtc":
         try:
-            from backends.compile import nvrtc_version
+            from l2ir.backends.compile import nvrtc_version
             nvrtc_version()
         except Exception as e:  # noqa: BLE001
             pytest.skip(f"NVRTC is not usable here: {e}")
@@ -83,7 +83,7 @@ def build(kernel, cache, compiler="nvcc", problem=PROBLEM):
 
 @pytest.fixture(scope="module")
 def gates_only():
-    from search.evaluator import EvalConfig, Evaluator
+    from l2ir.search.evaluator import EvalConfig, Evaluator
 
     ev = Evaluator(EvalConfig(scenarios=(), phase_timeout_s=60))
     yield ev
@@ -139,7 +139,7 @@ def test_planted_defect_is_rejected_by_its_gate(gates_only, cache, plant, gate, 
 @pytest.mark.gpu
 @pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 def test_fault_costs_only_the_worker(cache):
-    from search.evaluator import EvalConfig, Evaluator
+    from l2ir.search.evaluator import EvalConfig, Evaluator
 
     with Evaluator(EvalConfig(scenarios=(), phase_timeout_s=60)) as ev:
         bad = planted_kernel("CRASH")
@@ -155,7 +155,7 @@ def test_fault_costs_only_the_worker(cache):
 @pytest.mark.gpu
 @pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 def test_hang_is_killed_and_recorded(cache):
-    from search.evaluator import EvalConfig, Evaluator
+    from l2ir.search.evaluator import EvalConfig, Evaluator
 
     with Evaluator(EvalConfig(scenarios=(), phase_timeout_s=15)) as ev:
         bad = planted_kernel("HANG")
@@ -171,8 +171,8 @@ def test_hang_is_killed_and_recorded(cache):
 @pytest.mark.gpu
 @pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 def test_timing_against_the_baseline(cache, tmp_path):
-    from search.evaluator import EvalConfig, Evaluator, Measurement, write_measurements
-    from search.timing import TimingConfig
+    from l2ir.search.evaluator import EvalConfig, Evaluator, Measurement, write_measurements
+    from l2ir.search.timing import TimingConfig
 
     cfg = EvalConfig(scenarios=("offline", "server"), phase_timeout_s=120,
                      timing=TimingConfig(trials=3, target_ms=5.0, server_samples=5))

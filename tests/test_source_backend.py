@@ -2,8 +2,8 @@
 
 import pytest
 
-from backends.plan import LaunchPlan
-from backends.source import NVCC_ARCH, lower_source, problem_text
+from l2ir.runtime import LaunchPlan
+from l2ir.backends.source import NVCC_ARCH, lower_source, problem_text
 from l2ir.errors import SourceError
 from l2ir.indexing import Const, Var, cdiv
 from l2ir.nodes import Kernel, Problem, Source, Target

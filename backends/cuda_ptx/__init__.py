@@ -18,7 +18,7 @@ from typing import Callable
 
 from l2ir.nodes import ARCHS, Kernel, Problem
 
-from ..plan import LaunchPlan
+from l2ir.runtime import LaunchPlan
 from . import sm80, sm90a
 from .common import UnsupportedLowering
 

@@ -49,7 +49,7 @@ from l2ir.nodes import DTYPE_BYTES, Kernel, Problem, Swizzle
 from l2ir.text import print_problem_class
 from l2ir.verify import SMEM_LIMIT, verify, verify_problem
 
-from ..plan import Launch, LaunchPlan
+from l2ir.runtime import Launch, LaunchPlan
 from .common import CTYPE, UnsupportedLowering, check_problem_class
 
 GEMM_ENTRY = "l2ir_cuda_ptx_sm80_gemm"

@@ -14,7 +14,7 @@ by a candidate) that exports the host_shim ABI of backends/plan.py:
 l2ir_run checks the shape, encodes one tensor map per operand, and launches the kernel with the maps as
 `const __grid_constant__ CUtensorMap` parameters (they live in the kernel's parameter space, where TMA reads them).
 The driver entry point is fetched through the runtime (cudaGetDriverEntryPointByVersion), so the library needs no
--lcuda at link time; the evaluator loads it like the CUTLASS shims. Return codes: common.STATUS_*.
+-lcuda at link time; the evaluator loads it like the CUTLASS shims. Return codes: l2ir.runtime.STATUS_*.
 
 The kernel (cooperative schedule: 3 warpgroups, 384 threads):
   warpgroup 0  producer: setmaxnreg.dec to 40 registers; one thread issues, per stage, the TMA box copies of the A and
@@ -58,9 +58,8 @@ from l2ir.text import print_problem_class
 from l2ir.seed import H200_SMS
 from l2ir.verify import SMEM_LIMIT, resolved_stages, verify, verify_problem
 
-from ..plan import LaunchPlan
-from .common import (STATUS_BAD_ARGUMENT, STATUS_CUDA_ERROR, STATUS_MISALIGNED, STATUS_NOT_DIVISIBLE,
-                     STATUS_TENSOR_MAP, CTYPE, UnsupportedLowering, check_problem_class)
+from l2ir.runtime import LaunchPlan, status_constants_cpp
+from .common import CTYPE, UnsupportedLowering, check_problem_class
 
 ENTRY = "l2ir_cuda_ptx_sm90a_gemm"
 # setmaxnreg targets. The register file holds 64K 32-bit registers per SM; with one 384-thread block per SM the
@@ -452,11 +451,8 @@ def render(cfg: PtxConfig) -> str:
         "",
         "namespace {",
         "",
-        f"constexpr int L2IR_STATUS_MISALIGNED = {STATUS_MISALIGNED};",
-        *([f"constexpr int L2IR_STATUS_NOT_DIVISIBLE = {STATUS_NOT_DIVISIBLE};"] if any(cfg.divisible) else []),
-        f"constexpr int L2IR_STATUS_BAD_ARGUMENT = {STATUS_BAD_ARGUMENT};",
-        f"constexpr int L2IR_STATUS_CUDA_ERROR = {STATUS_CUDA_ERROR};",
-        f"constexpr int L2IR_STATUS_TENSOR_MAP = {STATUS_TENSOR_MAP};",
+        *status_constants_cpp("MISALIGNED", *(["NOT_DIVISIBLE"] if any(cfg.divisible) else []), "BAD_ARGUMENT",
+                              "CUDA_ERROR", "TENSOR_MAP"),
         "",
         f"using InT = {in_t};     // problem a/b",
         f"using OutT = {out_t};   // problem c",

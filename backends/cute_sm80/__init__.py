@@ -15,7 +15,7 @@ from l2ir.indexing import Const, Var, cdiv
 from l2ir.nodes import Kernel, Problem
 from l2ir.text import print_problem_class
 
-from backends.plan import Launch, LaunchPlan
+from l2ir.runtime import Launch, LaunchPlan
 
 from .config import REDUCE_THREADS, LoweringError, Plan, derive, ir_text
 from .emit import CONVERT_ENTRY, GEMM_ENTRY, REDUCE_ENTRY, emit_source

@@ -1,5 +1,20 @@
-"""Launching a compiled artifact from Python, on torch's current stream. GPU-side only (runs in the worker).
+"""The runtime: what a backend hands to the compiler and how a compiled kernel is launched.
 
+This is the one layer that the evaluator and `l2ir.matmul` both import; it never imports the search.
+
+A LaunchPlan comes in two forms:
+- `kernels`: a CUDA translation unit whose `extern "C" __global__` entry points all take the L2IR ABI
+      (const void* A, const void* B, void* C, int M, int N, int K, void* workspace)
+  and are launched by the harness, in order, on one stream, each over its grid (expressions of m, n, k). The
+  candidate's code never runs host code: this is the form for generated schedules and LLM-written Source.
+- `host_shim`: a shared library built from backend-generated (trusted) host code, for libraries such as CUTLASS 3.x
+  whose kernels need host-side setup (TMA descriptors, tile-scheduler params). It exports
+      extern "C" size_t l2ir_workspace_size(int M, int N, int K);
+      extern "C" int    l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,
+                                 void* workspace, size_t workspace_bytes, void* stream);   // 0 = success
+  and returns one of the STATUS codes below.
+
+Launching (GPU side):
 - "kernels" plans: the cubin is loaded with the driver API (cuModuleLoadData) into the primary context that torch
   uses, each entry launched in plan order with cuLaunchKernel (cuLaunchKernelEx when the launch has a cluster).
   Launches go to `torch.cuda.current_stream()` at call time, so they are captured by `torch.cuda.graph`.
@@ -9,13 +24,91 @@
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from backends.plan import LaunchPlan
+from .indexing import Const, Expr, eval_launch_expr
+
+
+@dataclass(frozen=True)
+class Launch:
+    entry: str
+    grid: tuple[Expr, Expr, Expr]
+    block: tuple[int, int, int]
+    smem: int = 0                                 # dynamic shared memory, bytes
+    cluster: tuple[int, int, int] = (1, 1, 1)     # thread-block cluster (sm90), launched with cuLaunchKernelEx
+
+    def grid_for(self, m: int, n: int, k: int) -> tuple[int, int, int]:
+        return tuple(eval_launch_expr(e, m, n, k) for e in self.grid)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    source: str                                   # the whole .cu file
+    arch: str                                     # nvcc arch, e.g. "sm_80" or "sm_90a"
+    form: str = "kernels"                         # "kernels" or "host_shim"
+    launches: tuple[Launch, ...] = ()             # for form == "kernels"
+    workspace_bytes: Expr = Const(0)              # expression of m, n, k
+    zero_workspace: bool = False                  # the harness memsets the workspace before the first launch
+    needs_cutlass: bool = False                   # add the CUTLASS/CuTe include path
+    ir_text: str = ""                             # the kernel's IR text, kept beside the source in the cache
+    problem_text: str = ""                        # the problem class (dtypes, layouts) the source was lowered for
+    extra_flags: tuple[str, ...] = field(default=())
+
+    def workspace_for(self, m: int, n: int, k: int) -> int:
+        return eval_launch_expr(self.workspace_bytes, m, n, k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The host-shim ABI: l2ir_run's return codes, one table for every backend that emits a shim.
+# 1..11 are cutlass::Status values (CUTLASS's can_implement / initialize / run refusals); L2IR's own codes start at
+# 101 so they never collide with them. A shim that is not CUTLASS uses 1 for a misaligned operand, as CUTLASS does.
+# ---------------------------------------------------------------------------------------------------------------
+
+STATUS_SUCCESS = 0
+STATUS_MISALIGNED = 1                 # cutlass::Status::kErrorMisalignedOperand; TMA's 16-byte rule, store vectors
+STATUS_WORKSPACE_TOO_SMALL = 101      # the library needs more workspace than the harness passed
+STATUS_NOT_DIVISIBLE = 102            # the shape breaks a pad=divisible promise
+STATUS_BAD_ARGUMENT = 103             # null pointer or non-positive size
+STATUS_CUDA_ERROR = 104               # a CUDA runtime call failed (launch, attribute, device query)
+STATUS_EXCEPTION = 105                # a C++ exception escaped the library
+STATUS_TENSOR_MAP = 106               # cuTensorMapEncodeTiled is unavailable or refused an operand
+
+OWN_STATUS_NAMES = {
+    STATUS_WORKSPACE_TOO_SMALL: "workspace too small", STATUS_NOT_DIVISIBLE: "shape violates pad=divisible",
+    STATUS_BAD_ARGUMENT: "bad argument", STATUS_CUDA_ERROR: "CUDA runtime error", STATUS_EXCEPTION: "C++ exception",
+    STATUS_TENSOR_MAP: "tensor map encode failed",
+}
+CUTLASS_STATUS_NAMES = (
+    "kSuccess", "kErrorMisalignedOperand", "kErrorInvalidDataType", "kErrorInvalidLayout", "kErrorInvalidProblem",
+    "kErrorNotSupported", "kErrorWorkspaceNull", "kErrorInternal", "kErrorArchMismatch", "kErrorInsufficientDriver",
+    "kErrorMemoryAllocation", "kInvalid",
+)
+
+
+def status_name(code: int) -> str:
+    """A readable name for an l2ir_run return code."""
+    if code in OWN_STATUS_NAMES:
+        return OWN_STATUS_NAMES[code]
+    if 0 <= code < len(CUTLASS_STATUS_NAMES):
+        return "cutlass::Status::" + CUTLASS_STATUS_NAMES[code]
+    return f"unknown status {code}"
+
+
+def status_constants_cpp(*codes: str) -> list[str]:
+    """`constexpr int L2IR_STATUS_<NAME> = <code>;` lines for a shim's source, e.g. ("NOT_DIVISIBLE", "BAD_ARGUMENT")."""
+    return [f"constexpr int L2IR_STATUS_{name} = {globals()['STATUS_' + name]};" for name in codes]
 
 # Above 48 KiB, dynamic shared memory must be opted into per function (the default carve-out limit of every SM
 # since Volta); H100/H200 allow up to 227 KiB per block.
 DEFAULT_DYNAMIC_SMEM = 48 * 1024
+
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers (GPU side: cuda-python and torch are imported on first use).
+# ---------------------------------------------------------------------------------------------------------------
 
 
 class LaunchError(RuntimeError):
@@ -136,8 +229,8 @@ class ShimLauncher:
                  stream: int | None = None):
         s = current_stream() if stream is None else stream
         rc = self._lib.l2ir_run(a, b, c, m, n, k, ws, ws_bytes, s)
-        if rc != 0:
-            raise LaunchError(f"l2ir_run returned {rc} for m={m} n={n} k={k}")
+        if rc != STATUS_SUCCESS:
+            raise LaunchError(f"l2ir_run returned {rc} ({status_name(rc)}) for m={m} n={n} k={k}")
 
     def close(self):
         pass
