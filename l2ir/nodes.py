@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from .errors import ParseError
 from .indexing import Expr
+from .target import NVCC_ARCH
 
 # ---------------------------------------------------------------------------------------------------------------
 # Field types: convert a parsed raw value (kind, payload) into a typed value, and render it back.
@@ -288,7 +289,6 @@ class Node:
 
 DTYPES_IN = ("f16", "bf16")
 DTYPES_OUT = ("f16", "bf16", "f32")
-DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 
 
 @dataclass(frozen=True)
@@ -325,7 +325,8 @@ class Problem(Node):
 # Kernel nodes.
 # ---------------------------------------------------------------------------------------------------------------
 
-ARCHS = ("sm80", "sm86", "sm89", "sm90", "sm90a")
+# The archs L2IR targets: those with an nvcc spelling and shared-memory limit in l2ir.target.
+ARCHS = tuple(NVCC_ARCH)
 
 
 @dataclass(frozen=True)

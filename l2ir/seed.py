@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from .nodes import (ARCHS, Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile)
 from .indexing import ceil_div
+from .target import H200_SMS
 from .verify import check_problem, leading_dims, verify_problem
-
-H200_SMS = 132
 
 
 def alignment(problem: Problem) -> int:

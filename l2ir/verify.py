@@ -5,7 +5,7 @@ rule returns None when the kernel obeys it, or a message saying what is wrong. `
 rule and raises the first violation as its typed error; `violations(kernel)` lists them all (for the CLI).
 `check_problem(kernel, problem)` adds the rules that depend on the problem: divisibility, alignment, split-K vs K.
 
-The hardware numbers live here, each with the reason it is what it is.
+The hardware numbers come from l2ir.target, each with the reason it is what it is.
 """
 
 from __future__ import annotations
@@ -17,31 +17,13 @@ from typing import Callable
 from .errors import (EpilogueError, ExprError, MmaError, PadError, PipelineError, ProblemError, ResourceError,
                      SourceError, SplitKError, SwizzleError, TargetError, TileError, VerifyError)
 from .indexing import LAUNCH_VARS, ceil_div
-from .nodes import DTYPE_BYTES, SCHEDULE_NODES, Kernel, Problem
+from .nodes import SCHEDULE_NODES, Kernel, Problem
+from .target import (BLOCK_DIM_MAX, DTYPE_BYTES, KB, MAX_CLUSTER, MAX_REGS, MAX_THREADS, MAX_WGMMA_ACC_REGS,
+                     MMA_SYNC_SHAPES, PRODUCER_THREADS, SMEM_LIMIT, TMA_BARRIER_BYTES, TMA_BOX_MAX)
 
-KB = 1024
-
-# Largest shared memory one block may opt into (cudaDevAttrMaxSharedMemoryPerBlockOptin): A100 163 KB (of its
-# 164 KB per SM, 1 KB is reserved per block), consumer Ampere/Ada 99 KB (of 100), Hopper 227 KB (of 228).
-SMEM_LIMIT = {"sm80": 163 * KB, "sm86": 99 * KB, "sm89": 99 * KB, "sm90": 227 * KB, "sm90a": 227 * KB}
-# TMA boxes span at most 256 elements per dimension.
-TMA_BOX_MAX = 256
-# blockDim limits: x and y up to 1024, z up to 64 (and 1024 threads in all).
-BLOCK_DIM_MAX = (1024, 1024, 64)
-# 255 registers per thread is the ISA limit; some are always needed for addresses, loop counters and predicates.
-MAX_REGS = 255
+# Every hardware number (smem limits, register file, TMA box, cluster limit, ...) lives in l2ir.target, with its
+# reason. The one verifier-only number: registers always needed for addresses, loop counters and predicates.
 REG_OVERHEAD = 40
-# A wgmma accumulator lives in the issuing warpgroup's registers; consumers are raised to 232-240 registers by
-# setmaxnreg, so more than ~192 accumulator registers per thread leaves too few for the rest and spills.
-MAX_WGMMA_ACC_REGS = 192
-# Per-stage mbarrier pair (full/empty, 8 bytes each) of a TMA pipeline.
-TMA_BARRIER_BYTES = 16
-# TMA warp-specialized kernels add one producer warpgroup (128 threads) that only issues bulk copies.
-PRODUCER_THREADS = 128
-# mma.sync shapes for 16-bit inputs.
-MMA_SYNC_SHAPES = {(16, 8, 16), (16, 8, 8)}
-# Largest portable thread-block cluster (without the non-portable opt-in).
-MAX_CLUSTER = 8
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -299,8 +281,8 @@ def _warp_tile(k: Kernel):
 def _thread_count(k: Kernel):
     """A block has at most 1024 threads."""
     t = threads(k)
-    if t > 1024:
-        return f"{t} threads per block exceeds 1024"
+    if t > MAX_THREADS:
+        return f"{t} threads per block exceeds {MAX_THREADS}"
 
 
 @rule("tile", "copy_partition", TileError)
@@ -540,8 +522,8 @@ def _source(k: Kernel):
             if v < 1:
                 return f"grid.{axis} = {e} is {v} at m,n,k={shape}; grid sizes must be >= 1"
     t = threads(k)
-    if t > 1024:
-        return f"block {src.block} has {t} threads; the limit is 1024"
+    if t > MAX_THREADS:
+        return f"block {src.block} has {t} threads; the limit is {MAX_THREADS}"
     if src.smem > SMEM_LIMIT[k.target.arch]:
         return f"smem={src.smem} bytes exceeds {k.target.arch}'s {SMEM_LIMIT[k.target.arch]} bytes"
 
