@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from l2ir.errors import MmaError, ResourceError, TileError
 from l2ir.errors import UnsupportedLowering as _UnsupportedLowering
 from l2ir.indexing import Const, Expr, Var, cdiv
-from l2ir.nodes import DTYPE_BYTES, Kernel, Problem, Swizzle
+from l2ir.nodes import Kernel, Problem, Swizzle
+from l2ir.target import CUTLASS_TYPE, DTYPE_BYTES, MAX_CLUSTER, SMEM_LIMIT
 from l2ir.text import print_problem_class
 
 from l2ir.runtime import LaunchPlan, status_constants_cpp
@@ -55,16 +56,10 @@ class UnsupportedLowering(_UnsupportedLowering):
         super().__init__("cutlass_sm90", field, message)
 
 
-# Hopper's shared memory per block (227 KiB opt-in), the capacity CUTLASS's stage-count computation also uses.
-SM90_SMEM_BYTES = 232448
 # wgmma N values the builder's ss_op_selector tries, largest first (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED is off).
 WGMMA_N = (256, 192, 128, 96, 64, 32, 16, 8)
 # CUTLASS rounds max_swizzle_size down to a power of two no larger than 8 (get_log_swizzle_size).
 SWIZZLE_SIZES = (1, 2, 4, 8)
-# Thread-block clusters of up to 8 CTAs are portable on sm90; the scheduler divides by cluster dims as powers of two.
-MAX_CLUSTER = 8
-
-ELEMENT = {"f16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t", "f32": "float"}
 
 
 @dataclass(frozen=True)
@@ -193,12 +188,12 @@ def canonicalize(kernel: Kernel, problem: Problem) -> Sm90Config:
     if pipe.stages != "auto":
         if pipe.stages < 2:
             raise UnsupportedLowering("pipeline.stages", "the TMA producer needs at least 2 stages to overlap the MMAs")
-        if pipe.stages * stage_bytes > SM90_SMEM_BYTES:
+        if pipe.stages * stage_bytes > SMEM_LIMIT["sm90a"]:
             raise ResourceError("pipeline", "smem_capacity",
                                 f"{pipe.stages} stages x {stage_bytes} B = {pipe.stages * stage_bytes} B of A/B tiles "
-                                f"exceed the {SM90_SMEM_BYTES} B of shared memory per block on sm90")
-    elif 2 * stage_bytes > SM90_SMEM_BYTES:
-        raise ResourceError("pipeline", "smem_capacity", f"two {stage_bytes} B stages do not fit in {SM90_SMEM_BYTES} B")
+                                f"exceed the {SMEM_LIMIT['sm90a']} B of shared memory per block on sm90")
+    elif 2 * stage_bytes > SMEM_LIMIT["sm90a"]:
+        raise ResourceError("pipeline", "smem_capacity", f"two {stage_bytes} B stages do not fit in {SMEM_LIMIT['sm90a']} B")
 
     # Tile scheduler.
     sk = kernel.splitk
@@ -236,11 +231,11 @@ def canonicalize(kernel: Kernel, problem: Problem) -> Sm90Config:
         raise UnsupportedLowering("epilogue.vector", f"{epi.vector} x {out_bytes} B: stores are at most 16 bytes")
 
     return Sm90Config(
-        element_a=ELEMENT[a_dt], element_b=ELEMENT[b_dt], element_d=ELEMENT[c_dt],
-        element_acc="cutlass::half_t" if problem.acc == "f16" else "float",
+        element_a=CUTLASS_TYPE[a_dt], element_b=CUTLASS_TYPE[b_dt], element_d=CUTLASS_TYPE[c_dt],
+        element_acc=CUTLASS_TYPE[problem.acc],
         layout_a="RowMajor" if a_lay == "row" else "ColumnMajor",
         layout_b="ColumnMajor" if b_lay == "col" else "RowMajor",
-        problem_class=f"a={a_dt}:{a_lay} b={b_dt}:{b_lay} c={c_dt}:{problem.c[1]} acc={problem.acc}",
+        problem_class=print_problem_class(problem),
         bm=bm, bn=bn, bk=bk, cm=cm, cn=cn,
         schedule=pipe.schedule, consumer_warpgroups=wgs, wgmma_n=wgmma_n,
         stages=pipe.stages, persistent=pipe.persistent,
@@ -533,7 +528,7 @@ def render(cfg: Sm90Config) -> str:
             f'"pipeline.stages: the builder did not take {cfg.stages} stages");',
         ]
     lines += [
-        f"static_assert(sizeof(typename GemmKernel::SharedStorage) <= {SM90_SMEM_BYTES},",
+        f"static_assert(sizeof(typename GemmKernel::SharedStorage) <= {SMEM_LIMIT['sm90a']},",
         '              "tile.block x pipeline.stages: shared storage exceeds the sm90 capacity");',
         "",
         "using StrideA = typename GemmKernel::StrideA;",
@@ -644,8 +639,6 @@ def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
         workspace_bytes=workspace_bound(cfg),
         zero_workspace=False,       # CUTLASS's initialize() zeroes the barrier flags it needs on the stream
         needs_cutlass=True,
-        ir_text=kernel.text(),
-        problem_text=print_problem_class(problem),
     )
 
 

@@ -1,20 +1,26 @@
-"""Which backend lowers which kernel.
+"""Which backend lowers which kernel: the one dispatch of L2IR.
 
-Each backend registers a predicate over the kernel; `lower` demands exactly one match (or the backend named by the
-caller), so adding a backend can never silently change which code an existing kernel gets. A kernel no backend
-accepts is a clear NotImplementedError.
+Each entry names one lowering rule (a module's `lower(kernel, problem) -> LaunchPlan`) and the predicate of the
+kernels it takes; `lower` demands exactly one default match (or the entry named by the caller), so adding a backend
+can never silently change which code an existing kernel gets. A kernel no entry accepts is a clear
+NotImplementedError. There is no second level: a backend module does canonicalize -> render and nothing else.
+
+The registry does what every backend would otherwise repeat: it attaches the kernel's IR text and the problem class
+to the plan (they travel with the source into the compile cache), and wraps a backend's own bugs as a LoweringError
+that carries the IR, so a search records the candidate as failed instead of stopping.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Callable
 
 from l2ir.errors import L2IRError, LoweringError
 from l2ir.nodes import Kernel, Problem
-
 from l2ir.runtime import LaunchPlan
+from l2ir.text import print_problem_class
 
 
 @dataclass(frozen=True)
@@ -23,33 +29,50 @@ class Backend:
     module: str                         # imported on first use: a backend's dependencies load only when needed
     accepts: Callable[[Kernel], bool]
     default: bool = True                # False: only used when asked for by name
+    function: str = "lower"             # the module's (kernel, problem, **options) -> LaunchPlan
 
-    def lower(self, kernel: Kernel, problem: Problem) -> LaunchPlan:
-        """The backend's lowering. Unsupported features are NotImplementedError naming the field and illegal IR the
-        verifier's typed error; anything else is a bug of the backend, reported as a LoweringError with the IR so
-        that a search records the candidate as failed instead of stopping."""
+    def lower(self, kernel: Kernel, problem: Problem, **options) -> LaunchPlan:
+        """The backend's lowering, with the IR and the problem class attached. Unsupported features are
+        NotImplementedError naming the field and illegal IR the verifier's typed error; anything else is a bug of
+        the backend, reported as a LoweringError with the IR. `options` go to the backend (e.g. num_sms)."""
         mod = importlib.import_module(self.module)
         try:
-            return mod.lower(kernel, problem)
+            plan = getattr(mod, self.function)(kernel, problem, **options)
         except (NotImplementedError, L2IRError):
             raise
         except Exception as e:  # noqa: BLE001
             raise LoweringError(f"{self.name} failed to lower a kernel: {type(e).__name__}: {e}\n"
                                 f"{kernel.text()}") from e
+        return dataclasses.replace(plan, ir_text=kernel.text(), problem_text=print_problem_class(problem))
 
 
-def _schedule(op: str, mode: str) -> Callable[[Kernel], bool]:
-    return lambda k: not k.is_source and k.mma.op == op and k.pipeline.mode == mode
+@dataclass(frozen=True)
+class Schedule:
+    """The predicate of a generated-code backend: the mma op and pipeline mode it lowers."""
+
+    op: str
+    mode: str
+
+    def mismatch(self, k: Kernel) -> str | None:
+        """None if the backend takes `k`, else the fields that rule it out."""
+        if k.is_source:
+            return "source: free-form CUDA is lowered by the source backend"
+        wrong = [f"{name}={have} (lowers {want})" for name, have, want in
+                 (("mma.op", k.mma.op, self.op), ("pipeline.mode", k.pipeline.mode, self.mode)) if have != want]
+        return ", ".join(wrong) or None
+
+    def __call__(self, k: Kernel) -> bool:
+        return self.mismatch(k) is None
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
-    Backend("source", "l2ir.backends.source", lambda k: k.is_source),
-    Backend("cute_sm80", "l2ir.backends.cute_sm80", _schedule("mma_sync", "multistage")),
-    Backend("cutlass_sm90", "l2ir.backends.cutlass_sm90", _schedule("wgmma", "tma_ws")),
-    Backend("cuda_ptx", "l2ir.backends.cuda_ptx", _schedule("wgmma", "tma_ws"), default=False),
-    # The same module's sm80 rule (mma.sync + cp.async multistage), asked for by name: cuda_ptx.lower dispatches on
-    # the kernel's mma op and pipeline.
-    Backend("cuda_ptx_sm80", "l2ir.backends.cuda_ptx", _schedule("mma_sync", "multistage"), default=False),
+    Backend("source", "l2ir.backends.source", lambda k: k.is_source, function="lower_source"),
+    Backend("cute_sm80", "l2ir.backends.cute_sm80", Schedule("mma_sync", "multistage")),
+    Backend("cutlass_sm90", "l2ir.backends.cutlass_sm90", Schedule("wgmma", "tma_ws")),
+    # Raw CUDA + inline PTX, asked for by name. Rules are keyed by what the kernel computes with, not by its
+    # target: an mma.sync + cp.async schedule on sm90 is the sm80 rule's kernel.
+    Backend("cuda_ptx", "l2ir.backends.cuda_ptx.sm90a", Schedule("wgmma", "tma_ws"), default=False),
+    Backend("cuda_ptx_sm80", "l2ir.backends.cuda_ptx.sm80", Schedule("mma_sync", "multistage"), default=False),
 )}
 
 
@@ -59,7 +82,8 @@ def backend_for(kernel: Kernel, name: str | None = None) -> Backend:
             raise NotImplementedError(f"unknown backend '{name}' (backends: {', '.join(BACKENDS)})")
         backend = BACKENDS[name]
         if not backend.accepts(kernel):
-            raise NotImplementedError(f"backend '{name}' does not lower this kernel:\n{kernel.text()}")
+            why = backend.accepts.mismatch(kernel) if isinstance(backend.accepts, Schedule) else "a schedule"
+            raise NotImplementedError(f"backend '{name}' does not lower this kernel: {why}\n{kernel.text()}")
         return backend
     matches = [b for b in BACKENDS.values() if b.default and b.accepts(kernel)]
     if len(matches) != 1:
@@ -69,5 +93,5 @@ def backend_for(kernel: Kernel, name: str | None = None) -> Backend:
     return matches[0]
 
 
-def lower(kernel: Kernel, problem: Problem, backend: str | None = None) -> LaunchPlan:
-    return backend_for(kernel, backend).lower(kernel, problem)
+def lower(kernel: Kernel, problem: Problem, backend: str | None = None, **options) -> LaunchPlan:
+    return backend_for(kernel, backend).lower(kernel, problem, **options)

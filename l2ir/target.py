@@ -76,10 +76,3 @@ TORCH_DTYPE = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 # rounded result is within u relative error.
 UNIT_ROUNDOFF = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8, "f32": 2.0 ** -24}
 
-
-def nvcc_arch(arch: str) -> str:
-    """The nvcc spelling of an IR arch ("sm90a" -> "sm_90a"); a KeyError names the arch and the known ones."""
-    try:
-        return NVCC_ARCH[arch]
-    except KeyError:
-        raise KeyError(f"no nvcc arch for target '{arch}' (known: {', '.join(NVCC_ARCH)})") from None

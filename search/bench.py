@@ -174,7 +174,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     """Run the benchmark on this machine's GPU and write the results. Returns the summary."""
     from l2ir.backends.compile import CompileOptions, compile_many
     from l2ir.backends.registry import lower
-    from l2ir.backends.source import problem_text
+    from l2ir.text import print_problem
 
     from .evaluator import EvalConfig, Evaluator, kernel_hash
     from .timing import TimingConfig
@@ -260,7 +260,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                 _log(f"budget of {cfg.budget_s:.0f} s reached; stopping before {shape}")
                 break
             problem = base.with_shape(*shape)
-            ptext = problem_text(problem)
+            ptext = print_problem(problem)
             sr = ShapeResult(shape, candidates=len(per_shape[shape]))
             passing = []
             for name, k in per_shape[shape]:

@@ -26,7 +26,7 @@ import numpy as np
 
 from l2ir.backends.compile import CompileResult, cutlass_version
 from l2ir.runtime import LaunchPlan
-from l2ir.backends.source import problem_text
+from l2ir.text import print_problem
 from l2ir.nodes import Kernel, Problem
 
 from .gates import (GuardedBuffer, Verdict, admits, check_accuracy, poison, probe_f16_error, probe_inputs,
@@ -558,7 +558,7 @@ class Evaluator:
                  time_kernel: bool = True) -> list[Measurement]:
         """Gates, then (if all pass and time_kernel) timing per scenario. Never raises for a bad candidate."""
         scenarios = self.config.scenarios if (self.config.scenarios and time_kernel) else ("gates",)
-        base = dict(kernel_hash=kernel_hash(kernel), problem=problem_text(problem),
+        base = dict(kernel_hash=kernel_hash(kernel), problem=print_problem(problem),
                     artifact_key=artifact.key, compile_seconds=artifact.compile_seconds)
         if not artifact.ok:
             err = f"compile {artifact.reason}: {artifact.summary()} (reproduce: {artifact.repro})"

@@ -5,7 +5,8 @@ from hypothesis import given
 
 from l2ir.backends.registry import backend_for, lower
 from l2ir.nodes import Problem
-from l2ir.verify import SMEM_LIMIT, smem_bytes
+from l2ir.target import SMEM_LIMIT
+from l2ir.verify import smem_bytes
 from strategies import kernels
 
 PROBLEM = Problem(1, 1, 1)
@@ -24,8 +25,10 @@ def test_lowering_stays_within_the_verified_budget(kernel):
 
 
 def test_every_kernel_kind_has_one_default_backend():
-    from l2ir.search.bench import SM80_SWEEP, SM90_SWEEP
+    from l2ir.search.sweeps import load_sweep
 
-    assert {backend_for(k).name for k in SM80_SWEEP.values()} == {"cute_sm80"}
-    assert {backend_for(k).name for k in SM90_SWEEP.values()} == {"cutlass_sm90"}
-    assert backend_for(next(iter(SM90_SWEEP.values())), "cuda_ptx").name == "cuda_ptx"
+    sm80, sm90 = load_sweep("sm80").values(), load_sweep("sm90a").values()
+    assert {backend_for(k).name for k in sm80} == {"cute_sm80"}
+    assert {backend_for(k).name for k in sm90} == {"cutlass_sm90"}
+    assert {backend_for(k, "cuda_ptx").module for k in sm90} == {"l2ir.backends.cuda_ptx.sm90a"}
+    assert {backend_for(k, "cuda_ptx_sm80").module for k in sm80} == {"l2ir.backends.cuda_ptx.sm80"}

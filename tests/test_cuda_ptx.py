@@ -23,8 +23,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from golden_sources import GoldenSources  # noqa: E402
-from l2ir.backends.cuda_ptx import UnsupportedLowering, lower  # noqa: E402
+from l2ir.backends import registry  # noqa: E402
 from l2ir.backends.cuda_ptx import sm90a  # noqa: E402
+from l2ir.backends.cuda_ptx.common import UnsupportedLowering  # noqa: E402
 from l2ir.runtime import STATUS_BAD_ARGUMENT, STATUS_MISALIGNED  # noqa: E402
 from l2ir.errors import L2IRError  # noqa: E402
 from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target,  # noqa: E402
@@ -32,6 +33,11 @@ from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, S
 from l2ir.verify import resolved_stages  # noqa: E402
 
 PROBLEM = Problem(m=4096, n=4096, k=4096)
+
+
+def lower(kernel, problem, **options):
+    """The sm90a rule through the registry, the one dispatch (it attaches the IR and the problem class)."""
+    return registry.lower(kernel, problem, "cuda_ptx", **options)
 
 
 def coop(block=(128, 256, 64), **changes) -> Kernel:
@@ -187,20 +193,22 @@ def test_refusals_name_the_field(field, kernel, problem):
 
 
 def test_dispatch_by_schedule():
-    """mma.sync + cp.async kernels go to the sm80 rule on every target, wgmma to the sm90a rule; a Source kernel is
-    refused naming the field."""
-    from l2ir.backends.cuda_ptx import rule_for
+    """The registry is the only dispatch: mma.sync + cp.async kernels go to the sm80 rule's entry on every target,
+    wgmma to the sm90a rule's; the sm90a entry refuses the others, and the rule itself refuses a Source kernel
+    naming the field."""
     from l2ir.indexing import Const
     from l2ir.nodes import Source
 
     k = Kernel(target=Target("sm80"), tile=Tile((128, 128, 32), (2, 2)), mma=Mma("mma_sync", (16, 8, 16)),
                pipeline=Pipeline("multistage", 3), pad=Pad(), epilogue=Epilogue("smem", 8))
-    assert rule_for(k) == "sm80"
-    assert rule_for(k.replace(target=Target("sm90a"))) == "sm80"
-    assert rule_for(coop()) == "sm90a"
+    for kernel in (k, k.replace(target=Target("sm90a"))):
+        assert registry.backend_for(kernel, "cuda_ptx_sm80").module == "l2ir.backends.cuda_ptx.sm80"
+        with pytest.raises(NotImplementedError, match="backend 'cuda_ptx' does not lower this kernel"):
+            lower(kernel, PROBLEM)
+    assert registry.backend_for(coop(), "cuda_ptx").module == "l2ir.backends.cuda_ptx.sm90a"
     src = Kernel(target=Target("sm90a"), source=Source("k", (Const(1),) * 3, (32, 1, 1), 0, "__global__ void k(){}"))
     with pytest.raises(UnsupportedLowering) as info:
-        lower(src, PROBLEM)
+        sm90a.lower(src, PROBLEM)
     assert info.value.field == "source"
 
 

@@ -22,10 +22,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from golden_sources import GoldenSources  # noqa: E402
-from l2ir.backends.cuda_ptx import UnsupportedLowering, lower, rule_for  # noqa: E402
+from l2ir.backends import registry  # noqa: E402
 from l2ir.backends.cuda_ptx import sm80  # noqa: E402
-from l2ir.backends.registry import backend_for  # noqa: E402
-from l2ir.backends.registry import lower as registry_lower  # noqa: E402
+from l2ir.backends.cuda_ptx.common import UnsupportedLowering  # noqa: E402
+from l2ir.target import NVCC_ARCH  # noqa: E402
 from l2ir.errors import L2IRError, VerifyError  # noqa: E402
 from l2ir.indexing import smem_swizzle  # noqa: E402
 from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target,  # noqa: E402
@@ -33,6 +33,11 @@ from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, S
 from l2ir.verify import smem_bytes  # noqa: E402
 
 PROBLEM = Problem(m=4096, n=4096, k=4096)
+
+
+def lower(kernel, problem):
+    """The sm80 rule through the registry, the one dispatch (it attaches the IR and the problem class)."""
+    return registry.lower(kernel, problem, "cuda_ptx_sm80")
 
 
 def ms(block=(128, 128, 32), warps=(2, 2), stages=4, arch="sm80", **changes) -> Kernel:
@@ -110,25 +115,27 @@ def test_splitk_plan():
 def test_dispatch_on_mma_op_and_pipeline():
     """Rules are chosen by what the kernel computes with: mma.sync multistage on sm90/sm90a is the sm80 rule's."""
     for arch in ("sm80", "sm86", "sm89", "sm90", "sm90a"):
-        assert rule_for(ms(arch=arch)) == "sm80"
-        assert lower(ms(arch=arch), PROBLEM).arch == sm80.ARCHS[arch]
+        assert registry.backend_for(ms(arch=arch), "cuda_ptx_sm80").module == "l2ir.backends.cuda_ptx.sm80"
+        assert lower(ms(arch=arch), PROBLEM).arch == NVCC_ARCH[arch]
     wgmma = Kernel(target=Target("sm90a"), tile=Tile((128, 128, 64), (8, 1)), mma=Mma("wgmma", (64, 128, 16)),
                    pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=True),
                    pad=Pad("zero_fill", "zero_fill", "zero_fill", 8), epilogue=Epilogue("smem", 8))
-    assert rule_for(wgmma) == "sm90a"
+    assert registry.backend_for(wgmma, "cuda_ptx").module == "l2ir.backends.cuda_ptx.sm90a"
+    with pytest.raises(NotImplementedError, match="backend 'cuda_ptx_sm80' does not lower this kernel"):
+        lower(wgmma, PROBLEM)
 
 
 def test_registry_entry():
-    assert backend_for(ms(), "cuda_ptx_sm80").name == "cuda_ptx_sm80"
-    assert backend_for(ms()).name == "cute_sm80"                # not a default backend
-    assert registry_lower(ms(), PROBLEM, "cuda_ptx_sm80").source == lower(ms(), PROBLEM).source
+    assert registry.backend_for(ms()).name == "cute_sm80"       # not a default backend
+    assert lower(ms(), PROBLEM).source == sm80.lower(ms(), PROBLEM).source
 
 
 def test_sweep_lowers():
-    from l2ir.search.bench import PTX_SM80_SWEEP, SWEEPS
-    assert SWEEPS["cuda_ptx_sm80"] is PTX_SM80_SWEEP and len(PTX_SM80_SWEEP) >= 2
-    for kernel in PTX_SM80_SWEEP.values():
-        plan = registry_lower(kernel, Problem(1, 1, 1), "cuda_ptx_sm80")
+    from l2ir.search.sweeps import load_sweep
+    sweep = load_sweep("cuda_ptx_sm80")
+    assert len(sweep) >= 2
+    for kernel in sweep.values():
+        plan = lower(kernel, Problem(1, 1, 1))
         assert plan.launches[0].smem <= smem_bytes(kernel)
 
 

@@ -25,7 +25,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from golden_sources import GoldenSources  # noqa: E402
-from l2ir.backends.cute_sm80 import LoweringError, derive, lower  # noqa: E402
+from l2ir.backends import registry  # noqa: E402
+from l2ir.backends.cute_sm80 import derive  # noqa: E402
+from l2ir.errors import LoweringError  # noqa: E402
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile  # noqa: E402
 
 
@@ -42,6 +44,11 @@ def kern(block=(128, 128, 32), warps=(2, 2), stages=3, *, prefetch=True, swizzle
         splitk=SplitK("split_k", splitk[0], splitk[1]) if splitk else None,
         epilogue=Epilogue(*epilogue),
     )
+
+
+def lower(kernel, problem):
+    """The backend through the registry, the one dispatch (it attaches the IR and wraps backend bugs)."""
+    return registry.lower(kernel, problem, "cute_sm80")
 
 
 def prob(a="row", b="col", dtype="f16", acc="f32", c=None) -> Problem:
@@ -247,7 +254,7 @@ def test_internal_failure_is_a_lowering_error(monkeypatch):
 
     monkeypatch.setattr(backend, "emit_source", boom)
     with pytest.raises(LoweringError, match="tile block=128x128x32"):
-        backend.lower(SEED_128, prob())
+        lower(SEED_128, prob())
 
 
 # ---------------------------------------------------------------------------------------------------------------

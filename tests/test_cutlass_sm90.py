@@ -24,12 +24,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from golden_sources import GoldenSources  # noqa: E402
 from l2ir.backends import cutlass_sm90 as sm90  # noqa: E402
 from l2ir.runtime import STATUS_BAD_ARGUMENT, STATUS_NOT_DIVISIBLE, STATUS_WORKSPACE_TOO_SMALL, status_name  # noqa: E402
-from l2ir.backends.cutlass_sm90 import UnsupportedLowering, lower  # noqa: E402
+from l2ir.backends import registry  # noqa: E402
+from l2ir.backends.cutlass_sm90 import UnsupportedLowering  # noqa: E402
 from l2ir.errors import L2IRError, MmaError, ResourceError, TileError  # noqa: E402
 from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target,  # noqa: E402
                         Tile)
 
 PROBLEM = Problem(m=4096, n=4096, k=4096)
+
+
+def lower(kernel, problem):
+    """The backend through the registry, the one dispatch (it attaches the IR and the problem class)."""
+    return registry.lower(kernel, problem, "cutlass_sm90")
 
 
 def coop(**changes) -> Kernel:
@@ -217,7 +223,7 @@ UNSUPPORTED = [
 @pytest.mark.parametrize("field,kernel,problem", UNSUPPORTED, ids=[c[0] for c in UNSUPPORTED])
 def test_unsupported_names_field(field, kernel, problem):
     with pytest.raises(UnsupportedLowering) as info:
-        lower(kernel, problem)
+        sm90.lower(kernel, problem)       # the backend's own check (the registry refuses mma.op / mode earlier)
     assert info.value.field == field
     assert field in str(info.value)
     assert isinstance(info.value, NotImplementedError) and isinstance(info.value, L2IRError)

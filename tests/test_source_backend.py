@@ -3,7 +3,9 @@
 import pytest
 
 from l2ir.runtime import LaunchPlan
-from l2ir.backends.source import NVCC_ARCH, lower_source, problem_text
+from l2ir.backends.registry import lower
+from l2ir.backends.source import lower_source
+from l2ir.target import NVCC_ARCH
 from l2ir.errors import SourceError
 from l2ir.indexing import Const, Var, cdiv
 from l2ir.nodes import Kernel, Problem, Source, Target
@@ -42,15 +44,13 @@ def test_lowering_is_deterministic():
     assert lower_source(source_kernel(), PROBLEM) == lower_source(source_kernel(), PROBLEM)
 
 
-def test_ir_and_problem_text_travel_with_the_plan():
-    plan = lower_source(source_kernel(), PROBLEM)
-    assert plan.problem_text == "gemm m=300 n=200 k=64 a=f16:row b=f16:col c=f16:row acc=f32"
-    assert "naive" in plan.ir_text and "source" in plan.ir_text
-
-
-def test_problem_text_renders_every_field():
+def test_registry_attaches_ir_and_problem_class():
+    plan = lower(source_kernel(), PROBLEM)
+    assert plan.source == lower_source(source_kernel(), PROBLEM).source
+    assert plan.problem_text == "a=f16:row b=f16:col c=f16:row acc=f32"
+    assert plan.ir_text == source_kernel().text() and "naive" in plan.ir_text
     p = Problem(m=1, n=2, k=3, a=("bf16", "col"), b=("bf16", "row"), c=("f32", "row"), acc="f16")
-    assert problem_text(p) == "gemm m=1 n=2 k=3 a=bf16:col b=bf16:row c=f32:row acc=f16"
+    assert lower(source_kernel(), p).problem_text == "a=bf16:col b=bf16:row c=f32:row acc=f16"
 
 
 def test_cute_includes_request_cutlass_headers():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from l2ir.errors import UnsupportedLowering as _UnsupportedLowering
+from l2ir.nodes import DTYPES_IN
 
 
 class UnsupportedLowering(_UnsupportedLowering):
@@ -11,9 +12,6 @@ class UnsupportedLowering(_UnsupportedLowering):
     def __init__(self, field: str, message: str):
         super().__init__("cuda_ptx", field, message)
 
-
-# C++ element types of the 16-bit dtypes both rules read and write.
-CTYPE = {"f16": "__half", "bf16": "__nv_bfloat16"}
 
 
 def check_problem_class(problem, why_a_row: str = "") -> None:
@@ -24,9 +22,9 @@ def check_problem_class(problem, why_a_row: str = "") -> None:
         raise UnsupportedLowering("problem.a", f"{a_dt}:{a_lay}: only K-major A (row) is generated{why_a_row}")
     if b_lay != "col":
         raise UnsupportedLowering("problem.b", f"{b_dt}:{b_lay}: only K-major B (col, the NxK form) is generated")
-    if a_dt not in CTYPE or b_dt != a_dt:
+    if a_dt not in DTYPES_IN or b_dt != a_dt:
         raise UnsupportedLowering("problem.b", f"a={a_dt}, b={b_dt}: one 16-bit input type (f16 or bf16)")
-    if c_dt not in CTYPE:
+    if c_dt not in DTYPES_IN:
         raise UnsupportedLowering("problem.c", f"{c_dt}: the epilogue writes f16 or bf16")
     if problem.acc != "f32":
         raise UnsupportedLowering("problem.acc", f"{problem.acc}: accumulators are f32")

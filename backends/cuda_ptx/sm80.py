@@ -45,12 +45,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from l2ir.indexing import Const, Var, cdiv, rasterize, smem_swizzle, splitk_range
-from l2ir.nodes import DTYPE_BYTES, Kernel, Problem, Swizzle
+from l2ir.nodes import Kernel, Problem, Swizzle
+from l2ir.target import CUDA_TYPE, DTYPE_BYTES, NVCC_ARCH, SMEM_LIMIT
 from l2ir.text import print_problem_class
-from l2ir.verify import SMEM_LIMIT, verify, verify_problem
+from l2ir.verify import verify, verify_problem
 
 from l2ir.runtime import Launch, LaunchPlan
-from .common import CTYPE, UnsupportedLowering, check_problem_class
+from .common import UnsupportedLowering, check_problem_class
 
 GEMM_ENTRY = "l2ir_cuda_ptx_sm80_gemm"
 REDUCE_ENTRY = "l2ir_cuda_ptx_sm80_splitk_reduce"
@@ -60,8 +61,6 @@ REDUCE_THREADS = 256
 # The smem epilogue pads each staged C row by 8 elements (what l2ir.verify.epilogue_smem_bytes budgets): rows then
 # start 16 (f16) or 32 (f32) bytes apart modulo 128, so the 8 rows of one fragment store hit different banks.
 C_ROW_PAD = 8
-ARCHS = {"sm80": "sm_80", "sm86": "sm_86", "sm89": "sm_89", "sm90": "sm_90", "sm90a": "sm_90a"}
-PTX_TYPE = {"f16": "f16", "bf16": "bf16"}
 M_, N_ = Var("m"), Var("n")
 
 
@@ -145,7 +144,7 @@ def canonicalize(kernel: Kernel, problem: Problem) -> Sm80Config:
     verify_problem(problem)
     tile, mma, pipe, pad, epi = kernel.tile, kernel.mma, kernel.pipeline, kernel.pad, kernel.epilogue
     swz = kernel.swizzle or Swizzle()
-    if kernel.target.arch not in ARCHS:
+    if kernel.target.arch not in NVCC_ARCH:
         raise UnsupportedLowering("target.arch", f"'{kernel.target.arch}': no nvcc arch for it")
     if mma.op != "mma_sync":
         raise UnsupportedLowering("mma.op", f"'{mma.op}': the sm80 rule issues mma.sync")
@@ -490,8 +489,8 @@ def _epilogue(cfg: Sm80Config) -> list[str]:
 
 def render(cfg: Sm80Config, kernel_text: str = "") -> str:
     """The .cu text for one configuration. Deterministic: the same config gives the same bytes."""
-    it, ot = CTYPE[cfg.in_dtype], CTYPE[cfg.out_dtype]
-    ptx_t = PTX_TYPE[cfg.in_dtype]
+    it, ot = CUDA_TYPE[cfg.in_dtype], CUDA_TYPE[cfg.out_dtype]
+    ptx_t = cfg.in_dtype      # PTX names the 16-bit types as the IR does: f16, bf16
     tile_m, tile_n = rasterize(cfg.raster, cfg.group)
     if cfg.swizzle is None:
         swz_expr, swz_note = "offset", "swizzle.smem=none: plain K-major rows (ldmatrix rows may share banks)"
@@ -723,17 +722,14 @@ def launches(cfg: Sm80Config) -> tuple[Launch, ...]:
 def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
     """IR -> LaunchPlan(form="kernels")."""
     cfg = canonicalize(kernel, problem)
-    text = kernel.text()
     return LaunchPlan(
-        source=render(cfg, text),
-        arch=ARCHS[cfg.arch],
+        source=render(cfg, kernel.text()),
+        arch=NVCC_ARCH[cfg.arch],
         form="kernels",
         launches=launches(cfg),
         workspace_bytes=(Const(cfg.slices) * M_ * N_ * 4) if cfg.split else Const(0),
         zero_workspace=False,
         needs_cutlass=False,
-        ir_text=text,
-        problem_text=print_problem_class(problem),
     )
 
 

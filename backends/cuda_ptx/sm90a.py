@@ -53,25 +53,22 @@ from dataclasses import dataclass
 
 from l2ir.errors import ResourceError
 from l2ir.indexing import Const, rasterize
-from l2ir.nodes import DTYPE_BYTES, Kernel, Problem, Swizzle
+from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.text import print_problem_class
-from l2ir.seed import H200_SMS
-from l2ir.verify import SMEM_LIMIT, resolved_stages, verify, verify_problem
+from l2ir.target import CUDA_TYPE, DTYPE_BYTES, H200_SMS, SMEM_LIMIT, TMA_BOX_MAX, TMA_DTYPE
+from l2ir.verify import resolved_stages, verify, verify_problem
 
 from l2ir.runtime import LaunchPlan, status_constants_cpp
-from .common import CTYPE, UnsupportedLowering, check_problem_class
+from .common import UnsupportedLowering, check_problem_class
 
 ENTRY = "l2ir_cuda_ptx_sm90a_gemm"
 # setmaxnreg targets. The register file holds 64K 32-bit registers per SM; with one 384-thread block per SM the
 # producer's 128 threads x 40 plus the consumers' 256 x 232 is 64,512: the consumers get what the producer gives up.
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
-# TMA boxes are at most 256 elements along every dimension.
-TMA_BOX_MAX = 256
 # wgmma swizzle modes in the descriptor's bits 62-63, by swizzle bits B of <B,3,3>.
 DESC_SWIZZLE_MODE = {3: 1, 2: 2, 1: 3}      # 128B, 64B, 32B
 TMA_SWIZZLE = {3: "CU_TENSOR_MAP_SWIZZLE_128B", 2: "CU_TENSOR_MAP_SWIZZLE_64B", 1: "CU_TENSOR_MAP_SWIZZLE_32B"}
-TMA_DTYPE = {"f16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}
 
 
 @dataclass(frozen=True)
@@ -407,7 +404,7 @@ def _c_swz_mask(bn: int) -> int:
 def render(cfg: PtxConfig) -> str:
     """The .cu text for one configuration. Deterministic: the same PtxConfig gives the same bytes."""
     lay = cfg.layout
-    in_t, out_t = CTYPE[cfg.in_dtype], CTYPE[cfg.out_dtype]
+    in_t, out_t = CUDA_TYPE[cfg.in_dtype], CUDA_TYPE[cfg.out_dtype]
     nr = cfg.bn // 2
     dm, dn, dk = cfg.divisible
     sbo = 8 * cfg.row_bytes
@@ -499,7 +496,7 @@ def render(cfg: PtxConfig) -> str:
         "constexpr uint64_t DESC_TEMPLATE = (DESC_LBO << 16) | (DESC_SBO << 32) | (DESC_SWIZZLE << 62);",
         "",
         "static_assert(BK % ATOM_K == 0 && BM % 128 == 0 && BN % 8 == 0 && BN <= 256, \"tile.block\");",
-        "static_assert(SMEM_BYTES <= 232448, \"shared memory exceeds the 227 KB sm90 opt-in\");",
+        f"static_assert(SMEM_BYTES <= {SMEM_LIMIT['sm90a']}, \"shared memory exceeds the 227 KB sm90 opt-in\");",
         "",
         "// ---- PTX wrappers ----",
         "__device__ __forceinline__ uint32_t smem_addr(const void* p) {",
@@ -786,8 +783,6 @@ def lower(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> LaunchPl
         workspace_bytes=Const(0),
         zero_workspace=False,
         needs_cutlass=False,
-        ir_text=kernel.text(),
-        problem_text=print_problem_class(problem),
     )
 
 

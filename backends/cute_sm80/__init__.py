@@ -4,23 +4,22 @@
 
 A pure, deterministic function: the same IR and problem class give byte-identical source. `problem` supplies only
 dtypes, layouts and the accumulator; M, N, K are run-time arguments, so one compiled kernel serves every shape its
-Pad policy admits. Unsupported combinations raise NotImplementedError naming the field; any other failure raises
-LoweringError carrying the kernel's IR text.
+Pad policy admits. Unsupported combinations raise NotImplementedError naming the field; the registry
+(`l2ir.backends.registry`) attaches the IR and reports any other failure as a LoweringError carrying it.
 """
 
 from __future__ import annotations
 
-from l2ir.errors import L2IRError
 from l2ir.indexing import Const, Var, cdiv
 from l2ir.nodes import Kernel, Problem
 from l2ir.text import print_problem_class
 
 from l2ir.runtime import Launch, LaunchPlan
 
-from .config import REDUCE_THREADS, LoweringError, Plan, derive, ir_text
+from .config import REDUCE_THREADS, Plan, derive
 from .emit import CONVERT_ENTRY, GEMM_ENTRY, REDUCE_ENTRY, emit_source
 
-__all__ = ["lower", "derive", "LoweringError", "Plan"]
+__all__ = ["lower", "derive", "Plan"]
 
 M, N, K = Var("m"), Var("n"), Var("k")
 
@@ -46,21 +45,13 @@ def _workspace(p: Plan):
 
 
 def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
-    try:
-        p = derive(kernel, problem)
-        source = emit_source(kernel, p, print_problem_class(problem))
-        return LaunchPlan(
-            source=source,
-            arch=p.arch,
-            form="kernels",
-            launches=_launches(p),
-            workspace_bytes=_workspace(p),
-            zero_workspace=p.splitk == "atomic",
-            needs_cutlass=True,
-            ir_text=ir_text(kernel),
-            problem_text=print_problem_class(problem),
-        )
-    except (NotImplementedError, L2IRError):
-        raise
-    except Exception as e:  # a bug in the lowering: say which kernel triggered it
-        raise LoweringError(f"cute_sm80 lowering failed: {type(e).__name__}: {e}\nkernel:\n{ir_text(kernel)}") from e
+    p = derive(kernel, problem)
+    return LaunchPlan(
+        source=emit_source(kernel, p, print_problem_class(problem)),
+        arch=p.arch,
+        form="kernels",
+        launches=_launches(p),
+        workspace_bytes=_workspace(p),
+        zero_workspace=p.splitk == "atomic",
+        needs_cutlass=True,
+    )

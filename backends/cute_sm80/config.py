@@ -9,15 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from l2ir.errors import L2IRError, LoweringError  # noqa: F401  (LoweringError is re-exported)
 from l2ir.nodes import Kernel, Problem
+from l2ir.target import CUTE_TYPE, DTYPE_BYTES, NVCC_ARCH
 
 # The mma.sync instruction this backend emits: m16n8k16, one warp, operands from ldmatrix fragments.
 MMA_SHAPE = (16, 8, 16)
-
-# C++ element types of the problem's dtypes.
-CPP_TYPE = {"f16": "cute::half_t", "bf16": "cute::bfloat16_t", "f32": "float"}
-CPP_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 
 # SM80 mma.sync atoms by (input dtype, accumulator). bf16 inputs accumulate in fp32 only: the hardware has no
 # bf16 x bf16 -> f16 form.
@@ -27,23 +23,12 @@ MMA_ATOM = {
     ("bf16", "f32"): "SM80_16x8x16_F32BF16BF16F32_TN",
 }
 
-ARCH = {"sm80": "sm_80", "sm86": "sm_86", "sm89": "sm_89", "sm90": "sm_90", "sm90a": "sm_90a"}
-
 # Largest power of two that a smem layout atom's contiguous extent may take: 64 16-bit elements = 128 bytes, the
 # widest row a bank-conflict-free swizzle of 16-byte chunks needs (8 chunks, <3,3,3>).
 MAX_ATOM_WIDTH = 64
 
 # The split-K reduction kernel's block: 256 threads, each reducing one vector of `store_vector` outputs.
 REDUCE_THREADS = 256
-
-
-
-
-def ir_text(kernel: Kernel) -> str:
-    try:
-        return kernel.text()
-    except Exception:  # the printer is optional here: fall back to the dataclass repr
-        return repr(kernel)
 
 
 def _unsupported(field: str, value, why: str) -> NotImplementedError:
@@ -176,7 +161,7 @@ class Plan:
         return max(self.ring_bytes, self.epilogue_bytes)
 
 
-CPP_BYTES_BY_TYPE = {CPP_TYPE[k]: v for k, v in CPP_BYTES.items()}
+CPP_BYTES_BY_TYPE = {CUTE_TYPE[k]: v for k, v in DTYPE_BYTES.items()}
 
 
 def _pow2_divisor(x: int, cap: int) -> int:
@@ -252,7 +237,7 @@ def derive(kernel: Kernel, problem: Problem) -> Plan:
     if kernel.is_source:
         raise _unsupported("source", "...", "free-form Source kernels are compiled as written, not lowered")
     tgt, tile, mma, pipe, pad, epi = kernel.target, kernel.tile, kernel.mma, kernel.pipeline, kernel.pad, kernel.epilogue
-    if tgt.arch not in ARCH:
+    if tgt.arch not in NVCC_ARCH:
         raise _unsupported("target.arch", tgt.arch, "unknown architecture")
     if mma.op != "mma_sync":
         raise _unsupported("mma.op", mma.op, "this backend emits mma.sync (wgmma is the cutlass_sm90 backend)")
@@ -300,9 +285,9 @@ def derive(kernel: Kernel, problem: Problem) -> Plan:
     raster = kernel.swizzle.raster if kernel.swizzle is not None else "along_n"
     group = kernel.swizzle.group if kernel.swizzle is not None else 1
 
-    ebytes = CPP_BYTES[da]
-    a = _operand("A", CPP_TYPE[da], la == "row", bm, bk, wm, wn, threads, pad.align, swz)
-    b = _operand("B", CPP_TYPE[db], lb == "col", bn, bk, wn, wm, threads, pad.align, swz)
+    ebytes = DTYPE_BYTES[da]
+    a = _operand("A", CUTE_TYPE[da], la == "row", bm, bk, wm, wn, threads, pad.align, swz)
+    b = _operand("B", CUTE_TYPE[db], lb == "col", bn, bk, wn, wm, threads, pad.align, swz)
     copy_atom, copy_atom_zfill, copy_async = _copy_atoms(pad.align, ebytes)
 
     # Register fragments: with prefetch the next k-block's ldmatrix overlaps this k-block's MMAs, so two k-blocks
@@ -328,7 +313,7 @@ def derive(kernel: Kernel, problem: Problem) -> Plan:
         splitk, slices = kernel.splitk.reduce, kernel.splitk.slices
 
     return Plan(
-        ta=CPP_TYPE[da], tb=CPP_TYPE[db], tc=CPP_TYPE[dc], tacc="float" if problem.acc == "f32" else "cute::half_t",
+        ta=CUTE_TYPE[da], tb=CUTE_TYPE[db], tc=CUTE_TYPE[dc], tacc=CUTE_TYPE[problem.acc],
         mma_atom=MMA_ATOM[(da, problem.acc)],
         bm=bm, bn=bn, bk=bk, warps_m=wm, warps_n=wn,
         stages=stages, prefetch=pipe.prefetch, reg_depth=reg_depth, loop=loop,
@@ -336,5 +321,5 @@ def derive(kernel: Kernel, problem: Problem) -> Plan:
         pad_m=pad.m, pad_n=pad.n, pad_k=pad.k, align=pad.align,
         copy_atom=copy_atom, copy_atom_zfill=copy_atom_zfill, copy_async=copy_async, a=a, b=b,
         epilogue=epi.path, epilogue_vector=epi.vector, store_vector=store_vector, reduce_vector=reduce_vector,
-        splitk=splitk, slices=slices, arch=ARCH[tgt.arch],
+        splitk=splitk, slices=slices, arch=NVCC_ARCH[tgt.arch],
     )
