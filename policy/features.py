@@ -1,0 +1,77 @@
+"""Numeric features of a problem and of a kernel on it, for learned policies and cost models.
+
+Problem: log sizes, FLOPs, aspect ratios, divisibility by the common tiles, and how many 128x128 tiles it makes
+per SM. Kernel: tile, stages, schedule, split-K, cluster, epilogue, padding, backend, and what the tile does to
+this problem (waves, last-wave fill, wasted edge area, K tiles). All are scaled to roughly [-1, 1].
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from l2ir.indexing import ceil_div
+from l2ir.nodes import Kernel, Problem
+from l2ir.verify import resolved_stages
+
+BACKEND_NAMES = ("cutlass_sm90", "cuda_ptx", "cute_sm80", "cuda_ptx_sm80")
+
+
+def _l2(x: float) -> float:
+    return math.log2(max(x, 1e-9))
+
+
+def problem_features(p: Problem, num_sms: int) -> list[float]:
+    m, n, k = p.shape
+    tiles = ceil_div(m, 128) * ceil_div(n, 128)
+    return [
+        _l2(m) / 14, _l2(n) / 14, _l2(k) / 14, (_l2(p.flops) - 30) / 15,
+        _l2(m / n) / 8, _l2(k / math.sqrt(m * n)) / 8,
+        float(m % 128 == 0), float(n % 128 == 0), float(k % 64 == 0),
+        float(m % 8 == 0 and n % 8 == 0 and k % 8 == 0),
+        _l2(tiles / num_sms) / 8,
+    ]
+
+
+def kernel_features(kern: Kernel, p: Problem, num_sms: int, backend: str | None = None) -> list[float]:
+    if kern.is_source:
+        return [0.0] * KERNEL_DIM
+    bm, bn, bk = kern.tile.block
+    pipe, sk, epi, pad = kern.pipeline, kern.splitk, kern.epilogue, kern.pad
+    sw = kern.swizzle
+    tiles = ceil_div(p.m, bm) * ceil_div(p.n, bn)
+    slices = 1 if sk is None else (sk.slices if sk.mode == "split_k" else max(1, num_sms // max(tiles, 1)))
+    units = tiles * slices
+    waves = ceil_div(units, num_sms)
+    return [
+        _l2(bm) / 8, _l2(bn) / 8, _l2(bk) / 8, min(resolved_stages(kern), 16) / 8,
+        float(pipe.mode == "tma_ws"), float(pipe.schedule == "cooperative"), float(pipe.schedule == "pingpong"),
+        float(pipe.persistent), float(pipe.prefetch),
+        float(sk is None), float(sk is not None and sk.mode == "split_k"), float(sk is not None and sk.mode == "stream_k"),
+        _l2(slices) / 4,
+        _l2(kern.tile.cluster[0]), _l2(kern.tile.cluster[1]),
+        float(epi.path == "direct"), float(epi.path == "smem"), float(epi.path == "tma"), epi.vector / 8,
+        sum(getattr(pad, d) == "divisible" for d in "mnk") / 3, sum(getattr(pad, d) == "predicate" for d in "mnk") / 3,
+        pad.align / 8,
+        float(sw is not None and sw.raster == "along_m"), _l2(sw.group if sw else 1) / 4,
+        float(sw is not None and sw.smem is not None),
+        *[float(backend == b) for b in BACKEND_NAMES],
+        _l2(units / num_sms) / 8, units / (waves * num_sms), p.m * p.n / (tiles * bm * bn),
+        _l2(ceil_div(p.k, bk * slices)) / 10,
+    ]
+
+
+KERNEL_DIM = 33
+PROBLEM_DIM = 11
+
+
+def state_features(p: Problem, kern: Kernel, num_sms: int, backend: str | None,
+                   parent_reward: float | None) -> np.ndarray:
+    """The policy's input: problem, kernel, and the parent's measured log speedup (0 with a flag when unknown)."""
+    extra = [0.0, 0.0] if parent_reward is None else [1.0, max(-2.0, min(2.0, parent_reward))]
+    v = problem_features(p, num_sms) + kernel_features(kern, p, num_sms, backend) + extra
+    return np.asarray(v, dtype=np.float32)
+
+
+STATE_DIM = PROBLEM_DIM + KERNEL_DIM + 2

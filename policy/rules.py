@@ -1,0 +1,254 @@
+"""Expert rules: the heuristics a GEMM library ships, as a ranked list of proposals with the reason for each.
+
+The numbers that decide are the ones a library looks at: output tiles against the SM count (132 on an H100/H200),
+how full the last wave is, K tiles per output tile, and the problem's FLOPs.
+
+- tiles by waves: among the Hopper tiles, the one with the best (wave fill x arithmetic intensity); a last wave that
+  runs a few blocks while most SMs idle wastes up to a whole wave;
+- split-K / stream-K when the tiles cannot fill the SMs and K is long enough to share (small M*N, large K);
+- ping-pong when the epilogue is a large share of a tile's time (few K tiles): one warpgroup's epilogue runs under
+  the other's main loop; cooperative for long K, where the 2-warpgroup 128xN tile halves the B traffic per FLOP;
+- 2x1 clusters for large shapes: TMA multicast shares each B tile between the two blocks of a cluster;
+- small tiles for small outputs, so there are enough blocks to occupy the GPU;
+- the sm80 rule (cp.async + mma.sync) with few stages for tiny, latency-bound problems: no TMA descriptor
+  prefetch, no producer warpgroup, no cluster launch; a short K loop needs no deep ring;
+- rasterize along the longer dimension in groups of 8 tiles (L2 reuse of A/B tiles) once there are many tiles;
+- pad=divisible in each dimension the problem divides (no bounds checks, no OOB fill).
+
+Each rule makes a whole candidate kernel; the proposal is its difference from the parent as edits. Candidates the
+verifier, the problem or the backend reject, and duplicates, are dropped; the rest keep the rules' priority for this
+problem (the rule that addresses its regime first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from l2ir.indexing import ceil_div
+from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
+from l2ir.seed import alignment
+
+from .actions import diff_edits, normal_backend
+from .base import Context, Dedupe, Proposal, StatelessPolicy, try_legalize
+
+# Below this many FLOPs a GEMM is launch- and latency-bound on an H100/H200 (a few microseconds at any tile).
+TINY_FLOPS = 2e8
+# A problem whose output is at most this many elements fits in a handful of 128x128 tiles.
+SMALL_OUTPUT = 512 * 512
+# K tiles (of 64) per output tile below which the epilogue is a large share of a tile's time.
+SHORT_K_TILES = 16
+# Output tiles per SM above which clusters and rasterization pay.
+MANY_WAVES = 2
+
+HOPPER_TILES = ((128, 256, "cooperative"), (256, 128, "cooperative"), (128, 128, "cooperative"),
+                (128, 128, "pingpong"), (64, 256, "pingpong"), (64, 128, "pingpong"), (64, 64, "pingpong"))
+
+
+def tiles_of(problem: Problem, bm: int, bn: int) -> int:
+    return ceil_div(problem.m, bm) * ceil_div(problem.n, bn)
+
+
+def wave_fill(tiles: int, sms: int) -> float:
+    """Fraction of SM-slots doing work over all waves: 1.0 when the tiles are a multiple of the SMs."""
+    return tiles / (ceil_div(tiles, sms) * sms)
+
+
+def intensity(bm: int, bn: int) -> float:
+    """FLOPs per loaded element of a BMxBN tile, relative to 128x256 (the largest a Hopper block holds in
+    registers): 2*BM*BN / (BM+BN)."""
+    return (2 * bm * bn / (bm + bn)) / (2 * 128 * 256 / (128 + 256))
+
+
+def split_slices(problem: Problem, tiles: int, bk: int, sms: int) -> int:
+    """Slices that bring the blocks near one wave, each slice keeping at least 4 K tiles; 1 when the tiles fill the
+    SMs or K is short."""
+    k_tiles = ceil_div(problem.k, bk)
+    if tiles * 2 > sms or k_tiles < 8:
+        return 1
+    slices = max(1, min(16, k_tiles // 4, sms // tiles))
+    while slices > 1 and (slices - 1) * ceil_div(k_tiles, slices) >= k_tiles:
+        slices -= 1
+    return slices
+
+
+def hopper_kernel(problem: Problem, bm: int, bn: int, schedule: str, cluster=(1, 1), splitk: SplitK | None = None,
+                  raster: Swizzle | None = None) -> Kernel:
+    warps = (8, 1) if schedule == "cooperative" else (4, 1)
+    sw = raster or Swizzle()
+    return Kernel(
+        target=Target("sm90a"),
+        tile=Tile(block=(bm, bn, 64), warps=warps, cluster=cluster),
+        mma=Mma("wgmma", (64, bn, 16)),
+        pipeline=Pipeline("tma_ws", "auto", schedule=schedule, persistent=True),
+        swizzle=Swizzle(smem=(3, 3, 3), raster=sw.raster, group=min(sw.group, 8)),
+        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+        splitk=splitk,
+        epilogue=Epilogue("tma", 8),
+    )
+
+
+def sm80_kernel(problem: Problem, block, warps, stages: int, slices: int = 1, raster: Swizzle | None = None,
+                epilogue: str = "smem") -> Kernel:
+    align = alignment(problem)
+    sw = raster or Swizzle()
+    bk = block[2]
+    return Kernel(
+        target=Target("sm80"),
+        tile=Tile(block=block, warps=warps),
+        mma=Mma("mma_sync", (16, 8, 16)),
+        pipeline=Pipeline("multistage", stages, prefetch=True),
+        swizzle=Swizzle(smem=(3, 3, 3) if bk >= 64 else (2, 3, 3), raster=sw.raster, group=sw.group),
+        pad=Pad("predicate", "predicate", "zero_fill", align),
+        splitk=SplitK("split_k", slices) if slices > 1 else None,
+        epilogue=Epilogue(epilogue, min(8, align)),
+    )
+
+
+def raster_for(problem: Problem, bm: int, bn: int, sms: int) -> Swizzle:
+    tm, tn = ceil_div(problem.m, bm), ceil_div(problem.n, bn)
+    if tm * tn < MANY_WAVES * sms // 2:
+        return Swizzle()
+    return Swizzle(raster="along_n" if tn >= tm else "along_m", group=8)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    priority: float          # higher first
+    kernel: Kernel
+    note: str
+    backend: str | None = None
+
+
+def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Candidate]:
+    """Every rule's candidate for this problem, with its priority and reason."""
+    m, n, k = problem.shape
+    flops = problem.flops
+    hopper = arch == "sm90a" and alignment(problem) == 8
+    out: list[Candidate] = []
+    tiny = flops < TINY_FLOPS
+    small = m * n <= SMALL_OUTPUT
+
+    # Tiny, latency-bound: the sm80 rule, small tile, shallow ring.
+    if tiny or (small and k <= 1024):
+        block = (64, 64, 32) if m * n <= 256 * 256 else (64, 128, 32)
+        stages = 2 if k <= 256 else 3
+        slices = split_slices(problem, tiles_of(problem, block[0], block[1]), 32, sms)
+        out.append(Candidate(
+            10.0, sm80_kernel(problem, block, (2, 2), stages, slices),
+            f"tiny: {flops / 1e6:.1f} MFLOP is latency-bound; the sm80 rule (cp.async + mma.sync) has no producer "
+            f"warpgroup or TMA setup, {block[0]}x{block[1]} tiles, {stages} stages for {ceil_div(k, 32)} K tiles"
+            + (f", split-K {slices}" if slices > 1 else "")))
+
+    # Tiles by waves (Hopper).
+    scored = []
+    if hopper:
+        for bm, bn, sched in HOPPER_TILES:
+            t = tiles_of(problem, bm, bn)
+            fill = min(1.0, t / sms) if t < sms else wave_fill(t, sms)
+            # Tiles hanging over the edge of C compute zeros.
+            useful = m * n / (t * bm * bn)
+            k_tiles = ceil_div(k, 64)
+            # Long K favours the cooperative tile (B traffic halved per FLOP); short K ping-pong (epilogue hidden).
+            sched_fit = 1.0 if (sched == "pingpong") == (k_tiles <= SHORT_K_TILES) else 0.8
+            scored.append((fill * useful * intensity(bm, bn) ** 0.5 * sched_fit, bm, bn, sched, t, fill))
+        scored.sort(key=lambda s: -s[0])
+        for rank, (score, bm, bn, sched, t, fill) in enumerate(scored[:3]):
+            out.append(Candidate(
+                8.0 - rank + score, hopper_kernel(problem, bm, bn, sched, raster=raster_for(problem, bm, bn, sms)),
+                f"waves: {bm}x{bn} {sched} gives {t} tiles = {t / sms:.2f} waves of {sms} SMs "
+                f"({fill:.0%} of SM-slots busy), intensity {intensity(bm, bn):.2f} of 128x256"))
+
+    # Split-K / stream-K when the tiles cannot fill the SMs.
+    bm, bn = (128, 128) if hopper else (64, 64)
+    t = tiles_of(problem, bm, bn)
+    slices = split_slices(problem, t, 64 if hopper else 32, sms)
+    if slices > 1:
+        why = (f"split: {t} tiles of {bm}x{bn} fill {t / sms:.0%} of {sms} SMs and K={k} is "
+               f"{ceil_div(k, 64 if hopper else 32)} K tiles")
+        if hopper:
+            out.append(Candidate(9.5, hopper_kernel(problem, 128, 128, "cooperative", splitk=SplitK("stream_k")),
+                                 why + ": stream-K spreads the MAC loop evenly over a persistent grid"))
+        out.append(Candidate(9.0 if not hopper else 7.5,
+                             sm80_kernel(problem, (64, 64, 32), (2, 2), 4, slices),
+                             why + f": split-K {slices} (sm80 rule, fp32 partials reduced in the workspace)"))
+
+    # Schedule by the epilogue's share, on the parent's own tile.
+    if parent.pipeline is not None and parent.pipeline.mode == "tma_ws" and parent.splitk is None:
+        k_tiles = ceil_div(k, parent.tile.bk)
+        want = "pingpong" if k_tiles <= SHORT_K_TILES else "cooperative"
+        pbm, pbn, _ = parent.tile.block
+        if parent.pipeline.schedule != want and (want == "pingpong" or pbm >= 128):
+            child = parent.replace(tile=dataclasses.replace(parent.tile, warps=(4, 1) if want == "pingpong"
+                                                            else (8, 1)),
+                                   pipeline=dataclasses.replace(parent.pipeline, schedule=want))
+            out.append(Candidate(
+                7.0, child,
+                f"schedule: {k_tiles} K tiles per output tile -> {want} ("
+                + ("the epilogue is a large share; the other warpgroup's main loop hides it)" if want == "pingpong"
+                   else "long main loop; two warpgroups share each B tile)")))
+
+    # Clusters for large shapes.
+    if hopper and scored:
+        _, bm, bn, sched, t, _ = scored[0]
+        if t >= MANY_WAVES * sms and m >= 2 * bm:
+            out.append(Candidate(
+                7.2, hopper_kernel(problem, bm, bn, sched, cluster=(2, 1), raster=raster_for(problem, bm, bn, sms)),
+                f"cluster: {t} tiles ({t / sms:.1f} waves); a 2x1 cluster multicasts each B tile to two blocks"))
+
+    # Small outputs: small tiles to make blocks.
+    if small and not tiny:
+        for block, warps in (((64, 64, 32), (2, 2)), ((64, 128, 32), (2, 2))):
+            tb = tiles_of(problem, block[0], block[1])
+            out.append(Candidate(6.0 + tb / (tb + sms), sm80_kernel(problem, block, warps, 3 if k <= 2048 else 4),
+                                 f"small: {m}x{n} output; {block[0]}x{block[1]} tiles make {tb} blocks for {sms} SMs"))
+
+    # Rasterization and divisibility on the parent.
+    if not parent.is_source:
+        pbm, pbn, pbk = parent.tile.block
+        want = raster_for(problem, pbm, pbn, sms)
+        have = parent.swizzle or Swizzle()
+        if (have.raster, have.group) != (want.raster, want.group) and want.group > 1:
+            out.append(Candidate(4.0, parent.replace(swizzle=dataclasses.replace(have, raster=want.raster,
+                                                                                 group=want.group)),
+                                 f"raster: {tiles_of(problem, pbm, pbn)} tiles; walk {want.raster} in groups of "
+                                 f"{want.group} so concurrent blocks share A/B tiles in L2"))
+        pad = parent.pad
+        for dim, size, tile in (("m", m, pbm), ("n", n, pbn), ("k", k, pbk)):
+            if size % tile == 0 and getattr(pad, dim) != "divisible":
+                pad = dataclasses.replace(pad, **{dim: "divisible"})
+        if pad != parent.pad:
+            out.append(Candidate(3.0, parent.replace(pad=pad),
+                                 "divisible: the problem is a multiple of the tile in "
+                                 + ", ".join(d for d in "mnk" if getattr(pad, d) != getattr(parent.pad, d))
+                                 + "; drop the bounds checks"))
+
+        # Stages for the sm80 rule: deep rings hide latency on long K; short K cannot fill one.
+        if parent.pipeline.mode == "multistage":
+            k_tiles = ceil_div(k, pbk)
+            stages = max(2, min(5, k_tiles // 4 + 2))
+            if stages != parent.pipeline.stages:
+                out.append(Candidate(3.5, parent.replace(pipeline=dataclasses.replace(parent.pipeline,
+                                                                                      stages=stages)),
+                                     f"stages: {k_tiles} K tiles -> {stages} cp.async stages in flight"))
+    return sorted(out, key=lambda c: -c.priority)
+
+
+class Rules(StatelessPolicy):
+    """Ranked, explained proposals from library-style heuristics; deterministic (no randomness at all)."""
+
+    name = "rules"
+
+    def propose(self, context: Context) -> list[Proposal]:
+        seen = Dedupe(context.parent, context.backend)
+        out: list[Proposal] = []
+        for cand in candidates(context.problem, context.parent, context.arch, context.num_sms):
+            if len(out) >= context.count:
+                break
+            backend = normal_backend(cand.kernel, context.backend)
+            if try_legalize(cand.kernel, context.problem, backend) is None or not seen.fresh(cand.kernel, backend):
+                continue
+            edits = diff_edits(context.parent, cand.kernel)
+            out.append(Proposal(edits=edits, note=cand.note, backend=backend) if edits
+                       else Proposal(kernel=cand.kernel, note=cand.note, backend=backend))
+        return out
