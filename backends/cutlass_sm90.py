@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from l2ir.errors import MmaError, ResourceError, TileError
 from l2ir.errors import UnsupportedLowering as _UnsupportedLowering
+from l2ir.analysis import operand_stage_bytes
 from l2ir.indexing import Const, Expr, Var, cdiv
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.target import CUTLASS_TYPE, DTYPE_BYTES, MAX_CLUSTER, SMEM_LIMIT
@@ -184,7 +185,7 @@ def canonicalize(kernel: Kernel, problem: Problem) -> Sm90Config:
                                       f"this tile with {shown}; set swizzle.smem = none to take its choice")
 
     # Stages: wgmma reads the stage ring directly, so each stage holds a full A and B tile.
-    stage_bytes = (bm + bn) * bk * in_bytes
+    stage_bytes = operand_stage_bytes(kernel, in_bytes)
     if pipe.stages != "auto":
         if pipe.stages < 2:
             raise UnsupportedLowering("pipeline.stages", "the TMA producer needs at least 2 stages to overlap the MMAs")

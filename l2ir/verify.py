@@ -5,7 +5,8 @@ rule returns None when the kernel obeys it, or a message saying what is wrong. `
 rule and raises the first violation as its typed error; `violations(kernel)` lists them all (for the CLI).
 `check_problem(kernel, problem)` adds the rules that depend on the problem: divisibility, alignment, split-K vs K.
 
-The hardware numbers come from l2ir.target, each with the reason it is what it is.
+The hardware numbers come from l2ir.target and the derived quantities (smem bytes, resolved stages, registers)
+from l2ir.analysis, each defined once; the rules only compare them.
 """
 
 from __future__ import annotations
@@ -18,98 +19,10 @@ from .errors import (EpilogueError, ExprError, MmaError, PadError, PipelineError
                      SourceError, SplitKError, SwizzleError, TargetError, TileError, VerifyError)
 from .indexing import LAUNCH_VARS, ceil_div
 from .nodes import SCHEDULE_NODES, Kernel, Problem
+from .analysis import (acc_registers, elem_bytes, epilogue_smem_bytes, estimated_registers, resolved_stages,
+                       smem_bytes, stage_bytes, threads)
 from .target import (BLOCK_DIM_MAX, DTYPE_BYTES, KB, MAX_CLUSTER, MAX_REGS, MAX_THREADS, MAX_WGMMA_ACC_REGS,
-                     MMA_SYNC_SHAPES, PRODUCER_THREADS, SMEM_LIMIT, TMA_BARRIER_BYTES, TMA_BOX_MAX)
-
-# Every hardware number (smem limits, register file, TMA box, cluster limit, ...) lives in l2ir.target, with its
-# reason. The one verifier-only number: registers always needed for addresses, loop counters and predicates.
-REG_OVERHEAD = 40
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Derived quantities (shared with the backends, the seed generator and the search).
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def elem_bytes(problem: Problem | None = None) -> int:
-    return DTYPE_BYTES[problem.a[0]] if problem is not None else 2
-
-
-def threads(kernel: Kernel) -> int:
-    """Threads per block."""
-    if kernel.is_source:
-        b = kernel.source.block
-        return b[0] * b[1] * b[2]
-    t = kernel.tile.num_warps * 32
-    if kernel.pipeline.mode == "tma_ws":
-        # pingpong runs two consumer warpgroups on alternating tiles, each the size of `warps`.
-        consumers = t * (2 if kernel.pipeline.schedule == "pingpong" else 1)
-        return consumers + PRODUCER_THREADS
-    return t
-
-
-def stage_bytes(kernel: Kernel, ebytes: int = 2) -> int:
-    bm, bn, bk = kernel.tile.block
-    extra = TMA_BARRIER_BYTES if kernel.pipeline.mode == "tma_ws" else 0
-    return (bm + bn) * bk * ebytes + extra
-
-
-def epilogue_smem_bytes(kernel: Kernel, out_bytes: int = 2) -> int:
-    """Shared memory the epilogue needs beyond the pipeline's buffers."""
-    bm, bn, _ = kernel.tile.block
-    path = kernel.epilogue.path
-    if path == "direct":
-        return 0
-    if path == "tma":
-        # The TMA epilogue stores sub-tiles (e.g. 64x32) double-buffered, never the whole tile at once.
-        return min(bm * bn * out_bytes, 32 * KB)
-    # smem path: the whole C tile, each row padded by 8 elements so column-wise fragment writes spread over the
-    # banks; split-K stages fp32 partials instead of the output dtype.
-    staged = 4 if kernel.splitk is not None else out_bytes
-    return bm * (bn + 8) * staged
-
-
-def resolved_stages(kernel: Kernel, ebytes: int = 2) -> int:
-    """The stage count, with 'auto' resolved the way the CUTLASS auto carve-out does: fill what the epilogue leaves."""
-    stages = kernel.pipeline.stages
-    if stages != "auto":
-        return stages
-    free = SMEM_LIMIT[kernel.target.arch] - epilogue_smem_bytes(kernel)
-    return max(0, free // stage_bytes(kernel, ebytes))
-
-
-def smem_bytes(kernel: Kernel, ebytes: int = 2) -> int:
-    """Dynamic shared memory per block."""
-    if kernel.is_source:
-        return kernel.source.smem
-    ring = resolved_stages(kernel, ebytes) * stage_bytes(kernel, ebytes)
-    epi = epilogue_smem_bytes(kernel)
-    if kernel.pipeline.mode == "multistage" and kernel.epilogue.path == "smem":
-        # After the main loop the ring is drained, so the C tile reuses its buffers.
-        return max(ring, epi)
-    return ring + epi
-
-
-def acc_registers(kernel: Kernel, acc_bytes: int = 4) -> int:
-    """fp32 accumulator registers per math thread."""
-    bm, bn, _ = kernel.tile.block
-    wm, wn = kernel.tile.warps
-    per_warp = (bm // wm) * (bn // wn)
-    if kernel.mma.op == "wgmma":
-        groups_m = max(1, wm // 4)
-        return (bm // groups_m) * (bn // wn) * acc_bytes // (4 * 128)
-    return per_warp * acc_bytes // (4 * 32)
-
-
-def estimated_registers(kernel: Kernel) -> int:
-    """A register estimate for mma.sync kernels: accumulators + A/B fragments (x2 with register prefetch) + overhead."""
-    bm, bn, _ = kernel.tile.block
-    wm, wn = kernel.tile.warps
-    # Per k16 step a thread holds 4 registers of each 16x16 A fragment and 2 of each 16x8 B fragment.
-    frags = (bm // wm) // 16 * 4 + (bn // wn) // 8 * 2
-    if kernel.pipeline.prefetch:
-        frags *= 2
-    return acc_registers(kernel) + frags + REG_OVERHEAD
+                     MMA_SYNC_SHAPES, SMEM_LIMIT, TMA_BOX_MAX)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from hypothesis import given
 from l2ir.backends.registry import backend_for, lower
 from l2ir.nodes import Problem
 from l2ir.target import SMEM_LIMIT
-from l2ir.verify import smem_bytes
+from l2ir.analysis import smem_bytes
 from strategies import kernels
 
 PROBLEM = Problem(1, 1, 1)

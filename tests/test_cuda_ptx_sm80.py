@@ -30,7 +30,7 @@ from l2ir.errors import L2IRError, VerifyError  # noqa: E402
 from l2ir.indexing import smem_swizzle  # noqa: E402
 from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target,  # noqa: E402
                         Tile)
-from l2ir.verify import smem_bytes  # noqa: E402
+from l2ir.analysis import smem_bytes  # noqa: E402
 
 PROBLEM = Problem(m=4096, n=4096, k=4096)
 

@@ -11,7 +11,8 @@ from l2ir.errors import (EpilogueError, L2IRError, MmaError, PadError, PipelineE
 from l2ir.indexing import Const, Var
 from l2ir.nodes import Kernel, Problem, Source, SplitK, Swizzle, Target
 from l2ir.text import parse_kernel
-from l2ir.verify import check_problem, smem_bytes, verify, violations
+from l2ir.analysis import smem_bytes
+from l2ir.verify import check_problem, verify, violations
 from strategies import kernel_problem_pairs, kernels
 
 SM80 = parse_kernel(open("examples/sm80_128x128x32.l2").read())

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from l2ir.analysis import C_ROW_PAD
 from l2ir.indexing import Const, Var, cdiv, rasterize, smem_swizzle, splitk_range
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.target import CUDA_TYPE, DTYPE_BYTES, NVCC_ARCH, SMEM_LIMIT
@@ -58,9 +59,6 @@ REDUCE_ENTRY = "l2ir_cuda_ptx_sm80_splitk_reduce"
 ABI = "const void* A_, const void* B_, void* C_, int M, int N, int K, void* workspace_"
 # The split-K reduction kernel: 256 threads, each summing one vector of `vector` outputs over the slices.
 REDUCE_THREADS = 256
-# The smem epilogue pads each staged C row by 8 elements (what l2ir.verify.epilogue_smem_bytes budgets): rows then
-# start 16 (f16) or 32 (f32) bytes apart modulo 128, so the 8 rows of one fragment store hit different banks.
-C_ROW_PAD = 8
 M_, N_ = Var("m"), Var("n")
 
 

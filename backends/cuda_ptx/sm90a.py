@@ -56,7 +56,8 @@ from l2ir.indexing import Const, rasterize
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.text import print_problem_class
 from l2ir.target import CUDA_TYPE, DTYPE_BYTES, H200_SMS, SMEM_LIMIT, TMA_BOX_MAX, TMA_DTYPE
-from l2ir.verify import resolved_stages, verify, verify_problem
+from l2ir.analysis import resolved_stages
+from l2ir.verify import verify, verify_problem
 
 from l2ir.runtime import LaunchPlan, status_constants_cpp
 from .common import UnsupportedLowering, check_problem_class

@@ -1,0 +1,105 @@
+"""Derived quantities of a kernel: the one definition of each number the verifier checks and the backends, the seed
+and the search restate (threads per block, bytes of a pipeline stage, shared memory per block, the stage count that
+`stages=auto` resolves to, accumulator and estimated registers per thread).
+
+Each is a pure function of the kernel (and the element sizes); hardware limits come from l2ir.target.
+"""
+
+from __future__ import annotations
+
+from .nodes import Kernel, Problem
+from .target import (DTYPE_BYTES, KB, PRODUCER_THREADS, SMEM_LIMIT, TMA_BARRIER_BYTES, WARP_THREADS,
+                     WARPGROUP_THREADS)
+
+# Registers always needed beside accumulators and fragments: addresses, loop counters and predicates.
+REG_OVERHEAD = 40
+# The smem epilogue pads each staged C row by 8 elements: rows then start 16 (f16) or 32 (f32) bytes apart modulo
+# 128, so the 8 rows of one mma fragment store hit different banks.
+C_ROW_PAD = 8
+
+
+def elem_bytes(problem: Problem | None = None) -> int:
+    return DTYPE_BYTES[problem.a[0]] if problem is not None else 2
+
+
+def threads(kernel: Kernel) -> int:
+    """Threads per block."""
+    if kernel.is_source:
+        b = kernel.source.block
+        return b[0] * b[1] * b[2]
+    t = kernel.tile.num_warps * WARP_THREADS
+    if kernel.pipeline.mode == "tma_ws":
+        # pingpong runs two consumer warpgroups on alternating tiles, each the size of `warps`.
+        consumers = t * (2 if kernel.pipeline.schedule == "pingpong" else 1)
+        return consumers + PRODUCER_THREADS
+    return t
+
+
+def operand_stage_bytes(kernel: Kernel, ebytes: int = 2) -> int:
+    """The A and B tiles of one pipeline stage: (BM + BN) x BK elements."""
+    bm, bn, bk = kernel.tile.block
+    return (bm + bn) * bk * ebytes
+
+
+def stage_bytes(kernel: Kernel, ebytes: int = 2) -> int:
+    """One pipeline stage: its operand tiles plus, for a TMA ring, the stage's full/empty mbarrier pair."""
+    extra = TMA_BARRIER_BYTES if kernel.pipeline.mode == "tma_ws" else 0
+    return operand_stage_bytes(kernel, ebytes) + extra
+
+
+def epilogue_smem_bytes(kernel: Kernel, out_bytes: int = 2) -> int:
+    """Shared memory the epilogue needs beyond the pipeline's buffers."""
+    bm, bn, _ = kernel.tile.block
+    path = kernel.epilogue.path
+    if path == "direct":
+        return 0
+    if path == "tma":
+        # The TMA epilogue stores sub-tiles (e.g. 64x32) double-buffered, never the whole tile at once.
+        return min(bm * bn * out_bytes, 32 * KB)
+    # smem path: the whole C tile, each row padded by 8 elements so column-wise fragment writes spread over the
+    # banks; split-K stages fp32 partials instead of the output dtype.
+    staged = 4 if kernel.splitk is not None else out_bytes
+    return bm * (bn + C_ROW_PAD) * staged
+
+
+def resolved_stages(kernel: Kernel, ebytes: int = 2) -> int:
+    """The stage count, with 'auto' resolved the way the CUTLASS auto carve-out does: fill what the epilogue leaves."""
+    stages = kernel.pipeline.stages
+    if stages != "auto":
+        return stages
+    free = SMEM_LIMIT[kernel.target.arch] - epilogue_smem_bytes(kernel)
+    return max(0, free // stage_bytes(kernel, ebytes))
+
+
+def smem_bytes(kernel: Kernel, ebytes: int = 2) -> int:
+    """Dynamic shared memory per block."""
+    if kernel.is_source:
+        return kernel.source.smem
+    ring = resolved_stages(kernel, ebytes) * stage_bytes(kernel, ebytes)
+    epi = epilogue_smem_bytes(kernel)
+    if kernel.pipeline.mode == "multistage" and kernel.epilogue.path == "smem":
+        # After the main loop the ring is drained, so the C tile reuses its buffers.
+        return max(ring, epi)
+    return ring + epi
+
+
+def acc_registers(kernel: Kernel, acc_bytes: int = 4) -> int:
+    """fp32 accumulator registers per math thread."""
+    bm, bn, _ = kernel.tile.block
+    wm, wn = kernel.tile.warps
+    per_warp = (bm // wm) * (bn // wn)
+    if kernel.mma.op == "wgmma":
+        groups_m = max(1, wm // 4)
+        return (bm // groups_m) * (bn // wn) * acc_bytes // (4 * WARPGROUP_THREADS)
+    return per_warp * acc_bytes // (4 * WARP_THREADS)
+
+
+def estimated_registers(kernel: Kernel) -> int:
+    """A register estimate for mma.sync kernels: accumulators + A/B fragments (x2 with register prefetch) + overhead."""
+    bm, bn, _ = kernel.tile.block
+    wm, wn = kernel.tile.warps
+    # Per k16 step a thread holds 4 registers of each 16x16 A fragment and 2 of each 16x8 B fragment.
+    frags = (bm // wm) // 16 * 4 + (bn // wn) // 8 * 2
+    if kernel.pipeline.prefetch:
+        frags *= 2
+    return acc_registers(kernel) + frags + REG_OVERHEAD
