@@ -47,11 +47,12 @@ CREATE TABLE measurements (
     id INTEGER PRIMARY KEY, kernel TEXT NOT NULL, problem TEXT NOT NULL, m INTEGER, n INTEGER, k INTEGER,
     problem_class TEXT, environment TEXT NOT NULL REFERENCES environments(id), scenario TEXT NOT NULL,
     passed INTEGER NOT NULL, verdicts TEXT, errors TEXT, kernel_us TEXT, baseline_us TEXT, kernel_median_us REAL,
-    baseline_median_us REAL, speedup REAL, spread REAL, run INTEGER, purpose TEXT, source TEXT, record TEXT,
-    created REAL);
+    baseline_median_us REAL, speedup REAL, spread REAL, backend TEXT, run INTEGER, purpose TEXT, source TEXT,
+    record TEXT, created REAL);
 CREATE TABLE edits (
     id INTEGER PRIMARY KEY, run INTEGER REFERENCES runs(id), problem TEXT, step INTEGER, parent TEXT, child TEXT,
-    policy TEXT, edit TEXT, verdict TEXT, detail TEXT, reward REAL, created REAL);
+    backend TEXT, policy TEXT, edit TEXT, verdict TEXT, detail TEXT, reward REAL, gpu_seconds REAL,
+    compile_seconds REAL, created REAL);
 CREATE TABLE llm_calls (
     id INTEGER PRIMARY KEY, run INTEGER, prompt_hash TEXT, prompt TEXT, reply TEXT, model TEXT,
     prompt_tokens INTEGER, reply_tokens INTEGER, latency_s REAL, created REAL);
@@ -249,15 +250,40 @@ class RecordsDB:
 
     # -- measurements: the store interface ----------------------------------------------------------------------
 
-    def add(self, measurements: Iterable[Measurement | dict], run: int | None = None, purpose: str = "search",
-            source: str = "", measured: bool = True) -> list[int]:
-        """Record measurements (Measurement objects or their JSON form); returns their row ids."""
+    def add(self, measurement, name: str = "", origin: str = "") -> dict:
+        """The `Store` interface (search/records.py): record one Measurement; returns the record as stored."""
+        rec = measurement.to_json() if isinstance(measurement, Measurement) else dict(measurement)
+        rec["config"] = name
+        if origin:
+            rec["origin"] = origin
+        self.add_many([rec], source=origin)
+        return rec
+
+    def lookup(self, kernel_hash: str, problem: str, scenario: str, artifact_key: str | None = None) -> dict | None:
+        """The `Store` interface: the latest record for this kernel, problem and scenario (and binary)."""
+        rows = self.conn.execute("SELECT record FROM measurements WHERE kernel=? AND problem=? AND scenario=? "
+                                 "ORDER BY id DESC", (kernel_hash, problem, scenario)).fetchall()
+        for (r,) in rows:
+            rec = json.loads(r)
+            if artifact_key is None or rec.get("artifact_key", "") == artifact_key:
+                return rec
+        return None
+
+    def __iter__(self):
+        """The `Store` interface: every record, in the order they were added."""
+        return (json.loads(r[0]) for r in self.conn.execute("SELECT record FROM measurements ORDER BY id"))
+
+    def add_many(self, measurements: Iterable[Measurement | dict], run: int | None = None, purpose: str = "search",
+                 source: str = "", backend: str | None = None, measured: bool = True) -> list[int]:
+        """Record measurements (Measurement objects or their JSON form) in one transaction; returns their row ids.
+        `purpose` says why it was measured: "search" (a candidate), "retime" (a winner on fresh samples),
+        "import" (an earlier bench file)."""
         ids = []
         with self.transaction() as c:
             for m in measurements:
                 rec = m.to_json() if isinstance(m, Measurement) else dict(m)
                 env = rec.get("environment") or {}
-                eid = self.add_environment(env, measured)
+                eid = self.add_environment(env, measured and not env.get("standin"))
                 shape, cls = split_problem(rec["problem"])
                 self.add_kernel(rec["kernel_hash"], compile_seconds=rec.get("compile_seconds"),
                                 artifact_key=rec.get("artifact_key") or None)
@@ -266,12 +292,13 @@ class RecordsDB:
                 cur = c.execute(
                     "INSERT INTO measurements (kernel, problem, m, n, k, problem_class, environment, scenario, passed,"
                     " verdicts, errors, kernel_us, baseline_us, kernel_median_us, baseline_median_us, speedup, spread,"
-                    " run, purpose, source, record, created) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    " backend, run, purpose, source, record, created) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (rec["kernel_hash"], rec["problem"], *(shape or (None, None, None)), cls, eid, rec["scenario"],
                      int(passed), json.dumps(verdicts), json.dumps(rec.get("errors") or []),
                      json.dumps(rec.get("kernel_us") or []), json.dumps(rec.get("baseline_us") or []),
                      rec.get("kernel_median_us"), rec.get("baseline_median_us"), rec.get("speedup"),
-                     spread_of(rec), run, purpose, source, json.dumps(rec, sort_keys=True, default=str),
+                     spread_of(rec), backend, run, purpose, source, json.dumps(rec, sort_keys=True, default=str),
                      time.time()))
                 ids.append(cur.lastrowid)
         return ids
@@ -285,7 +312,8 @@ class RecordsDB:
 
     def record(self, row_id: int) -> Measurement:
         r = self.conn.execute("SELECT record FROM measurements WHERE id=?", (row_id,)).fetchone()
-        return Measurement.from_json({k: v for k, v in json.loads(r[0]).items() if k != "config"})
+        fields = Measurement.__dataclass_fields__
+        return Measurement.from_json({k: v for k, v in json.loads(r[0]).items() if k in fields})
 
     def samples(self, row_id: int) -> tuple[list[float], list[float]]:
         r = self.conn.execute("SELECT kernel_us, baseline_us FROM measurements WHERE id=?", (row_id,)).fetchone()
@@ -374,18 +402,32 @@ class RecordsDB:
         out = []
         for i in ids:
             d = self.run(i)
-            d["candidates"], d["failures"] = self.conn.execute(
-                "SELECT COUNT(*), COALESCE(SUM(verdict != 'ok'), 0) FROM edits WHERE run=? AND verdict != 'duplicate'",
-                (i,)).fetchone()
+            d.update(self.run_totals(i))
             out.append(d)
         return out
 
+    def run_totals(self, run: int, problem: str | None = None) -> dict:
+        """Candidates (built or measured), failures (compile, gates, errors), illegal proposals, duplicates and the
+        GPU-seconds spent, over the run's edits (of one problem if given)."""
+        where, args = _where(run=run, problem=problem)
+        r = self.conn.execute(
+            "SELECT COALESCE(SUM(verdict IN ('measured', 'failed', 'compiled')), 0), "
+            "COALESCE(SUM(verdict = 'failed'), 0), COALESCE(SUM(verdict = 'illegal'), 0), "
+            f"COALESCE(SUM(verdict = 'duplicate'), 0), COALESCE(SUM(gpu_seconds), 0) FROM edits{where}",
+            args).fetchone()
+        retime = self.conn.execute(f"SELECT COALESCE(SUM(json_extract(record, '$.gpu_seconds')), 0) FROM measurements"
+                                   f"{_where(run=run, problem=problem)[0]} AND purpose='retime'", args).fetchone()[0]
+        return {"candidates": r[0], "failures": r[1], "illegal": r[2], "duplicates": r[3],
+                "gpu_seconds": r[4] + (retime or 0)}
+
     def add_edit(self, run: int | None, problem: str, step: int, parent: str | None, child: str | None, policy: str,
-                 edit: str, verdict: str, detail: str = "", reward: float | None = None) -> int:
+                 edit: str, verdict: str, detail: str = "", reward: float | None = None, backend: str | None = None,
+                 gpu_seconds: float = 0.0, compile_seconds: float = 0.0) -> int:
         with self.transaction() as c:
-            cur = c.execute("INSERT INTO edits (run, problem, step, parent, child, policy, edit, verdict, detail, "
-                            "reward, created) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                            (run, problem, step, parent, child, policy, edit, verdict, detail, reward, time.time()))
+            cur = c.execute("INSERT INTO edits (run, problem, step, parent, child, backend, policy, edit, verdict, "
+                            "detail, reward, gpu_seconds, compile_seconds, created) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                            (run, problem, step, parent, child, backend, policy, edit, verdict, detail, reward,
+                             gpu_seconds, compile_seconds, time.time()))
             return cur.lastrowid
 
     def edits(self, run: int, problem: str | None = None) -> list[dict]:
@@ -435,7 +477,7 @@ class RecordsDB:
                 except (json.JSONDecodeError, KeyError, TypeError):
                     continue
                 rec.pop("config", None)
-                self.add([rec], purpose="import", source=source)
+                self.add_many([rec], purpose="import", source=source)
                 h = rec["kernel_hash"]
                 if h[:12] in ir:
                     self.add_kernel(h, ir=ir[h[:12]])

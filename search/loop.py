@@ -1,0 +1,649 @@
+"""The search loop: per problem, a population of kernels grows by policy proposals until a budget is spent; the
+incumbent changes only on a win larger than the measured noise, and the final winner is timed again on fresh
+samples before it is reported.
+
+    for each shape:
+        step 0   the initial population: the rule-based seeds (l2ir/seed.py), the best kernels of the nearest solved
+                 problems in the records DB on this GPU (kernels are shape-independent), the sweeps (search/bench.py)
+        step s   parent = tournament over the population; policy.propose(Context) -> Proposals
+                 legalize (verifier, problem rules, lowering: an illegal proposal is a recorded verdict, never a
+                 crash) -> dedupe (content hash + backend) -> lower + compile the batch in parallel (each kernel once
+                 per problem class, cached on disk) -> evaluate -> record -> policy.update(Feedback)
+        end      re-time the incumbent (fresh samples, offline and server, interleaved with torch.matmul); those are
+                 the reported numbers, never the sample it was selected on
+    budgets: candidates per shape, GPU-seconds per run (shared fairly among the shapes left), wall seconds.
+
+Determinism: every random draw depends on (seed, problem, step) and the population, and the population is what the
+DB holds, so the same seed gives the same proposals, and a resumed run (`l2ir tune --resume RUN`) makes the same
+proposals the killed one would have made. Every candidate's records (kernel, measurements, edit, class gates,
+policy state) commit in one transaction: a kill loses at most the candidates in flight.
+
+Cheap evaluation: the gates that depend only on the kernel and the problem class (stale output, precision probe,
+ragged shapes: search/standin.CLASS_GATES) are kept per kernel in the DB. A kernel that failed one is failed on
+every later shape without touching the GPU; one that passed them is evaluated with `skip_gates` where the
+evaluator accepts that option (the stand-in does; search/evaluator.Evaluator runs every gate until it offers it),
+and the reused verdicts are written into its measurement, marked as reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from l2ir.edits import parse_edits
+from l2ir.errors import L2IRError
+from l2ir.nodes import Kernel, Problem
+from l2ir.seed import seed as rule_seed
+from l2ir.text import parse_kernel, parse_problem, print_problem, print_problem_class
+
+from .db import RecordsDB, environment_id
+from .evaluator import Measurement
+from .gates import Verdict
+from .standin import CLASS_GATES
+
+FAIL_REWARD = -1.0        # what a failed or illegal candidate is worth in the edits table (log speedup scale)
+DONE = "done"             # the edits-table verdict that closes a shape (with the winner's numbers in detail)
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    shapes: tuple[tuple[int, int, int], ...]
+    problem: str = "gemm m=1 n=1 k=1 a=f16:row b=f16:col c=f16:row acc=f32"   # the class; shapes set the sizes
+    policy: str = "random"
+    seed: int = 0
+    budget_candidates: int = 24          # per shape: candidates built and measured (illegal/duplicates are free)
+    budget_gpu_s: float = math.inf       # whole run; each shape gets an equal share of what is left
+    budget_wall_s: float = math.inf      # this invocation
+    batch: int = 4                       # proposals per step, compiled together
+    init_size: int = 6                   # the initial population's size (seeds, neighbours, sweeps)
+    arch: str = "sm90a"                  # the GPU's target: proposals may use any rule it runs
+    neighbours: int = 3                  # nearest solved problems whose winners join the initial population
+    sweeps: bool = True
+    mode: str = "gpu"                    # "gpu", "standin" (cost model, not measured) or "compile_only"
+    retime: bool = True
+    reuse_class_gates: bool = True
+    cache_dir: str = ".l2ir-cache"
+    compile_jobs: int = 0
+    device_sm: str = "sm_90"
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["shapes"] = [list(s) for s in self.shapes]
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "TuneConfig":
+        d = dict(d)
+        d["shapes"] = tuple(tuple(s) for s in d["shapes"])
+        return TuneConfig(**d)
+
+
+@dataclass
+class Member:
+    kernel: Kernel
+    backend: str | None
+    speedup: float | None = None
+    spread: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return member_key(self.kernel, self.backend)
+
+
+def member_key(kernel: Kernel, backend: str | None) -> str:
+    return kernel.content_hash() + "|" + (backend or "")
+
+
+@dataclass
+class ShapeState:
+    shape: tuple[int, int, int]
+    problem: Problem
+    ptext: str
+    members: dict[str, Member] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)
+    incumbent: str | None = None
+    candidates: int = 0
+    failures: int = 0
+    illegal: int = 0
+    duplicates: int = 0
+    gpu_s: float = 0.0
+    step: int = 0
+    rows_at_step: int = 0              # edits already recorded at `step` (a resumed step skips that many)
+    history: list = field(default_factory=list)
+    curve: list[tuple[int, float]] = field(default_factory=list)   # (candidates, incumbent's speedup)
+    done: dict | None = None
+
+    @property
+    def best(self) -> float | None:
+        return self.members[self.incumbent].speedup if self.incumbent else None
+
+
+@dataclass
+class Built:
+    plan: object = None
+    artifact: object = None
+    error: str = ""
+    compile_seconds: float = 0.0
+
+
+class _StandinArtifact:
+    """What the stand-in evaluator is handed instead of a binary: nothing was compiled."""
+
+    ok = True
+    key = "standin"
+    compile_seconds = 0.0
+    cached = True
+    resources: dict = {}
+
+
+def accepts(new: Member, incumbent: Member | None) -> bool:
+    """Noise-aware acceptance: a challenger replaces the incumbent only when its speedup is higher by more than
+    the larger of the two measured spreads (a smaller win is as likely to be noise as a real difference)."""
+    if new.speedup is None:
+        return False
+    if incumbent is None or incumbent.speedup is None:
+        return True
+    return new.speedup > incumbent.speedup * (1.0 + max(new.spread, incumbent.spread))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"[{type(e).__name__}] " + (text.splitlines()[0] if text else "")
+
+
+def _policy(name, seed: int):
+    from l2ir.policy.base import get_policy
+
+    return get_policy(name)
+
+
+class Search:
+    """One tuning run over the config's shapes. `evaluator` scores candidates (offline scenario), `retimer` times
+    the winners again (offline and server); both None in compile-only mode. `progress(state, event)` is called
+    after every candidate and at the end of each shape."""
+
+    def __init__(self, config: TuneConfig, db: RecordsDB, evaluator=None, retimer=None, policy=None,
+                 progress: Callable | None = None, clock: Callable[[], float] = time.monotonic, command: str = ""):
+        if config.mode not in ("gpu", "standin", "compile_only"):
+            raise ValueError(f"unknown mode '{config.mode}' (gpu, standin, compile_only)")
+        if config.mode != "compile_only" and evaluator is None:
+            raise ValueError(f"mode '{config.mode}' needs an evaluator")
+        self.config = config
+        self.db = db
+        self.evaluator = evaluator
+        self.retimer = retimer if retimer is not None else evaluator
+        self.policy = policy if policy is not None else _policy(config.policy, config.seed)
+        self.policy_name = getattr(self.policy, "name", str(config.policy))
+        self.progress = progress or (lambda state, event: None)
+        self.clock = clock
+        self.command = command
+        self.pclass = parse_problem(config.problem, "the run's problem class")
+        self.cls_text = print_problem_class(self.pclass)
+        self.builds: dict[str, Built] = {}
+        self.run_id: int | None = None
+        self.states: list[ShapeState] = []
+        self.env_id: str | None = None
+        self._t0 = clock()
+        self._skip_ok = evaluator is not None and "skip_gates" in inspect.signature(evaluator.evaluate).parameters
+        if evaluator is not None and getattr(evaluator, "environment", None):
+            self.env_id = environment_id(evaluator.environment)
+
+    # -- run ----------------------------------------------------------------------------------------------------
+
+    def start(self) -> int:
+        cfg = self.config
+        budget = {"candidates_per_shape": cfg.budget_candidates, "gpu_seconds": cfg.budget_gpu_s,
+                  "wall_seconds": cfg.budget_wall_s}
+        self.run_id = self.db.start_run(self.command, cfg.to_json(), cfg.seed, self.policy_name, budget)
+        return self.run_id
+
+    @classmethod
+    def resume(cls, db: RecordsDB, run_id: int, evaluator=None, retimer=None, policy=None, progress=None,
+               clock=time.monotonic, command: str = "", budget_wall_s: float | None = None) -> "Search":
+        """The Search of a killed (or stopped) run, continuing where its records end."""
+        row = db.run(run_id)
+        if row is None:
+            raise ValueError(f"no run {run_id} in {db.path}")
+        cfg = TuneConfig.from_json(row["config"])
+        if budget_wall_s is not None:
+            cfg = dataclasses.replace(cfg, budget_wall_s=budget_wall_s)
+        s = cls(cfg, db, evaluator, retimer, policy, progress, clock, command)
+        s.run_id = run_id
+        state = db.load_policy_state(f"run:{run_id}")
+        if state is not None:
+            s.policy.load_state_dict(_loads_state(state))
+        db.set_run_status(run_id, "running")
+        return s
+
+    def run(self) -> list[ShapeState]:
+        if self.run_id is None:
+            self.start()
+        cfg = self.config
+        status = "done"
+        try:
+            for i, shape in enumerate(cfg.shapes):
+                st = self._restore(shape)
+                self.states.append(st)
+                if st.done is not None:
+                    self.progress(st, "restored")
+                    continue
+                if self._wall_left() <= 0:
+                    status = "stopped: wall-time budget"
+                    break
+                gpu_cap = self._gpu_share(len(cfg.shapes) - i)
+                wall_cap = self._wall_left() / (len(cfg.shapes) - i) + (self.clock() - self._t0)
+                self._search_shape(st, gpu_cap, wall_cap)
+                self._finish_shape(st)
+            else:
+                status = "done"
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        finally:
+            self.db.set_run_status(self.run_id, status)
+        return self.states
+
+    # -- budgets ------------------------------------------------------------------------------------------------
+
+    def _wall_left(self) -> float:
+        return self.config.budget_wall_s - (self.clock() - self._t0)
+
+    def _gpu_used(self) -> float:
+        return self.db.run_totals(self.run_id)["gpu_seconds"]
+
+    def _gpu_share(self, shapes_left: int) -> float:
+        if math.isinf(self.config.budget_gpu_s):
+            return math.inf
+        return max(0.0, self.config.budget_gpu_s - self._gpu_used()) / shapes_left
+
+    # -- one shape ----------------------------------------------------------------------------------------------
+
+    def _restore(self, shape) -> ShapeState:
+        """The shape's state as the DB has it: members, incumbent (replaying acceptance in order), counts, step."""
+        problem = self.pclass.with_shape(*shape)
+        st = ShapeState(tuple(shape), problem, print_problem(problem))
+        for e in self.db.edits(self.run_id, st.ptext):
+            if e["verdict"] == DONE:
+                st.done = json.loads(e["detail"])
+                continue
+            if e["step"] != st.step:
+                st.step, st.rows_at_step = e["step"], 0
+            st.rows_at_step += 1
+            st.gpu_s += e["gpu_seconds"] or 0.0
+            self._count(st, e["verdict"])
+            if e["child"] is None:
+                continue
+            kernel = self._kernel(e["child"])
+            backend = e["backend"]
+            key = member_key(kernel, backend)
+            st.seen.add(key)
+            reward = e["reward"] if e["verdict"] == "measured" else None
+            st.history.append(_step(kernel, e["edit"], reward))
+            if e["verdict"] in ("measured", "compiled"):
+                m = Member(kernel, backend)
+                if e["verdict"] == "measured":
+                    rows = self.db.measurements(problem=st.ptext, kernel=e["child"], run=self.run_id,
+                                                purpose="search")
+                    if rows:
+                        m.speedup, m.spread = rows[-1].speedup, rows[-1].spread or 0.0
+                        self.env_id = self.env_id or rows[-1].environment
+                self._admit(st, m)
+        return st
+
+    def _kernel(self, kernel_hash: str) -> Kernel:
+        row = self.db.kernel(kernel_hash)
+        return parse_kernel(row["ir"], f"kernel {kernel_hash[:12]}")
+
+    @staticmethod
+    def _count(st: ShapeState, verdict: str):
+        if verdict in ("measured", "failed", "compiled"):
+            st.candidates += 1
+        st.failures += verdict == "failed"
+        st.illegal += verdict == "illegal"
+        st.duplicates += verdict == "duplicate"
+
+    def _admit(self, st: ShapeState, m: Member):
+        st.members[m.key] = m
+        if self.config.mode == "compile_only":
+            return
+        if accepts(m, st.members.get(st.incumbent) if st.incumbent else None):
+            st.incumbent = m.key
+        if st.incumbent:
+            st.curve.append((st.candidates, st.best))
+
+    def _initial(self, st: ShapeState) -> list:
+        """Step 0's proposals: the rule-based seeds, the nearest solved problems' winners, the sweeps."""
+        from l2ir.policy.base import Proposal
+
+        from .sweeps import load_sweep, sweep_names
+
+        cfg = self.config
+        out = []
+        archs = [cfg.arch] + (["sm80"] if cfg.arch != "sm80" else [])
+        for arch in archs:
+            try:
+                out.append(Proposal(kernel=rule_seed(st.problem, arch), note=f"seed {arch}"))
+            except (L2IRError, ValueError):
+                pass
+        if self.env_id and cfg.neighbours:
+            for h in self.db.nearest_winners(st.ptext, self.env_id, cfg.neighbours):
+                row = self.db.kernel(h)
+                if row and row.get("ir"):
+                    out.append(Proposal(kernel=parse_kernel(row["ir"], h[:12]), backend=row.get("backend"),
+                                        note=f"winner of a nearby shape ({h[:12]})"))
+        if cfg.sweeps:
+            hopper = cfg.arch in ("sm90", "sm90a")
+            # The library-style sweeps first (the default backends), then the raw CUDA/PTX rules by name.
+            for group in sorted(sweep_names(), key=lambda g: (g.startswith("cuda_ptx"), g != cfg.arch, g)):
+                if not hopper and group not in ("sm80", "cuda_ptx_sm80"):
+                    continue
+                backend = group if group.startswith("cuda_ptx") else None
+                out.extend(Proposal(kernel=k, backend=backend, note=f"sweep {group}/{name}")
+                           for name, k in load_sweep(group).items())
+        return out
+
+    def _context(self, st: ShapeState, parent: Member):
+        from l2ir.policy.base import Context, Measured
+
+        return Context(problem=st.problem, parent=parent.kernel, measured=Measured(speedup=parent.speedup),
+                       history=tuple(st.history[-32:]), arch=self.config.arch, seed=self.config.seed + st.step,
+                       count=self.config.batch, backend=parent.backend)
+
+    def _parent(self, st: ShapeState) -> Member:
+        """Tournament of three over the population (ties and unmeasured members by insertion order)."""
+        rng = np.random.default_rng([self.config.seed & 0xFFFFFFFF, *st.shape, st.step])
+        pool = list(st.members.values())
+        picks = [pool[int(i)] for i in rng.integers(0, len(pool), size=min(3, len(pool)))]
+        return max(picks, key=lambda m: m.speedup if m.speedup is not None else -math.inf)
+
+    def _search_shape(self, st: ShapeState, gpu_cap: float, wall_cap: float):
+        cfg = self.config
+        stalled = 0
+        while st.candidates < cfg.budget_candidates:
+            if st.gpu_s >= gpu_cap or (self.clock() - self._t0) >= wall_cap:
+                return
+            if st.step == 0:
+                proposals, parent, ctx = self._initial(st), None, None
+                limit = cfg.init_size - st.candidates
+            else:
+                if not st.members:
+                    return                       # nothing legal to start from
+                parent = self._parent(st)
+                ctx = self._context(st, parent)
+                proposals = list(self.policy.propose(ctx))[:cfg.batch]
+            # A resumed step re-makes the same proposals; the ones already recorded are skipped.
+            skip, st.rows_at_step = st.rows_at_step, 0
+            before = st.candidates
+            self._step(st, proposals[skip:], parent, ctx, limit if st.step == 0 else None, gpu_cap)
+            stalled = stalled + 1 if st.candidates == before else 0
+            if stalled >= 5:
+                return                           # the policy has nothing new to offer this shape
+            st.step += 1
+
+    def _step(self, st: ShapeState, proposals, parent: Member | None, ctx, limit: int | None, gpu_cap: float):
+        """Legalize every proposal, build the new kernels together, then record them in proposal order."""
+        from l2ir.policy.base import legalize
+
+        cfg = self.config
+        items = []
+        fresh_keys: set[str] = set()
+        for p in proposals:
+            try:
+                base = parent.kernel if parent is not None else None
+                child = p.kernel if p.kernel is not None else p.apply(base, st.problem, lowerable=False)
+                child = legalize(child, st.problem, p.backend)
+            except (L2IRError, NotImplementedError) as e:
+                items.append((p, None, "illegal", _first_line(e)))
+                continue
+            except Exception as e:  # noqa: BLE001 - a policy or backend bug is the candidate's verdict
+                items.append((p, None, "illegal", f"legalizing failed: {_first_line(e)}"))
+                continue
+            key = member_key(child, p.backend)
+            if key in st.seen or key in fresh_keys:
+                items.append((p, child, "duplicate", "already in this shape's population"))
+                continue
+            fresh_keys.add(key)
+            items.append((p, child, "new", ""))
+        self._build([(c, p.backend) for p, c, v, _ in items if v == "new"])
+        for p, child, verdict, detail in items:
+            if st.candidates >= cfg.budget_candidates or st.gpu_s >= gpu_cap:
+                break
+            if limit is not None and verdict == "new":
+                if limit <= 0:
+                    break
+                limit -= 1
+            self._candidate(st, p, parent, ctx, child, verdict, detail)
+
+    def _build(self, kernels: list[tuple[Kernel, str | None]]):
+        """Lower and compile the kernels not built yet in this run, in parallel (the compile cache is on disk)."""
+        from l2ir.backends.registry import lower
+
+        todo = []
+        for k, backend in kernels:
+            key = member_key(k, backend)
+            if key in self.builds:
+                continue
+            try:
+                plan = lower(k, self.pclass, backend)
+            except (L2IRError, NotImplementedError) as e:
+                self.builds[key] = Built(error=f"not lowered: {_first_line(e)}")
+                continue
+            self.builds[key] = Built(plan=plan)
+            todo.append(key)
+        if self.config.mode == "standin":
+            for key in todo:
+                self.builds[key].artifact = _StandinArtifact()
+            return
+        if not todo:
+            return
+        from l2ir.backends.compile import CompileOptions, compile_many
+
+        opts = CompileOptions(cache_dir=self.config.cache_dir, jobs=self.config.compile_jobs,
+                              device_sm=self.config.device_sm)
+        results = compile_many([self.builds[k].plan for k in todo], opts)
+        for key, art in zip(todo, results):
+            b = self.builds[key]
+            b.artifact = art
+            b.compile_seconds = 0.0 if getattr(art, "cached", False) else art.compile_seconds
+            if not art.ok:
+                b.error = f"compile {art.reason}: {art.summary()} (reproduce: {art.repro or '-'})"
+
+    def _candidate(self, st: ShapeState, p, parent: Member | None, ctx, child: Kernel | None, verdict: str,
+                   detail: str):
+        """Evaluate one candidate and commit everything it produced in one transaction."""
+        cfg = self.config
+        edit_text = p.text().strip() if p.kernel is None else f"# {p.note}\n{p.text()}".strip()
+        measurements: list[Measurement] = []
+        cost = 0.0
+        member = None
+        built = None
+        class_verdicts = None
+        if verdict == "new":
+            built = self.builds[member_key(child, p.backend)]
+            if built.error:
+                verdict, detail = "failed", built.error
+            elif cfg.mode == "compile_only":
+                verdict, member = "compiled", Member(child, p.backend)
+            else:
+                measurements, cost, class_verdicts = self._evaluate(st, child, built)
+                ms = measurements[0] if measurements else None
+                if ms is not None and ms.passed and ms.speedup:
+                    verdict = "measured"
+                    from .db import spread_of
+
+                    member = Member(child, p.backend, float(ms.speedup), spread_of(ms.to_json()) or 0.0)
+                else:
+                    verdict = "failed"
+                    detail = _failure(measurements)
+        reward = math.log(member.speedup) if member is not None and member.speedup else None
+        feedback = None
+        if ctx is not None:
+            from l2ir.policy.base import Feedback
+
+            fb_verdict = {"measured": "measured", "illegal": "illegal"}.get(verdict, "failed")
+            if verdict != "duplicate" and not (verdict == "compiled"):
+                feedback = Feedback(ctx, p, fb_verdict, reward, detail, child)
+        if feedback is not None:
+            self.policy.update([feedback])
+        st.gpu_s += cost
+        child_hash = child.content_hash() if child is not None else None
+        with self.db.transaction():
+            if child is not None:
+                art = built.artifact if built is not None else None
+                res = getattr(art, "resources", None) or {}
+                self.db.add_kernel(child_hash, ir=child.text(), backend=p.backend, target=child.target.arch,
+                                   compile_ok=None if art is None else bool(art.ok),
+                                   compile_error=(built.error or None) if built is not None else None,
+                                   resources={f: dataclasses.asdict(r) for f, r in res.items()
+                                              if dataclasses.is_dataclass(r)} or None)
+            if measurements:
+                self.db.add_many(measurements, run=self.run_id, purpose="search", backend=p.backend,
+                                 measured=cfg.mode == "gpu")
+            if class_verdicts is not None:
+                self.db.add_class_gates(child_hash, self.cls_text, self.env_id, class_verdicts)
+            self.db.add_edit(self.run_id, st.ptext, st.step, parent.kernel.content_hash() if parent else None,
+                             child_hash, self.policy_name if parent else "init", edit_text, verdict, detail,
+                             reward if reward is not None else
+                             FAIL_REWARD if verdict in ("illegal", "failed") else None,
+                             backend=p.backend, gpu_seconds=cost,
+                             compile_seconds=built.compile_seconds if built else 0.0)
+            if feedback is not None:
+                self.db.save_policy_state(f"run:{self.run_id}", _dumps_state(self.policy.state_dict()))
+        if built is not None:
+            built.compile_seconds = 0.0          # paid once per kernel, never per shape
+        self._count(st, verdict)
+        if child is not None:
+            st.seen.add(member_key(child, p.backend))
+            st.history.append(_step(child, edit_text, reward))
+        if member is not None:
+            self._admit(st, member)
+        self.progress(st, verdict)
+
+    def _evaluate(self, st: ShapeState, kernel: Kernel, built: Built):
+        """Measurements, GPU seconds and (when every class gate ran) the class verdicts to keep for the kernel."""
+        cfg = self.config
+        h = kernel.content_hash()
+        reused = None
+        if cfg.reuse_class_gates and self.env_id is not None:
+            reused = self.db.class_gates(h, self.cls_text, self.env_id)
+            if reused is not None and not all(v["passed"] for v in reused):
+                bad = next(v for v in reused if not v["passed"])
+                v = Verdict(bad["name"], False, f"reused from an earlier shape: {bad['detail']}")
+                return [Measurement(kernel_hash=h, problem=st.ptext, scenario="offline", verdicts=[v],
+                                    environment=dict(self.evaluator.environment))], 0.0, None
+        skip = tuple(CLASS_GATES) if (reused is not None and self._skip_ok) else ()
+        t0 = time.perf_counter()
+        kw = {"skip_gates": skip} if self._skip_ok else {}
+        ms = self.evaluator.evaluate(kernel, st.problem, built.plan, built.artifact, **kw)
+        cost = getattr(self.evaluator, "last_cost_s", None)
+        cost = (time.perf_counter() - t0) if cost is None else cost
+        if self.env_id is None and self.evaluator.environment:
+            self.env_id = environment_id(self.evaluator.environment)
+        for m in ms:
+            if skip:
+                m.verdicts += [Verdict(v["name"], v["passed"], f"reused (kernel and problem class): {v['detail']}",
+                                       v.get("skipped", False)) for v in reused]
+        new_class = None
+        if not skip and ms and not ms[0].errors:
+            got = [v.to_json() for v in ms[0].verdicts if v.name in CLASS_GATES]
+            if len(got) == len(CLASS_GATES):
+                new_class = got
+        return ms, cost, new_class
+
+    # -- the end of a shape: re-time the winner on fresh samples --------------------------------------------------
+
+    def _finish_shape(self, st: ShapeState):
+        cfg = self.config
+        summary = {"candidates": st.candidates, "failures": st.failures, "illegal": st.illegal,
+                   "gpu_seconds": st.gpu_s, "winner": None}
+        ranked = sorted((m for m in st.members.values() if m.speedup is not None),
+                        key=lambda m: (m.key != st.incumbent, -m.speedup))
+        cost = 0.0
+        retimes = []
+        if cfg.mode != "compile_only" and cfg.retime:
+            for m in ranked[:3]:
+                built = self.builds.get(m.key)
+                if built is None or built.artifact is None:
+                    self._build([(m.kernel, m.backend)])
+                    built = self.builds[m.key]
+                if built.error:
+                    continue
+                t0 = time.perf_counter()
+                ms = self.retimer.evaluate(m.kernel, st.problem, built.plan, built.artifact)
+                c = getattr(self.retimer, "last_cost_s", None)
+                cost += (time.perf_counter() - t0) if c is None else c
+                retimes.append((m, ms))
+                if ms and all(x.passed for x in ms):
+                    by = {x.scenario: x for x in ms}
+
+                    def num(scenario, attr):
+                        x = by.get(scenario)
+                        return None if x is None or getattr(x, attr) is None else float(getattr(x, attr))
+
+                    summary["winner"] = {
+                        "kernel": m.kernel.content_hash(), "backend": m.backend, "selected_speedup": float(m.speedup),
+                        "offline_speedup": num("offline", "speedup"), "server_speedup": num("server", "speedup"),
+                        "offline_us": num("offline", "kernel_median_us"),
+                        "torch_us": num("offline", "baseline_median_us"),
+                        "server_us": num("server", "kernel_median_us"),
+                        "server_torch_us": num("server", "baseline_median_us")}
+                    break
+                # Passed during the search, failed when gated again: no result; the next best is tried.
+        elif ranked:
+            m = ranked[0]
+            summary["winner"] = {"kernel": m.kernel.content_hash(), "backend": m.backend,
+                                 "selected_speedup": None if m.speedup is None else float(m.speedup)}
+        summary["retime_gpu_seconds"] = cost
+        st.gpu_s += cost
+        with self.db.transaction():
+            for m, ms in retimes:
+                recs = []
+                for x in ms:
+                    rec = x.to_json()
+                    rec["gpu_seconds"] = cost / max(1, len(ms) * len(retimes))
+                    recs.append(rec)
+                self.db.add_many(recs, run=self.run_id, purpose="retime", backend=m.backend,
+                                 measured=cfg.mode == "gpu")
+            self.db.add_edit(self.run_id, st.ptext, st.step, None, None, "loop", "end of shape", DONE,
+                             json.dumps(summary), gpu_seconds=0.0)
+        st.done = summary
+        self.progress(st, DONE)
+
+
+def _failure(ms: list[Measurement]) -> str:
+    for m in ms:
+        if m.errors:
+            return m.errors[0][:300]
+        for v in m.verdicts:
+            if not v.passed:
+                return f"gate {v.name}: {v.detail}"[:300]
+    return "not timed" if ms else "no measurement"
+
+
+def _step(kernel: Kernel, edit_text: str, reward: float | None):
+    from l2ir.policy.base import Step
+
+    edits = ()
+    if edit_text and not edit_text.lstrip().startswith(("#", "kernel")):
+        try:
+            edits = tuple(parse_edits(edit_text))
+        except L2IRError:
+            edits = ()
+    return Step(kernel=kernel, edits=edits, reward=reward)
+
+
+def _dumps_state(state) -> bytes:
+    if isinstance(state, (bytes, bytearray)):
+        return b"B" + bytes(state)
+    return b"J" + json.dumps(state, sort_keys=True).encode()
+
+
+def _loads_state(blob: bytes):
+    return bytes(blob[1:]) if blob[:1] == b"B" else json.loads(blob[1:].decode())
