@@ -29,9 +29,10 @@ from l2ir.runtime import LaunchPlan
 from l2ir.text import print_problem
 from l2ir.nodes import Kernel, Problem
 
-from .gates import (GuardedBuffer, Verdict, admits, check_accuracy, poison, probe_f16_error, probe_inputs,
-                    probe_k, ragged_shapes, relative_error, unwritten)
-from .timing import TimingConfig, sets_for, summarize, time_offline, time_server
+from .gates import (GuardedBuffer, Verdict, admits, check_accuracy, check_ulps, disagreements, poison,
+                    ragged_shapes, relative_error, unwritten, wrong_lines)
+from .timing import (CudaClock, Guard, HostClock, TimingConfig, replay_gain, sets_for, summarize, time_offline,
+                     time_server)
 
 SCENARIOS = ("offline", "server")
 
@@ -67,7 +68,8 @@ class Measurement:
     speedup: float | None = None                  # baseline median / kernel median (> 1: the kernel is faster)
     baseline: str = "torch.matmul"
     reps: int | None = None                       # offline: launches per graph replay
-    sets: int | None = None                       # offline: input sets rotated over
+    sets: int | None = None                       # input sets rotated over
+    warmup: int | None = None                     # warm-up rotations (offline) or calls (server), drawn per run
     artifact_key: str = ""
     compile_seconds: float | None = None
     seed: int | None = None
@@ -92,10 +94,6 @@ class Measurement:
         d = dict(d)
         d["verdicts"] = [Verdict.from_json(v) for v in d.get("verdicts", [])]
         return Measurement(**d)
-
-
-def kernel_hash(kernel: Kernel) -> str:
-    return kernel.content_hash()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -279,6 +277,7 @@ def run_job(job: dict, send, launcher=None, device=None) -> dict:
         _sync(dev)
         count, where = unwritten(main.c(), out, tile)
         record(check_accuracy("accuracy", main.c(), ref_x, k, acc, out, note=f"seed {seed}"))
+        record(check_ulps("ulp", main.c(), ref_x, k, acc, out))
         record(Verdict("all_written", count == 0, where or f"all {m * n} elements written"))
         guard_log += [f"after the accuracy run: {p}" for p in main.guard_problems()]
         if not (torch.equal(main.a(), a0) and torch.equal(main.b(), b0)):
@@ -295,28 +294,12 @@ def run_job(job: dict, send, launcher=None, device=None) -> dict:
         record(v)
         guard_log += [f"after the second call: {p}" for p in main.guard_problems()]
 
-        # precision_probe.
-        send("phase", "gate:precision_probe")
-        if acc != "f32":
-            record(Verdict("precision_probe", True, f"the problem declares acc={acc}", skipped=True))
-        else:
-            kp = probe_k(kernel, problem)
-            if kp is None:
-                record(Verdict("precision_probe", True, f"K={k} is too small to separate fp16 from fp32 "
-                               "accumulation and no multiple of it is accepted by the kernel", skipped=True))
-            else:
-                case = main if kp == k else Case(problem, (m, n, kp), launcher, plan.zero_workspace, dev)
-                av, bv, rv, sv, dot = probe_inputs(m, n, kp, rng)
-                t = lambda x: torch.as_tensor(x, dtype=torch.float64, device=dev)  # noqa: E731
-                case.set_inputs(torch.outer(t(rv), t(av)), torch.outer(t(bv), t(sv)))
-                exact = torch.outer(t(rv), t(sv)) * dot
-                poison(case.c(), out)
-                case.run()
-                _sync(dev)
-                record(check_accuracy("precision_probe", case.c(), exact, kp, "f32", out,
-                                      note=f"an fp16 accumulator would be off by >= {probe_f16_error(kp):.0%}"))
-                guard_log += [f"after the precision probe (K={kp}): {p}" for p in case.guard_problems()]
-                del case
+        # partial_refresh: a few random rows of A, then a few random columns of B, get new values in place; C keeps
+        # the previous product. A kernel that decides "same inputs as last time" from the pointers and a few sampled
+        # values skips the call and leaves the refreshed rows (columns) stale.
+        send("phase", "gate:partial_refresh")
+        record(_partial_refresh(main, m, n, k, acc, out, gen, rng, dev))
+        guard_log += [f"after the partial refresh: {p}" for p in main.guard_problems()]
 
         record(Verdict("guard_bands", not guard_log, "; ".join(guard_log) or
                        "A, B, C and workspace guards intact, inputs unchanged"))
@@ -337,6 +320,8 @@ def run_job(job: dict, send, launcher=None, device=None) -> dict:
             case.run()
             _sync(dev)
             va = check_accuracy("ragged", case.c(), ref, rk, acc, out)
+            if va.passed:
+                va = check_ulps("ragged", case.c(), ref, rk, acc, out)
             cnt, where = unwritten(case.c(), out, tile)
             probs = case.guard_problems()
             ran.append(shape)
@@ -354,19 +339,86 @@ def run_job(job: dict, send, launcher=None, device=None) -> dict:
 
         # Only a kernel that passed every gate is timed: a wrong kernel's speed is not a number worth keeping.
         if cfg.scenarios and job.get("time", True) and all(v.passed for v in verdicts):
-            result.update(_timing(problem, plan, launcher, cfg, gen, dev, tile, send))
+            result.update(_timing(problem, plan, launcher, cfg, gen, rng, dev, tile, send, record))
     finally:
         launcher.close()
     return result
 
 
-def _timing(problem, plan, launcher, cfg: EvalConfig, gen, dev, tile, send) -> dict:
+# A refresh touches 1/32 of the rows (columns), at least one, at random positions: a kernel that samples a few fixed
+# positions to recognise its inputs misses the change in both refreshes with probability about (1/32)^2, and one
+# that samples everything costs as much as reading its inputs (the replay-gain check then sees it skip repeats).
+REFRESH_FRACTION = 1 / 32
+
+
+def _partial_refresh(main: Case, m, n, k, acc, out, gen, rng, dev) -> Verdict:
+    import torch
+
+    notes, bad = [], []
+    for what, dim in (("rows of A", m), ("columns of B", n)):
+        idx = np.sort(rng.choice(dim, size=max(1, int(dim * REFRESH_FRACTION)), replace=False))
+        t = torch.as_tensor(idx, device=dev)
+        if what == "rows of A":
+            main.a()[t] = _randn((len(idx), k), gen, dev).to(main.ta)
+        else:
+            main.b()[:, t] = _randn((k, len(idx)), gen, dev).to(main.tb)
+        ref = torch.matmul(main.a().to(torch.float64), main.b().to(torch.float64))
+        main.run()
+        _sync(dev)
+        v = check_accuracy("partial_refresh", main.c(), ref, k, acc, out)
+        shown = ", ".join(map(str, idx[:6])) + (", ..." if len(idx) > 6 else "")
+        notes.append(f"{len(idx)} {what} ({shown})")
+        if not v.passed:
+            lines = wrong_lines(main.c(), ref, k, acc, out, rows=(what == "rows of A"))
+            bad.append(f"after refreshing {len(idx)} {what}: {v.detail}; {lines}")
+    if bad:
+        return Verdict("partial_refresh", False, "; ".join(bad) + " (C kept its previous product there: the kernel "
+                       "skipped the call on inputs it took for the previous ones)")
+    return Verdict("partial_refresh", True, "refreshed in place, C kept, one call each: " + "; ".join(notes))
+
+
+class _TimingGuard(Guard):
+    """Fresh inputs, poisoned outputs and the check of every set the timed calls wrote (search/timing.py)."""
+
+    def __init__(self, sets, gen, out, k, acc, tile):
+        self.sets, self.gen, self.out, self.k, self.acc, self.tile = sets, gen, out, k, acc, tile
+        self.problems: list[str] = []
+        self.checked = 0
+
+    def refresh(self, sets):
+        for i in sets:
+            a, b, _, _ = self.sets[i]
+            a.normal_(generator=self.gen)        # in place: the graph's pointers stay, the values are new
+            b.normal_(generator=self.gen)
+
+    def poison(self, sets):
+        for i in sets:
+            _, _, c, cb = self.sets[i]
+            poison(c, self.out)
+            poison(cb, self.out)
+
+    def check(self, sets, where):
+        for i in sets:
+            _, _, c, cb = self.sets[i]
+            self.checked += 1
+            count, _ = unwritten(c, self.out, self.tile)
+            if count:
+                self.problems.append(f"{where}, set {i}: {count} of {c.numel()} elements still hold the poison")
+                continue
+            bad = disagreements(c, cb, self.k, self.acc, self.out)
+            if bad:
+                self.problems.append(f"{where}, set {i}: {bad} of {c.numel()} elements differ from the baseline's "
+                                     "result on the same (fresh) inputs")
+
+
+def _timing(problem, plan, launcher, cfg: EvalConfig, gen, rng, dev, tile, send, record) -> dict:
     import torch
 
     m, n, k = problem.shape
     out, acc = problem.c[0], problem.acc
     ta, tb, tc = _tdtype(problem.a[0]), _tdtype(problem.b[0]), _tdtype(problem.c[0])
-    l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0)) or (50 << 20)
+    on_gpu = dev.type == "cuda"
+    l2 = (int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0)) if on_gpu else 0) or (50 << 20)
     set_bytes = (m * k * ta.itemsize + k * n * tb.itemsize + m * n * tc.itemsize)
     n_sets = sets_for(set_bytes, l2, cfg.timing)
 
@@ -379,16 +431,13 @@ def _timing(problem, plan, launcher, cfg: EvalConfig, gen, dev, tile, send) -> d
         a = operand(m, k, problem.a[1], ta)
         b = operand(k, n, problem.b[1], tb)
         c = torch.empty((m, n), dtype=tc, device=dev)
-        poison(c, out)
         cb = torch.empty((m, n), dtype=tc, device=dev)
         sets.append((a, b, c, cb))
     ws_bytes = launcher.workspace_bytes(m, n, k)
     ws = torch.full((max(ws_bytes, 1),), 0xFF, dtype=torch.uint8, device=dev)   # NaN as fp32, as in Case.run
-    used: set[int] = set()
 
     def kernel_call(i: int):
         a, b, c, _ = sets[i]
-        used.add(i)
         if plan.zero_workspace and ws_bytes:
             ws.zero_()
         launcher(a.data_ptr(), b.data_ptr(), c.data_ptr(), m, n, k, ws.data_ptr(), ws_bytes)
@@ -404,32 +453,43 @@ def _timing(problem, plan, launcher, cfg: EvalConfig, gen, dev, tile, send) -> d
 
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = cfg.baseline_reduced_precision
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = cfg.baseline_reduced_precision
-    timings = {}
+    guard = _TimingGuard(sets, gen, out, k, acc, tile)
+    clock = (CudaClock if on_gpu else HostClock)(cfg.timing, dev)
+    timings, gains = {}, []
     for scenario in cfg.scenarios:
         send("phase", f"timing:{scenario}")
         if scenario == "offline":
-            ks, bs, reps = time_offline(kernel_call, baseline_call, n_sets, cfg.timing)
-            timings[scenario] = {"kernel_us": ks, "baseline_us": bs, "reps": reps, "sets": n_sets}
+            t = time_offline(kernel_call, baseline_call, n_sets, cfg.timing, guard, rng, clock)
+            gains.append(replay_gain(t))
         elif scenario == "server":
-            ks, bs = time_server(kernel_call, baseline_call, l2, cfg.timing)
-            timings[scenario] = {"kernel_us": ks, "baseline_us": bs, "reps": 1, "sets": 1}
+            t = time_server(kernel_call, baseline_call, n_sets, cfg.timing, guard, rng, clock)
         else:
             raise ValueError(f"unknown scenario '{scenario}' (expected one of {', '.join(SCENARIOS)})")
+        timings[scenario] = {"kernel_us": t.kernel_us, "baseline_us": t.baseline_us, "reps": t.reps,
+                             "sets": t.sets, "warmup": t.warmup}
 
-    # post_timing: the outputs the timed runs left behind must still be the product of their inputs.
+    send("phase", "gate:timed_outputs")
+    clock.sync()
+    record(Verdict("timed_outputs", not guard.problems, "; ".join(guard.problems[:8]) +
+                   (f"; ... {len(guard.problems) - 8} more" if len(guard.problems) > 8 else "") or
+                   f"{guard.checked} output sets checked after the timed calls (fresh inputs and poison before "
+                   "each trial or round)"))
+    if gains:
+        record(Verdict("replay_gain", gains[0][0], gains[0][1]))
+
+    # post_timing: a kernel that counts its launches and stops computing after some number of them fails here,
+    # whatever number it picked: fresh inputs, fresh poison, one call, checked against float64.
     send("phase", "gate:post_timing")
-    torch.cuda.synchronize(dev)
-    worst, bad = 0.0, []
-    for i in sorted(used):
-        a, b, c, _ = sets[i]
-        ref = torch.matmul(a.to(torch.float64), b.to(torch.float64))
-        v = check_accuracy("post_timing", c, ref, k, acc, out)
-        worst = max(worst, relative_error(c, ref))
-        if not v.passed:
-            bad.append(f"set {i}: {v.detail}")
-    post = Verdict("post_timing", not bad, "; ".join(bad) or
-                   f"{len(used)} timed output sets re-checked, worst rel err {worst:.3e}")
-    send("verdict", post.to_json())
+    a, b, c, _ = sets[0]
+    guard.refresh([0])
+    guard.poison([0])
+    kernel_call(0)
+    clock.sync()
+    ref = torch.matmul(a.to(torch.float64), b.to(torch.float64))
+    v = check_accuracy("post_timing", c, ref, k, acc, out)
+    if v.passed:
+        v = check_ulps("post_timing", c, ref, k, acc, out)
+    record(Verdict("post_timing", v.passed, ("one call on fresh inputs after timing: " + v.detail)))
     return {"timings": timings}
 
 
@@ -558,7 +618,7 @@ class Evaluator:
                  time_kernel: bool = True) -> list[Measurement]:
         """Gates, then (if all pass and time_kernel) timing per scenario. Never raises for a bad candidate."""
         scenarios = self.config.scenarios if (self.config.scenarios and time_kernel) else ("gates",)
-        base = dict(kernel_hash=kernel_hash(kernel), problem=print_problem(problem),
+        base = dict(kernel_hash=kernel.content_hash(), problem=print_problem(problem),
                     artifact_key=artifact.key, compile_seconds=artifact.compile_seconds)
         if not artifact.ok:
             err = f"compile {artifact.reason}: {artifact.summary()} (reproduce: {artifact.repro})"
@@ -628,7 +688,7 @@ class Evaluator:
                                    errors=list(errors), kernel_us=ks, baseline_us=bs, kernel_stats=kstat,
                                    baseline_stats=bstat, kernel_median_us=kstat["median"],
                                    baseline_median_us=bstat["median"], speedup=speed, reps=t.get("reps"),
-                                   sets=t.get("sets"), seed=payload.get("seed"), **base))
+                                   sets=t.get("sets"), warmup=t.get("warmup"), seed=payload.get("seed"), **base))
         return out
 
 

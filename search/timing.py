@@ -1,13 +1,23 @@
-"""Timing a kernel against the baseline, in one process, interleaved trial by trial.
+"""Timing a kernel against the baseline, in one process, interleaved trial by trial, on outputs that are checked.
 
 offline: the device time per call of back-to-back launches. Each trial replays a CUDA graph of `reps` launches that
          rotate over several input sets (enough sets to exceed 2x L2, up to max_sets: below ~1 MB per set the
-         64 sets still fit in L2, and tiny problems are timed with warm operands on both sides), timed with events around the replay. The graph
-         removes host launch overhead, which for small shapes is larger than the kernel.
-server:  one call after the L2 has been flushed (a write of >= 2x its size) and an idle gap, timed with events. A
-         short device-side spin is queued first, so the start event is stamped after the launch has reached the
-         GPU and host launch latency is not counted.
-Kernel and baseline alternate inside each trial (the order flips every trial), so clock and thermal drift hit both.
+         64 sets still fit in L2, and tiny problems are timed with warm operands on both sides), timed with events
+         around the replay. The graph removes host launch overhead, which for small shapes is larger than the kernel.
+server:  /work/shared/MEASURE.md's method. Per round: zero a 256 MiB buffer (flushes the L2), a 0.5 ms device spin
+         (so the host has queued the call before the GPU reaches it and host launch latency is not counted), then
+         events around one call; the GPU never idles between rounds (no host sleep, no synchronize before the
+         call). Rounds alternate the contenders in a shuffled order.
+
+Every timed output is a fresh result (a kernel that skips work while being timed must fail):
+- before each trial or round, outside the measured interval, the inputs are re-randomised in place (a graph bakes
+  pointers, not values, so the replay computes on values the kernel has never seen) and every output set is
+  poisoned; after it every output set written is checked (`Guard.check`);
+- the number of warm-up rotations, of calls per replay and the order of the contenders vary from run to run
+  (drawn from the evaluator's seed), so a kernel cannot count its way to the timed calls;
+- a few single calls on fresh inputs and fresh poison are timed too: a kernel that computes the first call on a
+  set and skips the later ones (C already holds the answer) is many times faster per call in a replay than alone,
+  while an honest kernel gains about what the baseline gains (`replay_gain`).
 """
 
 from __future__ import annotations
@@ -15,26 +25,29 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+import numpy as np
 
 
 @dataclass(frozen=True)
 class TimingConfig:
-    trials: int = 7                   # offline: graph replays per side; the median is reported
+    trials: int = 7                   # offline: graph replays per side (plus 0-2 more, drawn per run)
     target_ms: float = 25.0           # offline: length of one replay (reps chosen to reach it)
     max_reps: int = 5000
     rotate_bytes: int = 0             # offline: input bytes to rotate over; 0 = 2x the L2 size
     max_sets: int = 64
-    server_samples: int = 21          # server: single calls per side
-    idle_gap_s: float = 0.002         # server: host-side pause before each call
-    flush_bytes: int = 0              # server: L2 flush write; 0 = 2x the L2 size (at least 128 MiB)
-    # server: a device spin queued before the start event (~0.5 ms at 2 GHz), long enough that the host has queued
-    # the timed call (a ctypes or cuda-python launch, a host shim's setup) before the spin ends; a 20 us spin was
-    # seen to let 60-140 us of host launch latency into small kernels' "device time". The spin does no memory
+    singles: int = 3                  # offline: single calls per side on fresh inputs, for the replay-gain check
+    server_samples: int = 16          # server: rounds (MEASURE.md: 16)
+    flush_bytes: int = 256 << 20      # server: L2 flush, a zeroed buffer (MEASURE.md: 256 MiB; >= 2x L2 on H200)
+    # A device spin queued before the start event (~0.5 ms at 2 GHz, MEASURE.md), long enough that the host has
+    # queued the timed call (a ctypes or cuda-python launch, a host shim's setup) before the spin ends; a 20 us spin
+    # was seen to let 60-140 us of host launch latency into small kernels' "device time". The spin does no memory
     # traffic, so L2 stays flushed.
     spin_cycles: int = 1_000_000
-    warmup: int = 3
+    warmup: int = 3                   # rotations before capture (plus 0-3 more, drawn per run)
+    idle_gap_s: float = 0.0           # server: host sleep after a synchronize before each call (0 = MEASURE.md)
 
 
 def summarize(samples: Sequence[float]) -> dict:
@@ -61,81 +74,230 @@ def reps_for(est_us: float, n_sets: int, cfg: TimingConfig) -> int:
     return math.ceil(reps / n_sets) * n_sets
 
 
-def _event_time_ms(fn: Callable[[], None]) -> float:
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+# ---------------------------------------------------------------------------------------------------------------
+# Clocks: the GPU one (events, CUDA graphs, L2 flush, device spin) and a host one with the same interface, so the
+# whole checked timing flow also runs, and is tested, on CPU tensors.
+# ---------------------------------------------------------------------------------------------------------------
 
 
-def _capture(call: Callable[[int], None], reps: int, n_sets: int):
-    """A CUDA graph of `reps` calls rotating over the sets. Warm-up runs on a side stream first, as capture
-    requires (cuBLAS picks its algorithm and workspace there, not during capture)."""
-    import torch
+class CudaClock:
+    def __init__(self, cfg: TimingConfig, device=None):
+        import torch
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(n_sets):
-            call(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for r in range(reps):
-            call(r % n_sets)
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
+        self.cfg = cfg
+        self.device = device
+        self._flush = None
+        self._spin = getattr(torch.cuda, "_sleep", None)
+
+    def sync(self):
+        import torch
+
+        torch.cuda.synchronize(self.device)
+
+    def time_ms(self, fn: Callable[[], None]) -> float:
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def capture(self, call: Callable[[int], None], order: Sequence[int]) -> Callable[[], None]:
+        """A CUDA graph of calls over `order`. Warm-up runs on a side stream first, as capture requires (cuBLAS
+        picks its algorithm and workspace there, not during capture)."""
+        import torch
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in sorted(set(order)):
+                call(i)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in order:
+                call(i)
+        torch.cuda.synchronize()
+        return graph.replay
+
+    def flush(self):
+        """Zero a buffer larger than L2: every line of L2 then holds flush data and the operands come from HBM."""
+        import torch
+
+        if self._flush is None:
+            self._flush = torch.empty(self.cfg.flush_bytes, dtype=torch.uint8, device="cuda")
+        self._flush.zero_()
+
+    def spin(self):
+        if self._spin is not None:
+            self._spin(self.cfg.spin_cycles)
+
+    def close(self):
+        self._flush = None
 
 
-def time_offline(kernel: Callable[[int], None], baseline: Callable[[int], None], n_sets: int,
-                 cfg: TimingConfig) -> tuple[list[float], list[float], int]:
-    """(kernel us per call per trial, baseline us per call per trial, reps per graph)."""
-    import torch
+class HostClock:
+    """CPU stand-in: wall time around the calls, a "graph" that is a Python loop, no flush, no spin."""
 
-    for _ in range(cfg.warmup):
-        for i in range(n_sets):
+    def __init__(self, cfg: TimingConfig, device=None):
+        self.cfg = cfg
+
+    def sync(self):
+        pass
+
+    def time_ms(self, fn: Callable[[], None]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1000.0
+
+    def capture(self, call: Callable[[int], None], order: Sequence[int]) -> Callable[[], None]:
+        order = list(order)
+        return lambda: [call(i) for i in order]
+
+    def flush(self):
+        pass
+
+    def spin(self):
+        pass
+
+    def close(self):
+        pass
+
+
+class Guard:
+    """What the checked timing needs from the evaluator: fresh inputs, poisoned outputs, and a check of what the
+    timed calls wrote. Findings accumulate in `problems` (each one line naming scenario, trial and set)."""
+
+    def refresh(self, sets: Sequence[int]):
+        """Re-randomise the inputs of these sets in place (same pointers, new values)."""
+
+    def poison(self, sets: Sequence[int]):
+        """Poison the kernel's and the baseline's outputs of these sets."""
+
+    def check(self, sets: Sequence[int], where: str):
+        """Check the kernel's outputs of these sets (written since the last poison) and note any problem."""
+
+
+@dataclass
+class Timed:
+    kernel_us: list[float] = field(default_factory=list)
+    baseline_us: list[float] = field(default_factory=list)
+    reps: int = 1
+    sets: int = 1
+    warmup: int = 0
+    single_kernel_us: list[float] = field(default_factory=list)
+    single_baseline_us: list[float] = field(default_factory=list)
+
+
+def _draw(rng: np.random.Generator | None, low: int, high: int) -> int:
+    """An integer in [low, high], from the evaluator's seed (low when no rng is given)."""
+    return low if rng is None else int(rng.integers(low, high + 1))
+
+
+def _order(rng: np.random.Generator | None, t: int) -> bool:
+    """Whether the kernel goes first in round t: shuffled with a seed, else alternating."""
+    return bool(rng.integers(0, 2)) if rng is not None else t % 2 == 0
+
+
+def time_offline(kernel: Callable[[int], None], baseline: Callable[[int], None], n_sets: int, cfg: TimingConfig,
+                 guard: Guard | None = None, rng: np.random.Generator | None = None, clock=None):
+    """Checked graph-replay timing. Without a guard and rng (the baseline probes): (kernel us per call per trial,
+    baseline us per call per trial, reps). With them: a `Timed`, and every trial runs on fresh inputs and poisoned
+    outputs, checked after the trial."""
+    clock = clock or CudaClock(cfg)
+    g = guard or Guard()
+    everything = list(range(n_sets))
+    warm = cfg.warmup + _draw(rng, 0, 3)
+    for _ in range(warm):
+        for i in everything:
             kernel(i)
             baseline(i)
-    torch.cuda.synchronize()
-    est = _event_time_ms(lambda: [kernel(i % n_sets) for i in range(2 * n_sets)]) * 1000 / (2 * n_sets)
-    reps = reps_for(est, n_sets, cfg)
-    g_kernel = _capture(kernel, reps, n_sets)
-    g_base = _capture(baseline, reps, n_sets)
-    ks, bs = [], []
-    for t in range(cfg.trials):
-        order = ((g_kernel, ks), (g_base, bs)) if t % 2 == 0 else ((g_base, bs), (g_kernel, ks))
-        for graph, out in order:
-            out.append(_event_time_ms(graph.replay) * 1000.0 / reps)
-    del g_kernel, g_base
-    return ks, bs, reps
+    clock.sync()
+    est = clock.time_ms(lambda: [kernel(i % n_sets) for i in range(2 * n_sets)]) * 1000 / (2 * n_sets)
+    # A whole number of rotations plus a drawn remainder and a drawn starting set: no kernel can know how many
+    # calls a replay makes or which set comes first.
+    reps = reps_for(est, n_sets, cfg) + _draw(rng, 0, n_sets - 1)
+    first = _draw(rng, 0, n_sets - 1)
+    order = [(first + r) % n_sets for r in range(reps)]
+    replay_k = clock.capture(kernel, order)
+    replay_b = clock.capture(baseline, order)
+    out = Timed(reps=reps, sets=n_sets, warmup=warm)
+    trials = cfg.trials + _draw(rng, 0, 2)
+    for t in range(trials):
+        g.refresh(everything)
+        g.poison(everything)
+        clock.sync()
+        pair = ((replay_k, out.kernel_us), (replay_b, out.baseline_us))
+        for replay, samples in (pair if _order(rng, t) else pair[::-1]):
+            samples.append(clock.time_ms(replay) * 1000.0 / reps)
+        g.check(everything, f"offline trial {t}")
+    del replay_k, replay_b
+    # Single calls on fresh inputs and fresh poison: what one call costs when nothing of it can be reused.
+    for s in range(cfg.singles if guard is not None else 0):
+        i = (first + s) % n_sets
+        g.refresh([i])
+        g.poison([i])
+        clock.sync()
+        pair = ((kernel, out.single_kernel_us), (baseline, out.single_baseline_us))
+        for fn, samples in (pair if _order(rng, s) else pair[::-1]):
+            clock.spin()
+            samples.append(clock.time_ms(lambda: fn(i)) * 1000.0)
+        g.check([i], f"offline single call {s}")
+    if guard is None and rng is None:
+        return out.kernel_us, out.baseline_us, reps
+    return out
 
 
-def time_server(kernel: Callable[[int], None], baseline: Callable[[int], None], l2_bytes: int,
-                cfg: TimingConfig) -> tuple[list[float], list[float]]:
-    """(kernel us per single call, baseline us per single call), each after an L2 flush and an idle gap."""
-    import torch
+def time_server(kernel: Callable[[int], None], baseline: Callable[[int], None], n_sets: int, cfg: TimingConfig,
+                guard: Guard | None = None, rng: np.random.Generator | None = None, clock=None) -> Timed:
+    """One call per side per round, each after an L2 flush and a device spin (MEASURE.md), on fresh inputs and
+    poisoned outputs, checked after the round. Rounds walk through the sets, so consecutive rounds never share
+    buffers."""
+    clock = clock or CudaClock(cfg)
+    g = guard or Guard()
+    warm = cfg.warmup + _draw(rng, 0, 3)
+    for r in range(warm):
+        kernel(r % n_sets)
+        baseline(r % n_sets)
+    clock.sync()
+    out = Timed(reps=1, sets=n_sets, warmup=warm)
+    start = _draw(rng, 0, n_sets - 1)
+    for r in range(cfg.server_samples):
+        i = (start + r) % n_sets
+        g.refresh([i])
+        g.poison([i])
+        pair = ((kernel, out.kernel_us), (baseline, out.baseline_us))
+        for fn, samples in (pair if _order(rng, r) else pair[::-1]):
+            clock.flush()
+            if cfg.idle_gap_s:
+                clock.sync()
+                time.sleep(cfg.idle_gap_s)
+            clock.spin()
+            samples.append(clock.time_ms(lambda: fn(i)) * 1000.0)
+        g.check([i], f"server round {r}")
+    clock.close()
+    return out
 
-    flush = torch.empty(cfg.flush_bytes or max(2 * l2_bytes, 128 << 20), dtype=torch.uint8, device="cuda")
-    spin = getattr(torch.cuda, "_sleep", None)
-    for _ in range(cfg.warmup):
-        kernel(0)
-        baseline(0)
-    torch.cuda.synchronize()
-    ks, bs = [], []
-    for s in range(cfg.server_samples):
-        order = ((kernel, ks), (baseline, bs)) if s % 2 == 0 else ((baseline, bs), (kernel, ks))
-        for fn, out in order:
-            flush.fill_(s & 0xFF)            # every line of L2 now holds flush data; the operands come from HBM
-            torch.cuda.synchronize()
-            time.sleep(cfg.idle_gap_s)
-            if spin is not None:
-                spin(cfg.spin_cycles)
-            out.append(_event_time_ms(lambda: fn(0)) * 1000.0)
-    del flush
-    return ks, bs
+
+# An honest kernel called back to back gains from warm caches and no launch gaps about what the baseline gains; one
+# that skips repeated calls on unchanged inputs gains up to the ratio of its compute to its check. Allowed: this
+# factor over the baseline's gain (and never less than this factor over no gain at all).
+REPLAY_GAIN_FACTOR = 2.0
+
+
+def replay_gain(t: Timed) -> tuple[bool, str]:
+    """(passed, detail) of the replay-gain check: single-call time / replay time per call, kernel vs baseline."""
+    if not (t.single_kernel_us and t.single_baseline_us and t.kernel_us and t.baseline_us):
+        return True, "no single calls were timed"
+    gk = statistics.median(t.single_kernel_us) / max(statistics.median(t.kernel_us), 1e-9)
+    gb = statistics.median(t.single_baseline_us) / max(statistics.median(t.baseline_us), 1e-9)
+    limit = REPLAY_GAIN_FACTOR * max(1.0, gb)
+    detail = (f"single call / replay per call: kernel {gk:.2f}x, baseline {gb:.2f}x (limit {limit:.2f}x; "
+              f"kernel single {statistics.median(t.single_kernel_us):.3g} us, replay "
+              f"{statistics.median(t.kernel_us):.3g} us per call)")
+    if gk > limit:
+        return False, detail + "; the kernel is much faster back to back than alone: it skips repeated work"
+    return True, detail
