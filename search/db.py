@@ -394,7 +394,7 @@ class RecordsDB:
         if r is None:
             return None
         d = dict(zip([c[0] for c in cur.description], r))
-        d["config"], d["budget"] = json.loads(d["config"]), json.loads(d["budget"])
+        d["config"], d["budget"] = json.loads(d["config"] or "{}"), json.loads(d["budget"] or "{}")
         return d
 
     def runs(self) -> list[dict]:
