@@ -66,6 +66,7 @@ class CompileOptions:
     python: str = sys.executable             # interpreter for the NVRTC child process
     opt: str = "-O3"
     lineinfo: bool = True                    # source lines in SASS for the profiler; does not change codegen
+    keep: bool = False                       # nvcc -keep: the PTX and other intermediates stay in the cache entry
     timeout_s: float = 600.0                 # per job; CUTLASS 3.x translation units take minutes
     jobs: int = 0                            # parallel compiles; 0 = one per CPU
     cuda_include: tuple[str, ...] | None = None     # None: ask nvcc where its headers are
@@ -102,6 +103,10 @@ class Artifact:
     resources: dict[str, FunctionResources] = field(default_factory=dict)
     command: str = ""
     log: str = ""
+
+    def ptx(self) -> str:
+        """The PTX the compile produced, when it was built with CompileOptions(keep=True); "" otherwise."""
+        return "\n".join(p.read_text() for p in sorted(self.dir.glob("*.ptx")))
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,8 @@ def _flags(plan: LaunchPlan, options: CompileOptions) -> tuple[list[str], list[s
         includes += [f"-I{d}" for d in cuda_inc]
     if options.lineinfo:
         flags.append("-lineinfo")
+    if options.keep and options.compiler == "nvcc":
+        flags.append("-keep")
     if plan.needs_cutlass:
         # CuTe's layout algebra is constexpr host/device code; NDEBUG removes CUTE_STATIC/runtime asserts in kernels.
         flags += ["--expt-relaxed-constexpr", "-DNDEBUG"]

@@ -643,35 +643,6 @@ def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
     )
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The reference build command (compile.py owns caching; tests and bench/ use this directly).
-# ---------------------------------------------------------------------------------------------------------------
-
-NVCC_FLAGS = ("-shared", "-Xcompiler", "-fPIC", "-std=c++17", "--expt-relaxed-constexpr", "-O3",
-              # sm_90a, not sm_90: wgmma and setmaxnreg exist only in the arch-specific target. `-arch=sm_90a`
-              # would also embed compute_90 PTX, which rejects wgmma.
-              "-gencode=arch=compute_90a,code=sm_90a")
-
-
-def cutlass_includes() -> tuple[str, str]:
-    """CUTLASS/CuTe headers from the nvidia-cutlass wheel (raises ImportError when it is not installed)."""
-    import cutlass_library
-
-    root = cutlass_library.source_path
-    return (f"{root}/include", f"{root}/tools/util/include")
-
-
-def nvcc_command(plan: LaunchPlan, source_path: str, output_path: str, nvcc: str = "nvcc",
-                 includes: tuple[str, ...] | None = None, verbose_ptxas: bool = False) -> list[str]:
-    """The nvcc argv that builds `plan` (already written to source_path) into the shared library output_path."""
-    incs = cutlass_includes() if includes is None else includes
-    cmd = [nvcc, *NVCC_FLAGS, *(f"-I{inc}" for inc in incs), *plan.extra_flags]
-    if verbose_ptxas:
-        cmd += ["-Xptxas", "-v"]
-    return cmd + ["-o", output_path, source_path]
-
-
 __all__ = [
-    "Sm90Config", "UnsupportedLowering", "canonicalize", "render", "workspace_bound", "lower", "nvcc_command",
-    "cutlass_includes",
+    "Sm90Config", "UnsupportedLowering", "canonicalize", "render", "workspace_bound", "lower",
 ]

@@ -5,6 +5,7 @@
     l2ir edit FILE 'EDIT'...           apply edits, print the verified result
     l2ir interp FILE --shape MxNxK     run the reference interpreter against float64 A @ B
     l2ir seed --shape MxNxK --target sm90a
+    l2ir lower FILE [--dump]           lower to CUDA source without compiling; --dump prints every stage
     l2ir compile FILE                  lower + compile (nvcc/NVRTC): stages on disk, registers, spills, SASS
     l2ir bench ...                     (GPU) seed + sweep over grid shapes, gated, timed against torch.matmul
 
@@ -23,6 +24,7 @@ import numpy as np
 from .edits import apply_edit, parse_edits
 from .errors import L2IRError, ParseError, VerifyError
 from .nodes import ARCHS, Kernel, Problem
+from .passes import PASSES
 from .text import parse_kernel_file, parse_problem, print_kernel, print_problem
 
 
@@ -165,6 +167,26 @@ def cmd_seed(args) -> int:
     return 0
 
 
+def cmd_lower(args) -> int:
+    """Run the pass pipeline and the backend on one kernel file; print the source (--dump: every stage)."""
+    from .passes import PassPipeline
+
+    file_problem, kernel, lines, name = _load(args.file)
+    pipeline = PassPipeline(tuple(PASSES[p] for p in args.passes or ()), args.backend)
+    try:
+        lowered = pipeline.run(kernel, file_problem or Problem(1, 1, 1))
+    except VerifyError as e:
+        print(_located(e, lines, name), file=sys.stderr)
+        return 1
+    except NotImplementedError as e:
+        raise CliError(f"{name}: not lowered: {e}") from None
+    for i, stage in enumerate(lowered.stages if args.dump else lowered.stages[-1:]):
+        if args.dump:
+            print(f"// ===== stage {i}: {stage.name} =====")
+        print(stage.text, end="" if stage.text.endswith("\n") else "\n")
+    return 0
+
+
 def cmd_compile(args) -> int:
     """Lower and compile one kernel file; report where every stage is on disk, resources and SASS."""
     from l2ir.backends.compile import CompileOptions, compile_plan
@@ -269,6 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", choices=ARCHS, default="sm90a")
     s.add_argument("--problem", help="problem line giving dtypes/layouts; --shape sets the sizes")
     s.set_defaults(fn=cmd_seed)
+
+    s = sub.add_parser("lower", help="lower a kernel file to CUDA source without compiling (--dump: every stage)")
+    s.add_argument("file")
+    s.add_argument("--backend", help="force a backend (default: the one default backend for the kernel)")
+    s.add_argument("--pass", dest="passes", action="append", choices=sorted(PASSES),
+                   help="run a shipped pass before lowering (repeatable, in order)")
+    s.add_argument("--dump", action="store_true", help="print every stage: input IR, each pass, the plan, the source")
+    s.set_defaults(fn=cmd_lower)
 
     s = sub.add_parser("compile", help="lower and compile a kernel file; report the stages, resources and SASS")
     s.add_argument("file")

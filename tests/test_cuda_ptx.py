@@ -4,17 +4,14 @@ Regenerate the golden sources after an intended change to the lowering:
     python tests/test_cuda_ptx.py --update-golden
 and review the diff of tests/golden/cuda_ptx/ like any other code change.
 
-The nvcc tests build two configurations (raw CUDA: about 2 s each); they skip cleanly without nvcc, and the SASS check
-skips without cuobjdump/nvdisasm (PATH, or the nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm wheels).
+The nvcc tests build two configurations through backends/compile.py (raw CUDA: about 2 s each); they skip cleanly
+without nvcc, and the SASS check skips without cuobjdump/nvdisasm (PATH, or the NVIDIA wheels).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +19,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from builds import build_all, built  # noqa: E402
 from golden_sources import GoldenSources  # noqa: E402
+from l2ir.backends.sass import disassemble  # noqa: E402
 from l2ir.backends import registry  # noqa: E402
 from l2ir.backends.cuda_ptx import sm90a  # noqa: E402
 from l2ir.backends.cuda_ptx.common import UnsupportedLowering  # noqa: E402
@@ -226,84 +225,48 @@ def test_illegal_ir_raises_verify_error():
 NVCC_CASES = ["coop_128x256x64_direct", "coop_256x128x64_smem8_along_m8"]
 
 
-def _tool_dirs() -> list[str]:
-    """Folders that may hold cuobjdump and nvdisasm: PATH, then the NVIDIA wheels."""
-    dirs = []
-    try:
-        import nvidia.cu13  # noqa: F401
-        dirs.append(str(Path(nvidia.cu13.__path__[0]) / "bin"))
-    except ImportError:
-        pass
-    return dirs
-
-
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not on PATH")
-    out = {}
-    procs = {}
-    for name in NVCC_CASES:
-        d = tmp_path_factory.mktemp(name)
-        plan = lower(*CASES[name])
-        (d / "kernel.cu").write_text(plan.source)
-        cmd = sm90a.nvcc_command(plan, str(d / "kernel.cu"), str(d / "libkernel.so"), nvcc=nvcc, verbose_ptxas=True)
-        cmd[-3:-3] = ["-keep", "-keep-dir", str(d)]
-        procs[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), cmd, d)
-    for name, (proc, cmd, d) in procs.items():
-        log, _ = proc.communicate(timeout=600)
-        out[name] = {"rc": proc.returncode, "log": log, "cmd": cmd, "lib": d / "libkernel.so",
-                     "ptx": "\n".join(p.read_text() for p in d.glob("*.ptx"))}
-    return out
+    return build_all({name: lower(*CASES[name]) for name in NVCC_CASES}, tmp_path_factory.mktemp("cache"))
 
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("name", NVCC_CASES)
 def test_nvcc_builds_without_spills(builds, name):
-    b = builds[name]
-    assert b["rc"] == 0, "nvcc failed; reproduce with:\n  " + " ".join(b["cmd"]) + "\n" + b["log"][-4000:]
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", b["log"])
+    b = built(builds[name], name)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", b.log)
     assert spills and all(s == ("0", "0") for s in spills), f"register spills: {spills}"
-    assert "C7510" not in b["log"] and "C7515" not in b["log"], "ptxas serialized the wgmma pipeline"
-    assert "warning" not in b["log"].lower(), b["log"]
-    regs = [int(r) for r in re.findall(r"Used (\d+) registers", b["log"])]
+    assert "C7510" not in b.log and "C7515" not in b.log, "ptxas serialized the wgmma pipeline"
+    assert "warning" not in b.log.lower(), b.log
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", b.log)]
     assert regs and max(regs) <= 168, regs   # 65536 / 384 threads, rounded down to a multiple of 8
     bn = CASES[name][0].tile.bn
-    assert f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16" in b["ptx"]
+    ptx = b.ptx()
+    assert f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16" in ptx
     for instr in ("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes",
                   "setmaxnreg.dec.sync.aligned.u32 40", "setmaxnreg.inc.sync.aligned.u32 232",
                   "mbarrier.try_wait.parity.shared::cta.b64", "wgmma.wait_group.sync.aligned 1"):
-        assert instr in b["ptx"], instr
+        assert instr in ptx, instr
 
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("name", NVCC_CASES)
 def test_sass_has_hgmma(builds, name):
-    b = builds[name]
-    assert b["rc"] == 0
-    env = {**os.environ, "PATH": os.pathsep.join(_tool_dirs() + [os.environ.get("PATH", "")])}
-    cuobjdump = shutil.which("cuobjdump", path=env["PATH"])
-    if cuobjdump is None:
-        pytest.skip("cuobjdump not found")
-    proc = subprocess.run([cuobjdump, "-sass", str(b["lib"])], capture_output=True, text=True, env=env)
-    if proc.returncode != 0 and "nvdisasm" in proc.stderr + proc.stdout:
-        pytest.skip("cuobjdump -sass needs nvdisasm, which is not installed")
-    assert proc.returncode == 0, proc.stderr
+    sass = disassemble(built(builds[name], name).binary)
+    if sass is None:
+        pytest.skip("cuobjdump/nvdisasm not found (PATH or the NVIDIA wheels)")
     kernel = CASES[name][0]
     slabs = kernel.tile.bm // 128
-    hgmma = re.findall(rf"HGMMA\.64x{kernel.tile.bn}x16\.F32", proc.stdout)
+    hgmma = re.findall(rf"HGMMA\.64x{kernel.tile.bn}x16\.F32", sass)
     # One k-tile's wgmmas (BK/16 steps x slabs) appear once in the unrolled main loop.
     assert len(hgmma) == kernel.tile.bk // 16 * slabs, len(hgmma)
-    assert "UTMALDG.2D" in proc.stdout
+    assert "UTMALDG.2D" in sass
 
 
 @pytest.mark.nvcc
 def test_host_shim_refuses_without_gpu(builds):
     """The shim loads and refuses bad arguments before any CUDA call (also on machines without a GPU)."""
-    b = builds["coop_128x256x64_direct"]
-    assert b["rc"] == 0
-    so = ctypes.CDLL(str(b["lib"]))
+    so = ctypes.CDLL(str(built(builds["coop_128x256x64_direct"]).binary))
     so.l2ir_run.restype = ctypes.c_int
     so.l2ir_run.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_size_t,
                                                                           ctypes.c_void_p]

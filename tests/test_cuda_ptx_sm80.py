@@ -12,8 +12,6 @@ cleanly without nvcc.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from builds import build_all, built  # noqa: E402
 from golden_sources import GoldenSources  # noqa: E402
 from l2ir.backends import registry  # noqa: E402
 from l2ir.backends.cuda_ptx import sm80  # noqa: E402
@@ -231,32 +230,18 @@ NVCC_CASES = ["128x128x32_w2x2_s4_prefetch_smem8", "64x64x32_w2x2_s3_splitk4_sme
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not on PATH")
-    procs = {}
-    for name in NVCC_CASES:
-        d = tmp_path_factory.mktemp(name)
-        (d / "kernel.cu").write_text(lower(*CASES[name]).source)
-        cmd = sm80.nvcc_command(str(d / "kernel.cu"), str(d / "kernel.cubin"), nvcc=nvcc)
-        procs[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), cmd)
-    out = {}
-    for name, (proc, cmd) in procs.items():
-        log, _ = proc.communicate(timeout=600)
-        out[name] = {"rc": proc.returncode, "log": log, "cmd": cmd}
-    return out
+    return build_all({name: lower(*CASES[name]) for name in NVCC_CASES}, tmp_path_factory.mktemp("cache"))
 
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("name", NVCC_CASES)
 def test_nvcc_builds_without_spills(builds, name):
-    b = builds[name]
-    assert b["rc"] == 0, "nvcc failed; reproduce with:\n  " + " ".join(b["cmd"]) + "\n" + b["log"][-4000:]
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", b["log"])
+    b = built(builds[name], name)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", b.log)
     entries = 2 if CASES[name][0].splitk is not None else 1
     assert len(spills) == entries and all(s == ("0", "0") for s in spills), f"register spills: {spills}"
-    assert "warning" not in b["log"].lower(), b["log"]
-    regs = [int(r) for r in re.findall(r"Used (\d+) registers", b["log"])]
+    assert "warning" not in b.log.lower(), b.log
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", b.log)]
     assert regs and max(regs) <= 255, regs
 
 

@@ -7,15 +7,10 @@ Regenerate the golden sources after an intended change of the generated code (re
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import difflib
-import os
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from builds import build_all, built  # noqa: E402
 from golden_sources import GoldenSources  # noqa: E402
 from l2ir.backends import registry  # noqa: E402
 from l2ir.backends.cute_sm80 import derive  # noqa: E402
@@ -262,14 +258,6 @@ def test_internal_failure_is_a_lowering_error(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _cutlass_include() -> str | None:
-    try:
-        import cutlass_library
-    except ImportError:
-        return None
-    return os.path.join(cutlass_library.source_path, "include")
-
-
 COMPILE_SET = {
     "seed_128x128x32": (SEED_128, prob(), True),
     "seed_128x256x32": (SEED_128x256, prob(), True),
@@ -280,36 +268,18 @@ COMPILE_SET = {
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    include = _cutlass_include()
-    if shutil.which("nvcc") is None or include is None:
-        pytest.skip("needs nvcc and the nvidia-cutlass wheel (cutlass_library)")
-    tmp = Path(tempfile.mkdtemp(prefix="l2ir_cute_sm80_"))
-
-    def build(item):
-        name, (k, p, _) = item
-        cu = tmp / f"{name}.cu"
-        cu.write_text(lower(k, p).source)
-        cmd = ["nvcc", "-cubin", "-std=c++17", "--expt-relaxed-constexpr", "-O3",
-               "-gencode=arch=compute_80,code=sm_90", "-Xptxas", "-v", f"-I{include}", str(cu),
-               "-o", str(tmp / f"{name}.cubin")]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        return name, r, " ".join(cmd)
-
-    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as pool:
-        results = {name: (r, cmd) for name, r, cmd in pool.map(build, COMPILE_SET.items())}
-    yield results
-    shutil.rmtree(tmp, ignore_errors=True)
+def compiled(tmp_path_factory):
+    plans = {name: lower(k, p) for name, (k, p, _) in COMPILE_SET.items()}
+    return build_all(plans, tmp_path_factory.mktemp("cache"))
 
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("name", sorted(COMPILE_SET))
 def test_nvcc_compiles(compiled, name):
-    r, cmd = compiled[name]
-    assert r.returncode == 0, f"nvcc failed; reproduce with:\n{cmd}\n{r.stderr[-6000:]}"
+    r = built(compiled[name], name)
     if COMPILE_SET[name][2]:
-        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
-        assert spills and all(s == ("0", "0") for s in spills), r.stderr
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.log)
+        assert spills and all(s == ("0", "0") for s in spills), r.log
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +19,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from builds import build_all, built  # noqa: E402
 from golden_sources import GoldenSources  # noqa: E402
+from l2ir.backends.sass import disassemble  # noqa: E402
 from l2ir.backends import cutlass_sm90 as sm90  # noqa: E402
 from l2ir.runtime import STATUS_BAD_ARGUMENT, STATUS_NOT_DIVISIBLE, STATUS_WORKSPACE_TOO_SMALL, status_name  # noqa: E402
 from l2ir.backends import registry  # noqa: E402
@@ -262,36 +262,16 @@ def test_status_names():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _toolchain():
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not on PATH")
-    try:
-        includes = sm90.cutlass_includes()
-    except ImportError:
-        pytest.skip("nvidia-cutlass (cutlass_library) not installed")
-    return nvcc, includes
-
-
 def _require_slow_selected(request):
     if "slow" not in (request.config.option.markexpr or ""):
         pytest.skip("slow nvcc build: select with -m 'nvcc and slow'")
 
 
-def build(kernel: Kernel, problem: Problem, out_dir: Path) -> dict:
-    """Build the shared library, keeping the PTX and the ptxas report; returns paths and logs."""
-    nvcc, includes = _toolchain()
+def build(kernel: Kernel, problem: Problem, cache_dir: Path) -> dict:
+    """Build the shared library through backends/compile.py, keeping the PTX and the ptxas report."""
     plan = lower(kernel, problem)
-    src, lib, keep = out_dir / "kernel.cu", out_dir / "libkernel.so", out_dir / "keep"
-    keep.mkdir(parents=True, exist_ok=True)
-    src.write_text(plan.source)
-    cmd = sm90.nvcc_command(plan, str(src), str(lib), nvcc=nvcc, includes=includes, verbose_ptxas=True)
-    cmd[-3:-3] = ["-keep", "-keep-dir", str(keep)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, "nvcc failed; reproduce with:\n  " + " ".join(cmd) + "\n" + log[-4000:]
-    ptx = "\n".join(p.read_text() for p in keep.glob("*.ptx"))
-    return {"lib": lib, "log": log, "ptx": ptx, "plan": plan}
+    art = built(build_all({"plan": plan}, cache_dir)["plan"])
+    return {"lib": art.binary, "log": art.log, "ptx": art.ptx(), "plan": plan}
 
 
 def check_build(result: dict, wgmma: str) -> None:
@@ -332,20 +312,10 @@ def test_nvcc_coop_128x256x64_cluster2x1(coop_build):
 
 @pytest.mark.nvcc
 def test_sass_has_hgmma(coop_build):
-    cuobjdump = shutil.which("cuobjdump")
-    try:
-        import nvidia.cu13  # noqa: F401  (the nvidia-cuda-cuobjdump wheel)
-        wheel = Path(nvidia.cu13.__path__[0]) / "bin" / "cuobjdump"
-        cuobjdump = cuobjdump or (str(wheel) if wheel.exists() else None)
-    except ImportError:
-        pass
-    if cuobjdump is None:
-        pytest.skip("cuobjdump not found")
-    proc = subprocess.run([cuobjdump, "-sass", str(coop_build["lib"])], capture_output=True, text=True)
-    if "nvdisasm" in proc.stderr:
-        pytest.skip("cuobjdump -sass needs nvdisasm, which is not installed")
-    assert proc.returncode == 0, proc.stderr
-    assert "HGMMA.64x256x16.F32" in proc.stdout
+    sass = disassemble(coop_build["lib"])
+    if sass is None:
+        pytest.skip("cuobjdump/nvdisasm not found (PATH or the NVIDIA wheels)")
+    assert "HGMMA.64x256x16.F32" in sass
 
 
 @pytest.mark.nvcc

@@ -129,11 +129,6 @@ class Sm80Config:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def accepts(kernel: Kernel) -> bool:
-    """The dispatch predicate of this rule: an mma.sync + cp.async multistage schedule, on any target."""
-    return not kernel.is_source and kernel.mma.op == "mma_sync" and kernel.pipeline.mode == "multistage"
-
-
 def canonicalize(kernel: Kernel, problem: Problem) -> Sm80Config:
     """Check that the kernel is one this rule lowers and turn each IR field into its value in the source."""
     if kernel.is_source:
@@ -731,16 +726,5 @@ def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
     )
 
 
-# The reference build command for tests: sm_80-level code as sm_90 SASS (what backends/compile.py builds for an H200).
-NVCC_FLAGS = ("-cubin", "-std=c++17", "-O3", "-gencode=arch=compute_80,code=sm_90")
-
-
-def nvcc_command(source_path: str, output_path: str, nvcc: str = "nvcc", verbose_ptxas: bool = True) -> list[str]:
-    cmd = [nvcc, *NVCC_FLAGS]
-    if verbose_ptxas:
-        cmd += ["-Xptxas", "-v"]
-    return cmd + ["-o", output_path, source_path]
-
-
-__all__ = ["Sm80Config", "accepts", "canonicalize", "render", "launches", "lower", "nvcc_command", "GEMM_ENTRY",
+__all__ = ["Sm80Config", "canonicalize", "render", "launches", "lower", "GEMM_ENTRY",
            "REDUCE_ENTRY"]

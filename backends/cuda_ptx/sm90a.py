@@ -787,21 +787,4 @@ def lower(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> LaunchPl
     )
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The reference build command (compile.py owns caching; tests and bench/ use this directly).
-# ---------------------------------------------------------------------------------------------------------------
-
-# sm_90a, not sm_90: wgmma and setmaxnreg exist only in the arch-specific target. `-arch=sm_90a` would also embed
-# compute_90 PTX, which rejects wgmma. No -lcuda: the driver entry point is fetched through the runtime.
-NVCC_FLAGS = ("-shared", "-Xcompiler", "-fPIC", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a")
-
-
-def nvcc_command(plan: LaunchPlan, source_path: str, output_path: str, nvcc: str = "nvcc",
-                 verbose_ptxas: bool = False) -> list[str]:
-    cmd = [nvcc, *NVCC_FLAGS, *plan.extra_flags]
-    if verbose_ptxas:
-        cmd += ["-Xptxas", "-v"]
-    return cmd + ["-o", output_path, source_path]
-
-
-__all__ = ["PtxConfig", "canonicalize", "render", "lower", "nvcc_command", "NVCC_FLAGS", "ENTRY"]
+__all__ = ["PtxConfig", "canonicalize", "render", "lower", "ENTRY"]
