@@ -179,7 +179,7 @@ def cmd_lower(args) -> int:
         print(_located(e, lines, name), file=sys.stderr)
         return 1
     except NotImplementedError as e:
-        raise CliError(f"{name}: not lowered: {e}") from None
+        raise CliError(f"{name}: not lowered: {str(e).splitlines()[0]}") from None
     for i, stage in enumerate(lowered.stages if args.dump else lowered.stages[-1:]):
         if args.dump:
             print(f"// ===== stage {i}: {stage.name} =====")
@@ -232,17 +232,23 @@ def cmd_compile(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    """GPU benchmark: seed + sweep over grid shapes, every timed kernel gated (search/bench.py)."""
+    """GPU benchmark: seed + a named sweep over grid shapes, through the candidate pipeline (search/bench.py)."""
     from pathlib import Path
 
-    from l2ir.search.bench import SWEEPS, BenchConfig, grid_shapes, print_summary, run_bench
+    from l2ir.search.bench import BenchConfig, default_sweep, grid_shapes, run_bench
+    from l2ir.search.preflight import PreflightError, require
+    from l2ir.search.report import print_summary
+    from l2ir.search.sweeps import load_sweep
 
-    known = SWEEPS.get(args.backend if args.backend in SWEEPS else args.target, SWEEPS["sm80"])
+    problem = parse_problem(args.problem, "--problem") if args.problem else Problem(1, 1, 1)
+    sweep_name = default_sweep(args.target, args.backend)
+    known = load_sweep(sweep_name)
     sweep = known
     if args.sweep is not None:
         unknown = [n for n in args.sweep if n not in known]
         if unknown:
-            raise CliError(f"unknown sweep config(s) {', '.join(unknown)} (known: {', '.join(known)})")
+            raise CliError(f"unknown sweep config(s) {', '.join(unknown)} in sweep '{sweep_name}' "
+                           f"(known: {', '.join(known)})")
         sweep = {n: known[n] for n in args.sweep}
     shapes = list(args.shape or [])
     if args.shapes:
@@ -250,12 +256,17 @@ def cmd_bench(args) -> int:
     shapes = tuple(sorted(shapes, key=lambda s: (s[0] * s[1] * s[2], s)))
     if not shapes:
         raise CliError("no shapes: give --shapes N and/or --shape MxNxK")
-    cfg = BenchConfig(out=Path(args.out), shapes=shapes, sweep=tuple(sweep.items()), target=args.target,
-                      budget_s=args.budget_s, resume=not args.no_resume, backend=args.backend,
+    # Before any work: a report rebuilt from the records needs no GPU; a measurement needs everything.
+    if not args.report_only:
+        try:
+            require("l2ir bench")
+        except PreflightError as e:
+            raise CliError(str(e)) from None
+    cfg = BenchConfig(out=Path(args.out), shapes=shapes, sweep=tuple(sweep.items()), sweep_name=sweep_name,
+                      target=args.target, budget_s=args.budget_s, resume=not args.no_resume, backend=args.backend,
                       cache_dir=args.cache_dir, command="l2ir " + " ".join(sys.argv[1:]),
                       baseline_reduced_precision=args.torch_defaults, report_only=args.report_only,
-                      device_sm=args.device_sm,
-                      problem=parse_problem(args.problem, "--problem") if args.problem else Problem(1, 1, 1))
+                      device_sm=args.device_sm, problem=problem)
     print_summary(run_bench(cfg))
     return 0
 

@@ -1,12 +1,17 @@
-"""The benchmark driver's pure parts: shape selection, sweeps, resume records, summary arithmetic."""
+"""The benchmark driver's pure parts: shape selection, sweeps as data, resume records, summary arithmetic."""
 
 import json
+from importlib import resources
 
 import pytest
 
+from l2ir.errors import L2IRError
+from l2ir.search.bench import GRID, default_sweep, grid_shapes
+from l2ir.search.records import JsonlStore, MemoryStore, first_failure, passed
+from l2ir.search.report import RunStats, ShapeResult, geomean, short_symbol, summarize
+from l2ir.search.sweeps import load_sweep, sweep_names
+from l2ir.text import print_kernel
 from l2ir.verify import verify
-from l2ir.search.bench import (GRID, SWEEPS, BenchConfig, ShapeResult, _geomean, _load_done, _short, _summary,
-                          grid_shapes)
 
 
 def test_grid_shapes_spread_over_the_flop_range():
@@ -22,10 +27,34 @@ def test_grid_shapes_spread_over_the_flop_range():
     assert grid_shapes(1) == [(16384, 16384, 16384)] and grid_shapes(0) == []
 
 
-@pytest.mark.parametrize("name", sorted(SWEEPS))
-def test_every_sweep_kernel_is_legal(name):
-    for kernel in SWEEPS[name].values():
+def test_the_shipped_sweeps_are_there():
+    assert set(sweep_names()) >= {"sm80", "sm90a", "cuda_ptx", "cuda_ptx_sm80"}
+    assert len(load_sweep("sm90a")) == 8 and len(load_sweep("sm80")) == 5
+    assert default_sweep("sm90a", None) == "sm90a" and default_sweep("sm90a", "cuda_ptx") == "cuda_ptx"
+    assert default_sweep("sm86", None) == "sm80"
+
+
+@pytest.mark.parametrize("name", ["sm80", "sm90a", "cuda_ptx", "cuda_ptx_sm80"])
+def test_every_sweep_file_is_a_legal_kernel_in_canonical_text(name):
+    folder = resources.files("l2ir.search.sweeps") / name
+    for config, kernel in load_sweep(name).items():
         assert verify(kernel) is kernel
+        text = (folder / f"{config}.l2").read_text()
+        body = "".join(ln + "\n" for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+        assert body == print_kernel(kernel), f"{name}/{config}.l2 is not in canonical text (l2ir fmt)"
+
+
+def test_sweep_names_and_bad_sweep_files_are_errors(tmp_path, monkeypatch):
+    with pytest.raises(L2IRError, match="unknown sweep 'nope'"):
+        load_sweep("nope")
+    import l2ir.search.sweeps as sweeps
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.l2").write_text("kernel {\n  target arch=sm80\n  tile block=128x128x32 warps=2x2\n"
+                                           "  mma op=wgmma shape=64x128x16\n}\n")
+    monkeypatch.setattr(sweeps, "_root", lambda: tmp_path)
+    with pytest.raises(L2IRError, match=r"sweeps/bad/x\.l2"):
+        load_sweep("bad")
 
 
 def test_resume_records_survive_a_cut_line(tmp_path):
@@ -33,18 +62,43 @@ def test_resume_records_survive_a_cut_line(tmp_path):
     rec = {"kernel_hash": "h", "problem": "gemm m=1", "scenario": "offline", "speedup": 1.5}
     # the second line was cut by a kill; the third is valid JSON but no measurement
     path.write_text(json.dumps(rec) + "\n" + json.dumps(rec)[:20] + "\n" + json.dumps({"note": 1}) + "\n")
-    done = _load_done(path)
-    assert done == {("h", "gemm m=1", "offline", ""): rec, ("h", "gemm m=1", "offline"): rec}
-    assert _load_done(tmp_path / "missing.jsonl") == {}
+    store = JsonlStore(path)
+    assert list(store) == [rec]
+    assert store.lookup("h", "gemm m=1", "offline", "") == rec         # same (empty) binary key
+    assert store.lookup("h", "gemm m=1", "offline", "other-binary") is None
+    assert store.lookup("h", "gemm m=1", "offline") == rec             # whatever binary: report-only
+    assert list(JsonlStore(tmp_path / "missing.jsonl")) == []
+    JsonlStore(path, resume=False)
+    assert not path.exists()                     # a fresh run starts from nothing
 
 
-def test_summary_groups_by_regime_and_ignores_missing_speedups(tmp_path):
+def test_records_keep_the_latest_measurement_and_read_back(tmp_path):
+    from l2ir.search.evaluator import Measurement
+    from l2ir.search.gates import Verdict
+
+    path = tmp_path / "r.jsonl"
+    store = JsonlStore(path)
+    bad = Measurement("h", "gemm", "offline", errors=["out of memory"], artifact_key="b1")
+    good = Measurement("h", "gemm", "offline", verdicts=[Verdict("accuracy", True)], speedup=1.2, artifact_key="b1")
+    store.add(bad, "cfg", "seed")
+    store.add(good, "cfg", "seed")
+    again = JsonlStore(path)
+    rec = again.lookup("h", "gemm", "offline", "b1")
+    assert rec["speedup"] == 1.2 and rec["config"] == "cfg" and rec["origin"] == "seed" and passed(rec)
+    assert len(list(again)) == 2 and not passed(next(iter(again)))
+    assert first_failure(next(iter(again))) == "out of memory"
+    assert first_failure({"verdicts": [{"name": "guard_bands", "passed": False, "detail": "wrote past C"}]}) == \
+        "gate guard_bands: wrote past C"
+    assert MemoryStore().lookup("h", "gemm", "offline") is None
+
+
+def test_summary_groups_by_regime_and_ignores_missing_speedups():
     rows = [ShapeResult((64, 64, 64), offline={"speedup": 2.0}), ShapeResult((128, 128, 128), offline={"speedup": 0.5}),
             ShapeResult((4096, 4096, 4096), offline={}),       # no candidate passed: no speedup to average
             ShapeResult((16384, 16384, 16384), offline={"speedup": 1.1}, server={"speedup": 0.9})]
-    cfg = BenchConfig(out=tmp_path / "x", shapes=tuple(r.shape for r in rows), sweep=())
-    s = _summary(cfg, rows, evals=8, passes=6, fresh=[], every=[10.0, 20.0], compile_wall=5.0, n_kernels=2,
-                 n_failed=0, env={"gpu": "test"}, stopped=False, seconds=1.0)
+    stats = RunStats(evaluations=8, passes=6, compile_seconds=[10.0, 20.0], compile_wall=5.0, kernels=2)
+    s = summarize(rows, stats, target="sm80", problem_class="a=f16:row", command="l2ir bench",
+                  environment={"gpu": "test"}, shapes_planned=4)
     assert s["by_regime"]["< 1 GFLOP"]["shapes"] == 2
     assert s["by_regime"]["< 1 GFLOP"]["offline_geomean_speedup"] == pytest.approx(1.0)
     assert s["by_regime"]["< 1 GFLOP"]["shapes_faster_offline"] == 1
@@ -52,10 +106,11 @@ def test_summary_groups_by_regime_and_ignores_missing_speedups(tmp_path):
     assert s["by_regime"][">= 1 TFLOP"]["server_geomean_speedup"] == pytest.approx(0.9)
     assert s["gate_pass_rate"] == 0.75 and s["compile_seconds_per_kernel"] == 15.0
     assert s["compile_seconds_per_kernel_fresh"] is None
-    assert _geomean([None, 4.0, 1.0]) == pytest.approx(2.0)
+    assert s["environment"] == {"gpu": "test"} and s["shapes_done"] == 4
+    assert geomean([None, 4.0, 1.0]) == pytest.approx(2.0)
 
 
 def test_short_symbols_stay_distinct():
     a, b = "x" * 200 + "a", "x" * 200 + "b"
-    assert len(_short(a)) <= 72 and _short(a) != _short(b)
-    assert _short("l2ir_cute_sm80_gemm") == "l2ir_cute_sm80_gemm"
+    assert len(short_symbol(a)) <= 72 and short_symbol(a) != short_symbol(b)
+    assert short_symbol("l2ir_cute_sm80_gemm") == "l2ir_cute_sm80_gemm"

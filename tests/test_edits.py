@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 from l2ir.edits import InsertNode, RemoveNode, ReplaceNode, SetField, apply_edit, apply_edits, parse_edits, print_edits
 from l2ir.errors import EditError, L2IRError, ParseError, ResourceError, TargetError
 from l2ir.nodes import Mma, SplitK
+from l2ir.testing import edits, kernels
 from l2ir.text import parse_kernel, print_kernel
 from l2ir.verify import verify
-from strategies import kernels
 
 BEFORE = """kernel {
   target arch=sm80
@@ -80,27 +80,7 @@ def test_edit_parse_errors_are_located():
     assert str(info.value).startswith("edits.txt:2:16: unexpected '64x64x32'")
 
 
-def _random_edit():
-    values = {
-        ("pipeline", "stages"): st.one_of(st.integers(1, 16), st.just("auto")),
-        ("pipeline", "prefetch"): st.booleans(),
-        ("tile", "block"): st.tuples(st.sampled_from([32, 64, 128, 256]), st.sampled_from([32, 64, 128, 256]),
-                                     st.sampled_from([16, 32, 64])),
-        ("tile", "warps"): st.tuples(st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4])),
-        ("tile", "cluster"): st.tuples(st.sampled_from([1, 2]), st.sampled_from([1, 2])),
-        ("swizzle", "smem"): st.sampled_from([None, (1, 3, 3), (2, 3, 3), (3, 3, 3)]),
-        ("swizzle", "group"): st.integers(1, 16),
-        ("pad", "align"): st.sampled_from([1, 2, 4, 8]),
-        ("epilogue", "vector"): st.sampled_from([1, 2, 4, 8]),
-        ("target", "arch"): st.sampled_from(["sm80", "sm90a"]),
-    }
-    sets = st.sampled_from(sorted(values)).flatmap(lambda nf: values[nf].map(lambda v: SetField(nf[0], nf[1], v)))
-    others = st.sampled_from([InsertNode(SplitK("split_k", 2)), RemoveNode("splitk"), RemoveNode("swizzle"),
-                              InsertNode(SplitK("stream_k"))])
-    return st.one_of(sets, others)
-
-
-@given(kernels(), st.lists(_random_edit(), min_size=1, max_size=3))
+@given(kernels(), st.lists(edits(), min_size=1, max_size=3))
 def test_edits_give_verified_kernels_or_raise(kernel, edits):
     current = kernel
     for e in edits:

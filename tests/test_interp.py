@@ -5,15 +5,15 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import l2ir.interp as interp_mod
 from l2ir.errors import InterpError, PadError
 from l2ir.interp import error_bound, interpret, random_inputs, reference
 from l2ir.nodes import Problem, SplitK
+from l2ir.testing import kernel_problem_pairs
 from l2ir.text import parse_kernel
-from strategies import kernel_problem_pairs
 
 SM80 = parse_kernel(open("examples/sm80_128x128x32.l2").read())
 SM90 = parse_kernel(open("examples/sm90a_cooperative_128x256x64.l2").read())
@@ -35,14 +35,12 @@ def _check(kernel, problem, seed, integers=False):
     return result
 
 
-@settings(max_examples=300, deadline=None)
 @given(kernel_problem_pairs(max_dim=200), st.integers(0, 2 ** 32 - 1))
 def test_interpreter_matches_reference(pair, seed):
     kernel, problem = pair
     _check(kernel, problem, seed)
 
 
-@settings(max_examples=200, deadline=None)
 @given(kernel_problem_pairs(max_dim=200), st.integers(0, 2 ** 32 - 1))
 def test_interpreter_is_exact_on_small_integers(pair, seed):
     kernel, problem = pair

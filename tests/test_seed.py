@@ -9,7 +9,7 @@ from l2ir.interp import error_bound, interpret, random_inputs, reference
 from l2ir.nodes import ARCHS, Problem
 from l2ir.seed import seed
 from l2ir.verify import check_problem
-from strategies import problems
+from l2ir.testing import problems
 
 
 @given(problems(max_dim=16384), st.sampled_from(ARCHS))

@@ -12,7 +12,7 @@ from l2ir.errors import ParseError
 from l2ir.indexing import Bin, Call, Const, Var
 from l2ir.nodes import Kernel, Source, Target
 from l2ir.text import parse_expr, parse_kernel, parse_kernel_file, parse_problem, print_kernel, print_problem
-from strategies import kernels, problems
+from l2ir.testing import kernels, problems
 
 HERE = os.path.dirname(__file__)
 

@@ -1,0 +1,278 @@
+"""The candidate pipeline: every kernel that `l2ir bench`, the search loop or a policy wants measured goes through it.
+
+    candidates -> legalize -> dedupe -> lower -> compile_many -> evaluate -> record
+
+- legalize: the verifier; a typed error is the candidate's verdict ("illegal"), never a crash. Rules that depend on
+  the shape (divisibility, alignment, split-K vs K) are checked per problem, so one kernel can be legal for one
+  shape and "illegal" for another.
+- dedupe: by content hash (the sha256 of the canonical text); a second candidate with the same kernel is a
+  "duplicate" of the first, and a kernel that the store already measured with the same binary is "reused".
+- lower: `backends.registry`; a field the backend does not support is "unsupported", a backend bug
+  "lowering_failed".
+- compile: `backends.compile.compile_many`, parallel and content-addressed. Kernels are problem-independent (M, N, K
+  are run-time arguments), so compile cost is paid once per kernel and problem class (dtypes, layouts), never per
+  shape; a compiler error is "compile_failed" with the command that reproduces it.
+- evaluate: an evaluator object with `evaluate(kernel, problem, plan, artifact, time_kernel=True) ->
+  list[Measurement]` and `config.scenarios` (search/evaluator.py's `Evaluator`; tests pass a deterministic stand-in),
+  then every measurement goes to the store (search/records.py).
+
+Usage:
+    with Evaluator(EvalConfig()) as ev:
+        outcomes = Pipeline(PipelineConfig(), ev, JsonlStore("run.jsonl")).run(candidates, problems)
+    best = max((o for o in outcomes if o.passed), key=lambda o: o.speedup)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from l2ir.backends.compile import CompileOptions, CompileResult, compile_many
+from l2ir.backends.registry import lower
+from l2ir.errors import VerifyError
+from l2ir.nodes import Kernel, Problem
+from l2ir.runtime import LaunchPlan
+from l2ir.text import print_problem
+from l2ir.verify import check_problem, verify
+
+from .evaluator import Measurement
+from .records import MemoryStore, Store
+
+# Every scenario a measurement can carry (search/evaluator.py; "gates" = gates only, not timed).
+ALL_SCENARIOS = ("offline", "server", "gates")
+STATUSES = ("illegal", "duplicate", "unsupported", "lowering_failed", "compile_failed", "evaluated", "reused")
+_MEASUREMENT_FIELDS = frozenset(Measurement.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    kernel: Kernel
+    origin: str = ""                 # who proposed it: "seed", "sweep:sm90a", a policy's name
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    backend: str | None = None       # force a backend by name; None: the registry's one default backend
+    compile: CompileOptions = CompileOptions()
+    time_kernel: bool = True         # False: correctness gates only
+    # A stored measurement that ended in an error (out of memory, a dead worker) says nothing about the kernel:
+    # measure it again instead of reusing it.
+    remeasure_errors: bool = True
+    # True: reuse a stored measurement whatever binary made it (a report rebuilt on a machine that compiled
+    # nothing new); False: only one made with this very binary (same source, flags, toolchain).
+    any_binary: bool = False
+
+
+@dataclass
+class Prepared:
+    """One candidate after legalize, dedupe, lower and compile, for one problem class."""
+
+    candidate: Candidate
+    kernel_hash: str
+    status: str = "compiled"         # "compiled" or one of the failure statuses of STATUSES
+    error: str = ""
+    plan: LaunchPlan | None = None
+    artifact: CompileResult | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "compiled"
+
+
+@dataclass
+class Outcome:
+    """What happened to one candidate on one problem."""
+
+    candidate: Candidate
+    problem: Problem
+    status: str                      # one of STATUSES
+    error: str = ""
+    plan: LaunchPlan | None = None
+    artifact: CompileResult | None = None
+    measurements: list[Measurement] = field(default_factory=list)
+
+    @property
+    def kernel_hash(self) -> str:
+        return self.candidate.kernel.content_hash()
+
+    @property
+    def measured(self) -> bool:
+        return self.status in ("evaluated", "reused") and bool(self.measurements)
+
+    @property
+    def passed(self) -> bool:
+        """Measured, every gate passed in every scenario, no error."""
+        return self.measured and all(m.passed for m in self.measurements)
+
+    @property
+    def speedups(self) -> dict[str, float]:
+        """Speedup over the baseline per timed scenario (only for a candidate that passed)."""
+        if not self.passed:
+            return {}
+        return {m.scenario: m.speedup for m in self.measurements if m.speedup}
+
+    @property
+    def speedup(self) -> float | None:
+        """The speedup of the first timed scenario (the evaluator's primary one), None unless it passed."""
+        return next(iter(self.speedups.values()), None)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"[{type(e).__name__}] " + (text.splitlines()[0] if text else "")
+
+
+def _class_of(problem: Problem) -> Problem:
+    """The problem class: dtypes, layouts and accumulator, sizes dropped (kernels take M, N, K at run time)."""
+    return problem.with_shape(1, 1, 1)
+
+
+def _measurements(records: list[dict]) -> list[Measurement]:
+    return [Measurement.from_json({k: v for k, v in r.items() if k in _MEASUREMENT_FIELDS}) for r in records]
+
+
+def _scenarios(evaluator, time_kernel: bool) -> tuple[str, ...]:
+    """The scenarios the evaluator's measurements will carry (search/evaluator.py: "gates" when not timed)."""
+    scenarios = tuple(getattr(getattr(evaluator, "config", None), "scenarios", ()) or ())
+    return scenarios if (scenarios and time_kernel) else ("gates",)
+
+
+class Pipeline:
+    """Runs candidates through the steps above. A candidate that fails any step becomes an Outcome with that status;
+    nothing a candidate does (illegal IR, a backend bug, a compiler crash, a kernel that faults) stops the run."""
+
+    def __init__(self, config: PipelineConfig = PipelineConfig(), evaluator=None, store: Store | None = None,
+                 log: Callable[[str], None] | None = None):
+        self.config = config
+        self.evaluator = evaluator
+        self.store: Store = store if store is not None else MemoryStore()
+        self._log = log or (lambda msg: None)
+        self._prepared: dict[tuple[str, str], Prepared] = {}     # (problem class text, kernel hash)
+        self.compile_wall_s = 0.0
+
+    # ---- legalize, dedupe, lower, compile -------------------------------------------------------------------
+
+    def prepare(self, candidates: Iterable[Candidate], problem_class: Problem) -> list[Prepared]:
+        """One Prepared per candidate, in order. Each distinct kernel is lowered and compiled once per problem
+        class (later calls reuse it); a repeated kernel is a "duplicate" of the first candidate that had it."""
+        pclass = _class_of(problem_class)
+        ctext = print_problem(pclass)
+        out: list[Prepared] = []
+        first: dict[str, str] = {}
+        to_compile: list[Prepared] = []
+        for cand in candidates:
+            try:
+                h = cand.kernel.content_hash()
+            except Exception as e:  # noqa: BLE001 - a kernel that cannot even be printed is no kernel
+                out.append(Prepared(cand, "", "illegal", f"cannot print the kernel: {_first_line(e)}"))
+                continue
+            if h in first:
+                out.append(Prepared(cand, h, "duplicate", f"same kernel as '{first[h]}'"))
+                continue
+            first[h] = cand.name
+            known = self._prepared.get((ctext, h))
+            if known is not None:
+                out.append(Prepared(cand, h, known.status, known.error, known.plan, known.artifact))
+                continue
+            item = self._lower(cand, h, pclass)
+            self._prepared[(ctext, h)] = item
+            out.append(item)
+            if item.ok:
+                to_compile.append(item)
+        if to_compile:
+            t0 = time.perf_counter()
+            try:
+                results = compile_many([p.plan for p in to_compile], self.config.compile)
+            except Exception as e:  # noqa: BLE001 - compile_many guards each job; this is the pool itself failing
+                results = [None] * len(to_compile)
+                self._log(f"compile pool failed: {_first_line(e)}")
+            self.compile_wall_s += time.perf_counter() - t0
+            for item, art in zip(to_compile, results):
+                item.artifact = art
+                if art is None or not art.ok:
+                    item.status = "compile_failed"
+                    item.error = (f"compile {art.reason}: {art.summary()} (reproduce: {art.repro or '-'})"
+                                  if art is not None else "compile pool failed")
+                    self._log(f"compile failed: {item.candidate.name} {item.kernel_hash[:12]}: {item.error}")
+        return out
+
+    def _lower(self, cand: Candidate, h: str, pclass: Problem) -> Prepared:
+        try:
+            verify(cand.kernel)
+        except VerifyError as e:
+            return Prepared(cand, h, "illegal", _first_line(e))
+        except Exception as e:  # noqa: BLE001 - a verifier bug is reported on the candidate, not raised
+            return Prepared(cand, h, "illegal", f"the verifier failed: {_first_line(e)}")
+        try:
+            plan = lower(cand.kernel, pclass, self.config.backend)
+        except NotImplementedError as e:
+            self._log(f"not lowered: {cand.name} {h[:12]}: {_first_line(e)}")
+            return Prepared(cand, h, "unsupported", _first_line(e))
+        except VerifyError as e:
+            return Prepared(cand, h, "illegal", _first_line(e))
+        except Exception as e:  # noqa: BLE001 - LoweringError and anything a backend bug throws
+            self._log(f"lowering failed: {cand.name} {h[:12]}: {_first_line(e)}")
+            return Prepared(cand, h, "lowering_failed", _first_line(e))
+        return Prepared(cand, h, "compiled", "", plan)
+
+    # ---- evaluate and record ---------------------------------------------------------------------------------
+
+    def evaluate(self, item: Prepared, problem: Problem, evaluator=None, time_kernel: bool | None = None,
+                 scenarios: tuple[str, ...] | None = None) -> Outcome | None:
+        """One prepared candidate on one problem: its failure status, a stored measurement ("reused") or a new one
+        ("evaluated", recorded in the store). `evaluator` overrides the pipeline's for this call. Without any
+        evaluator only stored measurements count (of `scenarios`, default all, whatever binary made them, even if
+        this machine could not compile the kernel): a candidate with none gives None."""
+        cand = item.candidate
+        evaluator = evaluator if evaluator is not None else self.evaluator
+        if not item.ok and not (evaluator is None and item.status == "compile_failed"):
+            return Outcome(cand, problem, item.status, item.error, item.plan, item.artifact)
+        try:
+            check_problem(cand.kernel, problem)
+        except VerifyError as e:
+            return Outcome(cand, problem, "illegal", _first_line(e), item.plan, item.artifact)
+        timed = self.config.time_kernel if time_kernel is None else time_kernel
+        ptext = print_problem(problem)
+        if evaluator is None:
+            stored = [self.store.lookup(item.kernel_hash, ptext, s) for s in (scenarios or ALL_SCENARIOS)]
+            stored = [r for r in stored if r is not None]
+            return Outcome(cand, problem, "reused", "", item.plan, item.artifact, _measurements(stored)) \
+                if stored else None
+        binary = None if self.config.any_binary else item.artifact.key
+        stored = [self.store.lookup(item.kernel_hash, ptext, s, binary) for s in _scenarios(evaluator, timed)]
+        if all(r is not None for r in stored) and not (
+                self.config.remeasure_errors and any(r.get("errors") for r in stored)):
+            return Outcome(cand, problem, "reused", "", item.plan, item.artifact, _measurements(stored))
+        try:
+            ms = evaluator.evaluate(cand.kernel, problem, item.plan, item.artifact, time_kernel=timed)
+        except Exception as e:  # noqa: BLE001 - the evaluator promises not to raise; if it does, the run goes on
+            return Outcome(cand, problem, "evaluated", f"the evaluator failed: {_first_line(e)}", item.plan,
+                           item.artifact)
+        for m in ms:
+            self.store.add(m, cand.name, cand.origin)
+        errors = [e for m in ms for e in m.errors]
+        return Outcome(cand, problem, "evaluated", errors[0] if errors else "", item.plan, item.artifact, list(ms))
+
+    def run(self, candidates: Iterable[Candidate], problems: Iterable[Problem]) -> list[Outcome]:
+        """Every candidate on every problem: one Outcome per (problem, candidate), problems in order, candidates in
+        order within each. Problems of one class share one lowering and compile of each kernel."""
+        candidates, problems = list(candidates), list(problems)
+        prepared: dict[str, list[Prepared]] = {}
+        for p in problems:
+            ctext = print_problem(_class_of(p))
+            if ctext not in prepared:
+                prepared[ctext] = self.prepare(candidates, p)
+        outcomes = []
+        for p in problems:
+            for item in prepared[print_problem(_class_of(p))]:
+                o = self.evaluate(item, p)
+                if o is not None:
+                    outcomes.append(o)
+        return outcomes
+
+    @property
+    def prepared(self) -> list[Prepared]:
+        """Every distinct kernel prepared so far (all problem classes), in the order first seen."""
+        return list(self._prepared.values())
