@@ -116,6 +116,9 @@ class ShapeState:
     gpu_s: float = 0.0
     step: int = 0
     rows_at_step: int = 0              # edits already recorded at `step` (a resumed step skips that many)
+    # The population and history as they were when `step` began: a resumed step picks its parent and builds its
+    # context from these, as the killed run did, not from what the step itself added.
+    step_view: tuple[list, int] | None = None
     history: list = field(default_factory=list)
     curve: list[tuple[int, float]] = field(default_factory=list)   # (candidates, incumbent's speedup)
     done: dict | None = None
@@ -239,10 +242,10 @@ class Search:
                     break
                 gpu_cap = self._gpu_share(len(cfg.shapes) - i)
                 wall_cap = self._wall_left() / (len(cfg.shapes) - i) + (self.clock() - self._t0)
-                self._search_shape(st, gpu_cap, wall_cap)
-                self._finish_shape(st)
-            else:
-                status = "done"
+                why = self._search_shape(st, gpu_cap, wall_cap)
+                self._finish_shape(st, why)
+                if why in ("GPU-seconds budget", "wall-time budget"):
+                    status = f"stopped: {why}"
         except KeyboardInterrupt:
             status = "interrupted"
             raise
@@ -273,8 +276,9 @@ class Search:
             if e["verdict"] == DONE:
                 st.done = json.loads(e["detail"])
                 continue
-            if e["step"] != st.step:
+            if e["step"] != st.step or st.step_view is None:
                 st.step, st.rows_at_step = e["step"], 0
+                st.step_view = (list(st.members.values()), len(st.history))
             st.rows_at_step += 1
             st.gpu_s += e["gpu_seconds"] or 0.0
             self._count(st, e["verdict"])
@@ -349,34 +353,39 @@ class Search:
                            for name, k in load_sweep(group).items())
         return out
 
-    def _context(self, st: ShapeState, parent: Member):
+    def _context(self, st: ShapeState, parent: Member, history: list):
         from l2ir.policy.base import Context, Measured
 
         return Context(problem=st.problem, parent=parent.kernel, measured=Measured(speedup=parent.speedup),
-                       history=tuple(st.history[-32:]), arch=self.config.arch, seed=self.config.seed + st.step,
+                       history=tuple(history[-32:]), arch=self.config.arch, seed=self.config.seed + st.step,
                        count=self.config.batch, backend=parent.backend)
 
-    def _parent(self, st: ShapeState) -> Member:
+    def _parent(self, st: ShapeState, pool: list[Member]) -> Member:
         """Tournament of three over the population (ties and unmeasured members by insertion order)."""
         rng = np.random.default_rng([self.config.seed & 0xFFFFFFFF, *st.shape, st.step])
-        pool = list(st.members.values())
         picks = [pool[int(i)] for i in rng.integers(0, len(pool), size=min(3, len(pool)))]
         return max(picks, key=lambda m: m.speedup if m.speedup is not None else -math.inf)
 
-    def _search_shape(self, st: ShapeState, gpu_cap: float, wall_cap: float):
+    def _search_shape(self, st: ShapeState, gpu_cap: float, wall_cap: float) -> str:
+        """Search one shape until a budget ends it; returns which one."""
         cfg = self.config
         stalled = 0
         while st.candidates < cfg.budget_candidates:
-            if st.gpu_s >= gpu_cap or (self.clock() - self._t0) >= wall_cap:
-                return
+            if st.gpu_s >= gpu_cap:
+                return "GPU-seconds budget"
+            if (self.clock() - self._t0) >= wall_cap:
+                return "wall-time budget"
             if st.step == 0:
                 proposals, parent, ctx = self._initial(st), None, None
                 limit = cfg.init_size - st.candidates
             else:
-                if not st.members:
-                    return                       # nothing legal to start from
-                parent = self._parent(st)
-                ctx = self._context(st, parent)
+                pool, hist = list(st.members.values()), st.history
+                if st.rows_at_step and st.step_view is not None:
+                    pool, hist = st.step_view[0], st.history[:st.step_view[1]]
+                if not pool:
+                    return "no legal kernel"
+                parent = self._parent(st, pool)
+                ctx = self._context(st, parent, hist)
                 proposals = list(self.policy.propose(ctx))[:cfg.batch]
             # A resumed step re-makes the same proposals; the ones already recorded are skipped.
             skip, st.rows_at_step = st.rows_at_step, 0
@@ -384,8 +393,9 @@ class Search:
             self._step(st, proposals[skip:], parent, ctx, limit if st.step == 0 else None, gpu_cap)
             stalled = stalled + 1 if st.candidates == before else 0
             if stalled >= 5:
-                return                           # the policy has nothing new to offer this shape
+                return "the policy proposed nothing new"
             st.step += 1
+        return "candidate budget"
 
     def _step(self, st: ShapeState, proposals, parent: Member | None, ctx, limit: int | None, gpu_cap: float):
         """Legalize every proposal, build the new kernels together, then record them in proposal order."""
@@ -559,10 +569,10 @@ class Search:
 
     # -- the end of a shape: re-time the winner on fresh samples --------------------------------------------------
 
-    def _finish_shape(self, st: ShapeState):
+    def _finish_shape(self, st: ShapeState, stopped_by: str):
         cfg = self.config
         summary = {"candidates": st.candidates, "failures": st.failures, "illegal": st.illegal,
-                   "gpu_seconds": st.gpu_s, "winner": None}
+                   "gpu_seconds": st.gpu_s, "stopped_by": stopped_by, "winner": None}
         ranked = sorted((m for m in st.members.values() if m.speedup is not None),
                         key=lambda m: (m.key != st.incumbent, -m.speedup))
         cost = 0.0

@@ -1,0 +1,355 @@
+"""The search loop on the CPU, against the deterministic stand-in evaluator (search/standin.py: a cost model, not a
+measurement): determinism, resume after a kill (also mid-write), budgets, dedupe, illegal edits, noise-aware
+acceptance, environments kept apart, re-timing of winners, class gates reused across shapes."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from l2ir.edits import SetField
+from l2ir.policy.base import Proposal, StatelessPolicy
+from l2ir.search.db import RecordsDB, environment_id
+from l2ir.search.loop import DONE, Member, Search, TuneConfig, accepts
+from l2ir.search.standin import CLASS_GATES, STANDIN_ENV, StandinConfig, StandinEvaluator
+
+SHAPES = ((4096, 4096, 4096), (256, 512, 1024), (1024, 2048, 512))
+
+
+def evaluators(seed=0, noise=0.03):
+    return (StandinEvaluator(StandinConfig(("offline",), seed, noise=noise)),
+            StandinEvaluator(StandinConfig(("offline", "server"), seed, noise=noise)))
+
+
+def tune(db, policy=None, **kw):
+    kw.setdefault("shapes", SHAPES)
+    kw.setdefault("budget_candidates", 12)
+    cfg = TuneConfig(mode="standin", **kw)
+    ev, rt = evaluators(cfg.seed)
+    s = Search(cfg, db, ev, rt, policy=policy)
+    s.run()
+    return s
+
+
+def trace(db, run):
+    return [(e["problem"], e["step"], e["child"], e["backend"], e["edit"], e["verdict"],
+             None if e["reward"] is None else round(e["reward"], 12), e["detail"]) for e in db.edits(run)]
+
+
+def test_same_seed_same_run_other_seed_other_proposals(tmp_path):
+    a = tune(RecordsDB(tmp_path / "a.db"), seed=3)
+    b = tune(RecordsDB(tmp_path / "b.db"), seed=3)
+    c = tune(RecordsDB(tmp_path / "c.db"), seed=4)
+    ta, tb, tc = trace(a.db, a.run_id), trace(b.db, b.run_id), trace(c.db, c.run_id)
+    assert ta == tb
+    assert [s.done for s in a.states] == [s.done for s in b.states]
+    policy_steps = lambda t: [x[4] for x in t if x[1] > 0 and x[5] != DONE]  # noqa: E731
+    assert policy_steps(ta) != policy_steps(tc)
+
+
+def test_every_shape_gets_its_candidate_budget_and_a_winner(tmp_path):
+    s = tune(RecordsDB(tmp_path / "r.db"), budget_candidates=10)
+    for st in s.states:
+        assert st.candidates == 10
+        assert st.done["winner"] is not None
+    totals = s.db.run_totals(s.run_id)
+    assert totals["candidates"] == 30
+    assert s.db.run(s.run_id)["status"] == "done"
+
+
+class Crash(Exception):
+    pass
+
+
+def test_resume_after_a_kill_mid_write_gives_the_uninterrupted_run(tmp_path, monkeypatch):
+    ref = tune(RecordsDB(tmp_path / "ref.db"), seed=5)
+    db = RecordsDB(tmp_path / "r.db")
+    cfg = TuneConfig(shapes=SHAPES, mode="standin", budget_candidates=12, seed=5)
+    ev, rt = evaluators(5)
+    s = Search(cfg, db, ev, rt)
+    real_add_edit = db.add_edit
+    calls = {"n": 0}
+
+    def dying_add_edit(*a, **k):
+        # The 17th candidate dies after its measurements were written inside the transaction, before its edit.
+        calls["n"] += 1
+        if calls["n"] == 17:
+            raise Crash("kill -9 in the middle of a candidate's records")
+        return real_add_edit(*a, **k)
+
+    monkeypatch.setattr(db, "add_edit", dying_add_edit)
+    with pytest.raises(Crash):
+        s.run()
+    monkeypatch.setattr(db, "add_edit", real_add_edit)
+    assert len(db.edits(s.run_id)) == 16
+    # The half-written candidate left nothing: every measurement belongs to a recorded edit.
+    assert {r.kernel for r in db.measurements(run=s.run_id)} <= {e["child"] for e in db.edits(s.run_id)}
+    ev, rt = evaluators(5)
+    resumed = Search.resume(db, s.run_id, ev, rt)
+    resumed.run()
+    assert trace(db, s.run_id) == trace(ref.db, ref.run_id)
+    assert [x.done for x in resumed.states] == [x.done for x in ref.states]
+    assert db.run(s.run_id)["status"] == "done"
+
+
+KILLED = textwrap.dedent("""
+    import sys
+    from l2ir.search.db import RecordsDB
+    from l2ir.search.loop import Search, TuneConfig
+    from l2ir.search.standin import StandinConfig, StandinEvaluator
+    shapes = tuple(tuple(s) for s in {shapes!r})
+    cfg = TuneConfig(shapes=shapes, mode="standin", budget_candidates=40, seed=7)
+    ev = StandinEvaluator(StandinConfig(("offline",), 7))
+    rt = StandinEvaluator(StandinConfig(("offline", "server"), 7))
+    s = Search(cfg, RecordsDB(sys.argv[1]), ev, rt, progress=lambda st, e: print(st.candidates, flush=True))
+    s.run()
+""")
+
+
+def test_resume_after_a_real_kill_9(tmp_path):
+    shapes = SHAPES[:2]
+    ref = tune(RecordsDB(tmp_path / "ref.db"), seed=7, shapes=shapes, budget_candidates=40)
+    path = tmp_path / "r.db"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED.format(shapes=shapes), str(path)],
+                            stdout=subprocess.PIPE, text=True)
+    for _ in range(25):                       # let it get well into the first shape
+        proc.stdout.readline()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    db = RecordsDB(path)
+    done = len(db.edits(1))
+    assert 0 < done < len(trace(ref.db, ref.run_id))
+    assert db.run(1)["status"] == "running"             # killed, not finished
+    ev, rt = evaluators(7)
+    Search.resume(db, 1, ev, rt).run()
+    assert trace(db, 1) == trace(ref.db, ref.run_id)
+
+
+def test_gpu_seconds_budget_is_shared_and_respected(tmp_path):
+    free = tune(RecordsDB(tmp_path / "free.db"), budget_candidates=30)
+    spent = free.db.run_totals(free.run_id)["gpu_seconds"]
+    budget = spent / 3
+    s = tune(RecordsDB(tmp_path / "r.db"), budget_candidates=30, budget_gpu_s=budget)
+    totals = s.db.run_totals(s.run_id)
+    one_candidate = max(e["gpu_seconds"] for e in s.db.edits(s.run_id))
+    retimes = sum(st.done["retime_gpu_seconds"] for st in s.states)
+    assert totals["gpu_seconds"] <= budget + len(SHAPES) * one_candidate + retimes
+    assert all(st.candidates < 30 for st in s.states)
+    assert all(st.candidates > 3 for st in s.states)      # each shape got a share, not the first shape all of it
+
+
+def test_wall_time_budget_stops_the_run(tmp_path):
+    db = RecordsDB(tmp_path / "r.db")
+    ticks = iter(range(10 ** 6))
+    cfg = TuneConfig(shapes=SHAPES, mode="standin", budget_candidates=12, budget_wall_s=8)
+    ev, rt = evaluators()
+    s = Search(cfg, db, ev, rt, clock=lambda: float(next(ticks)))
+    s.run()
+    assert db.run(s.run_id)["status"] == "stopped: wall-time budget"
+    assert all(st.done["stopped_by"] == "wall-time budget" for st in s.states if st.done)
+    assert all(st.candidates < 12 for st in s.states)
+
+
+class Repeats(StatelessPolicy):
+    """Proposes the parent itself, one edit twice, and a whole kernel equal to an edit's result."""
+
+    name = "repeats"
+
+    def propose(self, context):
+        k = context.parent
+        e = SetField("swizzle", "group", 2 if (k.swizzle is None or k.swizzle.group != 2) else 4)
+        from l2ir.edits import apply_edit
+
+        return [Proposal(kernel=k), Proposal(edits=(e,)), Proposal(edits=(e,)),
+                Proposal(kernel=apply_edit(k, e))]
+
+
+def test_duplicates_are_recorded_and_never_evaluated(tmp_path):
+    db = RecordsDB(tmp_path / "r.db")
+    cfg = TuneConfig(shapes=SHAPES[:1], mode="standin", budget_candidates=8, init_size=2, sweeps=False)
+    ev, rt = evaluators()
+    s = Search(cfg, db, ev, rt, policy=Repeats())
+    s.run()
+    edits = db.edits(s.run_id)
+    dups = [e for e in edits if e["verdict"] == "duplicate"]
+    assert len(dups) >= 3
+    measured = [e for e in edits if e["verdict"] in ("measured", "failed")]
+    assert ev.calls == len(measured)
+    assert len({(e["child"], e["backend"]) for e in measured}) == len(measured)
+
+
+class Illegal(StatelessPolicy):
+    """Half of its proposals break a verifier rule (a block the warps cannot tile)."""
+
+    name = "illegal"
+
+    def __init__(self):
+        self.feedback = []
+
+    def propose(self, context):
+        g = (1, 2, 4, 8)[context.seed % 4]
+        return [Proposal(edits=(SetField("tile", "block", (96, 40, 24)),)),
+                Proposal(edits=(SetField("swizzle", "group", g),))]
+
+    def update(self, feedback):
+        self.feedback += feedback
+
+
+def test_illegal_edits_are_recorded_verdicts_with_a_penalty(tmp_path):
+    db = RecordsDB(tmp_path / "r.db")
+    pol = Illegal()
+    cfg = TuneConfig(shapes=SHAPES[:1], mode="standin", budget_candidates=6, init_size=2, sweeps=False)
+    ev, rt = evaluators()
+    s = Search(cfg, db, ev, rt, policy=pol)
+    s.run()
+    bad = [e for e in db.edits(s.run_id) if e["verdict"] == "illegal"]
+    assert bad and all(e["reward"] == -1.0 and "Error]" in e["detail"] for e in bad)
+    assert all(e["edit"].startswith("set tile.block = 96x40x24") for e in bad)
+    assert {f.verdict for f in pol.feedback} >= {"illegal", "measured"}
+    assert all(f.reward is None for f in pol.feedback if f.verdict == "illegal")
+    assert s.states[0].illegal == len(bad)
+
+
+def test_acceptance_needs_a_win_beyond_the_spread():
+    from l2ir.nodes import Target
+
+    k = None
+    inc = Member(k, None, 1.00, 0.05)
+    assert not accepts(Member(k, None, 1.04, 0.01), inc)       # 4% < the incumbent's 5% spread
+    assert not accepts(Member(k, None, 1.06, 0.08), inc)       # 6% < the challenger's own 8% spread
+    assert accepts(Member(k, None, 1.06, 0.01), inc)
+    assert accepts(Member(k, None, 0.5, 0.0), None)
+    assert Target("sm80")  # the IR is importable alongside the loop
+
+
+def test_incumbent_changes_only_beyond_the_measured_spread(tmp_path):
+    s = tune(RecordsDB(tmp_path / "r.db"), budget_candidates=24, seed=2)
+    for st in s.states:
+        order = [m for m in st.members.values() if m.speedup is not None]
+        inc = None
+        changes = 0
+        for m in order:                           # members in the order they were measured
+            if accepts(m, inc):
+                if inc is not None:
+                    assert m.speedup > inc.speedup * (1 + max(m.spread, inc.spread))
+                    changes += 1
+                inc = m
+        assert inc.key == st.incumbent
+        best_sample = max(m.speedup for m in order)
+        # A noisy near-tie does not take over: the incumbent is within its spread of the best sample seen.
+        assert st.best >= best_sample / (1 + 2 * max(m.spread for m in order))
+
+
+def test_winners_are_retimed_on_fresh_samples_in_both_scenarios(tmp_path):
+    s = tune(RecordsDB(tmp_path / "r.db"), seed=1)
+    for st in s.states:
+        w = st.done["winner"]
+        rows = s.db.measurements(problem=st.ptext, kernel=w["kernel"], run=s.run_id, purpose="retime")
+        assert {r.scenario for r in rows} == {"offline", "server"}
+        search_rows = s.db.measurements(problem=st.ptext, kernel=w["kernel"], run=s.run_id, purpose="search")
+        assert w["selected_speedup"] == pytest.approx(search_rows[0].speedup)
+        off = next(r for r in rows if r.scenario == "offline")
+        assert w["offline_speedup"] == pytest.approx(off.speedup)
+        assert w["offline_speedup"] != w["selected_speedup"]                   # never the selection sample
+        assert s.db.samples(off.id)[0] != s.db.samples(search_rows[0].id)[0]
+
+
+class FailingRetimer(StandinEvaluator):
+    """Fails the re-check of one kernel (as a race that passed once would)."""
+
+    def __init__(self, bad: str):
+        super().__init__(StandinConfig(("offline", "server")))
+        self.bad = bad
+
+    def evaluate(self, kernel, problem, plan=None, artifact=None, time_kernel=True, skip_gates=()):
+        ms = super().evaluate(kernel, problem, plan, artifact, time_kernel, skip_gates)
+        if kernel.content_hash() == self.bad:
+            for m in ms:
+                m.errors.append("post_timing: wrong output")
+        return ms
+
+
+def test_a_winner_that_fails_its_recheck_is_not_reported(tmp_path):
+    ref = tune(RecordsDB(tmp_path / "ref.db"), shapes=SHAPES[:1], seed=1)
+    bad = ref.states[0].done["winner"]["kernel"]
+    db = RecordsDB(tmp_path / "r.db")
+    cfg = TuneConfig(shapes=SHAPES[:1], mode="standin", budget_candidates=12, seed=1)
+    s = Search(cfg, db, StandinEvaluator(StandinConfig(("offline",), 1)), FailingRetimer(bad))
+    s.run()
+    w = s.states[0].done["winner"]
+    assert w is not None and w["kernel"] != bad
+
+
+def test_standin_numbers_never_rank_with_a_gpus(tmp_path):
+    from test_db import meas
+
+    db = RecordsDB(tmp_path / "r.db")
+    gpu_env = {"gpu": "NVIDIA H200", "sms": 132, "driver": "580"}
+    near = "gemm m=4096 n=4096 k=2048 a=f16:row b=f16:col c=f16:row acc=f32"
+    from l2ir.seed import seed
+    from l2ir.nodes import Problem
+
+    k = seed(Problem(64, 64, 64), "sm80")
+    db.add_kernel(k.content_hash(), ir=k.text())
+    db.add_many([meas(k.content_hash(), near, gpu_env, 50.0)])
+    s = tune(db, shapes=SHAPES[:1], budget_candidates=6)
+    notes = [e["edit"] for e in db.edits(s.run_id) if e["step"] == 0]
+    assert not any(k.content_hash()[:12] in n for n in notes)      # the GPU's winner is not the stand-in's neighbour
+    sid = environment_id(STANDIN_ENV)
+    assert all(r.environment == sid for r in db.ranking(s.states[0].ptext, sid))
+    assert db.ranking(near, sid) == []
+    # The stand-in's own winners do seed its later shapes.
+    s2 = tune(db, shapes=((4096, 4096, 2048),), budget_candidates=6)
+    assert any("winner of a nearby shape" in e["edit"] for e in db.edits(s2.run_id))
+    assert environment_id(gpu_env) != sid
+
+
+def test_class_gates_run_once_per_kernel_and_are_reused(tmp_path):
+    class Counting(StandinEvaluator):
+        def __init__(self):
+            super().__init__(StandinConfig(("offline",)))
+            self.skips = []
+
+        def evaluate(self, kernel, problem, plan=None, artifact=None, time_kernel=True, skip_gates=()):
+            self.skips.append((kernel.content_hash(), problem.shape, tuple(skip_gates)))
+            return super().evaluate(kernel, problem, plan, artifact, time_kernel, skip_gates)
+
+    db = RecordsDB(tmp_path / "r.db")
+    ev = Counting()
+    cfg = TuneConfig(shapes=((4096, 4096, 4096), (4096, 4096, 2048)), mode="standin", budget_candidates=8,
+                     neighbours=0)
+    s = Search(cfg, db, ev, StandinEvaluator(StandinConfig(("offline", "server"))))
+    s.run()
+    first = {h for h, shape, _ in ev.skips if shape == (4096, 4096, 4096)}
+    again = [(h, skip) for h, shape, skip in ev.skips if shape == (4096, 4096, 2048) and h in first]
+    assert again and all(skip == CLASS_GATES for _, skip in again)
+    # The reused verdicts are in the second shape's measurements, marked as reused.
+    h = again[0][0]
+    rec = db.record(db.measurements(problem=s.states[1].ptext, kernel=h, purpose="search")[0].id)
+    assert {v.name for v in rec.verdicts} >= set(CLASS_GATES)
+    assert all("reused" in v.detail for v in rec.verdicts if v.name in CLASS_GATES)
+    # A kernel that failed a class gate on the first shape is failed on the second without an evaluation.
+    failed_first = {e["child"] for e in db.edits(s.run_id, s.states[0].ptext) if e["verdict"] == "failed"}
+    for e in db.edits(s.run_id, s.states[1].ptext):
+        if e["child"] in failed_first:
+            assert e["verdict"] == "failed" and "reused from an earlier shape" in e["detail"]
+            assert e["child"] not in {h for h, shape, _ in ev.skips if shape == (4096, 4096, 2048)}
+
+
+def test_standin_is_deterministic_and_labelled():
+    from l2ir.nodes import Problem
+    from l2ir.seed import seed
+
+    p = Problem(1024, 1024, 1024)
+    k = seed(p, "sm90a")
+    a = StandinEvaluator(StandinConfig(("offline",), 3)).evaluate(k, p)
+    b = StandinEvaluator(StandinConfig(("offline",), 3)).evaluate(k, p)
+    c = StandinEvaluator(StandinConfig(("offline",), 4)).evaluate(k, p)
+    assert a[0].kernel_us == b[0].kernel_us != c[0].kernel_us
+    assert "not measured" in a[0].environment["gpu"]
+    assert math.isclose(a[0].speedup, a[0].baseline_median_us / a[0].kernel_median_us)
