@@ -1,27 +1,88 @@
-"""What every backend owes the verifier: a legal kernel lowers (or names the unsupported field), and the shared
-memory it asks for never exceeds what the verifier budgeted."""
+"""What every backend owes the verifier and the runtime, checked on generated kernels:
 
-from hypothesis import given
+- most legal kernels lower with their default backend, and the ones that do not name the field they lack
+  (a backend that quietly stops lowering half the space fails here, not on the GPU);
+- lowering is deterministic and carries the IR and the problem class;
+- a "kernels" plan launches entries its source defines, with the shared memory the verifier budgeted, at most 1024
+  threads, a positive grid for every shape and a cluster of at most 8 blocks;
+- a "host_shim" plan defines the ABI's two C functions and uses the runtime's status codes (l2ir/runtime.py), so
+  the launcher can name every refusal;
+- every shipped sweep lowers with the backend it is meant for.
+"""
 
-from l2ir.backends.registry import backend_for, lower
+import re
+from collections import Counter
+
+from hypothesis import given, settings
+
+from l2ir import runtime
+from l2ir.analysis import smem_bytes
+from l2ir.backends.registry import BACKENDS, backend_for, lower
 from l2ir.nodes import Problem
 from l2ir.target import SMEM_LIMIT
-from l2ir.analysis import smem_bytes
-from strategies import kernels
+from l2ir.testing import kernels
+from l2ir.text import print_problem_class
 
 PROBLEM = Problem(1, 1, 1)
+SHAPES = ((1, 1, 1), (127, 129, 67), (4096, 4096, 4096), (64, 16384, 512))
+FIELD = re.compile(r"^\w+: (tile|mma|pipeline|swizzle|pad|splitk|epilogue|target|source)(\.\w+)?: ")
+STATUS = re.compile(r"constexpr int L2IR_STATUS_(\w+) = (\d+);")
 
 
-@given(kernels())
-def test_lowering_stays_within_the_verified_budget(kernel):
-    try:
-        plan = lower(kernel, PROBLEM)
-    except NotImplementedError:
-        return
-    assert plan.source == lower(kernel, PROBLEM).source          # deterministic
-    for launch in plan.launches:
-        assert launch.smem <= smem_bytes(kernel) <= SMEM_LIMIT[kernel.target.arch]
-        assert launch.block[0] * launch.block[1] * launch.block[2] <= 1024
+def check_plan(kernel, plan):
+    assert plan.source == lower(kernel, PROBLEM).source                  # deterministic
+    assert plan.ir_text == kernel.text() and plan.problem_text == print_problem_class(PROBLEM)
+    if plan.form == "kernels":
+        assert plan.launches
+        for launch in plan.launches:
+            assert re.search(rf'extern "C" __global__\s+void\s+(__launch_bounds__\([^)]*\)\s*)?'
+                             rf'{re.escape(launch.entry)}\s*\(', plan.source), launch.entry
+            assert launch.smem <= smem_bytes(kernel) <= SMEM_LIMIT[kernel.target.arch]
+            assert launch.block[0] * launch.block[1] * launch.block[2] <= 1024
+            assert launch.cluster[0] * launch.cluster[1] * launch.cluster[2] <= 8
+            for shape in SHAPES:
+                assert min(launch.grid_for(*shape)) >= 1, (launch.entry, shape)
+    else:
+        assert plan.form == "host_shim" and not plan.launches
+        assert re.search(r'extern "C" size_t l2ir_workspace_size\(int M, int N, int K\)', plan.source)
+        assert re.search(r'extern "C" int l2ir_run\(const void\* A, const void\* B, void\* C, int M, int N, int K,',
+                         plan.source)
+        codes = dict(STATUS.findall(plan.source))
+        assert codes, "a shim names its refusals with the runtime's status codes"
+        for name, code in codes.items():
+            assert int(code) == getattr(runtime, f"STATUS_{name}"), f"L2IR_STATUS_{name} = {code}"
+        if "divisible" in (kernel.pad.m, kernel.pad.n, kernel.pad.k):
+            assert "NOT_DIVISIBLE" in codes         # the shim refuses a shape that breaks the promise
+    for shape in SHAPES:
+        assert plan.workspace_for(*shape) >= 0
+
+
+def test_most_generated_kernels_lower_and_every_plan_keeps_the_contract():
+    lowered, refused, reasons = Counter(), Counter(), Counter()
+
+    @settings(max_examples=300, database=None, derandomize=True)
+    @given(kernels())
+    def collect(kernel):
+        backend = backend_for(kernel).name
+        try:
+            plan = lower(kernel, PROBLEM)
+        except NotImplementedError as e:
+            refused[backend] += 1
+            first = str(e).splitlines()[0]
+            assert FIELD.match(first), f"the refusal names no field: {first}"
+            reasons[first.split(":")[1].strip()] += 1
+            return
+        lowered[backend, plan.form] += 1
+        check_plan(kernel, plan)
+
+    collect()
+    for name in {b for b, _ in lowered} | set(refused):
+        ok = sum(n for (b, _), n in lowered.items() if b == name)
+        assert ok > refused[name], (f"{name} lowers only {ok} of {ok + refused[name]} generated kernels; "
+                                    f"refusals by field: {dict(reasons)}")
+    # every default backend for schedules (not free-form source) was reached and lowered something
+    assert {b for b, _ in lowered} == {b.name for b in BACKENDS.values() if b.default and b.name != "source"}
+    assert ("cutlass_sm90", "host_shim") in lowered and ("cute_sm80", "kernels") in lowered
 
 
 def test_every_kernel_kind_has_one_default_backend():
@@ -32,3 +93,16 @@ def test_every_kernel_kind_has_one_default_backend():
     assert {backend_for(k).name for k in sm90} == {"cutlass_sm90"}
     assert {backend_for(k, "cuda_ptx").module for k in sm90} == {"l2ir.backends.cuda_ptx.sm90a"}
     assert {backend_for(k, "cuda_ptx_sm80").module for k in sm80} == {"l2ir.backends.cuda_ptx.sm80"}
+
+
+def test_every_shipped_sweep_lowers_with_its_backend():
+    from l2ir.search.bench import default_sweep
+    from l2ir.search.sweeps import load_sweep, sweep_names
+
+    for sweep in sweep_names():
+        backend = sweep if sweep in BACKENDS else None        # sm80/sm90a sweeps: the default backends
+        assert default_sweep(sweep, backend) == sweep
+        for name, kernel in load_sweep(sweep).items():
+            plan = lower(kernel, PROBLEM, backend)
+            check_plan(kernel, plan) if backend is None else None
+            assert plan.source and plan.ir_text == kernel.text(), f"{sweep}/{name}"
