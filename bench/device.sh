@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The one device runbook: run named recipes on the GPU host, from the repository root, with the wheels in .whl/.
+#
+#   bash bench/device.sh RECIPE [RECIPE ...]        e.g.  bash bench/device.sh gpu-tests bench-sm90
+#   bash bench/device.sh list                       the recipes and what each runs
+#
+# Every call first installs the carried wheels (nvidia-cutlass, lark, ...) into /tmp/site and L2IR itself in
+# editable mode (the folders install under l2ir.* through the editable finder; a bare PYTHONPATH would not map
+# them). Each recipe has its own time limit (override: TIMEOUT_<RECIPE with - as _>=seconds); its console output
+# goes to $OUT/<recipe>.log and to bench/results/ where the results index says so; bench results land in
+# bench/results/ (resumable: rerunning a bench recipe measures only what is missing). $OUT/results.tgz holds
+# bench/results/ and the logs at the end.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/l2ir-out}
+mkdir -p "$OUT" bench/results
+
+# The Hopper shape set of bench/results (21 shapes of at least 100 GFLOP).
+SM90_SHAPES="--shapes 14 --min-gflop 100 --shape 4096x4096x4096 --shape 8192x8192x8192 --shape 16384x16384x256
+  --shape 16384x16384x512 --shape 8192x8192x512 --shape 12288x12288x256 --shape 16384x8192x512 --shape 8192x16384x256"
+
+# name | default timeout (s) | command
+recipes() {
+  cat <<'EOF'
+gpu-tests|300|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests
+backends|400|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py
+evaluator|220|python3 -m pytest -q -rs -p no:cacheprovider tests/test_evaluator_gpu.py tests/test_compile.py tests/test_source_backend.py tests/test_evaluator_cpu.py
+smoke-sm90|120|python3 -m l2ir.cli bench --target sm90a --shapes 0 --shape 4096x4096x4096 --sweep pingpong_128x128x64_c1x1 --out bench/results/sm90_smoke_4096
+bench-sm80|330|python3 -m l2ir.cli bench --target sm80 --shapes 40 --out bench/results/sm80_grid40_h200
+bench-sm90|420|python3 -m l2ir.cli bench --target sm90a $SM90_SHAPES --out bench/results/sm90_large_v2_h200
+bench-sm90-torchdefault|300|python3 -m l2ir.cli bench --target sm90a $SM90_SHAPES --torch-defaults --out bench/results/sm90_large_torchdefault_h200
+bench-sm90-1tflop|470|python3 -m l2ir.cli bench --target sm90a --shapes 20 --min-gflop 1000 --sweep pingpong_128x128x64_c1x1 pingpong_128x128x64_c1x2 pingpong_64x256x64_c1x1 pingpong_64x256x64_c2x1 coop_128x256x64_c1x1 --out bench/results/sm90_1tflop_h200
+bench-cuda-ptx|200|python3 -m l2ir.cli bench --target sm90a --backend cuda_ptx --shapes 0 --shape 4096x4096x4096 --shape 8192x8192x8192 --shape 8192x8192x512 --shape 16384x16384x512 --shape 1000x1000x1000 --shape 256x256x256 --out bench/results/cuda_ptx_h200
+bench-cuda-ptx-sm80|300|python3 -m l2ir.cli bench --target sm80 --backend cuda_ptx_sm80 --shapes 0 --shape 4096x4096x4096 --shape 1000x1000x1000 --shape 127x136x72 --shape 64x64x64 --shape 8192x8192x512 --out bench/results/cuda_ptx_sm80_h200
+torch-baseline|300|python3 bench/torch_baseline_probe.py --out bench/results/torch_baseline_probe_h200.json
+EOF
+}
+
+if [ "${1:-list}" = list ] || [ $# -eq 0 ]; then
+  recipes | while IFS='|' read -r name limit cmd; do printf '%-24s %4ss  %s\n' "$name" "$limit" "$cmd"; done
+  exit 0
+fi
+for r in "$@"; do
+  recipes | cut -d'|' -f1 | grep -qx -- "$r" || { echo "bench/device.sh: unknown recipe '$r' (bash bench/device.sh list)" >&2; exit 2; }
+done
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "bench/device.sh: installing the wheels in .whl/ failed" >&2; exit 1; }
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . \
+  || { echo "bench/device.sh: pip install -e . failed" >&2; exit 1; }
+
+echo "== environment"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv,noheader || true
+nvcc --version | tail -1 || true
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu:", torch.cuda.is_available())'
+
+status=0
+for r in "$@"; do
+  line=$(recipes | grep "^$r|")
+  limit=${line#*|}; limit=${limit%%|*}; cmd=${line#*|*|}
+  var="TIMEOUT_${r//-/_}"; limit=${!var:-$limit}
+  echo "== $r (limit ${limit} s): $cmd"
+  eval "timeout $limit $cmd" > "$OUT/$r.log" 2>&1
+  rc=$?
+  echo "== $r: exit $rc"
+  tail -n 30 "$OUT/$r.log"
+  [ $rc -eq 0 ] || status=1
+done
+tar czf "$OUT/results.tgz" bench/results -C "$OUT" $(cd "$OUT" && ls ./*.log 2>/dev/null) 2>/dev/null
+exit $status

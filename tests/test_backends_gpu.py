@@ -1,0 +1,221 @@
+"""Generated kernels of every backend on a real GPU, through the evaluator's gates (accuracy against float64, every
+element written, guard bands, stale output, fp16-accumulation probe, ragged shapes).
+
+Two sets, all built in one parallel compile through backends/compile.py and evaluated by one Evaluator:
+- every registry backend's seed (where the backend lowers it) and two kernels of its sweep, at one aligned and one
+  ragged shape;
+- the coverage configurations that the standalone bench/*_check.py harnesses used to run, which reach every field a
+  backend lowers (layouts, bf16, fp16 accumulation, f32 output, alignment 1-8, every pad mode, split-K workspace and
+  atomic, stream-K, clusters, both epilogue paths, BK 16..64, stages 1..4), at the shapes their Pad admits.
+
+Gates only (no timing: `l2ir bench` times). About a minute of GPU time after the compiles (CUTLASS ones take the
+longest). Run on the device:  python -m pytest -q -m gpu tests/test_backends_gpu.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+
+from l2ir.backends.compile import CompileOptions, compile_many
+from l2ir.backends.registry import BACKENDS, lower
+from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
+from l2ir.search.sweeps import load_sweep
+from l2ir.seed import seed
+
+ALIGNED = (1024, 768, 512)
+RAGGED = (1000, 1000, 1000)      # not a multiple of any tile, still 16-byte rows (TMA and align-8 kernels take it)
+ODD = (127, 129, 67)             # only kernels with align 1 and no divisibility promise take it
+
+F16 = Problem(1, 1, 1)           # a=f16:row b=f16:col c=f16:row acc=f32
+
+
+def problem_class(a="row", b="col", dtype="f16", acc="f32", c=None) -> Problem:
+    return Problem(m=1, n=1, k=1, a=(dtype, a), b=(dtype, b), c=(c or dtype, "row"), acc=acc)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Coverage configurations (formerly bench/cute_sm80_check.py, cutlass_sm90_check.py, cuda_ptx_check.py).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def sm80(block, warps, stages, *, prefetch=True, swizzle=(2, 3, 3), raster="along_n", group=1,
+         pad=("predicate", "predicate", "zero_fill"), align=8, splitk=None, epilogue=("smem", 8)) -> Kernel:
+    return Kernel(target=Target("sm80"), tile=Tile(block=block, warps=warps), mma=Mma("mma_sync", (16, 8, 16)),
+                  pipeline=Pipeline("multistage", stages, prefetch=prefetch),
+                  swizzle=Swizzle(smem=swizzle, raster=raster, group=group), pad=Pad(*pad, align=align),
+                  splitk=SplitK("split_k", *splitk) if splitk else None, epilogue=Epilogue(*epilogue))
+
+
+CUTE_SM80 = {
+    "seed_128x128x32_s3": (sm80((128, 128, 32), (2, 2), 3, group=8), problem_class()),
+    "seed_128x256x32_s3": (sm80((128, 256, 32), (2, 4), 3, group=8), problem_class()),
+    "seed_64x64x32_s3": (sm80((64, 64, 32), (2, 2), 3), problem_class()),
+    # B row (N-contiguous: ldmatrix.trans), 4 stages, along_m raster, direct epilogue.
+    "nn_128x128x32_s4_direct": (sm80((128, 128, 32), (2, 2), 4, raster="along_m", group=4, epilogue=("direct", 8)),
+                                problem_class(b="row")),
+    # Split-K through the workspace and the reduction kernel; no register prefetch; BK=64 with <3,3,3>.
+    "splitk4_ws_64x64x64": (sm80((64, 64, 64), (2, 2), 3, prefetch=False, swizzle=(3, 3, 3), splitk=(4, "workspace"),
+                                 epilogue=("direct", 8)), problem_class()),
+    # Split-K with fp32 atomics into a zeroed workspace, predicate K, 2 stages, bf16.
+    "splitk3_atomic_bf16_s2": (sm80((128, 64, 32), (2, 2), 2, pad=("zero_fill", "predicate", "predicate"),
+                                    splitk=(3, "atomic")), problem_class(dtype="bf16")),
+    # One stage, no swizzle, align 1 (plain loads), zero_fill everywhere, scalar stores: any shape at all.
+    "s1_align1_noswz": (sm80((64, 64, 32), (2, 2), 1, swizzle=None, pad=("zero_fill",) * 3, align=1,
+                             epilogue=("direct", 1)), problem_class()),
+    # align 4 (8-byte cp.async.ca), A col (M-contiguous), fp16 accumulation, BK=48 (an odd fragment ring).
+    "acol_align4_f16acc_bk48": (sm80((64, 128, 48), (2, 2), 3, pad=("predicate", "zero_fill", "predicate"), align=4,
+                                     epilogue=("smem", 4)), problem_class(a="col", acc="f16")),
+    # Everything divisible: no bounds checks at all.
+    "divisible_128x128x64_s3": (sm80((128, 128, 64), (2, 2), 3, swizzle=(3, 3, 3), pad=("divisible",) * 3),
+                                problem_class()),
+    # align 2, BK=16 (one k-block per tile), f32 output.
+    "align2_bk16_f32out": (sm80((64, 128, 16), (1, 4), 4, swizzle=(1, 3, 3), align=2, epilogue=("smem", 2)),
+                           problem_class(c="f32")),
+}
+
+
+def sm90(schedule, block, cluster=(1, 1), **changes) -> Kernel:
+    warps = (8, 1) if schedule == "cooperative" else (4, 1)
+    k = Kernel(target=Target("sm90a"), tile=Tile(block, warps, cluster), mma=Mma("wgmma", (64, block[1], 16)),
+               pipeline=Pipeline("tma_ws", "auto", schedule, persistent=True),
+               pad=Pad("zero_fill", "zero_fill", "zero_fill", 8), epilogue=Epilogue("tma", 8))
+    return k.replace(**changes)
+
+
+CUTLASS_SM90 = {
+    "coop_128x256x64_c2x1": (sm90("cooperative", (128, 256, 64), (2, 1)), F16),
+    "coop_128x256x64_c1x2": (sm90("cooperative", (128, 256, 64), (1, 2)), F16),
+    "coop_256x128x64_c1x1": (sm90("cooperative", (256, 128, 64)), F16),
+    "pingpong_128x128x64_c1x1": (sm90("pingpong", (128, 128, 64)), F16),
+    "coop_128x256x64_c2x1_streamk": (sm90("cooperative", (128, 256, 64), (2, 1), splitk=SplitK("stream_k")), F16),
+    "coop_128x128x64_c1x1_splitk2": (sm90("cooperative", (128, 128, 64), splitk=SplitK("split_k", 2)), F16),
+}
+
+
+def ptx(block=(128, 256, 64), epilogue=("direct", 2), persistent=True, raster=("along_n", 8)) -> Kernel:
+    k = sm90("cooperative", block, epilogue=Epilogue(*epilogue), swizzle=Swizzle((3, 3, 3), *raster))
+    return k.replace(pipeline=dataclasses.replace(k.pipeline, persistent=persistent))
+
+
+CUDA_PTX = {
+    "coop_128x256x64_direct": (ptx(), F16),
+    "coop_128x256x64_smem8": (ptx(epilogue=("smem", 8)), F16),
+    "coop_256x128x64_smem8_along_m": (ptx(block=(256, 128, 64), epilogue=("smem", 8), raster=("along_m", 8)), F16),
+    "coop_128x128x64_direct": (ptx(block=(128, 128, 64)), F16),
+    "coop_128x256x64_direct_nonpersistent": (ptx(persistent=False, raster=("along_n", 1)), F16),
+}
+
+COVERAGE = {"cute_sm80": CUTE_SM80, "cutlass_sm90": CUTLASS_SM90, "cuda_ptx": CUDA_PTX}
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every registry backend: its seed (where it lowers it) and two kernels of its sweep.
+# ---------------------------------------------------------------------------------------------------------------
+
+SWEEP = {"cute_sm80": "sm80", "cutlass_sm90": "sm90a", "cuda_ptx": "cuda_ptx", "cuda_ptx_sm80": "cuda_ptx_sm80"}
+SEED_ARCH = {"cute_sm80": "sm80", "cutlass_sm90": "sm90a", "cuda_ptx": "sm90a", "cuda_ptx_sm80": "sm80"}
+
+
+def registry_cases() -> dict[tuple[str, str], tuple[Kernel, Problem]]:
+    cases = {}
+    for backend, sweep in SWEEP.items():
+        kernel = seed(F16.with_shape(*ALIGNED), SEED_ARCH[backend])
+        try:
+            lower(kernel, F16, backend)
+            cases[(backend, "seed")] = (kernel, F16)
+        except NotImplementedError:
+            pass         # e.g. the seed is ping-pong and cuda_ptx generates cooperative kernels only
+        for name, k in list(load_sweep(sweep).items())[:2]:
+            cases[(backend, name)] = (k, F16)
+    return cases
+
+
+def all_cases() -> dict[tuple[str, str], tuple[Kernel, Problem]]:
+    cases = registry_cases()
+    for backend, configs in COVERAGE.items():
+        for name, case in configs.items():
+            cases[(backend, "coverage:" + name)] = case
+    return cases
+
+
+CASES = all_cases()
+
+
+def test_every_registry_backend_is_covered():
+    """Runs without a GPU: every generated-code backend has a seed or two sweep kernels here, they lower, and each
+    runs at the aligned shape (and all but the divisible ones at the ragged shape too)."""
+    from l2ir.search.gates import admits
+
+    generated = {name for name in BACKENDS if name != "source"}    # source: tests/test_evaluator_gpu.py
+    assert {backend for backend, _ in CASES} == generated
+    for backend in generated:
+        assert sum(1 for b, _ in CASES if b == backend) >= 2, backend
+    for (backend, name), (kernel, problem) in CASES.items():
+        assert lower(kernel, problem, backend).source, (backend, name)
+        assert admits(kernel, problem.with_shape(*ALIGNED))[0], (backend, name)
+        divisible = "divisible" in (kernel.pad.m, kernel.pad.n, kernel.pad.k)
+        assert admits(kernel, problem.with_shape(*RAGGED))[0] != divisible, (backend, name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On the GPU.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _gpu_ready() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    if shutil.which("nvcc") is None:
+        return "nvcc is not on PATH"
+    return None
+
+
+SKIP = _gpu_ready()
+gpu = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(0)
+    if (major, minor) < (9, 0):
+        pytest.skip(f"the sm90a kernels need a Hopper GPU; this one is sm_{major}{minor}")
+    keys = list(CASES)
+    plans = [lower(*CASES[key], key[0]) for key in keys]
+    options = CompileOptions(cache_dir=str(tmp_path_factory.mktemp("cache")), device_sm=f"sm_{major}{minor}")
+    return {key: (plan, art) for key, plan, art in zip(keys, plans, compile_many(plans, options))}
+
+
+@pytest.fixture(scope="module")
+def evaluator():
+    from l2ir.search.evaluator import EvalConfig, Evaluator
+
+    with Evaluator(EvalConfig(scenarios=(), phase_timeout_s=120)) as ev:
+        yield ev
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("key", list(CASES), ids=[f"{b}-{n}" for b, n in CASES])
+def test_generated_kernel_passes_every_gate(built, evaluator, key):
+    from l2ir.search.gates import admits
+
+    kernel, problem_cls = CASES[key]
+    plan, art = built[key]
+    assert art.ok, f"compile {art.reason}: {art.summary()}\nreproduce: {art.repro}"
+    shapes = [s for s in (ALIGNED, RAGGED, ODD) if admits(kernel, problem_cls.with_shape(*s))[0]]
+    assert ALIGNED in shapes, admits(kernel, problem_cls.with_shape(*ALIGNED))[1]
+    for shape in shapes:
+        problem = problem_cls.with_shape(*shape)
+        (m,) = evaluator.evaluate(kernel, problem, plan, art)
+        failed = [f"{v.name}: {v.detail}" for v in m.verdicts if not v.passed]
+        assert m.passed and not m.errors, f"{key} at {shape}: errors {m.errors}; failed gates {failed}"
+        ran = {v.name for v in m.verdicts if not v.skipped}
+        assert {"accuracy", "all_written", "guard_bands"} <= ran, (shape, ran)
