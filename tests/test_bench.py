@@ -114,3 +114,99 @@ def test_short_symbols_stay_distinct():
     a, b = "x" * 200 + "a", "x" * 200 + "b"
     assert len(short_symbol(a)) <= 72 and short_symbol(a) != short_symbol(b)
     assert short_symbol("l2ir_cute_sm80_gemm") == "l2ir_cute_sm80_gemm"
+
+
+# ---- the whole driver on a machine without a GPU: compile and evaluator replaced by deterministic stand-ins ----
+
+
+def _fake_build(monkeypatch):
+    import hashlib
+    from pathlib import Path
+
+    from l2ir.backends import sass
+    from l2ir.backends.compile import Artifact
+    from l2ir.search import pipeline
+
+    built = []
+
+    def compile_many(plans, options):
+        built.extend(plans)
+        return [Artifact(key="bin-" + hashlib.sha256(p.source.encode()).hexdigest()[:12], binary=Path("k.cubin"),
+                         compile_seconds=2.0) for p in plans]
+
+    monkeypatch.setattr(pipeline, "compile_many", compile_many)
+    monkeypatch.setattr(sass, "inspect", lambda binary: None)
+    return built
+
+
+class _Evaluator:
+    """Passes every gate with a speedup read from the kernel hash; `flaky` passes offline and fails the re-check."""
+
+    calls: list = []
+    flaky: set = set()
+
+    def __init__(self, config):
+        self.config = config
+        self.environment = {"gpu": "stand-in"}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def evaluate(self, kernel, problem, plan, artifact, time_kernel=True):
+        from l2ir.search.evaluator import Measurement
+        from l2ir.search.gates import Verdict
+        from l2ir.text import print_problem
+
+        h = kernel.content_hash()
+        type(self).calls.append((self.config.scenarios, h, problem.shape))
+        ok = not (h in self.flaky and self.config.scenarios == ("server",))
+        return [Measurement(h, print_problem(problem), s, environment=dict(self.environment),
+                            verdicts=[Verdict("accuracy", True), Verdict("post_timing", ok)],
+                            speedup=1 + int(h[:4], 16) / 65536, kernel_median_us=10.0, baseline_median_us=12.0,
+                            artifact_key=artifact.key) for s in self.config.scenarios]
+
+
+def test_bench_runs_the_pipeline_resumes_and_rebuilds_its_report(tmp_path, monkeypatch):
+    import csv
+
+    from l2ir.search import evaluator
+    from l2ir.search.bench import BenchConfig, run_bench
+
+    built = _fake_build(monkeypatch)
+    monkeypatch.setattr(evaluator, "Evaluator", _Evaluator)
+    sweep = load_sweep("sm80")
+    # the offline winner on every shape fails its re-check: the next best becomes the result
+    fastest = max(sweep.values(), key=lambda k: int(k.content_hash()[:4], 16))
+    _Evaluator.calls, _Evaluator.flaky = [], {fastest.content_hash()}
+    cfg = BenchConfig(out=tmp_path / "r" / "sm80", shapes=((256, 256, 256), (1000, 1000, 1000)),
+                      sweep=tuple(sweep.items()), sweep_name="sm80", target="sm80", command="l2ir bench test")
+    s = run_bench(cfg)
+    assert s["shapes_done"] == 2 and s["environment"] == {"gpu": "stand-in"}
+    assert s["gate_pass_rate"] == 1.0
+    assert len(built) == s["kernels_compiled"] <= len(sweep) + 2          # once per kernel, not per shape
+    flaky_name = next(n for n, k in sweep.items() if k == fastest)
+    failed_recheck = [row for row in s["shapes"] if row["gates"][flaky_name].get("recheck") is False]
+    assert s["recheck_failures"] == len(failed_recheck) >= 1
+    for row in s["shapes"]:
+        assert row["best_name"] and row["best_hash"] != fastest.short_hash
+        assert row["offline"]["speedup"] > 1 and row["server"]["speedup"] > 1
+    records = [json.loads(line) for line in (tmp_path / "r" / "sm80.jsonl").read_text().splitlines()]
+    assert {r["origin"] for r in records} == {"seed", "sweep:sm80"} and all(r["config"] for r in records)
+    rows = list(csv.reader(open(tmp_path / "r" / "sm80.csv")))
+    assert rows[0][:3] == ["M", "N", "K"] and len(rows) == 3
+    assert json.loads((tmp_path / "r" / "sm80.json").read_text())["command"] == "l2ir bench test"
+
+    # a rerun measures nothing again (same binaries) and reaches the same table
+    calls = len(_Evaluator.calls)
+    again = run_bench(cfg)
+    assert len(_Evaluator.calls) == calls
+    assert [r["best_name"] for r in again["shapes"]] == [r["best_name"] for r in s["shapes"]]
+
+    # report-only: no evaluator at all, the table rebuilt from the records
+    monkeypatch.setattr(evaluator, "Evaluator", None)
+    report = run_bench(BenchConfig(**{**cfg.__dict__, "report_only": True}))
+    assert [r["best_name"] for r in report["shapes"]] == [r["best_name"] for r in s["shapes"]]
+    assert report["recheck_failures"] == s["recheck_failures"]

@@ -131,3 +131,47 @@ def test_unreadable_and_oversized_inputs_are_refused(capsys, tmp_path):
     assert code == 1 and "not UTF-8 text (byte 0" in err
     code, _, err = run(capsys, "interp", EX, "--shape", "100000x100000x100000")
     assert code == 1 and "GiB in the interpreter" in err
+
+
+def test_bench_without_a_gpu_says_so_in_one_line_before_any_work(capsys, tmp_path, monkeypatch):
+    from l2ir.search import bench, preflight
+
+    monkeypatch.setattr(preflight, "_gpu", lambda: [f"no CUDA GPU on this machine; {preflight.GPU_HINT}"])
+    monkeypatch.setattr(bench, "run_bench", lambda cfg: pytest.fail("bench started work on a machine without a GPU"))
+    code, out, err = run(capsys, "bench", "--shapes", "3", "--out", str(tmp_path / "r" / "x"))
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith("error: l2ir bench cannot run here: no CUDA GPU on this machine; "
+                                                   "run it on a machine with an NVIDIA GPU")
+    assert not (tmp_path / "r").exists()
+    # a report rebuilt from the records needs no GPU: it gets past the check (and finds nothing to report)
+    monkeypatch.setattr(bench, "run_bench", lambda cfg: {"reached": cfg.report_only})
+    monkeypatch.setattr("l2ir.search.report.print_summary", lambda s: print(s))
+    code, out, _ = run(capsys, "bench", "--shapes", "3", "--out", str(tmp_path / "x"), "--report-only")
+    assert code == 0 and "'reached': True" in out
+
+
+def test_preflight_names_what_to_install(monkeypatch):
+    import importlib.util
+
+    from l2ir.search import preflight
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(preflight.shutil, "which", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.split(".")[0] in ("cutlass_library", "cuda") else real(name, *a))
+    problems = preflight.missing()
+    assert problems == ["no 'nvcc' on PATH (install the CUDA toolkit, 12.4 or newer)",
+                        "no CUTLASS headers (pip install 'l2ir[cuda]', which brings nvidia-cutlass)",
+                        "no cuda-python (pip install 'l2ir[cuda]')"]
+    with pytest.raises(preflight.PreflightError) as e:
+        preflight.require("l2ir tune", gpu=False)
+    assert str(e.value).startswith("l2ir tune cannot run here: no 'nvcc' on PATH") and "\n" not in str(e.value)
+
+
+def test_preflight_on_this_machine_matches_its_gpu():
+    pytest.importorskip("cuda.bindings", reason="needs the cuda extra")
+    torch = pytest.importorskip("torch")
+    from l2ir.search import preflight
+
+    gpu_problems = preflight.missing(gpu=True, toolchain=False)
+    assert bool(gpu_problems) == (not torch.cuda.is_available()), gpu_problems
