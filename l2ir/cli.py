@@ -340,6 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time torch.matmul with PyTorch's default flags (fp16 reduced-precision reductions allowed) "
                         "instead of holding it to fp32 accumulation")
     s.set_defaults(fn=cmd_bench)
+
+    from l2ir.search.tune import add_parsers      # tune, runs, best, report, db: the search (search/tune.py)
+
+    add_parsers(sub, _shape)
     return p
 
 

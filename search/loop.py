@@ -421,14 +421,20 @@ class Search:
                 continue
             fresh_keys.add(key)
             items.append((p, child, "new", ""))
-        self._build([(c, p.backend) for p, c, v, _ in items if v == "new"])
-        for p, child, verdict, detail in items:
-            if st.candidates >= cfg.budget_candidates or st.gpu_s >= gpu_cap:
-                break
-            if limit is not None and verdict == "new":
-                if limit <= 0:
+        # Only what the candidate budget (and step 0's size) leaves room for is built: a CUTLASS build is a minute.
+        room = cfg.budget_candidates - st.candidates
+        room = room if limit is None else min(room, limit)
+        keep, new = [], 0
+        for item in items:
+            if item[2] == "new":
+                if new >= room:
                     break
-                limit -= 1
+                new += 1
+            keep.append(item)
+        self._build([(c, p.backend) for p, c, v, _ in keep if v == "new"])
+        for p, child, verdict, detail in keep:
+            if st.gpu_s >= gpu_cap:
+                break
             self._candidate(st, p, parent, ctx, child, verdict, detail)
 
     def _build(self, kernels: list[tuple[Kernel, str | None]]):

@@ -1,0 +1,569 @@
+"""`l2ir tune`, `l2ir runs`, `l2ir best`, `l2ir report`, `l2ir db import`: the search from the command line.
+
+    l2ir tune --shape 4096x4096x4096 [--policy random|rules|learned] [--budget-candidates N] [--budget-seconds S]
+    l2ir tune --grid --sample 48 --budget-gpu-seconds 800          12 shapes in each FLOP regime
+    l2ir tune --resume RUN                                         continue a killed run from the records DB
+    l2ir runs | l2ir best --shape MxNxK | l2ir report --out DIR | l2ir db import FILE.jsonl
+
+On a machine without a GPU, `tune` says so in one line and runs the CPU path instead: `--compile-only` (lower and
+compile the proposals, time nothing); `--standin` runs the whole search against the stand-in cost model, whose
+numbers are labelled as not measured everywhere they are shown and never rank against a GPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+DEFAULT_DB = ".l2ir/records.db"
+RESULTS = "bench/results"          # earlier bench measurements, imported into a new DB on first use
+STANDIN_LABEL = "stand-in cost model: NOT measured on a GPU"
+
+
+class TuneError(Exception):
+    """A usage problem reported as one line (the CLI turns it into `error: ...` and exit status 1)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shapes.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def regime_sample(count: int) -> list[tuple[int, int, int]]:
+    """`count` grid shapes, an equal share from each FLOP regime, spread evenly over the FLOPs inside it."""
+    from .bench import GRID
+    from .report import REGIMES
+
+    every = sorted(((m, n, k) for m in GRID for n in GRID for k in GRID), key=lambda s: (s[0] * s[1] * s[2], s))
+    out = []
+    per, extra = divmod(count, len(REGIMES))
+    for i, (lo, hi, _) in enumerate(REGIMES):
+        want = per + (i < extra)
+        pool = [s for s in every if lo <= 2 * s[0] * s[1] * s[2] < hi]
+        if want <= 0 or not pool:
+            continue
+        idx = sorted({round(j * (len(pool) - 1) / max(1, want - 1)) for j in range(want)}) if want > 1 else [
+            len(pool) // 2]
+        out += [pool[j] for j in idx]
+    return out
+
+
+def _parse_shape(text: str, where: str) -> tuple[int, int, int]:
+    try:
+        m, n, k = (int(p) for p in text.lower().split("x"))
+    except ValueError:
+        raise TuneError(f"{where}: expected MxNxK like 4096x4096x4096, got '{text}'") from None
+    if min(m, n, k) < 1:
+        raise TuneError(f"{where}: sizes must be positive, got '{text}'")
+    return m, n, k
+
+
+def shapes_from_file(path: str) -> list[tuple[int, int, int]]:
+    """One MxNxK per line; blank lines and '#' comments are skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise TuneError(f"{path}: cannot read: {e.strerror}") from None
+    out = []
+    for i, line in enumerate(lines, 1):
+        text = line.split("#", 1)[0].strip()
+        if text:
+            out.append(_parse_shape(text, f"{path}:{i}"))
+    if not out:
+        raise TuneError(f"{path}: no shapes (one MxNxK per line)")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Commands.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _open(path: str):
+    from .db import DBError, open_db
+
+    try:
+        return open_db(path, RESULTS if Path(RESULTS).is_dir() else None)
+    except DBError as e:
+        raise TuneError(str(e)) from None
+
+
+def _mode(args) -> tuple[str, str | None]:
+    """The evaluation mode and, when the machine cannot do what was asked, the one line that says what runs."""
+    from .preflight import missing
+
+    if args.standin:
+        return "standin", None
+    toolchain = missing(gpu=False, toolchain=True)
+    if args.compile_only:
+        if toolchain:
+            raise TuneError("l2ir tune --compile-only cannot run here: " + "; ".join(toolchain)
+                            + " (--standin searches against the cost model without compiling)")
+        return "compile_only", None
+    gpu = missing(gpu=True, toolchain=False)
+    if not gpu and not toolchain:
+        return "gpu", None
+    if toolchain:
+        raise TuneError("l2ir tune cannot run here: " + "; ".join(gpu + toolchain)
+                        + " (--standin searches against the cost model, clearly not measured)")
+    return "compile_only", (f"l2ir tune: {gpu[0]}; running the CPU path (--compile-only: lower and compile the "
+                            "proposals, no timing); --standin runs the search against the cost model")
+
+
+def _evaluators(mode: str, seed: int):
+    if mode == "standin":
+        from .standin import StandinConfig, StandinEvaluator
+
+        return (StandinEvaluator(StandinConfig(("offline",), seed)),
+                StandinEvaluator(StandinConfig(("offline", "server"), seed)))
+    if mode == "gpu":
+        from .evaluator import EvalConfig, Evaluator
+        from .timing import TimingConfig
+
+        # Selection needs only the offline number; the winner is re-timed in both scenarios, interleaved with
+        # torch.matmul, on fresh samples.
+        search = Evaluator(EvalConfig(scenarios=("offline",), timing=TimingConfig(trials=5, target_ms=5.0)))
+        return search, Evaluator(EvalConfig(scenarios=("offline", "server")))
+    return None, None
+
+
+def cmd_tune(args) -> int:
+    from rich.console import Console
+
+    from .loop import Search, TuneConfig
+
+    console = Console(stderr=True)
+    if args.resume is None:
+        shapes = [tuple(s) for s in (args.shape or [])]
+        if args.shapes_file:
+            shapes += shapes_from_file(args.shapes_file)
+        if args.grid:
+            shapes += regime_sample(args.sample)
+        seen: set = set()
+        shapes = [s for s in shapes if not (s in seen or seen.add(s))]
+        if not shapes:
+            raise TuneError("no shapes: give --shape MxNxK, --shapes-file F or --grid [--sample N]")
+    mode, note = _mode(args)
+    if note:
+        print(note, file=sys.stderr)
+    db = _open(args.db)
+    ev, rt = _evaluators(mode, args.seed)
+    view = _LiveView(console, mode)
+    command = "l2ir " + " ".join(sys.argv[1:])
+    try:
+        if args.resume is not None:
+            row = db.run(args.resume)
+            if row is None:
+                raise TuneError(f"{args.db}: no run {args.resume} (l2ir runs lists them)")
+            if row["config"]["mode"] != mode:
+                ev, rt = _evaluators(row["config"]["mode"], row["seed"])
+                view = _LiveView(console, row["config"]["mode"])
+            search = Search.resume(db, args.resume, ev, rt, progress=view.update, command=command,
+                                   budget_wall_s=args.budget_seconds)
+        else:
+            problem = args.problem or "gemm m=1 n=1 k=1 a=f16:row b=f16:col c=f16:row acc=f32"
+            cfg = TuneConfig(shapes=tuple(shapes), problem=problem, policy=args.policy, seed=args.seed,
+                             budget_candidates=args.budget_candidates, budget_gpu_s=args.budget_gpu_seconds,
+                             budget_wall_s=args.budget_seconds, batch=args.batch, arch=args.target, mode=mode,
+                             cache_dir=args.cache_dir, device_sm=args.device_sm)
+            try:
+                search = Search(cfg, db, ev, rt, progress=view.update, command=command)
+            except ValueError as e:
+                raise TuneError(str(e)) from None
+        view.start(len(search.config.shapes), search.config.budget_candidates)
+        try:
+            states = search.run()
+        finally:
+            view.stop()
+        print_results(search, states, Console(width=None if sys.stdout.isatty() else 160))
+    finally:
+        for e in (ev, rt):
+            if e is not None:
+                e.close()
+        db.close()
+    return 0
+
+
+class _LiveView:
+    """A progress bar over all candidates and a live table: shape, best speedup so far, candidates, failures,
+    GPU-seconds."""
+
+    def __init__(self, console, mode: str):
+        self.console, self.mode = console, mode
+        self.rows: dict = {}
+        self.live = None
+
+    def start(self, shapes: int, per_shape: int):
+        from rich.console import Group
+        from rich.live import Live
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(TextColumn("[bold]tune"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 console=self.console)
+        self.task = self.progress.add_task("candidates", total=shapes * per_shape)
+        self.group = Group(self.progress, self._table())
+        self.live = Live(self.group, console=self.console, refresh_per_second=4, transient=False)
+        self.live.start()
+
+    def _table(self):
+        from rich.table import Table
+
+        title = "best speedup vs torch.matmul (offline, selection samples)"
+        if self.mode == "standin":
+            title += f" [red]{STANDIN_LABEL}[/red]"
+        elif self.mode == "compile_only":
+            title = "compile only: nothing timed"
+        t = Table(title=title)
+        for col in ("shape", "best x", "candidates", "failures", "illegal", "GPU s", "status"):
+            t.add_column(col, justify="right")
+        for r in self.rows.values():
+            t.add_row(*r)
+        return t
+
+    def update(self, st, event: str):
+        best = f"{st.best:.3f}" if st.best else "-"
+        status = "done" if event == "done" else ("restored" if event == "restored" else "searching")
+        self.rows[st.shape] = ("x".join(map(str, st.shape)), best, str(st.candidates), str(st.failures),
+                               str(st.illegal), f"{st.gpu_s:.1f}", status)
+        if self.live is not None:
+            self.progress.update(self.task, completed=sum(int(r[2]) for r in self.rows.values()))
+            self.group.renderables[1] = self._table()
+
+    def stop(self):
+        if self.live is not None:
+            self.live.stop()
+
+
+def print_results(search, states, console) -> None:
+    from rich.table import Table
+
+    mode = search.config.mode
+    t = Table(title=f"l2ir tune: run {search.run_id} ({search.policy_name}, seed {search.config.seed})"
+              + (f" - {STANDIN_LABEL}" if mode == "standin" else ""))
+    for col in ("shape", "GFLOP", "winner", "offline x", "server x", "selected on", "candidates", "failures",
+                "GPU s", "ended by"):
+        t.add_column(col, justify="right")
+    for st in states:
+        d = st.done or {}
+        w = d.get("winner") or {}
+        f = lambda x: f"{x:.3f}" if isinstance(x, (int, float)) else "-"  # noqa: E731
+        t.add_row("x".join(map(str, st.shape)), f"{2 * math.prod(st.shape) / 1e9:.2f}",
+                  (w.get("kernel") or "-")[:12], f(w.get("offline_speedup")), f(w.get("server_speedup")),
+                  f(w.get("selected_speedup")), str(st.candidates), str(st.failures), f"{st.gpu_s:.1f}",
+                  str(d.get("stopped_by", "not started")))
+    console.print(t)
+    if mode == "gpu":
+        console.print("offline x / server x: the winner re-timed on fresh samples, interleaved with torch.matmul "
+                      "(not the samples it was selected on)")
+    elif mode == "standin":
+        console.print(f"[red]{STANDIN_LABEL}[/red]: a model of tiles, waves and stages, for testing the search")
+    console.print(f"records: {search.db.path} (l2ir best --shape MxNxK, l2ir report, l2ir tune --resume "
+                  f"{search.run_id})")
+
+
+def cmd_runs(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    db = _open(args.db)
+    t = Table(title=f"runs in {args.db}")
+    for col in ("run", "status", "mode", "policy", "seed", "shapes", "candidates", "failures", "illegal", "GPU s",
+                "command"):
+        t.add_column(col)
+    for r in db.runs():
+        cfg = r["config"]
+        t.add_row(str(r["id"]), r["status"] or "", cfg.get("mode", ""), r["policy"] or "", str(r["seed"]),
+                  str(len(cfg.get("shapes", []))), str(r["candidates"]), str(r["failures"]), str(r["illegal"]),
+                  f"{r['gpu_seconds']:.1f}", (r["command"] or "")[:60])
+    Console().print(t)
+    return 0
+
+
+def best_for(db, problem_text: str, environment: str | None = None) -> dict | None:
+    """The best kernel of a problem: a winner's re-timed numbers where a run has them, else the fastest gate-clean
+    measurement; on the named environment, else on the measured environment with the most records of it
+    (a stand-in's numbers only when no GPU measured the problem)."""
+    envs = [environment] if environment else _envs_for(db, problem_text)
+    for eid in envs:
+        retimed = db.ranking(problem_text, eid, "offline", purpose="retime", limit=1)
+        row = retimed[0] if retimed else next(iter(db.ranking(problem_text, eid, "offline", limit=1)), None)
+        if row is None:
+            continue
+        server = [r for r in db.measurements(problem=problem_text, kernel=row.kernel, environment=eid,
+                                             scenario="server") if r.passed]
+        return {"row": row, "server": server[-1] if server else None, "environment": db.environment(eid),
+                "environment_id": eid, "kernel": db.kernel(row.kernel), "retimed": bool(retimed)}
+    return None
+
+
+def _envs_for(db, problem_text: str) -> list[str]:
+    rows = db.conn.execute("SELECT m.environment, e.measured, COUNT(*) AS c FROM measurements m JOIN environments e"
+                           " ON e.id = m.environment WHERE m.problem=? AND m.passed=1 GROUP BY m.environment "
+                           "ORDER BY e.measured DESC, c DESC", (problem_text,)).fetchall()
+    return [r[0] for r in rows]
+
+
+def cmd_best(args) -> int:
+    from l2ir.nodes import Problem
+    from l2ir.text import parse_problem, print_problem
+
+    base = parse_problem(args.problem, "--problem") if args.problem else Problem(1, 1, 1)
+    ptext = print_problem(base.with_shape(*args.shape))
+    db = _open(args.db)
+    got = best_for(db, ptext, args.env)
+    if got is None:
+        raise TuneError(f"no gate-clean measurement of '{ptext}' in {args.db} (l2ir tune --shape "
+                        f"{'x'.join(map(str, args.shape))} makes one)")
+    row, env = got["row"], got["environment"] or {}
+    label = STANDIN_LABEL if env.get("standin") else f"{env.get('gpu')} (driver {env.get('driver')}, CUDA " \
+        f"{env.get('cuda_runtime')}, torch {env.get('torch')}, CUTLASS {env.get('cutlass')})"
+    kernel = got["kernel"] or {}
+    print(f"# {ptext}")
+    print(f"# kernel {row.kernel[:12]}, backend {kernel.get('backend') or 'default'}, on {label}")
+    how = "re-timed winner (fresh samples)" if got["retimed"] else "best gate-clean measurement"
+    print(f"# offline: {row.kernel_median_us:.2f} us vs torch.matmul {row.baseline_median_us:.2f} us = "
+          f"{row.speedup:.3f}x (spread {row.spread or 0:.3f}; {how})")
+    srv = got["server"]
+    if srv is not None:
+        print(f"# server:  {srv.kernel_median_us:.2f} us vs torch.matmul {srv.baseline_median_us:.2f} us = "
+              f"{srv.speedup:.3f}x")
+    sys.stdout.write(kernel.get("ir") or "# (the IR of this kernel is not in the DB)\n")
+    return 0
+
+
+def cmd_db_import(args) -> int:
+    from .db import DBError
+
+    db = _open(args.db)
+    total = 0
+    for f in args.files:
+        try:
+            n = db.import_jsonl(f)
+        except DBError as e:
+            raise TuneError(str(e)) from None
+        print(f"{f}: {n} measurements imported" + ("" if n else " (already imported or empty)"))
+        total += n
+    return 0
+
+
+def cmd_report(args) -> int:
+    db = _open(args.db)
+    out = Path(args.out)
+    paths = write_report(db, out, args.env)
+    for p in paths:
+        print(p)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The report: a markdown table by FLOP regime and PNG plots, per environment.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def shape_results(db, environment: str) -> list[dict]:
+    """Per problem measured on this environment: the reported numbers (a re-timed winner where a run made one,
+    else the best gate-clean measurement) in both scenarios."""
+    from .db import split_problem
+
+    problems = [r[0] for r in db.conn.execute(
+        "SELECT DISTINCT problem FROM measurements WHERE environment=? AND passed=1 AND speedup IS NOT NULL "
+        "ORDER BY m * n * k, problem", (environment,))]
+    out = []
+    for p in problems:
+        got = best_for(db, p, environment)
+        if got is None:
+            continue
+        row, srv = got["row"], got["server"]
+        out.append({"problem": p, "shape": split_problem(p)[0], "kernel": row.kernel, "offline": row.speedup,
+                    "server": srv.speedup if srv else None, "retimed": got["retimed"],
+                    "kernel_us": row.kernel_median_us, "torch_us": row.baseline_median_us})
+    return out
+
+
+def write_report(db, out: Path, environment: str | None = None) -> list[Path]:
+    """report.md and PNGs (heat map of the offline speedup over M, N for each K; speedup by regime; search
+    curves) under `out`, one section and set of plots per environment. Returns the files written."""
+    from .report import REGIMES, geomean
+
+    out.mkdir(parents=True, exist_ok=True)
+    envs = [(environment, db.environment(environment))] if environment else [(e, env) for e, env, n in
+                                                                              db.environments() if n]
+    lines = ["# l2ir tune report", "", f"records: `{db.path}`", ""]
+    written: list[Path] = []
+    for eid, env in envs:
+        env = env or {}
+        rows = shape_results(db, eid)
+        label = STANDIN_LABEL if env.get("standin") else (
+            f"{env.get('gpu')}, {env.get('sms')} SMs, driver {env.get('driver')}, CUDA {env.get('cuda_runtime')}, "
+            f"torch {env.get('torch')}, CUTLASS {env.get('cutlass')}")
+        lines += [f"## {label} (environment `{eid}`)", "",
+                  "Speedup = torch.matmul median / kernel median, device time, interleaved. Re-timed winners where a "
+                  "search made them (fresh samples), else the best gate-clean measurement.", "",
+                  "| FLOP regime | shapes | offline geomean | server geomean | faster than torch (offline) |",
+                  "|---|---:|---:|---:|---:|"]
+        f = lambda x: f"{x:.3f}x" if x else "-"  # noqa: E731
+        for lo, hi, name in REGIMES:
+            rs = [r for r in rows if lo <= 2 * math.prod(r["shape"]) < hi]
+            lines.append(f"| {name} | {len(rs)} | {f(geomean([r['offline'] for r in rs]))} | "
+                         f"{f(geomean([r['server'] for r in rs]))} | {sum(1 for r in rs if r['offline'] > 1)} |")
+        lines.append(f"| all | {len(rows)} | {f(geomean([r['offline'] for r in rows]))} | "
+                     f"{f(geomean([r['server'] for r in rows]))} | {sum(1 for r in rows if r['offline'] > 1)} |")
+        lines += ["", "| M | N | K | kernel | offline | server | kernel us | torch us | re-timed |",
+                  "|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+        for r in rows:
+            lines.append(f"| {' | '.join(map(str, r['shape']))} | {r['kernel'][:12]} | {f(r['offline'])} | "
+                         f"{f(r['server'])} | {r['kernel_us']:.2f} | {r['torch_us']:.2f} | "
+                         f"{'yes' if r['retimed'] else 'no'} |")
+        lines.append("")
+        written += _plots(db, eid, rows, out, label)
+        lines += [f"![{p.stem}]({p.name})" for p in written if p.stem.endswith(eid)] + [""]
+    md = out / "report.md"
+    md.write_text("\n".join(lines) + "\n")
+    return [md] + written
+
+
+def _plots(db, eid: str, rows: list[dict], out: Path, label: str) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import TwoSlopeNorm
+    except ImportError:
+        print("matplotlib is not installed (pip install 'l2ir[report]'): no plots", file=sys.stderr)
+        return []
+    from .report import REGIMES
+
+    paths = []
+    if rows:
+        ks = sorted({r["shape"][2] for r in rows})
+        cols = min(4, len(ks))
+        fig, axes = plt.subplots((len(ks) + cols - 1) // cols, cols, figsize=(4 * cols, 3.6 * ((len(ks) + cols - 1)
+                                                                                                // cols)),
+                                 squeeze=False)
+        norm = TwoSlopeNorm(vcenter=1.0, vmin=min(0.5, min(r["offline"] for r in rows)),
+                            vmax=max(1.5, max(r["offline"] for r in rows)))
+        for ax, k in zip(axes.flat, ks):
+            sub = [r for r in rows if r["shape"][2] == k]
+            ms, ns = sorted({r["shape"][0] for r in sub}), sorted({r["shape"][1] for r in sub})
+            grid = [[math.nan] * len(ns) for _ in ms]
+            for r in sub:
+                grid[ms.index(r["shape"][0])][ns.index(r["shape"][1])] = r["offline"]
+            im = ax.imshow(grid, cmap="RdYlGn", norm=norm, origin="lower", aspect="auto")
+            ax.set_xticks(range(len(ns)), [str(n) for n in ns], rotation=60, fontsize=7)
+            ax.set_yticks(range(len(ms)), [str(m) for m in ms], fontsize=7)
+            ax.set_xlabel("N")
+            ax.set_ylabel("M")
+            ax.set_title(f"K = {k}", fontsize=9)
+        for ax in list(axes.flat)[len(ks):]:
+            ax.axis("off")
+        fig.colorbar(im, ax=axes, shrink=0.8, label="offline speedup vs torch.matmul")
+        fig.suptitle(label, fontsize=9)
+        paths.append(out / f"heatmap_{eid}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for i, (lo, hi, name) in enumerate(REGIMES):
+            for j, sc in enumerate(("offline", "server")):
+                vals = [r[sc] for r in rows if r[sc] and lo <= 2 * math.prod(r["shape"]) < hi]
+                xs = [i + (j - 0.5) * 0.3] * len(vals)
+                ax.scatter(xs, vals, s=14, alpha=0.7, color="C0" if sc == "offline" else "C1",
+                           label=sc if i == 0 else None)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(REGIMES)), [r[2] for r in REGIMES])
+        ax.set_ylabel("speedup vs torch.matmul")
+        ax.set_title(label, fontsize=9)
+        ax.legend()
+        paths.append(out / f"regimes_{eid}.png")
+        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+        plt.close(fig)
+
+    # Search curves: the best selection sample so far against candidates, per shape of every run on this GPU.
+    curves = []
+    for run in db.runs():
+        for e_problem in {r.problem for r in db.measurements(run=run["id"], environment=eid, purpose="search")}:
+            best, xs, ys, n = 0.0, [], [], 0
+            for e in db.edits(run["id"], e_problem):
+                if e["verdict"] in ("measured", "failed"):
+                    n += 1
+                    if e["verdict"] == "measured" and e["reward"] is not None:
+                        best = max(best, math.exp(e["reward"]))
+                    if best:
+                        xs.append(n)
+                        ys.append(best)
+            if xs:
+                curves.append((run["id"], e_problem, xs, ys))
+    if curves:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for run_id, p, xs, ys in curves[:60]:
+            ax.plot(xs, ys, lw=0.9, alpha=0.7)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("candidates evaluated")
+        ax.set_ylabel("best speedup so far (selection samples)")
+        ax.set_title(f"search curves, {len(curves)} shape(s): {label}", fontsize=9)
+        paths.append(out / f"curves_{eid}.png")
+        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+        plt.close(fig)
+    return paths
+
+
+def add_parsers(sub, shape_type) -> None:
+    """Register tune, runs, best, report and db on the `l2ir` parser."""
+    s = sub.add_parser("tune", help="search kernels for shapes (GPU; --compile-only or --standin without one)")
+    s.add_argument("--shape", type=shape_type, action="append", help="MxNxK (repeatable)")
+    s.add_argument("--shapes-file", help="a file with one MxNxK per line")
+    s.add_argument("--grid", action="store_true", help="grid shapes, an equal share from each FLOP regime")
+    s.add_argument("--sample", type=int, default=48, help="how many grid shapes with --grid (default 48)")
+    s.add_argument("--policy", default="random", help="random, rules, learned, or module:Factory")
+    s.add_argument("--budget-candidates", type=int, default=24, help="candidates built and timed per shape")
+    s.add_argument("--budget-seconds", type=float, default=math.inf, help="wall seconds for this invocation")
+    s.add_argument("--budget-gpu-seconds", type=float, default=math.inf, help="GPU seconds for the whole run")
+    s.add_argument("--batch", type=int, default=4, help="proposals per step, compiled together")
+    s.add_argument("--seed", type=int, default=0, help="the same seed makes the same proposals")
+    s.add_argument("--target", default="sm90a", help="the GPU's target (proposals use any rule it runs)")
+    s.add_argument("--problem", help="problem class 'gemm m=1 n=1 k=1 a=f16:row ...' (sizes come from shapes)")
+    s.add_argument("--db", default=DEFAULT_DB, help=f"records DB (default {DEFAULT_DB})")
+    s.add_argument("--resume", type=int, metavar="RUN", help="continue run RUN from the records DB")
+    s.add_argument("--compile-only", action="store_true", help="lower and compile the proposals; time nothing")
+    s.add_argument("--standin", action="store_true", help="search against the stand-in cost model (NOT measured)")
+    s.add_argument("--cache-dir", default=".l2ir-cache", help="compile cache")
+    s.add_argument("--device-sm", default="sm_90", help="SASS target of the GPU that runs the kernels")
+    s.set_defaults(fn=_guard(cmd_tune))
+
+    s = sub.add_parser("runs", help="the search runs in the records DB")
+    s.add_argument("--db", default=DEFAULT_DB)
+    s.set_defaults(fn=_guard(cmd_runs))
+
+    s = sub.add_parser("best", help="the best kernel for a shape: its IR and its numbers")
+    s.add_argument("--shape", type=shape_type, required=True)
+    s.add_argument("--problem", help="problem class line (sizes come from --shape)")
+    s.add_argument("--env", help="an environment id (default: the GPU with the most measurements of the shape)")
+    s.add_argument("--db", default=DEFAULT_DB)
+    s.set_defaults(fn=_guard(cmd_best))
+
+    s = sub.add_parser("report", help="markdown table by FLOP regime and PNG plots from the records DB")
+    s.add_argument("--out", default="bench/results/tune_report", help="output folder")
+    s.add_argument("--env", help="an environment id (default: every environment, one section each)")
+    s.add_argument("--db", default=DEFAULT_DB)
+    s.set_defaults(fn=_guard(cmd_report))
+
+    s = sub.add_parser("db", help="records DB maintenance")
+    dsub = s.add_subparsers(dest="db_cmd", required=True)
+    d = dsub.add_parser("import", help="import bench/results JSONL measurements")
+    d.add_argument("files", nargs="+")
+    d.add_argument("--db", default=DEFAULT_DB)
+    d.set_defaults(fn=_guard(cmd_db_import))
+
+
+def _guard(fn):
+    """TuneError -> the CLI's one-line error (l2ir.cli prints a ValueError-free CliError the same way)."""
+    def run(args) -> int:
+        try:
+            return fn(args)
+        except TuneError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    return run
