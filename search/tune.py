@@ -277,7 +277,7 @@ def cmd_runs(args) -> int:
         t.add_row(str(r["id"]), r["status"] or "", cfg.get("mode", ""), r["policy"] or "", str(r["seed"]),
                   str(len(cfg.get("shapes", []))), str(r["candidates"]), str(r["failures"]), str(r["illegal"]),
                   f"{r['gpu_seconds']:.1f}", (r["command"] or "")[:60])
-    Console().print(t)
+    Console(width=None if sys.stdout.isatty() else 200).print(t)
     return 0
 
 
