@@ -18,8 +18,8 @@ DB holds, so the same seed gives the same proposals, and a resumed run (`l2ir tu
 proposals the killed one would have made. Every candidate's records (kernel, measurements, edit, class gates,
 policy state) commit in one transaction: a kill loses at most the candidates in flight.
 
-Cheap evaluation: the gates that depend only on the kernel and the problem class (stale output, precision probe,
-ragged shapes: search/standin.CLASS_GATES) are kept per kernel in the DB. A kernel that failed one is failed on
+Cheap evaluation: the gates that depend only on the kernel and the problem class (stale output, ragged shapes:
+CLASS_GATES) are kept per kernel in the DB. A kernel that failed one is failed on
 every later shape without touching the GPU; one that passed them is evaluated with `skip_gates` where the
 evaluator accepts that option (the stand-in does; search/evaluator.Evaluator runs every gate until it offers it),
 and the reused verdicts are written into its measurement, marked as reused.
@@ -46,8 +46,10 @@ from l2ir.text import parse_kernel, parse_problem, print_problem, print_problem_
 from .db import RecordsDB, environment_id
 from .evaluator import Measurement
 from .gates import Verdict
-from .standin import CLASS_GATES
 
+# The gates that depend only on the kernel and the problem class, not on M, N, K: a stale output on fresh inputs in
+# the same buffers, and the shapes no tile divides (chosen from the tile, not from the problem's sizes).
+CLASS_GATES = ("stale_output", "ragged_shapes")
 FAIL_REWARD = -1.0        # what a failed or illegal candidate is worth in the edits table (log speedup scale)
 DONE = "done"             # the edits-table verdict that closes a shape (with the winner's numbers in detail)
 
@@ -225,11 +227,23 @@ class Search:
         db.set_run_status(run_id, "running")
         return s
 
+    def prebuild(self):
+        """Build every shape's step-0 kernels (seeds and sweeps: a few dozen, shared by all shapes) in one parallel
+        compile, so the first shapes do not pay for everyone's and the compile pool is full once."""
+        wanted = []
+        for shape in self.config.shapes:
+            st = ShapeState(tuple(shape), self.pclass.with_shape(*shape), "")
+            for p in self._initial(st, neighbours=False)[:self.config.init_size + 4]:
+                wanted.append((p.kernel, p.backend))
+        self._build(wanted)
+
     def run(self) -> list[ShapeState]:
         if self.run_id is None:
             self.start()
         cfg = self.config
         status = "done"
+        if len(cfg.shapes) > 1 and cfg.mode != "standin":
+            self.prebuild()
         try:
             for i, shape in enumerate(cfg.shapes):
                 st = self._restore(shape)
@@ -322,7 +336,7 @@ class Search:
         if st.incumbent:
             st.curve.append((st.candidates, st.best))
 
-    def _initial(self, st: ShapeState) -> list:
+    def _initial(self, st: ShapeState, neighbours: bool = True) -> list:
         """Step 0's proposals: the rule-based seeds, the nearest solved problems' winners, the sweeps."""
         from l2ir.policy.base import Proposal
 
@@ -336,7 +350,7 @@ class Search:
                 out.append(Proposal(kernel=rule_seed(st.problem, arch), note=f"seed {arch}"))
             except (L2IRError, ValueError):
                 pass
-        if self.env_id and cfg.neighbours:
+        if neighbours and self.env_id and cfg.neighbours:
             for h in self.db.nearest_winners(st.ptext, self.env_id, cfg.neighbours):
                 row = self.db.kernel(h)
                 if row and row.get("ir"):

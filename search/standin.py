@@ -9,7 +9,8 @@ against measured ones, and `l2ir tune --standin` labels its output as not measur
 
 It has the evaluator's interface (`config.scenarios`, `environment`, `evaluate(kernel, problem, plan, artifact,
 time_kernel=True, skip_gates=())`) and reports the GPU time a real evaluation would have cost (`last_cost_s`), so
-budgets behave as on the GPU. A few kernels (chosen by their hash) fail a gate, so the loop's failure paths run.
+budgets behave as on the GPU. It reports the evaluator's gates (search/gates.py), all passing except for a few
+kernels (chosen by their hash) that fail the ragged-shapes gate, so the loop's failure paths run.
 """
 
 from __future__ import annotations
@@ -25,19 +26,13 @@ from l2ir.nodes import Kernel, Problem
 from l2ir.text import print_problem
 
 from .evaluator import Measurement
-from .gates import Verdict
+from .gates import GATES, TIMING_GATES, Verdict
 from .timing import summarize
 
 STANDIN_ENV = {"gpu": "stand-in cost model (not measured)", "capability": "9.0", "sms": 132,
                "sm_clock_max_mhz": None, "mem_clock_mhz": None, "driver": None, "cuda_runtime": None,
                "torch": None, "cutlass": None, "standin": True}
 
-# The gates the real evaluator runs before timing, in its order, and the ones it runs around the timed calls. The
-# gates that depend only on the kernel and the problem class (not on M, N, K: stale output on fresh inputs, the
-# shapes no tile divides) may be skipped per shape once a kernel has passed them.
-GATES = ("accuracy", "all_written", "stale_output", "partial_refresh", "guard_bands", "ragged_shapes")
-TIMED_GATES = ("timed_outputs", "replay_gain", "post_timing")
-CLASS_GATES = ("stale_output", "ragged_shapes")
 
 SMS = 132
 PEAK_TFLOPS = 989.0          # dense fp16 tensor-core peak of an H100/H200 SXM
@@ -170,7 +165,7 @@ class StandinEvaluator:
             kstat, bstat = summarize(ks), summarize(bs)
             # A real offline trial replays ~10 ms per side; a server sample is one call after a flush.
             self.last_cost_s += count * (0.02 if s == "offline" else 0.004)
-            timed_verdicts = [Verdict(g, True, "stand-in: not run on a GPU") for g in TIMED_GATES]
+            timed_verdicts = [Verdict(g, True, "stand-in: not run on a GPU") for g in TIMING_GATES]
             out.append(Measurement(scenario=s, kernel_us=ks, baseline_us=bs, kernel_stats=kstat,
                                    baseline_stats=bstat, kernel_median_us=kstat["median"],
                                    baseline_median_us=bstat["median"], speedup=bstat["median"] / kstat["median"],

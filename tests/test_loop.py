@@ -15,8 +15,8 @@ import pytest
 from l2ir.edits import SetField
 from l2ir.policy.base import Proposal, StatelessPolicy
 from l2ir.search.db import RecordsDB, environment_id
-from l2ir.search.loop import DONE, Member, Search, TuneConfig, accepts
-from l2ir.search.standin import CLASS_GATES, STANDIN_ENV, StandinConfig, StandinEvaluator
+from l2ir.search.loop import CLASS_GATES, DONE, Member, Search, TuneConfig, accepts
+from l2ir.search.standin import STANDIN_ENV, StandinConfig, StandinEvaluator
 
 SHAPES = ((4096, 4096, 4096), (256, 512, 1024), (1024, 2048, 512))
 
@@ -353,3 +353,37 @@ def test_standin_is_deterministic_and_labelled():
     assert a[0].kernel_us == b[0].kernel_us != c[0].kernel_us
     assert "not measured" in a[0].environment["gpu"]
     assert math.isclose(a[0].speedup, a[0].baseline_median_us / a[0].kernel_median_us)
+
+
+class FakeArtifact:
+    ok, reason, repro, cached, resources = True, "", "", False, {}
+
+    def __init__(self, key):
+        self.key, self.compile_seconds = key, 1.0
+
+    def summary(self):
+        return ""
+
+
+def test_compile_only_builds_each_kernel_once_for_all_shapes(tmp_path, monkeypatch):
+    import l2ir.backends.compile as bc
+
+    calls = []
+
+    def fake_compile_many(plans, options):
+        calls.append(len(plans))
+        return [FakeArtifact(f"{len(calls)}-{i}") for i in range(len(plans))]
+
+    monkeypatch.setattr(bc, "compile_many", fake_compile_many)
+    db = RecordsDB(tmp_path / "r.db")
+    cfg = TuneConfig(shapes=SHAPES, mode="compile_only", budget_candidates=8)
+    s = Search(cfg, db)
+    s.run()
+    assert calls[0] >= 10                        # the shared step-0 kernels of every shape, in one parallel build
+    edits = [e for e in db.edits(s.run_id) if e["verdict"] not in (DONE,)]
+    assert {e["verdict"] for e in edits} <= {"compiled", "duplicate", "illegal"}
+    built = [e for e in edits if e["verdict"] == "compiled"]
+    assert len(built) == 8 * len(SHAPES) and not db.measurements()
+    # Compile seconds are paid once per kernel, whichever shape used it first.
+    assert sum(e["compile_seconds"] for e in built) == len({(e["child"], e["backend"]) for e in built})
+    assert all(st.done["winner"] is None or st.done["winner"]["selected_speedup"] is None for st in s.states)
