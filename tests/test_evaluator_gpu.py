@@ -1,7 +1,9 @@
 """The evaluator on a real GPU: every planted defect is rejected by the gate built for it, a correct kernel passes
 every gate and is timed, and a kernel that faults or hangs costs only the worker process.
 
-The planted kernels are one tiled HGEMM (tests/planted/tiled_gemm.cu) with one defect switched on per variant."""
+The planted kernels are one tiled HGEMM (tests/planted/tiled_gemm.cu) with one defect switched on per variant,
+including the reward hacks a search that learns would find: recognising inputs, counting launches, skipping repeats,
+fp16 short runs, and computing exactly only on probe-like inputs."""
 
 import json
 import shutil
@@ -16,7 +18,7 @@ from l2ir.nodes import Kernel, Problem, Source, Target
 
 PLANTED = Path(__file__).parent / "planted" / "tiled_gemm.cu"
 PROBLEM = Problem(m=256, n=192, k=512)         # a=f16:row b=f16:col c=f16:row acc=f32, the kernel's layout
-GATES = ("accuracy", "all_written", "stale_output", "precision_probe", "guard_bands", "ragged_shapes")
+from l2ir.search.gates import GATES, TIMING_GATES  # noqa: E402
 
 
 def planted_kernel(plant: str | None = None) -> Kernel:
@@ -45,7 +47,8 @@ def _gpu_ready() -> str | None:
 # Compiling the variants needs only nvcc, so CI checks that every planted kernel builds.
 @pytest.mark.nvcc
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
-@pytest.mark.parametrize("plant", [None, "FP16_ACC", "OOB_WRITE", "UNWRITTEN", "DIVISIBLE", "STALE", "CRASH", "HANG"])
+@pytest.mark.parametrize("plant", [None, "FP16_ACC", "OOB_WRITE", "UNWRITTEN", "DIVISIBLE", "STALE", "CRASH", "HANG",
+                                   "RECOGNISE", "REPEAT", "COUNTER", "FP16_RUNS", "PROBE_EXACT"])
 def test_planted_kernels_compile(tmp_path, plant):
     art = compile_plan(lower_source(planted_kernel(plant), PROBLEM), CompileOptions(cache_dir=str(tmp_path)))
     assert art.ok, art.log
@@ -113,11 +116,15 @@ def test_correct_kernel_passes_every_gate(gates_only, cache, compiler):
 
 # (defect, the gate that must reject it, gates the defect does not touch and which must still pass)
 PLANTS = [
-    ("FP16_ACC", "precision_probe", ("all_written", "guard_bands")),
-    ("OOB_WRITE", "guard_bands", ("accuracy", "all_written", "stale_output", "precision_probe")),
+    ("FP16_ACC", "ulp", ("all_written", "guard_bands")),
+    ("OOB_WRITE", "guard_bands", ("accuracy", "ulp", "all_written", "stale_output")),
     ("UNWRITTEN", "all_written", ("guard_bands",)),
-    ("DIVISIBLE", "ragged_shapes", ("accuracy", "all_written", "stale_output", "precision_probe", "guard_bands")),
-    ("STALE", "stale_output", ("accuracy", "all_written", "guard_bands")),
+    ("DIVISIBLE", "ragged_shapes", ("accuracy", "ulp", "all_written", "stale_output", "guard_bands")),
+    ("STALE", "stale_output", ("accuracy", "ulp", "all_written", "guard_bands")),
+    # Reward hacks caught before timing.
+    ("RECOGNISE", "partial_refresh", ("accuracy", "ulp", "all_written", "stale_output", "guard_bands")),
+    ("FP16_RUNS", "ulp", ("accuracy", "all_written", "stale_output", "partial_refresh", "guard_bands")),
+    ("PROBE_EXACT", "ulp", ("all_written", "guard_bands")),
 ]
 
 
@@ -129,6 +136,7 @@ def test_planted_defect_is_rejected_by_its_gate(gates_only, cache, plant, gate, 
     plan, art = build(kernel, cache)
     ms = gates_only.evaluate(kernel, PROBLEM, plan, art)
     v = verdicts(ms)
+    assert "precision_probe" not in v        # the ulp gate subsumes the probe: nothing for PROBE_EXACT to spot
     assert not ms[0].passed
     assert gate in v, f"no {gate} verdict; errors: {ms[0].errors}"
     assert not v[gate].passed and not v[gate].skipped, v[gate].detail
@@ -191,3 +199,69 @@ def test_timing_against_the_baseline(cache, tmp_path):
     write_measurements(out, ms)
     back = [Measurement.from_json(json.loads(line)) for line in out.read_text().splitlines()]
     assert back == ms
+
+
+# Kernels that compute correctly whenever a gate looks and skip work while being timed. K=4096 makes the skipped
+# compute large against the skipping kernel's own checks (its sampled loads), as in the shapes a search tunes.
+TIMED_PROBLEM = Problem(m=256, n=192, k=4096)
+TIMED_PLANTS = [
+    ("COUNTER", ("timed_outputs", "post_timing")),
+    ("REPEAT", ("replay_gain",)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+@pytest.mark.parametrize("plant,gates", [(None, ())] + TIMED_PLANTS, ids=["honest"] + [p[0] for p in TIMED_PLANTS])
+def test_timing_hacks_are_rejected(cache, plant, gates):
+    from l2ir.search.evaluator import EvalConfig, Evaluator
+    from l2ir.search.timing import TimingConfig
+
+    cfg = EvalConfig(scenarios=("offline", "server"), phase_timeout_s=120,
+                     timing=TimingConfig(trials=3, target_ms=5.0, server_samples=4, singles=3))
+    kernel = planted_kernel(plant)
+    with Evaluator(cfg) as ev:
+        ms = ev.evaluate(kernel, TIMED_PROBLEM, *build(kernel, cache, problem=TIMED_PROBLEM))
+    v = {x.name: x for x in ms[0].verdicts}
+    for name in GATES:                                   # every check made before timing passes
+        assert v[name].passed, f"{plant}: {name}: {v[name].detail}"
+    for name in TIMING_GATES:
+        assert name in v, f"missing {name}: {ms[0].errors}"
+        if name in gates:
+            assert not v[name].passed, f"{plant} passed {name}: {v[name].detail}"
+        elif plant is None:
+            assert v[name].passed, f"honest kernel failed {name}: {v[name].detail}"
+    assert ms[0].passed == (plant is None)
+
+
+# The ulp gate must never reject an honest fp32-accumulating result: torch.matmul (cuBLAS, reduced-precision
+# reductions off, as the evaluator sets them) and the honest planted kernel, from K=16 to K=16384.
+@pytest.mark.gpu
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("k", [16, 64, 256, 1024, 4096, 16384])
+def test_ulp_gate_accepts_torch_matmul(dtype, k):
+    import torch
+
+    from l2ir.search.gates import check_ulps
+
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    td = torch.float16 if dtype == "f16" else torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(k)
+    for m, n in ((1024, 1024), (256, 4096), (4096, 128)):
+        a = torch.randn((m, k), generator=gen, device="cuda").to(td)
+        b = torch.randn((n, k), generator=gen, device="cuda").to(td).t()
+        ref = torch.matmul(a.double(), b.double())
+        v = check_ulps("ulp", torch.matmul(a, b), ref, k, "f32", dtype)
+        assert v.passed, f"torch.matmul {m}x{n}x{k} {dtype}: {v.detail}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+@pytest.mark.parametrize("k", [16, 256, 4096, 16384])
+def test_honest_planted_kernel_passes_every_gate_across_k(gates_only, cache, k):
+    problem = Problem(m=256, n=192, k=k)
+    kernel = planted_kernel()
+    ms = gates_only.evaluate(kernel, problem, *build(kernel, cache, problem=problem))
+    assert ms[0].passed, [(x.name, x.detail) for x in ms[0].verdicts if not x.passed] + ms[0].errors

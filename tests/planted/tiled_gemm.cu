@@ -12,6 +12,18 @@
 //   PLANT_STALE        computes only on its first call, then returns the cached C      -> stale_output
 //   PLANT_CRASH        stores through a wild pointer (illegal address)                 -> worker restarted
 //   PLANT_HANG         spins forever                                                   -> worker killed
+// Reward hacks (the evaluator assumes a hostile kernel):
+//   PLANT_RECOGNISE    skips the call when A's pointer and the sampled A[0], B[0] match
+//                      the previous call (C would still hold that call's answer)       -> partial_refresh
+//   PLANT_REPEAT       like RECOGNISE but samples one value of every row of A and of
+//                      every column of B: any refreshed row is noticed, so it only
+//                      skips calls whose inputs did not change (repeats in a replay)   -> replay_gain
+//   PLANT_COUNTER      counts its launches in a __device__ variable and stops computing
+//                      after the first PLANT_COUNTER_N (past the gates, before timing) -> timed_outputs, post_timing
+//   PLANT_FP16_RUNS    accumulates runs of 4 k-steps in fp16 (__hfma), promoting each
+//                      run to the fp32 accumulator: inside the magnitude bounds        -> ulp
+//   PLANT_PROBE_EXACT  accumulates in fp16 unless the inputs look like a precision
+//                      probe (A[0] == 32, the old probe's big value), then in fp32     -> ulp
 
 #include <cuda_fp16.h>
 
@@ -26,6 +38,47 @@ __device__ volatile int l2ir_never_set = 0;
 #ifdef PLANT_STALE
 // Blocks that finished a full call. Once a whole grid has run, later calls skip all work and leave C as it was.
 __device__ unsigned int l2ir_blocks_done = 0;
+#endif
+
+#if defined(PLANT_RECOGNISE) || defined(PLANT_COUNTER) || defined(PLANT_REPEAT)
+// Launch-level state. The last block of a launch to finish publishes it (and resets the block count), so every block
+// of one launch reads the same values: those earlier launches left (launches on a stream run in order). What a call
+// saw is kept per A pointer (a small table), so rotating over buffer sets does not hide repeats.
+#define L2IR_SLOTS 128
+__device__ unsigned int l2ir_blocks_finished = 0;
+__device__ unsigned int l2ir_launches = 0;
+__device__ const void* l2ir_seen_ptr[L2IR_SLOTS];
+__device__ float l2ir_seen_a0[L2IR_SLOTS], l2ir_seen_b0[L2IR_SLOTS];
+#ifndef PLANT_COUNTER_N
+#define PLANT_COUNTER_N 64
+#endif
+
+__device__ int l2ir_slot(const void* A_) {
+    for (int i = 0; i < L2IR_SLOTS; ++i)
+        if (l2ir_seen_ptr[i] == A_ || l2ir_seen_ptr[i] == nullptr) return i;
+    return 0;
+}
+
+__device__ bool l2ir_seen(const void* A_, float a0, float b0) {
+    const int i = l2ir_slot(A_);
+    return l2ir_seen_ptr[i] == A_ && l2ir_seen_a0[i] == a0 && l2ir_seen_b0[i] == b0;
+}
+
+__device__ void l2ir_finish_launch(const void* A_, float a0, float b0) {
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0) {
+        __threadfence();
+        if (atomicAdd(&l2ir_blocks_finished, 1u) == gridDim.x * gridDim.y - 1) {
+            const int i = l2ir_slot(A_);
+            l2ir_seen_ptr[i] = A_;
+            l2ir_seen_a0[i] = a0;
+            l2ir_seen_b0[i] = b0;
+            l2ir_launches += 1;
+            l2ir_blocks_finished = 0;
+            __threadfence();
+        }
+    }
+}
 #endif
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -47,6 +100,36 @@ tiled_gemm(const void* A_, const void* B_, void* C_, int M, int N, int K, void* 
 #ifdef PLANT_STALE
     if (l2ir_blocks_done >= gridDim.x * gridDim.y) return;
 #endif
+#if defined(PLANT_RECOGNISE) || defined(PLANT_COUNTER)
+    const float a0 = __half2float(A[0]), b0 = __half2float(B[0]);
+#endif
+#ifdef PLANT_RECOGNISE
+    if (l2ir_seen(A_, a0, b0)) {
+        l2ir_finish_launch(A_, a0, b0);
+        return;
+    }
+#endif
+#ifdef PLANT_REPEAT
+    // The "sampled values" become a checksum of one element per row of A and per column of B (a few hundred loads
+    // against the whole K loop), in a fixed order so that equal inputs give an equal sum.
+    float sum_a = 0.f, sum_b = 0.f;
+    for (int r = 0; r < M; ++r) sum_a += __half2float(A[(size_t)r * K + (r * 7) % K]);
+    for (int c = 0; c < N; ++c) sum_b += __half2float(B[(size_t)c * K + (c * 5) % K]);
+    const float a0 = sum_a, b0 = sum_b;
+    if (l2ir_seen(A_, a0, b0)) {
+        l2ir_finish_launch(A_, a0, b0);
+        return;
+    }
+#endif
+#ifdef PLANT_COUNTER
+    if (l2ir_launches >= PLANT_COUNTER_N) {
+        l2ir_finish_launch(A_, a0, b0);
+        return;
+    }
+#endif
+#ifdef PLANT_PROBE_EXACT
+    const bool looks_like_probe = __half2float(A[0]) == 32.f;
+#endif
 
     // +1 column of padding: threads of a warp read one column of the tile, 32 different banks.
     __shared__ float As[BM][BK + 1];
@@ -57,6 +140,9 @@ tiled_gemm(const void* A_, const void* B_, void* C_, int M, int N, int K, void* 
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #endif
 
+#ifdef PLANT_FP16_RUNS
+    __half run[4] = {__float2half(0.f), __float2half(0.f), __float2half(0.f), __float2half(0.f)};
+#endif
     for (int k0 = 0; k0 < K; k0 += BK) {
         for (int r = ty; r < BM; r += 8) {
             const int gk = k0 + tx, ga = row0 + r, gb = col0 + r;
@@ -74,8 +160,21 @@ tiled_gemm(const void* A_, const void* B_, void* C_, int M, int N, int K, void* 
             const float b = Bs[tx][kk];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-#ifdef PLANT_FP16_ACC
+#if defined(PLANT_FP16_ACC)
                 acc[i] = __hfma(__float2half(As[ty + 8 * i][kk]), __float2half(b), acc[i]);
+#elif defined(PLANT_FP16_RUNS)
+                run[i] = __hfma(__float2half(As[ty + 8 * i][kk]), __float2half(b), run[i]);
+                if ((kk & 3) == 3) {      // every 4 k-steps the fp16 run is promoted into fp32
+                    acc[i] += __half2float(run[i]);
+                    run[i] = __float2half(0.f);
+                }
+#elif defined(PLANT_PROBE_EXACT)
+                if (looks_like_probe) {
+                    acc[i] = fmaf(As[ty + 8 * i][kk], b, acc[i]);
+                } else {   // fp16 product and fp16 sum, kept in the fp32 register between steps
+                    acc[i] = __half2float(__hfma(__float2half(As[ty + 8 * i][kk]), __float2half(b),
+                                                 __float2half(acc[i])));
+                }
 #else
                 acc[i] = fmaf(As[ty + 8 * i][kk], b, acc[i]);
 #endif
@@ -107,5 +206,8 @@ tiled_gemm(const void* A_, const void* B_, void* C_, int M, int N, int K, void* 
 #ifdef PLANT_STALE
     __syncthreads();
     if (tx == 0 && ty == 0) atomicAdd(&l2ir_blocks_done, 1u);
+#endif
+#if defined(PLANT_RECOGNISE) || defined(PLANT_COUNTER) || defined(PLANT_REPEAT)
+    l2ir_finish_launch(A_, a0, b0);
 #endif
 }
