@@ -13,6 +13,7 @@ numbers are labelled as not measured everywhere they are shown and never rank ag
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -392,6 +393,7 @@ def write_report(db, out: Path, environment: str | None = None) -> list[Path]:
                                                                               db.environments() if n]
     lines = ["# l2ir tune report", "", f"records: `{db.path}`", ""]
     written: list[Path] = []
+    summary: dict = {}
     for eid, env in envs:
         env = env or {}
         rows = shape_results(db, eid)
@@ -416,12 +418,47 @@ def write_report(db, out: Path, environment: str | None = None) -> list[Path]:
             lines.append(f"| {' | '.join(map(str, r['shape']))} | {r['kernel'][:12]} | {f(r['offline'])} | "
                          f"{f(r['server'])} | {r['kernel_us']:.2f} | {r['torch_us']:.2f} | "
                          f"{'yes' if r['retimed'] else 'no'} |")
+        cost = _costs(db, eid)
+        if cost["shapes"]:
+            lines += ["", f"Search cost over {cost['shapes']} searched shapes: {cost['gpu_seconds_per_shape']:.1f} "
+                      f"GPU-seconds and {cost['compile_seconds_per_shape']:.1f} compile-seconds per shape (compile "
+                      "is paid once per kernel and shared by the shapes that use it); the whole 1000-shape grid at "
+                      f"this rate: {cost['projected_1000_shapes_hours']:.1f} hours on one GPU."]
+        summary[eid] = {"environment": env, "label": label, "shapes": rows, "cost": cost,
+                        "by_regime": {name: {"shapes": len(rs), "offline_geomean": geomean([r["offline"] for r in rs]),
+                                             "server_geomean": geomean([r["server"] for r in rs])}
+                                      for lo, hi, name in REGIMES
+                                      for rs in [[r for r in rows if lo <= 2 * math.prod(r["shape"]) < hi]]},
+                        "overall": {"offline_geomean": geomean([r["offline"] for r in rows]),
+                                    "server_geomean": geomean([r["server"] for r in rows])}}
         lines.append("")
         written += _plots(db, eid, rows, out, label)
         lines += [f"![{p.stem}]({p.name})" for p in written if p.stem.endswith(eid)] + [""]
     md = out / "report.md"
     md.write_text("\n".join(lines) + "\n")
-    return [md] + written
+    js = out / "summary.json"
+    js.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    return [md, js] + written
+
+
+def _costs(db, eid: str) -> dict:
+    """GPU- and compile-seconds per searched shape on this environment (search, re-timing and builds)."""
+    per: dict = {}
+    for run in db.runs():
+        problems = {r.problem for r in db.measurements(run=run["id"], environment=eid)}
+        for p in problems:
+            e = db.conn.execute("SELECT COALESCE(SUM(gpu_seconds), 0), COALESCE(SUM(compile_seconds), 0) FROM edits "
+                                "WHERE run=? AND problem=?", (run["id"], p)).fetchone()
+            r = db.conn.execute("SELECT COALESCE(SUM(json_extract(record, '$.gpu_seconds')), 0) FROM measurements "
+                                "WHERE run=? AND problem=? AND purpose='retime'", (run["id"], p)).fetchone()
+            g, c = per.get(p, (0.0, 0.0))
+            per[p] = (g + e[0] + r[0], c + e[1])
+    n = len(per)
+    gpu = sum(g for g, _ in per.values()) / n if n else 0.0
+    comp = sum(c for _, c in per.values()) / n if n else 0.0
+    return {"shapes": n, "gpu_seconds_per_shape": gpu, "compile_seconds_per_shape": comp,
+            "per_shape": {p: {"gpu_seconds": g, "compile_seconds": c} for p, (g, c) in per.items()},
+            "projected_1000_shapes_hours": 1000 * (gpu + comp) / 3600}
 
 
 def _plots(db, eid: str, rows: list[dict], out: Path, label: str) -> list[Path]:
