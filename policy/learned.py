@@ -1,0 +1,251 @@
+"""A policy learned by reinforcement learning from measured rewards (REINFORCE with a baseline), in torch on the CPU.
+
+The action space is the flat list of edit operators `policy.actions.ACTIONS` (frozen (knob, value) records over
+the whole IR and every backend). A small MLP reads the state (problem features: log M, N, K, FLOPs, aspect ratios,
+divisibility, tiles per SM; kernel features: tile, stages, schedule, split-K, cluster, epilogue, padding, backend,
+waves and last-wave fill on this problem; the parent's measured log speedup) and gives
+  - a policy head: logits over the actions, masked to those that make a legal, new child for this problem;
+  - a cost-model head: the predicted reward of each action from this state, trained by regression on every
+    outcome, used to rank a larger sample before anything is compiled or timed (as TVM's cost model does).
+
+propose() draws `count * oversample` distinct actions from the masked softmax (Gumbel top-k with noise from the
+context's seeded generator), keeps the `count` the cost model ranks highest, and returns each as edits with a note.
+update() turns each outcome into a reward: the log speedup gained over the parent (log speedup alone when the
+parent was never measured), or `penalty` for an illegal or failed candidate; the policy gradient uses
+(reward - running baseline). state_dict() is JSON (weights as base64 float32), so the records DB stores it and a
+later run, on other shapes, starts from it. Everything is deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from typing import Any
+
+import numpy as np
+
+from .actions import ACTIONS, KNOBS, apply_action, diff_edits
+from .base import Context, Dedupe, Feedback, Proposal, try_legalize
+from .features import STATE_DIM, state_features
+
+STATE_VERSION = 1
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise ImportError("the learned policy needs torch (pip install torch; the CPU build is enough)") from None
+    return torch
+
+
+class Learned:
+    name = "learned"
+
+    def __init__(self, seed: int = 0, hidden: int = 64, lr: float = 0.01, penalty: float = -0.5,
+                 baseline_decay: float = 0.9, oversample: int = 2, temperature: float = 1.0,
+                 entropy: float = 0.01):
+        if hidden < 1 or lr <= 0 or oversample < 1 or temperature <= 0:
+            raise ValueError(f"Learned: hidden, lr, oversample and temperature must be positive "
+                             f"(got hidden={hidden} lr={lr} oversample={oversample} temperature={temperature})")
+        torch = _torch()
+        self.seed, self.hidden, self.lr, self.penalty = seed, hidden, lr, penalty
+        self.baseline_decay, self.oversample, self.temperature, self.entropy = (baseline_decay, oversample,
+                                                                                temperature, entropy)
+        gen = torch.Generator().manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Linear(STATE_DIM, hidden), torch.nn.Tanh(),
+                                       torch.nn.Linear(hidden, hidden), torch.nn.Tanh())
+        self.policy_head = torch.nn.Linear(hidden, len(ACTIONS))
+        self.value_head = torch.nn.Linear(hidden, len(ACTIONS))
+        with torch.no_grad():
+            for mod in self.modules():
+                if isinstance(mod, torch.nn.Linear):
+                    bound = 1 / math.sqrt(mod.in_features)
+                    mod.weight.copy_(torch.rand(mod.weight.shape, generator=gen) * 2 * bound - bound)
+                    mod.bias.zero_()
+            # Start as the random policy (a knob uniformly, then one of its values) with no opinion on rewards.
+            self.policy_head.weight.mul_(0.01)
+            self.policy_head.bias.copy_(torch.tensor([-math.log(len(KNOBS[a.knob])) for a in ACTIONS]))
+            self.value_head.weight.mul_(0.01)
+        self.opt = torch.optim.Adam(self.parameters(), lr=lr)
+        self.baseline = 0.0
+        self.updates = 0
+        self._pending: dict[tuple, tuple[np.ndarray, np.ndarray, int]] = {}
+
+    # -- torch plumbing ------------------------------------------------------------------------------------------
+
+    def modules(self):
+        return [*self.net, self.policy_head, self.value_head]
+
+    def parameters(self):
+        return [p for mod in (self.net, self.policy_head, self.value_head) for p in mod.parameters()]
+
+    def _named(self) -> dict[str, Any]:
+        out = {}
+        for prefix, mod in (("net", self.net), ("policy", self.policy_head), ("value", self.value_head)):
+            for name, p in mod.named_parameters():
+                out[f"{prefix}.{name}"] = p
+        return out
+
+    def _heads(self, states: np.ndarray):
+        torch = _torch()
+        h = self.net(torch.from_numpy(states))
+        return self.policy_head(h), self.value_head(h)
+
+    # -- the protocol --------------------------------------------------------------------------------------------
+
+    def _legal(self, context: Context) -> tuple[np.ndarray, list]:
+        """Mask of the actions that make a legal child new to this batch, and the children."""
+        seen = Dedupe(context.parent, context.backend)
+        mask = np.zeros(len(ACTIONS), dtype=bool)
+        children: list = [None] * len(ACTIONS)
+        for i, action in enumerate(ACTIONS):
+            made = apply_action(context.parent, context.problem, action, context.arch, context.backend)
+            if made is None:
+                continue
+            kernel, backend = made
+            if try_legalize(kernel, context.problem, backend) is None or not seen.fresh(kernel, backend):
+                continue
+            mask[i] = True
+            children[i] = made
+        return mask, children
+
+    def _state(self, context: Context) -> np.ndarray:
+        return state_features(context.problem, context.parent, context.num_sms, context.backend,
+                              context.parent_reward)
+
+    @staticmethod
+    def _key(context: Context, proposal: Proposal) -> tuple:
+        return (context.problem, context.parent.content_hash(), context.backend, context.arch, context.num_sms,
+                proposal.text(), proposal.backend)
+
+    def propose(self, context: Context) -> list[Proposal]:
+        torch = _torch()
+        mask, children = self._legal(context)
+        if not mask.any():
+            return []
+        state = self._state(context)
+        with torch.no_grad():
+            logits, values = self._heads(state[None])
+        logits = logits[0].numpy().astype(np.float64) / self.temperature
+        values = values[0].numpy().astype(np.float64)
+        logits[~mask] = -np.inf
+        probs = np.exp(logits - logits[mask].max())
+        probs /= probs.sum()
+        # Gumbel top-k: k distinct draws from the softmax, reproducible from the context's seed.
+        gumbel = context.rng(salt=2).gumbel(size=len(ACTIONS))
+        order = np.argsort(-(logits + gumbel), kind="stable")
+        drawn = [int(i) for i in order[: min(int(mask.sum()), context.count * self.oversample)]]
+        # The cost model ranks the draws; ties keep the draw order.
+        ranked = sorted(drawn, key=lambda i: -values[i]) if self.oversample > 1 else drawn
+        out = []
+        for i in ranked[: context.count]:
+            kernel, backend = children[i]
+            edits = diff_edits(context.parent, kernel)
+            note = f"learned: {ACTIONS[i]} (p={probs[i]:.3f}, predicted reward {values[i]:+.3f})"
+            prop = (Proposal(edits=edits, note=note, backend=backend) if edits
+                    else Proposal(kernel=kernel, note=note, backend=backend))
+            self._pending[self._key(context, prop)] = (state, mask, i)
+            out.append(prop)
+        return out
+
+    def _recall(self, fb: Feedback) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """The state, mask and action behind a proposal: remembered from propose(), or worked out again (after a
+        reload, or for a proposal another policy made that is one action away)."""
+        hit = self._pending.pop(self._key(fb.context, fb.proposal), None)
+        if hit is not None:
+            return hit
+        mask, children = self._legal(fb.context)
+        try:
+            target = fb.proposal.apply(fb.context.parent, fb.context.problem, lowerable=False)
+        except Exception:   # noqa: BLE001 - an illegal proposal of another policy: nothing to learn from here
+            return None
+        for i, made in enumerate(children):
+            if made is not None and made[0] == target and made[1] == fb.proposal.backend:
+                return self._state(fb.context), mask, i
+        return None
+
+    def reward_of(self, fb: Feedback) -> float:
+        if fb.verdict != "measured":
+            return self.penalty
+        base = fb.context.parent_reward
+        if base is None:
+            return fb.reward
+        # A search keeps its best kernel, so a worse child costs only its evaluation: the gain, floored at 0.
+        return max(0.0, fb.reward - base)
+
+    def update(self, feedback: list[Feedback]) -> None:
+        torch = _torch()
+        rows = []
+        for fb in feedback:
+            got = self._recall(fb)
+            if got is not None:
+                rows.append((*got, self.reward_of(fb)))
+        if not rows:
+            return
+        states = np.stack([r[0] for r in rows])
+        masks = torch.from_numpy(np.stack([r[1] for r in rows]))
+        acts = torch.tensor([r[2] for r in rows])
+        rewards = torch.tensor([r[3] for r in rows], dtype=torch.float32)
+        logits, values = self._heads(states)
+        logits = logits.masked_fill(~masks, -1e9)
+        logp = torch.log_softmax(logits, dim=1)
+        chosen = logp.gather(1, acts[:, None])[:, 0]
+        adv = rewards - self.baseline
+        probs = logp.exp()
+        ent = -(probs * logp.masked_fill(~masks, 0.0)).sum(1).mean()
+        pred = values.gather(1, acts[:, None])[:, 0]
+        loss = -(adv * chosen).mean() - self.entropy * ent + ((pred - rewards) ** 2).mean()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        self.baseline = self.baseline_decay * self.baseline + (1 - self.baseline_decay) * float(rewards.mean())
+        self.updates += 1
+
+    # -- persistence ---------------------------------------------------------------------------------------------
+
+    def config(self) -> dict:
+        return {"seed": self.seed, "hidden": self.hidden, "lr": self.lr, "penalty": self.penalty,
+                "baseline_decay": self.baseline_decay, "oversample": self.oversample,
+                "temperature": self.temperature, "entropy": self.entropy}
+
+    def state_dict(self) -> dict:
+        weights = {}
+        for name, p in self._named().items():
+            arr = p.detach().numpy().astype("<f4")
+            weights[name] = {"shape": list(arr.shape), "data": base64.b64encode(arr.tobytes()).decode()}
+        return {"policy": self.name, "version": STATE_VERSION, "config": self.config(),
+                "actions": [str(a) for a in ACTIONS], "state_dim": STATE_DIM, "weights": weights,
+                "baseline": self.baseline, "updates": self.updates}
+
+    def load_state_dict(self, state: dict | bytes) -> None:
+        torch = _torch()
+        if isinstance(state, (bytes, bytearray)):
+            import json
+
+            state = json.loads(state)
+        if state.get("policy") != self.name or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a learned-policy state of version {STATE_VERSION}: policy={state.get('policy')!r} "
+                             f"version={state.get('version')!r}")
+        if state["actions"] != [str(a) for a in ACTIONS] or state["state_dim"] != STATE_DIM:
+            raise ValueError("the saved learned policy was trained on another action space or feature set; "
+                             "it cannot be loaded into this version of L2IR")
+        if state["config"]["hidden"] != self.hidden:
+            raise ValueError(f"saved hidden={state['config']['hidden']} but this policy has hidden={self.hidden}")
+        named = self._named()
+        with torch.no_grad():
+            for name, spec in state["weights"].items():
+                arr = np.frombuffer(base64.b64decode(spec["data"]), dtype="<f4").reshape(spec["shape"])
+                named[name].copy_(torch.from_numpy(arr.copy()))
+        self.baseline = float(state["baseline"])
+        self.updates = int(state["updates"])
+
+    @classmethod
+    def from_state(cls, state: dict | bytes) -> "Learned":
+        if isinstance(state, (bytes, bytearray)):
+            import json
+
+            state = json.loads(state)
+        pol = cls(**state["config"])
+        pol.load_state_dict(state)
+        return pol
