@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from l2ir.backends.compile import Artifact, CompileOptions, compile_many
-from l2ir.runtime import LaunchPlan
+from l2ir.runtime import LaunchPlan, ShimLauncher
 
 
 def build_all(plans: dict[str, LaunchPlan], cache_dir, **options) -> dict[str, Artifact]:
@@ -28,3 +28,9 @@ def built(result, name: str = "") -> Artifact:
     """The artifact, or a test failure that shows the compiler log and the reproducing command."""
     assert result.ok, f"{name}: compile {result.reason}; reproduce with:\n  {result.repro}\n{result.log[-4000:]}"
     return result
+
+
+def shim_library(lib):
+    """A built host-shim library with l2ir_run / l2ir_workspace_size typed as l2ir.runtime declares the ABI, so a
+    test can read the raw status codes (the launcher itself turns them into LaunchError)."""
+    return ShimLauncher(LaunchPlan(source="", arch="sm_90a", form="host_shim"), lib)._lib

@@ -15,7 +15,6 @@ longest). Run on the device:  python -m pytest -q -m gpu tests/test_backends_gpu
 from __future__ import annotations
 
 import dataclasses
-import shutil
 
 import pytest
 
@@ -24,6 +23,7 @@ from l2ir.backends.registry import BACKENDS, lower
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
 from l2ir.search.sweeps import load_sweep
 from l2ir.seed import seed
+from test_evaluator_gpu import SKIP     # the evaluator's readiness check: torch on a GPU, cuda-python, nvcc
 
 ALIGNED = (1024, 768, 512)
 RAGGED = (1000, 1000, 1000)      # not a multiple of any tile, still 16-byte rows (TMA and align-8 kernels take it)
@@ -164,19 +164,6 @@ def test_every_registry_backend_is_covered():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _gpu_ready() -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU"
-    if shutil.which("nvcc") is None:
-        return "nvcc is not on PATH"
-    return None
-
-
-SKIP = _gpu_ready()
 gpu = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 
 

@@ -10,7 +10,6 @@ without nvcc, and the SASS check skips without cuobjdump/nvdisasm (PATH, or the 
 
 from __future__ import annotations
 
-import ctypes
 import re
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from builds import build_all, built  # noqa: E402
+from builds import build_all, built, shim_library  # noqa: E402
 from golden_sources import GoldenSources  # noqa: E402
 from l2ir.backends.sass import disassemble  # noqa: E402
 from l2ir.backends import registry  # noqa: E402
@@ -33,11 +32,6 @@ from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, S
 from l2ir.analysis import resolved_stages  # noqa: E402
 
 PROBLEM = Problem(m=4096, n=4096, k=4096)
-
-
-def lower(kernel, problem, **options):
-    """The sm90a rule through the registry, the one dispatch (it attaches the IR and the problem class)."""
-    return registry.lower(kernel, problem, "cuda_ptx", **options)
 
 
 def coop(block=(128, 256, 64), **changes) -> Kernel:
@@ -64,20 +58,9 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
 }
 
 
-GOLDENS = GoldenSources("cuda_ptx", CASES, lower, __file__)
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_golden_source(name):
-    GOLDENS.check(name)
-
-
-def test_deterministic_in_process():
-    GOLDENS.check_deterministic()
-
-
-def test_deterministic_across_processes():
-    GOLDENS.check_across_processes()
+GOLDENS = GoldenSources("cuda_ptx", CASES, __file__)
+lower = GOLDENS.lower           # the backend through the registry, the one dispatch (it attaches IR and problem)
+test_golden_source, test_deterministic_in_process, test_deterministic_across_processes = GOLDENS.tests()
 
 
 def test_plan_fields():
@@ -145,10 +128,7 @@ FIELD_CASES = [
 
 @pytest.mark.parametrize("field,kernel,problem,expected", FIELD_CASES, ids=[c[0] for c in FIELD_CASES])
 def test_field_changes_source(field, kernel, problem, expected):
-    base = lower(coop(), PROBLEM).source
-    src = lower(kernel, problem).source
-    assert expected in src, f"{field}: expected line not generated"
-    assert expected not in base, f"{field}: the base kernel already contains the line, so the test proves nothing"
+    GOLDENS.check_field(field, (coop(), PROBLEM), kernel, problem, expected)
 
 
 def test_divisible_drops_predicates():
@@ -266,12 +246,7 @@ def test_sass_has_hgmma(builds, name):
 @pytest.mark.nvcc
 def test_host_shim_refuses_without_gpu(builds):
     """The shim loads and refuses bad arguments before any CUDA call (also on machines without a GPU)."""
-    so = ctypes.CDLL(str(built(builds["coop_128x256x64_direct"]).binary))
-    so.l2ir_run.restype = ctypes.c_int
-    so.l2ir_run.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_size_t,
-                                                                          ctypes.c_void_p]
-    so.l2ir_workspace_size.restype = ctypes.c_size_t
-    so.l2ir_workspace_size.argtypes = [ctypes.c_int] * 3
+    so = shim_library(built(builds["coop_128x256x64_direct"]).binary)
     assert so.l2ir_run(None, None, None, 64, 64, 64, None, 0, None) == STATUS_BAD_ARGUMENT
     assert so.l2ir_run(16, 16, 16, 0, 64, 64, None, 0, None) == STATUS_BAD_ARGUMENT
     assert so.l2ir_run(8, 16, 16, 64, 64, 64, None, 0, None) == STATUS_MISALIGNED      # A not 16-byte aligned

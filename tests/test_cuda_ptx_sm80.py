@@ -34,11 +34,6 @@ from l2ir.analysis import smem_bytes  # noqa: E402
 PROBLEM = Problem(m=4096, n=4096, k=4096)
 
 
-def lower(kernel, problem):
-    """The sm80 rule through the registry, the one dispatch (it attaches the IR and the problem class)."""
-    return registry.lower(kernel, problem, "cuda_ptx_sm80")
-
-
 def ms(block=(128, 128, 32), warps=(2, 2), stages=4, arch="sm80", **changes) -> Kernel:
     """The base sm80 schedule: mma.sync 16x8x16, cp.async ring with register prefetch, <2,3,3>, smem epilogue."""
     k = Kernel(target=Target(arch), tile=Tile(block, warps), mma=Mma("mma_sync", (16, 8, 16)),
@@ -65,20 +60,9 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
 }
 
 
-GOLDENS = GoldenSources("cuda_ptx_sm80", CASES, lower, __file__)
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_golden_source(name):
-    GOLDENS.check(name)
-
-
-def test_deterministic_in_process():
-    GOLDENS.check_deterministic()
-
-
-def test_deterministic_across_processes():
-    GOLDENS.check_across_processes()
+GOLDENS = GoldenSources("cuda_ptx_sm80", CASES, __file__)
+lower = GOLDENS.lower           # the backend through the registry, the one dispatch (it attaches IR and problem)
+test_golden_source, test_deterministic_in_process, test_deterministic_across_processes = GOLDENS.tests()
 
 
 def test_plan_fields():
@@ -174,10 +158,7 @@ FIELD_CASES = [
 
 @pytest.mark.parametrize("field,kernel,problem,expected", FIELD_CASES, ids=[c[0] for c in FIELD_CASES])
 def test_field_changes_source(field, kernel, problem, expected):
-    base = lower(ms(), PROBLEM).source
-    src = lower(kernel, problem).source
-    assert expected in src, f"{field}: expected line not generated"
-    assert expected not in base, f"{field}: the base kernel already contains the line, so the test proves nothing"
+    GOLDENS.check_field(field, (ms(), PROBLEM), kernel, problem, expected)
 
 
 def test_divisible_drops_predicates():

@@ -21,7 +21,6 @@ if str(ROOT) not in sys.path:
 
 from builds import build_all, built  # noqa: E402
 from golden_sources import GoldenSources  # noqa: E402
-from l2ir.backends import registry  # noqa: E402
 from l2ir.backends.cute_sm80 import derive  # noqa: E402
 from l2ir.errors import LoweringError  # noqa: E402
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile  # noqa: E402
@@ -40,11 +39,6 @@ def kern(block=(128, 128, 32), warps=(2, 2), stages=3, *, prefetch=True, swizzle
         splitk=SplitK("split_k", splitk[0], splitk[1]) if splitk else None,
         epilogue=Epilogue(*epilogue),
     )
-
-
-def lower(kernel, problem):
-    """The backend through the registry, the one dispatch (it attaches the IR and wraps backend bugs)."""
-    return registry.lower(kernel, problem, "cute_sm80")
 
 
 def prob(a="row", b="col", dtype="f16", acc="f32", c=None) -> Problem:
@@ -67,20 +61,9 @@ GOLDEN = {
 }
 
 
-GOLDENS = GoldenSources("cute_sm80", GOLDEN, lower, __file__)
-
-
-@pytest.mark.parametrize("name", sorted(GOLDEN))
-def test_golden_source(name):
-    GOLDENS.check(name)
-
-
-def test_deterministic_in_process():
-    GOLDENS.check_deterministic()
-
-
-def test_deterministic_across_processes():
-    GOLDENS.check_across_processes()
+GOLDENS = GoldenSources("cute_sm80", GOLDEN, __file__)
+lower = GOLDENS.lower           # the backend through the registry, the one dispatch (it attaches IR and problem)
+test_golden_source, test_deterministic_in_process, test_deterministic_across_processes = GOLDENS.tests()
 
 
 def changed(a: str, b: str) -> list[str]:

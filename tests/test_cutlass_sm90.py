@@ -10,7 +10,6 @@ and run only when the mark expression names them:  pytest -m "nvcc and slow" tes
 
 from __future__ import annotations
 
-import ctypes
 import re
 import sys
 from pathlib import Path
@@ -19,23 +18,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from builds import build_all, built  # noqa: E402
+from builds import build_all, built, shim_library  # noqa: E402
 from golden_sources import GoldenSources  # noqa: E402
 from l2ir.backends.sass import disassemble  # noqa: E402
 from l2ir.backends import cutlass_sm90 as sm90  # noqa: E402
 from l2ir.runtime import STATUS_BAD_ARGUMENT, STATUS_NOT_DIVISIBLE, STATUS_WORKSPACE_TOO_SMALL, status_name  # noqa: E402
-from l2ir.backends import registry  # noqa: E402
 from l2ir.backends.cutlass_sm90 import UnsupportedLowering  # noqa: E402
 from l2ir.errors import L2IRError, MmaError, ResourceError, TileError  # noqa: E402
 from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target,  # noqa: E402
                         Tile)
 
 PROBLEM = Problem(m=4096, n=4096, k=4096)
-
-
-def lower(kernel, problem):
-    """The backend through the registry, the one dispatch (it attaches the IR and the problem class)."""
-    return registry.lower(kernel, problem, "cutlass_sm90")
 
 
 def coop(**changes) -> Kernel:
@@ -68,20 +61,9 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
 }
 
 
-GOLDENS = GoldenSources("cutlass_sm90", CASES, lower, __file__)
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_golden_source(name):
-    GOLDENS.check(name)
-
-
-def test_deterministic_in_process():
-    GOLDENS.check_deterministic()
-
-
-def test_deterministic_across_processes():
-    GOLDENS.check_across_processes()
+GOLDENS = GoldenSources("cutlass_sm90", CASES, __file__)
+lower = GOLDENS.lower           # the backend through the registry, the one dispatch (it attaches IR and problem)
+test_golden_source, test_deterministic_in_process, test_deterministic_across_processes = GOLDENS.tests()
 
 
 def test_plan_fields():
@@ -147,10 +129,7 @@ FIELD_CASES = [
 
 @pytest.mark.parametrize("field,kernel,problem,expected", FIELD_CASES, ids=[c[0] for c in FIELD_CASES])
 def test_field_changes_source(field, kernel, problem, expected):
-    base = lower(coop(), PROBLEM).source
-    src = lower(kernel, problem).source
-    assert expected in src, f"{field}: expected line not generated"
-    assert expected not in base, f"{field}: the base kernel already contains the line, so the test proves nothing"
+    GOLDENS.check_field(field, (coop(), PROBLEM), kernel, problem, expected)
 
 
 def test_baseline_lines():
@@ -287,12 +266,7 @@ def check_build(result: dict, wgmma: str) -> None:
 
 def check_abi_without_gpu(lib: Path) -> None:
     """The shim loads and refuses cleanly on a machine without a GPU (or any machine, for bad arguments)."""
-    so = ctypes.CDLL(str(lib))
-    so.l2ir_run.restype = ctypes.c_int
-    so.l2ir_run.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_size_t,
-                                                                          ctypes.c_void_p]
-    so.l2ir_workspace_size.restype = ctypes.c_size_t
-    so.l2ir_workspace_size.argtypes = [ctypes.c_int] * 3
+    so = shim_library(lib)
     assert so.l2ir_run(None, None, None, 256, 256, 256, None, 0, None) == STATUS_BAD_ARGUMENT
     # A misaligned (but non-null) operand is refused before any CUDA call: TMA needs 16-byte bases.
     assert so.l2ir_run(8, 16, 16, 256, 256, 256, None, 0, None) == 1   # kErrorMisalignedOperand
@@ -333,9 +307,7 @@ def test_nvcc_slow(request, tmp_path, name, wgmma):
     check_build(result, wgmma)
     check_abi_without_gpu(result["lib"])
     if name == "pingpong_direct_stages5_nonpersistent":   # pad.m = divisible by BM = 128
-        so = ctypes.CDLL(str(result["lib"]))
-        so.l2ir_run.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_size_t,
-                                                                              ctypes.c_void_p]
+        so = shim_library(result["lib"])
         assert so.l2ir_run(16, 16, 16, 100, 256, 256, None, 0, None) == STATUS_NOT_DIVISIBLE
 
 
