@@ -231,6 +231,14 @@ class _LiveView:
         if self.live is not None:
             self.progress.update(self.task, completed=sum(int(r[2]) for r in self.rows.values()))
             self.group.renderables[1] = self._table()
+        if event == "done" and not self.console.is_terminal:
+            # A log file gets one line per finished shape instead of the live table.
+            w = (st.done or {}).get("winner") or {}
+            f = lambda x: f"{x:.3f}" if isinstance(x, (int, float)) else "-"  # noqa: E731
+            print(f"{'x'.join(map(str, st.shape))}: winner {(w.get('kernel') or '-')[:12]} offline "
+                  f"{f(w.get('offline_speedup'))}x server {f(w.get('server_speedup'))}x (selected on "
+                  f"{f(w.get('selected_speedup'))}x); {st.candidates} candidates, {st.failures} failed, "
+                  f"{st.gpu_s:.1f} GPU s; ended by {(st.done or {}).get('stopped_by')}", file=sys.stderr, flush=True)
 
     def stop(self):
         if self.live is not None:
@@ -352,7 +360,7 @@ def cmd_db_import(args) -> int:
 def cmd_report(args) -> int:
     db = _open(args.db)
     out = Path(args.out)
-    paths = write_report(db, out, args.env)
+    paths = write_report(db, out, args.env, args.run)
     for p in paths:
         print(p)
     return 0
@@ -363,14 +371,15 @@ def cmd_report(args) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def shape_results(db, environment: str) -> list[dict]:
-    """Per problem measured on this environment: the reported numbers (a re-timed winner where a run made one,
-    else the best gate-clean measurement) in both scenarios."""
+def shape_results(db, environment: str, run: int | None = None) -> list[dict]:
+    """Per problem measured on this environment (by run `run`, if given): the reported numbers (a re-timed winner
+    where a run made one, else the best gate-clean measurement) in both scenarios."""
     from .db import split_problem
 
     problems = [r[0] for r in db.conn.execute(
         "SELECT DISTINCT problem FROM measurements WHERE environment=? AND passed=1 AND speedup IS NOT NULL "
-        "ORDER BY m * n * k, problem", (environment,))]
+        + ("AND run=? " if run is not None else "") + "ORDER BY m * n * k, problem",
+        (environment,) + ((run,) if run is not None else ()))]
     out = []
     for p in problems:
         got = best_for(db, p, environment)
@@ -383,7 +392,7 @@ def shape_results(db, environment: str) -> list[dict]:
     return out
 
 
-def write_report(db, out: Path, environment: str | None = None) -> list[Path]:
+def write_report(db, out: Path, environment: str | None = None, run: int | None = None) -> list[Path]:
     """report.md and PNGs (heat map of the offline speedup over M, N for each K; speedup by regime; search
     curves) under `out`, one section and set of plots per environment. Returns the files written."""
     from .report import REGIMES, geomean
@@ -391,12 +400,17 @@ def write_report(db, out: Path, environment: str | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     envs = [(environment, db.environment(environment))] if environment else [(e, env) for e, env, n in
                                                                               db.environments() if n]
-    lines = ["# l2ir tune report", "", f"records: `{db.path}`", ""]
+    lines = ["# l2ir tune report", "", f"records: `{db.path}`" + (f", run {run}" if run is not None else ""), ""]
+    if run is not None and db.run(run) is not None:
+        r = db.run(run)
+        lines += [f"command: `{r['command']}`; policy {r['policy']}, seed {r['seed']}, status {r['status']}", ""]
     written: list[Path] = []
     summary: dict = {}
     for eid, env in envs:
         env = env or {}
-        rows = shape_results(db, eid)
+        rows = shape_results(db, eid, run)
+        if run is not None and not rows:
+            continue
         label = STANDIN_LABEL if env.get("standin") else (
             f"{env.get('gpu')}, {env.get('sms')} SMs, driver {env.get('driver')}, CUDA {env.get('cuda_runtime')}, "
             f"torch {env.get('torch')}, CUTLASS {env.get('cutlass')}")
@@ -418,7 +432,7 @@ def write_report(db, out: Path, environment: str | None = None) -> list[Path]:
             lines.append(f"| {' | '.join(map(str, r['shape']))} | {r['kernel'][:12]} | {f(r['offline'])} | "
                          f"{f(r['server'])} | {r['kernel_us']:.2f} | {r['torch_us']:.2f} | "
                          f"{'yes' if r['retimed'] else 'no'} |")
-        cost = _costs(db, eid)
+        cost = _costs(db, eid, run)
         if cost["shapes"]:
             lines += ["", f"Search cost over {cost['shapes']} searched shapes: {cost['gpu_seconds_per_shape']:.1f} "
                       f"GPU-seconds and {cost['compile_seconds_per_shape']:.1f} compile-seconds per shape (compile "
@@ -432,7 +446,7 @@ def write_report(db, out: Path, environment: str | None = None) -> list[Path]:
                         "overall": {"offline_geomean": geomean([r["offline"] for r in rows]),
                                     "server_geomean": geomean([r["server"] for r in rows])}}
         lines.append("")
-        written += _plots(db, eid, rows, out, label)
+        written += _plots(db, eid, rows, out, label, run)
         lines += [f"![{p.stem}]({p.name})" for p in written if p.stem.endswith(eid)] + [""]
     md = out / "report.md"
     md.write_text("\n".join(lines) + "\n")
@@ -441,10 +455,12 @@ def write_report(db, out: Path, environment: str | None = None) -> list[Path]:
     return [md, js] + written
 
 
-def _costs(db, eid: str) -> dict:
+def _costs(db, eid: str, only_run: int | None = None) -> dict:
     """GPU- and compile-seconds per searched shape on this environment (search, re-timing and builds)."""
     per: dict = {}
     for run in db.runs():
+        if only_run is not None and run["id"] != only_run:
+            continue
         problems = {r.problem for r in db.measurements(run=run["id"], environment=eid)}
         for p in problems:
             e = db.conn.execute("SELECT COALESCE(SUM(gpu_seconds), 0), COALESCE(SUM(compile_seconds), 0) FROM edits "
@@ -461,7 +477,7 @@ def _costs(db, eid: str) -> dict:
             "projected_1000_shapes_hours": 1000 * (gpu + comp) / 3600}
 
 
-def _plots(db, eid: str, rows: list[dict], out: Path, label: str) -> list[Path]:
+def _plots(db, eid: str, rows: list[dict], out: Path, label: str, only_run: int | None = None) -> list[Path]:
     try:
         import matplotlib
 
@@ -521,6 +537,8 @@ def _plots(db, eid: str, rows: list[dict], out: Path, label: str) -> list[Path]:
     # Search curves: the best selection sample so far against candidates, per shape of every run on this GPU.
     curves = []
     for run in db.runs():
+        if only_run is not None and run["id"] != only_run:
+            continue
         for e_problem in {r.problem for r in db.measurements(run=run["id"], environment=eid, purpose="search")}:
             best, xs, ys, n = 0.0, [], [], 0
             for e in db.edits(run["id"], e_problem):
@@ -584,6 +602,7 @@ def add_parsers(sub, shape_type) -> None:
     s = sub.add_parser("report", help="markdown table by FLOP regime and PNG plots from the records DB")
     s.add_argument("--out", default="bench/results/tune_report", help="output folder")
     s.add_argument("--env", help="an environment id (default: every environment, one section each)")
+    s.add_argument("--run", type=int, help="only the shapes this run searched")
     s.add_argument("--db", default=DEFAULT_DB)
     s.set_defaults(fn=_guard(cmd_report))
 

@@ -130,3 +130,18 @@ def test_db_import(tmp_path, capsys):
     assert code == 0 and "1 measurements imported" in out
     code, out, _ = run(["db", "import", str(f), "--db", db], capsys)
     assert "0 measurements imported (already imported" in out
+
+
+def test_report_of_one_run_has_only_its_shapes(tuned, tmp_path, capsys):
+    db, _, _ = tuned
+    code, _, err = run(["tune", "--shape", "640x640x640", "--standin", "--budget-candidates", "4", "--db", str(db)],
+                       capsys)
+    assert code == 0, err
+    out_dir = tmp_path / "rep2"
+    assert run(["report", "--db", str(db), "--run", "2", "--out", str(out_dir)], capsys)[0] == 0
+    md = (out_dir / "report.md").read_text()
+    assert "| 640 | 640 | 640 |" in md and "| 300 | 200 | 100 |" not in md
+    summary = json.loads((out_dir / "summary.json").read_text())
+    (env,) = summary.values()
+    assert env["cost"]["shapes"] == 1 and env["cost"]["gpu_seconds_per_shape"] > 0
+    assert env["overall"]["offline_geomean"] == pytest.approx(env["shapes"][0]["offline"])
