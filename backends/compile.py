@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from l2ir.errors import L2IRError
+from l2ir.target import DEVICE_SM
 
 from l2ir.runtime import LaunchPlan
 
@@ -59,7 +60,7 @@ class ArchError(L2IRError):
 class CompileOptions:
     """How to compile. Passed in explicitly; nothing here is read from the environment."""
 
-    device_sm: str = "sm_90"                 # the GPU that will run the code (H200 = sm_90)
+    device_sm: str = DEVICE_SM               # the GPU that will run the code (H200 = sm_90)
     compiler: str = "nvcc"                   # "nvcc" or "nvrtc" (NVRTC: "kernels" plans only)
     cache_dir: str = ".l2ir-cache"
     nvcc: str = "nvcc"                       # nvcc executable (name on PATH or a path)

@@ -21,6 +21,9 @@ NVCC_ARCH = {"sm80": "sm_80", "sm86": "sm_86", "sm89": "sm_89", "sm90": "sm_90",
 # 164 KB per SM, 1 KB is reserved per block), consumer Ampere/Ada 99 KB (of 100), Hopper 227 KB (of 228).
 SMEM_LIMIT = {"sm80": 163 * KB, "sm86": 99 * KB, "sm89": 99 * KB, "sm90": 227 * KB, "sm90a": 227 * KB}
 
+# The SASS target of the GPUs L2IR is tuned on (H100, H200): what nvcc builds for unless told which GPU runs the code.
+DEVICE_SM = "sm_90"
+
 # Streaming multiprocessors of the GPUs L2IR is tuned on: H100 SXM and H200 both have 132. A persistent or
 # stream-K grid is sized to it; the seed sizes split-K by it.
 H200_SMS = 132
@@ -65,6 +68,12 @@ DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 CUDA_TYPE = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
 CUTLASS_TYPE = {"f16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t", "f32": "float"}
 CUTE_TYPE = {"f16": "cute::half_t", "bf16": "cute::bfloat16_t", "f32": "float"}
+
+# cuda_fp16.h / cuda_bf16.h names of the 16-bit outputs: the two-element vector type, and the round-to-nearest
+# conversions from float (one value, and two values packed into the vector type).
+CUDA_PAIR_TYPE = {"f16": "__half2", "bf16": "__nv_bfloat162"}
+CUDA_FROM_FLOAT = {"f16": "__float2half_rn", "bf16": "__float2bfloat16_rn"}
+CUDA_PAIR_FROM_FLOATS = {"f16": "__floats2half2_rn", "bf16": "__floats2bfloat162_rn"}
 
 # CUtensorMapDataType of each 16-bit input (the TMA descriptor's element type).
 TMA_DTYPE = {"f16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}

@@ -47,7 +47,8 @@ from dataclasses import dataclass
 from l2ir.analysis import C_ROW_PAD
 from l2ir.indexing import Const, Var, cdiv, rasterize, smem_swizzle, splitk_range
 from l2ir.nodes import Kernel, Problem, Swizzle
-from l2ir.target import CUDA_TYPE, DTYPE_BYTES, NVCC_ARCH, SMEM_LIMIT
+from l2ir.target import (CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, NVCC_ARCH,
+                         SMEM_LIMIT)
 from l2ir.text import print_problem_class
 from l2ir.verify import verify, verify_problem
 
@@ -498,7 +499,7 @@ def _header(cfg: Sm80Config, kernel_text: str) -> list[str]:
 def _config(cfg: Sm80Config) -> list[str]:
     """Element types and the compile-time shape of the schedule: tile, warps, fragments, ring stages."""
     it, ot = CUDA_TYPE[cfg.in_dtype], CUDA_TYPE[cfg.out_dtype]
-    out2 = "__half2" if cfg.out_dtype == "f16" else "__nv_bfloat162"
+    out2 = CUDA_PAIR_TYPE[cfg.out_dtype]
     return [
         "namespace l2ir_ptx_sm80 {",
         "",
@@ -534,8 +535,8 @@ def _device_functions(cfg: Sm80Config) -> list[str]:
         swz_expr = smem_swizzle(b, m, s).to_cpp()
         swz_note = (f"swizzle.smem=<{b},{m},{s}>: XOR {b} bit(s) at [{m + s}, {m + s + b}) into [{m}, {m + b}) of the "
                     "element offset, so the 8 rows one ldmatrix phase reads (and cp.async writes) hit distinct banks")
-    pack = ("__floats2half2_rn(a, b)" if cfg.out_dtype == "f16" else "__floats2bfloat162_rn(a, b)")
-    to_out = ("__float2half_rn(a)" if cfg.out_dtype == "f16" else "__float2bfloat16_rn(a)")
+    pack = f"{CUDA_PAIR_FROM_FLOATS[cfg.out_dtype]}(a, b)"
+    to_out = f"{CUDA_FROM_FLOAT[cfg.out_dtype]}(a)"
     return [
         f"// {swz_note}.",
         "// It acts on element offsets inside one K-major tile and keeps every 8-element (16-byte) chunk whole.",

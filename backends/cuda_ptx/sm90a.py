@@ -55,7 +55,8 @@ from l2ir.errors import ResourceError
 from l2ir.indexing import Const, rasterize
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.text import print_problem_class
-from l2ir.target import CUDA_TYPE, DTYPE_BYTES, H200_SMS, SMEM_LIMIT, TMA_BOX_MAX, TMA_DTYPE
+from l2ir.target import (CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, H200_SMS,
+                         SMEM_LIMIT, TMA_BOX_MAX, TMA_DTYPE)
 from l2ir.analysis import resolved_stages
 from l2ir.verify import verify, verify_problem
 
@@ -441,7 +442,7 @@ def _config(cfg: PtxConfig) -> list[str]:
     lay = cfg.layout
     in_t, out_t = CUDA_TYPE[cfg.in_dtype], CUDA_TYPE[cfg.out_dtype]
     sbo = 8 * cfg.row_bytes
-    out2 = "__half2" if cfg.out_dtype == "f16" else "__nv_bfloat162"
+    out2 = CUDA_PAIR_TYPE[cfg.out_dtype]
     return [
         "namespace {",
         "",
@@ -501,8 +502,8 @@ def _config(cfg: PtxConfig) -> list[str]:
 def _device_functions(cfg: PtxConfig) -> list[str]:
     """PTX wrappers: mbarriers, TMA loads, wgmma descriptors and the wgmma itself, the output conversion."""
     nr = cfg.bn // 2
-    pack = ("__floats2half2_rn(a, b)" if cfg.out_dtype == "f16" else "__floats2bfloat162_rn(a, b)")
-    to_out = ("__float2half_rn(a)" if cfg.out_dtype == "f16" else "__float2bfloat16_rn(a)")
+    pack = f"{CUDA_PAIR_FROM_FLOATS[cfg.out_dtype]}(a, b)"
+    to_out = f"{CUDA_FROM_FLOAT[cfg.out_dtype]}(a)"
     return [
         "// ---- PTX wrappers ----",
         "__device__ __forceinline__ uint32_t smem_addr(const void* p) {",
