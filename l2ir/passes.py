@@ -67,10 +67,6 @@ class Lowered:
         return paths
 
 
-def pass_name(p: Pass) -> str:
-    return getattr(p, "__name__", type(p).__name__)
-
-
 @dataclass(frozen=True)
 class PassPipeline:
     """Passes run in order, the verifier after each; then the backend (None: the kernel's one default backend)."""
@@ -83,7 +79,7 @@ class PassPipeline:
         verify(kernel)
         stages = [Stage("input", kernel.text())]
         for p in self.passes:
-            name = pass_name(p)
+            name = getattr(p, "__name__", type(p).__name__)     # a function, or a callable object
             out = p(kernel)
             if not isinstance(out, Kernel):
                 raise PassError(f"pass '{name}' returned {type(out).__name__}, not a Kernel")
