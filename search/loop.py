@@ -206,6 +206,10 @@ class Search:
         cfg = self.config
         budget = {"candidates_per_shape": cfg.budget_candidates, "gpu_seconds": cfg.budget_gpu_s,
                   "wall_seconds": cfg.budget_wall_s}
+        # A learning policy continues from what it learned in earlier runs on this DB (any shapes, any run).
+        state = self.db.load_policy_state(f"policy:{self.policy_name}")
+        if state is not None:
+            self.policy.load_state_dict(_loads_state(state))
         self.run_id = self.db.start_run(self.command, cfg.to_json(), cfg.seed, self.policy_name, budget)
         return self.run_id
 
@@ -545,7 +549,9 @@ class Search:
                              backend=p.backend, gpu_seconds=cost,
                              compile_seconds=built.compile_seconds if built else 0.0)
             if feedback is not None:
-                self.db.save_policy_state(f"run:{self.run_id}", _dumps_state(self.policy.state_dict()))
+                state = _dumps_state(self.policy.state_dict())
+                self.db.save_policy_state(f"run:{self.run_id}", state)          # this run's, for --resume
+                self.db.save_policy_state(f"policy:{self.policy_name}", state)  # the next run's starting point
         if built is not None:
             built.compile_seconds = 0.0          # paid once per kernel, never per shape
         self._count(st, verdict)

@@ -387,3 +387,38 @@ def test_compile_only_builds_each_kernel_once_for_all_shapes(tmp_path, monkeypat
     # Compile seconds are paid once per kernel, whichever shape used it first.
     assert sum(e["compile_seconds"] for e in built) == len({(e["child"], e["backend"]) for e in built})
     assert all(st.done["winner"] is None or st.done["winner"]["selected_speedup"] is None for st in s.states)
+
+
+class Counter(StatelessPolicy):
+    """Learns a count of the feedback it has seen; proposes from the random policy."""
+
+    name = "counter"
+
+    def __init__(self):
+        from l2ir.policy.base import get_policy
+
+        self.inner = get_policy("random")
+        self.seen = 0
+
+    def propose(self, context):
+        return self.inner.propose(context)
+
+    def update(self, feedback):
+        self.seen += len(feedback)
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = state["seen"]
+
+
+def test_a_learning_policys_state_carries_over_to_the_next_run(tmp_path):
+    db = RecordsDB(tmp_path / "r.db")
+    first = Counter()
+    tune(db, policy=first, shapes=SHAPES[:1], budget_candidates=10)
+    assert first.seen > 0
+    second = Counter()
+    tune(db, policy=second, shapes=SHAPES[1:2], budget_candidates=10)
+    assert second.seen > first.seen            # started from the first run's state, then learned more
+    assert db.load_policy_state("policy:counter") is not None
