@@ -8,7 +8,7 @@ Two pure steps, like the CUTLASS backend:
 Why a host shim. TMA copies name their global tensor through a 128-byte CUtensorMap that only the host can encode
 (cuTensorMapEncodeTiled, a driver API call), and the harness launches "kernels" plans with the fixed L2IR ABI, which has
 no place for it. So the backend emits, beside the kernel, a small trusted host function (generated here, never written
-by a candidate) that exports the host_shim ABI of backends/plan.py:
+by a candidate) that exports the host_shim ABI of l2ir/runtime.py:
     size_t l2ir_workspace_size(int M, int N, int K);            // always 0: no workspace
     int    l2ir_run(A, B, C, M, N, K, workspace, workspace_bytes, stream);
 l2ir_run checks the shape, encodes one tensor map per operand, and launches the kernel with the maps as
@@ -414,7 +414,7 @@ def _header(cfg: PtxConfig) -> list[str]:
         f"// swizzle {cfg.swizzle_field}, raster {cfg.raster}/{cfg.group}, persistent "
         f"{str(cfg.persistent).lower()}, epilogue {cfg.epilogue}/{cfg.vector}",
         "//",
-        "// Host shim ABI (backends/plan.py):",
+        "// Host shim ABI (l2ir/runtime.py):",
         "//   size_t l2ir_workspace_size(int M, int N, int K);   // 0",
         "//   int    l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,",
         "//                   void* workspace, size_t workspace_bytes, void* stream);   // 0 = success",

@@ -4,7 +4,7 @@
 // tile 128x128x128 cooperative (2 consumer warpgroups of 64 rows), wgmma 64x128x16, stages 3 (pipeline.stages=3),
 // swizzle <2,3,3>, raster along_n/4, persistent true, epilogue smem/4
 //
-// Host shim ABI (backends/plan.py):
+// Host shim ABI (l2ir/runtime.py):
 //   size_t l2ir_workspace_size(int M, int N, int K);   // 0
 //   int    l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,
 //                   void* workspace, size_t workspace_bytes, void* stream);   // 0 = success
