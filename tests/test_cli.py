@@ -136,6 +136,7 @@ def test_unreadable_and_oversized_inputs_are_refused(capsys, tmp_path):
 def test_bench_without_a_gpu_says_so_in_one_line_before_any_work(capsys, tmp_path, monkeypatch):
     from l2ir.search import bench, preflight
 
+    monkeypatch.setattr(preflight, "_toolchain", lambda nvcc: [])
     monkeypatch.setattr(preflight, "_gpu", lambda: [f"no CUDA GPU on this machine; {preflight.GPU_HINT}"])
     monkeypatch.setattr(bench, "run_bench", lambda cfg: pytest.fail("bench started work on a machine without a GPU"))
     code, out, err = run(capsys, "bench", "--shapes", "3", "--out", str(tmp_path / "r" / "x"))

@@ -189,6 +189,7 @@ def test_host_shim_builds_a_shared_library(tmp_path):
 @pytest.mark.nvcc
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not on PATH")
 def test_nvrtc_refuses_host_shim(tmp_path):
+    pytest.importorskip("cuda.bindings", reason="NVRTC needs cuda-python: pip install 'l2ir[cuda]'")
     res = compile_plan(LaunchPlan(source=SHIM, arch="sm_80", form="host_shim"),
                        CompileOptions(cache_dir=str(tmp_path), compiler="nvrtc"))
     assert not res.ok and "host_shim" in res.log
