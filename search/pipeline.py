@@ -50,6 +50,7 @@ class Candidate:
     name: str
     kernel: Kernel
     origin: str = ""                 # who proposed it: "seed", "sweep:sm90a", a policy's name
+    backend: str | None = None       # lower with this backend (default: PipelineConfig.backend)
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ class Pipeline:
         self.evaluator = evaluator
         self.store: Store = store if store is not None else MemoryStore()
         self._log = log or (lambda msg: None)
-        self._prepared: dict[tuple[str, str], Prepared] = {}     # (problem class text, kernel hash)
+        self._prepared: dict[tuple, Prepared] = {}     # (problem class text, kernel hash, backend)
         self.compile_wall_s = 0.0
 
     # ---- legalize, dedupe, lower, compile -------------------------------------------------------------------
@@ -160,7 +161,7 @@ class Pipeline:
         pclass = _class_of(problem_class)
         ctext = print_problem(pclass)
         out: list[Prepared] = []
-        first: dict[str, str] = {}
+        first: dict[tuple[str, str | None], str] = {}
         to_compile: list[Prepared] = []
         for cand in candidates:
             try:
@@ -168,16 +169,17 @@ class Pipeline:
             except Exception as e:  # noqa: BLE001 - a kernel that cannot even be printed is no kernel
                 out.append(Prepared(cand, "", "illegal", f"cannot print the kernel: {_first_line(e)}"))
                 continue
-            if h in first:
-                out.append(Prepared(cand, h, "duplicate", f"same kernel as '{first[h]}'"))
+            backend = cand.backend or self.config.backend
+            if (h, backend) in first:
+                out.append(Prepared(cand, h, "duplicate", f"same kernel as '{first[h, backend]}'"))
                 continue
-            first[h] = cand.name
-            known = self._prepared.get((ctext, h))
+            first[h, backend] = cand.name
+            known = self._prepared.get((ctext, h, backend))
             if known is not None:
                 out.append(Prepared(cand, h, known.status, known.error, known.plan, known.artifact))
                 continue
             item = self._lower(cand, h, pclass)
-            self._prepared[(ctext, h)] = item
+            self._prepared[(ctext, h, backend)] = item
             out.append(item)
             if item.ok:
                 to_compile.append(item)
@@ -206,7 +208,7 @@ class Pipeline:
         except Exception as e:  # noqa: BLE001 - a verifier bug is reported on the candidate, not raised
             return Prepared(cand, h, "illegal", f"the verifier failed: {_first_line(e)}")
         try:
-            plan = lower(cand.kernel, pclass, self.config.backend)
+            plan = lower(cand.kernel, pclass, cand.backend or self.config.backend)
         except NotImplementedError as e:
             self._log(f"not lowered: {cand.name} {h[:12]}: {_first_line(e)}")
             return Prepared(cand, h, "unsupported", _first_line(e))
@@ -220,11 +222,12 @@ class Pipeline:
     # ---- evaluate and record ---------------------------------------------------------------------------------
 
     def evaluate(self, item: Prepared, problem: Problem, evaluator=None, time_kernel: bool | None = None,
-                 scenarios: tuple[str, ...] | None = None) -> Outcome | None:
+                 scenarios: tuple[str, ...] | None = None, **options) -> Outcome | None:
         """One prepared candidate on one problem: its failure status, a stored measurement ("reused") or a new one
         ("evaluated", recorded in the store). `evaluator` overrides the pipeline's for this call. Without any
         evaluator only stored measurements count (of `scenarios`, default all, whatever binary made them, even if
-        this machine could not compile the kernel): a candidate with none gives None."""
+        this machine could not compile the kernel): a candidate with none gives None. `options` go to the
+        evaluator's `evaluate` as they are (e.g. the stand-in's skip_gates)."""
         cand = item.candidate
         evaluator = evaluator if evaluator is not None else self.evaluator
         if not item.ok and not (evaluator is None and item.status == "compile_failed"):
@@ -246,7 +249,7 @@ class Pipeline:
                 self.config.remeasure_errors and any(r.get("errors") for r in stored)):
             return Outcome(cand, problem, "reused", "", item.plan, item.artifact, _measurements(stored))
         try:
-            ms = evaluator.evaluate(cand.kernel, problem, item.plan, item.artifact, time_kernel=timed)
+            ms = evaluator.evaluate(cand.kernel, problem, item.plan, item.artifact, time_kernel=timed, **options)
         except Exception as e:  # noqa: BLE001 - the evaluator promises not to raise; if it does, the run goes on
             return Outcome(cand, problem, "evaluated", f"the evaluator failed: {_first_line(e)}", item.plan,
                            item.artifact)

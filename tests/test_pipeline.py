@@ -114,6 +114,15 @@ def test_every_status_and_nothing_stops_the_run(compiles, monkeypatch):
     assert [o.status for o in again] == ["reused"] and again[0].passed and len(compiles) == 4 and len(ev.calls) == 5
 
 
+def test_a_candidate_may_name_its_backend(compiles):
+    pipe = Pipeline(PipelineConfig(), StandIn())
+    cands = [Candidate("cute", SM80), Candidate("ptx", SM80, backend="cuda_ptx_sm80"),
+             Candidate("ptx_again", SM80, backend="cuda_ptx_sm80"), Candidate("sm90_only", SM80, backend="cutlass_sm90")]
+    prepared = pipe.prepare(cands, CLASS)
+    assert [p.status for p in prepared] == ["compiled", "compiled", "duplicate", "unsupported"]
+    assert "l2ir_cute" in prepared[0].plan.source and prepared[1].plan.source != prepared[0].plan.source
+
+
 def test_unsupported_kernels_and_a_second_problem_class(compiles):
     pipe = Pipeline(PipelineConfig(backend="cutlass_sm90"), StandIn())
     [o] = pipe.run([Candidate("sm80", SM80)], [Problem(64, 64, 64)])
