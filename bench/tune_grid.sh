@@ -29,7 +29,7 @@ PY
 if [ -n "$RUN" ]; then
   ARGS=(--resume "$RUN" --budget-seconds "${BUDGET_S:-720}")
 else
-  ARGS=(--grid --sample 48 --policy "$POLICY" --budget-candidates "${CANDIDATES:-10}" --batch 4
+  ARGS=(--grid --sample 48 --interleave --policy "$POLICY" --budget-candidates "${CANDIDATES:-10}" --batch 4
         --budget-seconds "${BUDGET_S:-720}" --seed 0)
 fi
 python3 -m l2ir.cli tune "${ARGS[@]}" --db "$DB" 2>&1 | tee -a "bench/results/$NAME.log"

@@ -71,6 +71,10 @@ class TuneConfig:
     mode: str = "gpu"                    # "gpu", "standin" (cost model, not measured) or "compile_only"
     retime: bool = True
     reuse_class_gates: bool = True
+    # Step every shape in rounds and build each round's kernels together (see Search._search_interleaved); the
+    # search keeps the wall budget free of this much per unfinished shape for re-timing the winners.
+    interleave: bool = False
+    retime_reserve_s: float = 4.0
     cache_dir: str = ".l2ir-cache"
     compile_jobs: int = 0
     device_sm: str = "sm_90"
@@ -195,6 +199,7 @@ class Search:
         self.run_id: int | None = None
         self.states: list[ShapeState] = []
         self.env_id: str | None = None
+        self._status: str | None = None
         self._t0 = clock()
         self._skip_ok = evaluator is not None and "skip_gates" in inspect.signature(evaluator.evaluate).parameters
         if evaluator is not None and getattr(evaluator, "environment", None):
@@ -249,6 +254,8 @@ class Search:
         if len(cfg.shapes) > 1 and cfg.mode != "standin":
             self.prebuild()
         try:
+            if cfg.interleave:
+                return self._run_interleaved()
             for i, shape in enumerate(cfg.shapes):
                 st = self._restore(shape)
                 self.states.append(st)
@@ -268,7 +275,20 @@ class Search:
             status = "interrupted"
             raise
         finally:
-            self.db.set_run_status(self.run_id, status)
+            self.db.set_run_status(self.run_id, self._status or status)
+        return self.states
+
+    def _run_interleaved(self) -> list[ShapeState]:
+        self.states = [self._restore(shape) for shape in self.config.shapes]
+        for st in self.states:
+            if st.done is not None:
+                self.progress(st, "restored")
+        ended = self._search_interleaved(self.states)
+        for i, st in enumerate(self.states):
+            if st.done is None:
+                self._finish_shape(st, ended.get(i, "candidate budget"))
+        budgets = {w for w in ended.values() if w in ("GPU-seconds budget", "wall-time budget")}
+        self._status = f"stopped: {sorted(budgets)[0]}" if budgets else "done"
         return self.states
 
     # -- budgets ------------------------------------------------------------------------------------------------
@@ -386,37 +406,107 @@ class Search:
 
     def _search_shape(self, st: ShapeState, gpu_cap: float, wall_cap: float) -> str:
         """Search one shape until a budget ends it; returns which one."""
-        cfg = self.config
-        stalled = 0
-        while st.candidates < cfg.budget_candidates:
-            if st.gpu_s >= gpu_cap:
-                return "GPU-seconds budget"
-            if (self.clock() - self._t0) >= wall_cap:
-                return "wall-time budget"
-            if st.step == 0:
-                proposals, parent, ctx = self._initial(st), None, None
-                limit = cfg.init_size - st.candidates
-            else:
-                pool, hist = list(st.members.values()), st.history
-                if st.rows_at_step and st.step_view is not None:
-                    pool, hist = st.step_view[0], st.history[:st.step_view[1]]
-                if not pool:
-                    return "no legal kernel"
-                parent = self._parent(st, pool)
-                ctx = self._context(st, parent, hist)
-                proposals = list(self.policy.propose(ctx))[:cfg.batch]
-            # A resumed step re-makes the same proposals; the ones already recorded are skipped.
-            skip, st.rows_at_step = st.rows_at_step, 0
-            before = st.candidates
-            self._step(st, proposals[skip:], parent, ctx, limit if st.step == 0 else None, gpu_cap)
-            stalled = stalled + 1 if st.candidates == before else 0
-            if stalled >= 5:
-                return "the policy proposed nothing new"
-            st.step += 1
-        return "candidate budget"
+        stalled = [0]
+        while True:
+            why = self._budget_reason(st, gpu_cap, wall_cap)
+            if why is None:
+                planned = self._plan(st)
+                if isinstance(planned, str):
+                    return planned
+                self._build([(c, p.backend) for p, c, v, _ in planned[0] if v == "new"])
+                why = self._record(st, *planned, gpu_cap, stalled)
+            if why is not None:
+                return why
 
-    def _step(self, st: ShapeState, proposals, parent: Member | None, ctx, limit: int | None, gpu_cap: float):
-        """Legalize every proposal, build the new kernels together, then record them in proposal order."""
+    def _search_interleaved(self, states: list[ShapeState]) -> dict[int, str]:
+        """Every shape's step 0 in order (so each can start from the winners of the shapes before it), then rounds:
+        one step of every shape still searching, with all of the round's new kernels built in one parallel
+        compile. A compile is the slow part of a step (about a minute for a CUTLASS kernel), and one shape's step
+        rarely fills the compile pool; a round of many shapes does. Returns why each shape ended, by index."""
+        cfg = self.config
+        n = len(cfg.shapes)
+        gpu_cap = math.inf if math.isinf(cfg.budget_gpu_s) else cfg.budget_gpu_s / n
+        end = cfg.budget_wall_s - cfg.retime_reserve_s * sum(1 for st in states if st.done is None)
+        ended: dict[int, str] = {}
+        stalled = {i: [0] for i in range(len(states))}
+        for i, st in enumerate(states):
+            while st.done is None and st.step == 0 and i not in ended:
+                why = self._budget_reason(st, gpu_cap, end)
+                if why is None:
+                    planned = self._plan(st)
+                    if isinstance(planned, str):
+                        why = planned
+                    else:
+                        self._build([(c, p.backend) for p, c, v, _ in planned[0] if v == "new"])
+                        why = self._record(st, *planned, gpu_cap, stalled[i])
+                if why is not None:
+                    ended[i] = why
+        while True:
+            live = [i for i, st in enumerate(states) if st.done is None and i not in ended]
+            if not live:
+                return ended
+            plans = []
+            for i in live:
+                why = self._budget_reason(states[i], gpu_cap, end)
+                planned = self._plan(states[i]) if why is None else why
+                if isinstance(planned, str):
+                    ended[i] = planned
+                else:
+                    plans.append((i, planned))
+            self._build([(c, p.backend) for _, planned in plans for p, c, v, _ in planned[0] if v == "new"])
+            for i, planned in plans:
+                why = self._record(states[i], *planned, gpu_cap, stalled[i])
+                if why is not None:
+                    ended[i] = why
+
+    def _budget_reason(self, st: ShapeState, gpu_cap: float, wall_end: float) -> str | None:
+        if st.candidates >= self.config.budget_candidates:
+            return "candidate budget"
+        if st.gpu_s >= gpu_cap:
+            return "GPU-seconds budget"
+        if (self.clock() - self._t0) >= wall_end:
+            return "wall-time budget"
+        return None
+
+    def _plan(self, st: ShapeState):
+        """The shape's next step up to its build: proposals (re-made the same way on resume, the recorded ones
+        skipped), legalized and deduped, cut to what the candidate budget leaves room for. Returns (items, parent,
+        context), or why the shape cannot go on."""
+        cfg = self.config
+        if st.step == 0:
+            proposals, parent, ctx = self._initial(st), None, None
+            limit = cfg.init_size - st.candidates
+        else:
+            pool, hist = list(st.members.values()), st.history
+            if st.rows_at_step and st.step_view is not None:
+                pool, hist = st.step_view[0], st.history[:st.step_view[1]]
+            if not pool:
+                return "no legal kernel"
+            parent = self._parent(st, pool)
+            ctx = self._context(st, parent, hist)
+            proposals = list(self.policy.propose(ctx))[:cfg.batch]
+            limit = None
+        skip, st.rows_at_step = st.rows_at_step, 0
+        return self._legalize(st, proposals[skip:], parent, limit), parent, ctx
+
+    def _record(self, st: ShapeState, items, parent, ctx, gpu_cap: float, stalled: list[int]) -> str | None:
+        """Evaluate and record a planned step in proposal order; returns why the shape ends, if it does."""
+        before = st.candidates
+        for p, child, verdict, detail in items:
+            if st.gpu_s >= gpu_cap:
+                break
+            self._candidate(st, p, parent, ctx, child, verdict, detail)
+        stalled[0] = stalled[0] + 1 if st.candidates == before else 0
+        st.step += 1
+        if st.candidates >= self.config.budget_candidates:
+            return "candidate budget"
+        if stalled[0] >= 5:
+            return "the policy proposed nothing new"
+        return None
+
+    def _legalize(self, st: ShapeState, proposals, parent: Member | None, limit: int | None) -> list:
+        """(proposal, child, "new" | "illegal" | "duplicate", detail) per proposal, cut after the last new one the
+        budget (and step 0's size) leaves room for: only those are built, and a CUTLASS build is a minute."""
         from l2ir.policy.base import legalize
 
         cfg = self.config
@@ -439,7 +529,6 @@ class Search:
                 continue
             fresh_keys.add(key)
             items.append((p, child, "new", ""))
-        # Only what the candidate budget (and step 0's size) leaves room for is built: a CUTLASS build is a minute.
         room = cfg.budget_candidates - st.candidates
         room = room if limit is None else min(room, limit)
         keep, new = [], 0
@@ -449,11 +538,7 @@ class Search:
                     break
                 new += 1
             keep.append(item)
-        self._build([(c, p.backend) for p, c, v, _ in keep if v == "new"])
-        for p, child, verdict, detail in keep:
-            if st.gpu_s >= gpu_cap:
-                break
-            self._candidate(st, p, parent, ctx, child, verdict, detail)
+        return keep
 
     def _build(self, kernels: list[tuple[Kernel, str | None]]):
         """Lower and compile the kernels not built yet in this run, in parallel (the compile cache is on disk)."""

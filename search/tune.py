@@ -168,7 +168,7 @@ def cmd_tune(args) -> int:
             cfg = TuneConfig(shapes=tuple(shapes), problem=problem, policy=args.policy, seed=args.seed,
                              budget_candidates=args.budget_candidates, budget_gpu_s=args.budget_gpu_seconds,
                              budget_wall_s=args.budget_seconds, batch=args.batch, arch=args.target, mode=mode,
-                             cache_dir=args.cache_dir, device_sm=args.device_sm)
+                             cache_dir=args.cache_dir, device_sm=args.device_sm, interleave=args.interleave)
             try:
                 search = Search(cfg, db, ev, rt, progress=view.update, command=command)
             except ValueError as e:
@@ -577,6 +577,8 @@ def add_parsers(sub, shape_type) -> None:
     s.add_argument("--budget-seconds", type=float, default=math.inf, help="wall seconds for this invocation")
     s.add_argument("--budget-gpu-seconds", type=float, default=math.inf, help="GPU seconds for the whole run")
     s.add_argument("--batch", type=int, default=4, help="proposals per step, compiled together")
+    s.add_argument("--interleave", action="store_true",
+                   help="step all shapes in rounds, each round's kernels compiled together (many shapes)")
     s.add_argument("--seed", type=int, default=0, help="the same seed makes the same proposals")
     s.add_argument("--target", default="sm90a", help="the GPU's target (proposals use any rule it runs)")
     s.add_argument("--problem", help="problem class 'gemm m=1 n=1 k=1 a=f16:row ...' (sizes come from shapes)")

@@ -134,14 +134,17 @@ def test_db_import(tmp_path, capsys):
 
 def test_report_of_one_run_has_only_its_shapes(tuned, tmp_path, capsys):
     db, _, _ = tuned
-    code, _, err = run(["tune", "--shape", "640x640x640", "--standin", "--budget-candidates", "4", "--db", str(db)],
-                       capsys)
+    code, _, err = run(["tune", "--shape", "640x640x640", "--shape", "64x64x64", "--standin", "--interleave",
+                        "--budget-candidates", "4", "--db", str(db)], capsys)
     assert code == 0, err
     out_dir = tmp_path / "rep2"
     assert run(["report", "--db", str(db), "--run", "2", "--out", str(out_dir)], capsys)[0] == 0
     md = (out_dir / "report.md").read_text()
-    assert "| 640 | 640 | 640 |" in md and "| 300 | 200 | 100 |" not in md
+    assert "| 640 | 640 | 640 |" in md and "| 64 | 64 | 64 |" in md and "| 300 | 200 | 100 |" not in md
     summary = json.loads((out_dir / "summary.json").read_text())
     (env,) = summary.values()
-    assert env["cost"]["shapes"] == 1 and env["cost"]["gpu_seconds_per_shape"] > 0
-    assert env["overall"]["offline_geomean"] == pytest.approx(env["shapes"][0]["offline"])
+    assert env["cost"]["shapes"] == 2 and env["cost"]["gpu_seconds_per_shape"] > 0
+    import math
+    assert env["overall"]["offline_geomean"] == pytest.approx(math.sqrt(env["shapes"][0]["offline"]
+                                                                        * env["shapes"][1]["offline"]))
+    assert RecordsDB(db).run(2)["config"]["interleave"] is True
