@@ -8,7 +8,7 @@
 #   bench/results/$NAME/summary.json, heatmap_*.png, regimes_*.png, curves_*.png
 # Run from the repository root after installing L2IR (bench/device.sh's preamble). A killed run is resumed by
 # running the script again. POLICY (random | rules | learned), BUDGET_S (wall seconds of the search, default 720),
-# CANDIDATES (per shape, default 10) and NAME override the defaults.
+# CANDIDATES (per shape, default 8: 5 from seeds, nearby winners and sweeps, then policy proposals) and NAME override the defaults.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NAME=${NAME:-tune_grid48_h200}
@@ -29,7 +29,7 @@ PY
 if [ -n "$RUN" ]; then
   ARGS=(--resume "$RUN" --budget-seconds "${BUDGET_S:-720}")
 else
-  ARGS=(--grid --sample 48 --interleave --policy "$POLICY" --budget-candidates "${CANDIDATES:-10}" --batch 4
+  ARGS=(--grid --sample 48 --interleave --policy "$POLICY" --budget-candidates "${CANDIDATES:-8}" --init-size 5 --batch 4
         --budget-seconds "${BUDGET_S:-720}" --seed 0)
 fi
 python3 -m l2ir.cli tune "${ARGS[@]}" --db "$DB" 2>&1 | tee -a "bench/results/$NAME.log"

@@ -168,7 +168,8 @@ def cmd_tune(args) -> int:
             cfg = TuneConfig(shapes=tuple(shapes), problem=problem, policy=args.policy, seed=args.seed,
                              budget_candidates=args.budget_candidates, budget_gpu_s=args.budget_gpu_seconds,
                              budget_wall_s=args.budget_seconds, batch=args.batch, arch=args.target, mode=mode,
-                             cache_dir=args.cache_dir, device_sm=args.device_sm, interleave=args.interleave)
+                             cache_dir=args.cache_dir, device_sm=args.device_sm, interleave=args.interleave,
+                             init_size=args.init_size)
             try:
                 search = Search(cfg, db, ev, rt, progress=view.update, command=command)
             except ValueError as e:
@@ -577,6 +578,8 @@ def add_parsers(sub, shape_type) -> None:
     s.add_argument("--budget-seconds", type=float, default=math.inf, help="wall seconds for this invocation")
     s.add_argument("--budget-gpu-seconds", type=float, default=math.inf, help="GPU seconds for the whole run")
     s.add_argument("--batch", type=int, default=4, help="proposals per step, compiled together")
+    s.add_argument("--init-size", type=int, default=6,
+                   help="step 0's candidates per shape: seeds, nearby shapes' winners, sweeps (default 6)")
     s.add_argument("--interleave", action="store_true",
                    help="step all shapes in rounds, each round's kernels compiled together (many shapes)")
     s.add_argument("--seed", type=int, default=0, help="the same seed makes the same proposals")
