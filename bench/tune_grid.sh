@@ -8,7 +8,8 @@
 #   bench/results/$NAME/summary.json, heatmap_*.png, regimes_*.png, curves_*.png
 # Run from the repository root after installing L2IR (bench/device.sh's preamble). A killed run is resumed by
 # running the script again. POLICY (random | rules | learned), BUDGET_S (wall seconds of the search, default 720),
-# CANDIDATES (per shape, default 8: 5 from seeds, nearby winners and sweeps, then policy proposals) and NAME override the defaults.
+# CANDIDATES (per shape, default 8: 5 from seeds, nearby winners and sweeps, then policy proposals) and NAME
+# override the defaults.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NAME=${NAME:-tune_grid48_h200}

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 
 DEFAULT_DB = ".l2ir/records.db"
+DEFAULT_CANDIDATES = 24
+FALLBACK_CANDIDATES = 4
 RESULTS = "bench/results"          # earlier bench measurements, imported into a new DB on first use
 STANDIN_LABEL = "stand-in cost model: NOT measured on a GPU"
 
@@ -109,8 +111,9 @@ def _mode(args) -> tuple[str, str | None]:
     if toolchain:
         raise TuneError("l2ir tune cannot run here: " + "; ".join(gpu + toolchain)
                         + " (--standin searches against the cost model, clearly not measured)")
-    return "compile_only", (f"l2ir tune: {gpu[0]}; running the CPU path (--compile-only: lower and compile the "
-                            "proposals, no timing); --standin runs the search against the cost model")
+    return "compile_only", (f"l2ir tune: {gpu[0]}; running the CPU path instead: --compile-only ({{n}} candidates "
+                            "per shape, lowered and compiled, nothing timed); --standin searches against the cost "
+                            "model")
 
 
 def _evaluators(mode: str, seed: int):
@@ -147,8 +150,12 @@ def cmd_tune(args) -> int:
         if not shapes:
             raise TuneError("no shapes: give --shape MxNxK, --shapes-file F or --grid [--sample N]")
     mode, note = _mode(args)
+    if args.budget_candidates is None:
+        # Without a GPU the fallback only shows that the proposals build: a few, since each CUTLASS build is minutes
+        # on a small CPU.
+        args.budget_candidates = FALLBACK_CANDIDATES if note else DEFAULT_CANDIDATES
     if note:
-        print(note, file=sys.stderr)
+        print(note.format(n=args.budget_candidates), file=sys.stderr)
     db = _open(args.db)
     ev, rt = _evaluators(mode, args.seed)
     view = _LiveView(console, mode)
@@ -574,7 +581,9 @@ def add_parsers(sub, shape_type) -> None:
     s.add_argument("--grid", action="store_true", help="grid shapes, an equal share from each FLOP regime")
     s.add_argument("--sample", type=int, default=48, help="how many grid shapes with --grid (default 48)")
     s.add_argument("--policy", default="random", help="random, rules, learned, or module:Factory")
-    s.add_argument("--budget-candidates", type=int, default=24, help="candidates built and timed per shape")
+    s.add_argument("--budget-candidates", type=int,
+                   help=f"candidates built and timed per shape (default {DEFAULT_CANDIDATES}; "
+                        f"{FALLBACK_CANDIDATES} on the no-GPU compile-only path)")
     s.add_argument("--budget-seconds", type=float, default=math.inf, help="wall seconds for this invocation")
     s.add_argument("--budget-gpu-seconds", type=float, default=math.inf, help="GPU seconds for the whole run")
     s.add_argument("--batch", type=int, default=4, help="proposals per step, compiled together")

@@ -106,6 +106,7 @@ def test_without_a_gpu_tune_says_so_and_takes_the_compile_only_path(monkeypatch)
     args = tune_mod.argparse.Namespace(standin=False, compile_only=False)
     mode, note = tune_mod._mode(args)
     assert mode == "compile_only" and "no CUDA GPU" in note and "--compile-only" in note and "\n" not in note
+    assert "4 candidates per shape" in note.format(n=tune_mod.FALLBACK_CANDIDATES)
     # Without nvcc either, nothing can be built: one line pointing at --standin.
     monkeypatch.setattr(pf, "missing", lambda gpu=True, toolchain=True, nvcc="nvcc":
                         (["no CUDA GPU"] if gpu else []) + (["no 'nvcc' on PATH"] if toolchain else []))
