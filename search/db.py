@@ -425,7 +425,8 @@ class RecordsDB:
                  gpu_seconds: float = 0.0, compile_seconds: float = 0.0) -> int:
         with self.transaction() as c:
             cur = c.execute("INSERT INTO edits (run, problem, step, parent, child, backend, policy, edit, verdict, "
-                            "detail, reward, gpu_seconds, compile_seconds, created) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                            "detail, reward, gpu_seconds, compile_seconds, created) "
+                            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                             (run, problem, step, parent, child, backend, policy, edit, verdict, detail, reward,
                              gpu_seconds, compile_seconds, time.time()))
             return cur.lastrowid

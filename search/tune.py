@@ -12,7 +12,6 @@ numbers are labelled as not measured everywhere they are shown and never rank ag
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys

@@ -47,10 +47,15 @@ def evaluators():
             Evaluator(EvalConfig(scenarios=("offline", "server"), timing=fast)))
 
 
-def test_the_loop_on_the_gpu(tmp_path):
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One compile cache for the module: the second test reuses the first one's builds."""
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def test_the_loop_on_the_gpu(tmp_path, cache):
     db = RecordsDB(tmp_path / "r.db")
-    cfg = TuneConfig(shapes=SHAPES, mode="gpu", budget_candidates=5, init_size=3, batch=2, seed=1,
-                     cache_dir=str(tmp_path / "cache"))
+    cfg = TuneConfig(shapes=SHAPES, mode="gpu", budget_candidates=5, init_size=3, batch=2, seed=1, cache_dir=cache)
     ev, rt = evaluators()
     with ev, rt:
         s = Search(cfg, db, ev, rt)
@@ -90,9 +95,9 @@ KILLED = textwrap.dedent("""
 """)
 
 
-def test_kill_9_then_resume_on_the_gpu(tmp_path):
+def test_kill_9_then_resume_on_the_gpu(tmp_path, cache):
     path = tmp_path / "r.db"
-    code = KILLED.format(tests=os.path.dirname(__file__), cache=str(tmp_path / "cache"))
+    code = KILLED.format(tests=os.path.dirname(__file__), cache=cache)
     proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
     seen = 0
     for line in proc.stdout:
@@ -107,6 +112,7 @@ def test_kill_9_then_resume_on_the_gpu(tmp_path):
     ev, rt = evaluators()
     with ev, rt:
         Search.resume(db, 1, ev, rt).run()
+    # (the cache dir of the resumed run is the killed one's, from the config stored with the run)
     after = db.edits(1)
     assert after[:len(before)] == before                      # nothing recorded before the kill was redone
     assert sum(e["verdict"] in ("measured", "failed") for e in after) == 6

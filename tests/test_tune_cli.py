@@ -1,5 +1,6 @@
 """`l2ir tune`, `runs`, `best`, `report`, `db import` from the command line (stand-in evaluator: no GPU here)."""
 
+import argparse
 import json
 
 import pytest
@@ -103,7 +104,7 @@ def test_without_a_gpu_tune_says_so_and_takes_the_compile_only_path(monkeypatch)
 
     monkeypatch.setattr(pf, "missing", lambda gpu=True, toolchain=True, nvcc="nvcc":
                         (["no CUDA GPU on this machine"] if gpu else []))
-    args = tune_mod.argparse.Namespace(standin=False, compile_only=False)
+    args = argparse.Namespace(standin=False, compile_only=False)
     mode, note = tune_mod._mode(args)
     assert mode == "compile_only" and "no CUDA GPU" in note and "--compile-only" in note and "\n" not in note
     assert "4 candidates per shape" in note.format(n=tune_mod.FALLBACK_CANDIDATES)
