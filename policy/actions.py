@@ -265,6 +265,7 @@ def apply_action(kernel: Kernel, problem: Problem, action: Action, arch: str = "
 
         if not BACKENDS[v].accepts(kernel) or normal_backend(kernel, v) == normal_backend(kernel, backend):
             return None
+        kernel = fit_backend(kernel, v)
         return kernel, normal_backend(kernel, v)
     else:
         raise ValueError(f"unknown knob '{knob}' (knobs: {', '.join(KNOBS)})")
@@ -275,6 +276,23 @@ def apply_action(kernel: Kernel, problem: Problem, action: Action, arch: str = "
     if new == kernel:
         return None
     return new, normal_backend(new, backend)
+
+
+def fit_backend(k: Kernel, backend: str) -> Kernel:
+    """The nearest kernel a backend builds when asked for by name: the raw CUDA/PTX sm90a rule generates only the
+    cooperative schedule (BM a multiple of two 64-row warpgroups), without clusters, split-K or the TMA store;
+    CUTLASS sm90 stages C through shared memory only by the TMA store."""
+    if k.is_source or k.mma.op != "wgmma":
+        return k
+    if backend == "cuda_ptx":
+        bm, bn, bk = k.tile.block
+        k = k.replace(tile=dataclasses.replace(k.tile, block=(max(128, bm - bm % 128), bn, bk), cluster=(1, 1)),
+                      pipeline=dataclasses.replace(k.pipeline, schedule="cooperative"), splitk=None,
+                      epilogue=dataclasses.replace(k.epilogue, path="direct" if k.epilogue.path == "direct"
+                                                   else "smem"))
+    elif backend == "cutlass_sm90" and k.epilogue.path == "smem":
+        k = k.replace(epilogue=dataclasses.replace(k.epilogue, path="tma"))
+    return refit(k)
 
 
 def diff_edits(parent: Kernel, child: Kernel) -> tuple[Edit, ...]:

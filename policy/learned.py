@@ -19,6 +19,7 @@ later run, on other shapes, starts from it. Everything is deterministic for a se
 from __future__ import annotations
 
 import base64
+import contextlib
 import math
 from typing import Any
 
@@ -29,6 +30,19 @@ from .base import Context, Dedupe, Feedback, Proposal, try_legalize
 from .features import STATE_DIM, state_features
 
 STATE_VERSION = 1
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """The MLP is tiny: one thread runs it in well under a millisecond, while torch's thread pool spends tens of
+    milliseconds waking workers on a loaded CPU. The caller's setting is restored afterwards."""
+    torch = _torch()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _torch():
@@ -71,6 +85,7 @@ class Learned:
         self.baseline = 0.0
         self.updates = 0
         self._pending: dict[tuple, tuple[np.ndarray, np.ndarray, int]] = {}
+        self._legal_cache: dict[tuple, tuple[np.ndarray, list]] = {}
 
     # -- torch plumbing ------------------------------------------------------------------------------------------
 
@@ -95,7 +110,17 @@ class Learned:
     # -- the protocol --------------------------------------------------------------------------------------------
 
     def _legal(self, context: Context) -> tuple[np.ndarray, list]:
-        """Mask of the actions that make a legal child new to this batch, and the children."""
+        """Mask of the actions that make a legal child other than the parent, and the children. A search comes
+        back to the same parent many times, so the answer is kept (for the last few hundred parents)."""
+        key = (context.problem, context.parent, context.arch, context.backend)
+        hit = self._legal_cache.get(key)
+        if hit is None:
+            hit = self._legal_cache[key] = self._legal_uncached(context)
+            while len(self._legal_cache) > 512:
+                self._legal_cache.pop(next(iter(self._legal_cache)))
+        return hit
+
+    def _legal_uncached(self, context: Context) -> tuple[np.ndarray, list]:
         seen = Dedupe(context.parent, context.backend)
         mask = np.zeros(len(ACTIONS), dtype=bool)
         children: list = [None] * len(ACTIONS)
@@ -125,7 +150,7 @@ class Learned:
         if not mask.any():
             return []
         state = self._state(context)
-        with torch.no_grad():
+        with torch.no_grad(), _one_thread():
             logits, values = self._heads(state[None])
         logits = logits[0].numpy().astype(np.float64) / self.temperature
         values = values[0].numpy().astype(np.float64)
@@ -175,7 +200,6 @@ class Learned:
         return max(0.0, fb.reward - base)
 
     def update(self, feedback: list[Feedback]) -> None:
-        torch = _torch()
         rows = []
         for fb in feedback:
             got = self._recall(fb)
@@ -183,6 +207,12 @@ class Learned:
                 rows.append((*got, self.reward_of(fb)))
         if not rows:
             return
+        with _one_thread():
+            self._step(rows)
+        self.updates += 1
+
+    def _step(self, rows) -> None:
+        torch = _torch()
         states = np.stack([r[0] for r in rows])
         masks = torch.from_numpy(np.stack([r[1] for r in rows]))
         acts = torch.tensor([r[2] for r in rows])
@@ -200,7 +230,6 @@ class Learned:
         loss.backward()
         self.opt.step()
         self.baseline = self.baseline_decay * self.baseline + (1 - self.baseline_decay) * float(rewards.mean())
-        self.updates += 1
 
     # -- persistence ---------------------------------------------------------------------------------------------
 
