@@ -107,9 +107,14 @@ def _mode(args) -> tuple[str, str | None]:
     gpu = missing(gpu=True, toolchain=False)
     if not gpu and not toolchain:
         return "gpu", None
-    if toolchain:
-        raise TuneError("l2ir tune cannot run here: " + "; ".join(gpu + toolchain)
+    if toolchain and not gpu:
+        raise TuneError("l2ir tune cannot run here: " + "; ".join(toolchain)
                         + " (--standin searches against the cost model, clearly not measured)")
+    if toolchain:
+        # Neither a GPU nor a compiler: the one thing left to show is the search itself, on the cost model.
+        return "standin", (f"l2ir tune: {gpu[0]}; {toolchain[0]}; running the search against the stand-in cost "
+                           "model instead (--standin: NOT measured; with the CUDA toolkit, --compile-only builds "
+                           "the proposals)")
     return "compile_only", (f"l2ir tune: {gpu[0]}; running the CPU path instead: --compile-only ({{n}} candidates "
                             "per shape, lowered and compiled, nothing timed); --standin searches against the cost "
                             "model")
@@ -152,7 +157,7 @@ def cmd_tune(args) -> int:
     if args.budget_candidates is None:
         # Without a GPU the fallback only shows that the proposals build: a few, since each CUTLASS build is minutes
         # on a small CPU.
-        args.budget_candidates = FALLBACK_CANDIDATES if note else DEFAULT_CANDIDATES
+        args.budget_candidates = FALLBACK_CANDIDATES if (note and mode == "compile_only") else DEFAULT_CANDIDATES
     if note:
         print(note.format(n=args.budget_candidates), file=sys.stderr)
     db = _open(args.db)

@@ -108,11 +108,18 @@ def test_without_a_gpu_tune_says_so_and_takes_the_compile_only_path(monkeypatch)
     mode, note = tune_mod._mode(args)
     assert mode == "compile_only" and "no CUDA GPU" in note and "--compile-only" in note and "\n" not in note
     assert "4 candidates per shape" in note.format(n=tune_mod.FALLBACK_CANDIDATES)
-    # Without nvcc either, nothing can be built: one line pointing at --standin.
+    # Without nvcc either, nothing can be built: one line, and the search runs on the labelled cost model.
     monkeypatch.setattr(pf, "missing", lambda gpu=True, toolchain=True, nvcc="nvcc":
                         (["no CUDA GPU"] if gpu else []) + (["no 'nvcc' on PATH"] if toolchain else []))
+    mode, note = tune_mod._mode(args)
+    assert mode == "standin" and "no 'nvcc'" in note and "NOT measured" in note and "\n" not in note
+    # A GPU without nvcc cannot tune, and asking for --compile-only without nvcc is refused: one line each.
+    monkeypatch.setattr(pf, "missing", lambda gpu=True, toolchain=True, nvcc="nvcc":
+                        (["no 'nvcc' on PATH"] if toolchain else []))
     with pytest.raises(tune_mod.TuneError, match="--standin"):
         tune_mod._mode(args)
+    with pytest.raises(tune_mod.TuneError, match="--compile-only cannot run here"):
+        tune_mod._mode(argparse.Namespace(standin=False, compile_only=True))
 
 
 def test_grid_sample_takes_an_equal_share_of_each_regime():
