@@ -6,8 +6,9 @@
     l2ir runs | l2ir best --shape MxNxK | l2ir report --out DIR | l2ir db import FILE.jsonl
 
 On a machine without a GPU, `tune` says so in one line and runs the CPU path instead: `--compile-only` (lower and
-compile the proposals, time nothing); `--standin` runs the whole search against the stand-in cost model, whose
-numbers are labelled as not measured everywhere they are shown and never rank against a GPU's.
+compile the proposals, time nothing; 4 candidates per shape unless a budget is given); with no nvcc either, the
+search on the stand-in cost model (`--standin`), whose numbers are labelled as not measured everywhere they are
+shown and never rank against a GPU's.
 """
 
 from __future__ import annotations
