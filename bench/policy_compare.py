@@ -1,0 +1,225 @@
+"""Learned policy vs random edits: GPU evaluations needed to reach a speedup on shapes the learned policy never saw.
+
+    python bench/policy_compare.py --standin                       # the stand-in cost model (NOT measured)
+    python bench/policy_compare.py --train-on standin --target 1.0 # train on the stand-in, compare on the GPU
+
+1. Shapes: `--train-shapes + --held-shapes` grid shapes spread over the four FLOP regimes (search.tune's sample);
+   every k-th goes to the held-out set, the rest train. The two sets never share a shape.
+2. Training: the search loop (l2ir.search.loop.Search) runs the learned policy over the training shapes with
+   `--train-budget` candidates each; the policy learns from every reward the loop hands back. Its state is
+   written to OUT_learned_state.json (or read from --state, skipping training).
+3. Comparison: for each seed, one search run per policy over the held-out shapes, the same budget, the same step-0
+   population (the rule-based seeds only: no sweeps, no neighbours from earlier runs, so the policy alone makes
+   every later candidate); the learned policy is frozen (it does not learn on held-out shapes). For each shape the
+   loop's incumbent curve gives the candidates evaluated until the incumbent's speedup first reached --target.
+4. OUT.json holds the environment, the configuration, every curve and the summary (mean evaluations to the
+   target, counting a shape never reached as budget + 1; how many shapes reached it; geomean best speedup);
+   OUT.md the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Frozen:
+    """A policy that proposes but no longer learns (update is ignored)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.name = policy.name
+
+    def propose(self, context):
+        return self.policy.propose(context)
+
+    def update(self, feedback):
+        return None
+
+    def state_dict(self):
+        return self.policy.state_dict()
+
+    def load_state_dict(self, state):
+        self.policy.load_state_dict(state)
+
+
+def split_shapes(train: int, held: int) -> tuple[list, list]:
+    from l2ir.search.tune import regime_sample
+
+    shapes = regime_sample(train + held)
+    if len(shapes) < train + held:
+        raise SystemExit(f"policy_compare: the grid sample has only {len(shapes)} shapes for {train}+{held}")
+    step = (train + held) / held
+    held_idx = {min(len(shapes) - 1, int(i * step + step / 2)) for i in range(held)}
+    return ([s for i, s in enumerate(shapes) if i not in held_idx], [s for i, s in enumerate(shapes) if i in held_idx])
+
+
+def tune_config(shapes, policy: str, seed: int, budget: int, mode: str, args, init_size: int):
+    from l2ir.search.loop import TuneConfig
+
+    want = dict(shapes=tuple(tuple(s) for s in shapes), policy=policy, seed=seed, budget_candidates=budget,
+                batch=args.batch, init_size=init_size, arch=args.arch, neighbours=0, sweeps=False, mode=mode,
+                retime=False, cache_dir=args.cache_dir, device_sm=args.device_sm)
+    have = {f.name for f in dataclasses.fields(TuneConfig)}
+    return TuneConfig(**{k: v for k, v in want.items() if k in have})
+
+
+def evaluators(mode: str, seed: int):
+    from l2ir.search.tune import _evaluators
+
+    return _evaluators(mode, seed)
+
+
+def run_search(shapes, policy, seed: int, budget: int, mode: str, args, db_path: Path, init_size: int):
+    from l2ir.search.db import RecordsDB
+    from l2ir.search.loop import Search
+
+    ev, rt = evaluators(mode, seed)
+    db = RecordsDB(db_path)
+    try:
+        search = Search(tune_config(shapes, policy.name, seed, budget, mode, args, init_size), db, ev, rt,
+                        policy=policy, command="bench/policy_compare.py " + " ".join(sys.argv[1:]))
+        states = search.run()
+        env = dict(ev.environment) if ev is not None and getattr(ev, "environment", None) else {}
+    finally:
+        for e in (ev, rt):
+            if e is not None:
+                e.close()
+        db.close()
+    return states, env
+
+
+def evaluations_to(curve, target: float) -> int | None:
+    """The loop's curve is (candidates evaluated, incumbent speedup) after each accepted change."""
+    for cands, speedup in curve:
+        if speedup is not None and speedup >= target:
+            return max(1, int(cands))
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--standin", action="store_true", help="train and compare on the stand-in cost model (NOT "
+                    "measured); default: the GPU")
+    ap.add_argument("--train-on", choices=("same", "standin"), default="same",
+                    help="train on the comparison's evaluator (same) or on the stand-in, saving GPU time")
+    ap.add_argument("--state", help="a saved learned-policy state (JSON) to start from; skips training")
+    ap.add_argument("--train-shapes", type=int, default=24)
+    ap.add_argument("--held-shapes", type=int, default=8)
+    ap.add_argument("--train-budget", type=int, default=24, help="candidates per training shape")
+    ap.add_argument("--train-epochs", type=int, default=2, help="passes over the training shapes")
+    ap.add_argument("--budget", type=int, default=24, help="candidates per held-out shape and policy")
+    ap.add_argument("--target", type=float, default=1.0, help="the speedup over torch.matmul to reach")
+    ap.add_argument("--target-of-best", type=float, metavar="F",
+                    help="instead of --target: per shape, F times the best speedup any run found on it (a target "
+                         "every shape can reach, for shapes where nothing beats torch.matmul)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--arch", default="sm90a")
+    ap.add_argument("--cache-dir", default=".l2ir-cache")
+    ap.add_argument("--device-sm", default="sm_90")
+    ap.add_argument("--out", default=None, help="results prefix (default bench/results/policy_compare[_standin])")
+    args = ap.parse_args(argv)
+    for name in ("train_shapes", "held_shapes", "train_budget", "budget", "batch"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"policy_compare: --{name.replace('_', '-')} must be >= 1")
+
+    from l2ir.policy.learned import Learned
+    from l2ir.policy.random_edits import RandomEdits
+
+    mode = "standin" if args.standin else "gpu"
+    train_mode = "standin" if args.train_on == "standin" else mode
+    out = Path(args.out or ROOT / "bench" / "results" / ("policy_compare_standin" if args.standin
+                                                         else "policy_compare"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.parent / (out.name + "_db")
+    work.mkdir(exist_ok=True)
+    train, held = split_shapes(args.train_shapes, args.held_shapes)
+    t0 = time.time()
+
+    learned = Learned(seed=0)
+    if args.state:
+        learned = Learned.from_state(json.loads(Path(args.state).read_text()))
+        trained_on = f"state {args.state}"
+    else:
+        for epoch in range(args.train_epochs):
+            db = work / f"train_{epoch}.db"
+            db.unlink(missing_ok=True)
+            run_search(train, learned, 1000 + epoch, args.train_budget, train_mode, args, db, init_size=2)
+            print(f"policy_compare: trained epoch {epoch + 1}/{args.train_epochs} on {len(train)} shapes "
+                  f"({learned.updates} updates, {time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+        trained_on = f"{len(train)} shapes x {args.train_epochs} epochs x {args.train_budget} candidates ({train_mode})"
+    (out.parent / (out.name + "_learned_state.json")).write_text(json.dumps(learned.state_dict()))
+
+    rows, env = [], {}
+    for seed in args.seeds:
+        for name, policy in (("learned", Frozen(learned)), ("random", RandomEdits())):
+            db = work / f"held_{name}_{seed}.db"
+            db.unlink(missing_ok=True)
+            states, env = run_search(held, policy, seed, args.budget, mode, args, db, init_size=2)
+            for st in states:
+                rows.append({"policy": name, "seed": seed, "shape": list(st.shape),
+                             "best_speedup": st.best, "candidates": st.candidates, "failures": st.failures,
+                             "illegal": st.illegal, "gpu_seconds": st.gpu_s,
+                             "curve": [[int(c), s] for c, s in st.curve]})
+            print(f"policy_compare: {name} seed {seed} done ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    targets = {}
+    for shape in held:
+        best = max((r["best_speedup"] or 0.0) for r in rows if tuple(r["shape"]) == tuple(shape))
+        targets[tuple(shape)] = args.target if args.target_of_best is None else args.target_of_best * best
+    for r in rows:
+        r["target"] = targets[tuple(r["shape"])]
+        r["evaluations_to_target"] = evaluations_to(r["curve"], r["target"])
+    what = (f"{args.target}x over torch.matmul" if args.target_of_best is None
+            else f"{args.target_of_best} x the best speedup any run found on the shape")
+    summary = {}
+    for name in ("learned", "random"):
+        mine = [r for r in rows if r["policy"] == name]
+        evals = [r["evaluations_to_target"] or args.budget + 1 for r in mine]
+        best = [r["best_speedup"] for r in mine if r["best_speedup"]]
+        summary[name] = {
+            "mean_evaluations_to_target": sum(evals) / len(evals) if evals else None,
+            "reached": sum(r["evaluations_to_target"] is not None for r in mine), "runs": len(mine),
+            "geomean_best_speedup": math.exp(sum(map(math.log, best)) / len(best)) if best else None,
+        }
+    result = {"what": "evaluations to reach a speedup on held-out shapes: learned policy vs random edits",
+              "measured": mode == "gpu", "mode": mode, "environment": env, "target": what,
+              "budget": args.budget, "seeds": args.seeds, "trained_on": trained_on,
+              "train_shapes": [list(s) for s in train], "held_shapes": [list(s) for s in held],
+              "command": "python bench/policy_compare.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "seconds": time.time() - t0, "summary": summary, "rows": rows}
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    lines = [f"# Learned policy vs random edits ({'GPU: ' + str(env.get('gpu')) if mode == 'gpu' else 'STAND-IN cost model, NOT measured'})",
+             "", f"Target: {what}; budget {args.budget} candidates per shape; "
+             f"seeds {args.seeds}; learned trained on {trained_on}; held-out shapes never trained on.", "",
+             "| shape | " + " | ".join(f"{p} s{s}" for s in args.seeds for p in ("learned", "random")) + " |",
+             "|---|" + "---|" * (2 * len(args.seeds))]
+    for shape in held:
+        cells = []
+        for s in args.seeds:
+            for p in ("learned", "random"):
+                r = next(r for r in rows if r["policy"] == p and r["seed"] == s and tuple(r["shape"]) == tuple(shape))
+                e = r["evaluations_to_target"]
+                cells.append(f"{e if e is not None else '-'} ({r['best_speedup'] or 0:.3f}x)")
+        lines.append(f"| {'x'.join(map(str, shape))} | " + " | ".join(cells) + " |")
+    lines += ["", "Cells: candidates evaluated until the incumbent reached the target ('-': never), (best speedup).",
+              "", "| policy | mean evaluations to target | reached | geomean best |", "|---|---|---|---|"]
+    for name, s in summary.items():
+        lines.append(f"| {name} | {s['mean_evaluations_to_target']:.1f} | {s['reached']}/{s['runs']} | "
+                     f"{s['geomean_best_speedup'] or 0:.3f}x |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[-4:]))
+    print(f"policy_compare: wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
