@@ -6,8 +6,8 @@ offline: the device time per call of back-to-back launches. Each trial replays a
          around the replay. The graph removes host launch overhead, which for small shapes is larger than the kernel.
 server:  /work/shared/MEASURE.md's method. Per round: zero a 256 MiB buffer (flushes the L2), a 0.5 ms device spin
          (so the host has queued the call before the GPU reaches it and host launch latency is not counted), then
-         events around one call; the GPU never idles between rounds (no host sleep, no synchronize before the
-         call). Rounds alternate the contenders in a shuffled order.
+         events around one call; the GPU never idles between rounds (no host sleep, no synchronize: events and
+         output checks are queued and read at the end). Rounds order the contenders at random.
 
 Every timed output is a fresh result (a kernel that skips work while being timed must fail):
 - before each trial or round, outside the measured interval, the inputs are re-randomised in place (a graph bakes
@@ -94,15 +94,25 @@ class CudaClock:
 
         torch.cuda.synchronize(self.device)
 
-    def time_ms(self, fn: Callable[[], None]) -> float:
+    def start(self, fn: Callable[[], None]):
+        """Queue fn between two events; the time is read later (`elapsed_ms`), so the host never waits for the GPU
+        and the GPU never idles between samples."""
         import torch
 
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
+        return start, end
+
+    @staticmethod
+    def elapsed_ms(handle) -> float:
+        start, end = handle
         end.synchronize()
         return start.elapsed_time(end)
+
+    def time_ms(self, fn: Callable[[], None]) -> float:
+        return self.elapsed_ms(self.start(fn))
 
     def capture(self, call: Callable[[int], None], order: Sequence[int]) -> Callable[[], None]:
         """A CUDA graph of calls over `order`. Warm-up runs on a side stream first, as capture requires (cuBLAS
@@ -148,10 +158,17 @@ class HostClock:
     def sync(self):
         pass
 
-    def time_ms(self, fn: Callable[[], None]) -> float:
+    def start(self, fn: Callable[[], None]) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1000.0
+
+    @staticmethod
+    def elapsed_ms(handle: float) -> float:
+        return handle
+
+    def time_ms(self, fn: Callable[[], None]) -> float:
+        return self.start(fn)
 
     def capture(self, call: Callable[[int], None], order: Sequence[int]) -> Callable[[], None]:
         order = list(order)
@@ -178,7 +195,11 @@ class Guard:
         """Poison the kernel's and the baseline's outputs of these sets."""
 
     def check(self, sets: Sequence[int], where: str):
-        """Check the kernel's outputs of these sets (written since the last poison) and note any problem."""
+        """Check the kernel's outputs of these sets (written since the last poison). The check may be queued on the
+        device and resolved in `finish`, so the GPU is not left idle while the host reads results."""
+
+    def finish(self):
+        """Resolve the queued checks into `problems`."""
 
 
 @dataclass
@@ -226,26 +247,28 @@ def time_offline(kernel: Callable[[int], None], baseline: Callable[[int], None],
     replay_b = clock.capture(baseline, order)
     out = Timed(reps=reps, sets=n_sets, warmup=warm)
     trials = cfg.trials + _draw(rng, 0, 2)
+    pending_k, pending_b = [], []
     for t in range(trials):
         g.refresh(everything)
         g.poison(everything)
-        clock.sync()
-        pair = ((replay_k, out.kernel_us), (replay_b, out.baseline_us))
-        for replay, samples in (pair if _order(rng, t) else pair[::-1]):
-            samples.append(clock.time_ms(replay) * 1000.0 / reps)
+        pair = ((replay_k, pending_k), (replay_b, pending_b))
+        for replay, pending in (pair if _order(rng, t) else pair[::-1]):
+            pending.append(clock.start(replay))
         g.check(everything, f"offline trial {t}")
+    out.kernel_us = [clock.elapsed_ms(h) * 1000.0 / reps for h in pending_k]
+    out.baseline_us = [clock.elapsed_ms(h) * 1000.0 / reps for h in pending_b]
     del replay_k, replay_b
     # Single calls on fresh inputs and fresh poison: what one call costs when nothing of it can be reused.
     for s in range(cfg.singles if guard is not None else 0):
         i = (first + s) % n_sets
         g.refresh([i])
         g.poison([i])
-        clock.sync()
         pair = ((kernel, out.single_kernel_us), (baseline, out.single_baseline_us))
         for fn, samples in (pair if _order(rng, s) else pair[::-1]):
             clock.spin()
             samples.append(clock.time_ms(lambda: fn(i)) * 1000.0)
         g.check([i], f"offline single call {s}")
+    g.finish()
     if guard is None and rng is None:
         return out.kernel_us, out.baseline_us, reps
     return out
@@ -265,19 +288,23 @@ def time_server(kernel: Callable[[int], None], baseline: Callable[[int], None], 
     clock.sync()
     out = Timed(reps=1, sets=n_sets, warmup=warm)
     start = _draw(rng, 0, n_sets - 1)
+    pending_k, pending_b = [], []
     for r in range(cfg.server_samples):
         i = (start + r) % n_sets
         g.refresh([i])
         g.poison([i])
-        pair = ((kernel, out.kernel_us), (baseline, out.baseline_us))
-        for fn, samples in (pair if _order(rng, r) else pair[::-1]):
+        pair = ((kernel, pending_k), (baseline, pending_b))
+        for fn, pending in (pair if _order(rng, r) else pair[::-1]):
             clock.flush()
             if cfg.idle_gap_s:
                 clock.sync()
                 time.sleep(cfg.idle_gap_s)
             clock.spin()
-            samples.append(clock.time_ms(lambda: fn(i)) * 1000.0)
+            pending.append(clock.start(lambda: fn(i)))
         g.check([i], f"server round {r}")
+    out.kernel_us = [clock.elapsed_ms(h) * 1000.0 for h in pending_k]
+    out.baseline_us = [clock.elapsed_ms(h) * 1000.0 for h in pending_b]
+    g.finish()
     clock.close()
     return out
 
