@@ -198,8 +198,8 @@ def main(argv=None) -> int:
               "seconds": time.time() - t0, "summary": summary, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     lines = [f"# Learned policy vs random edits ({'GPU: ' + str(env.get('gpu')) if mode == 'gpu' else 'STAND-IN cost model, NOT measured'})",
-             "", f"Target: {what}; budget {args.budget} candidates per shape; "
-             f"seeds {args.seeds}; learned trained on {trained_on}; held-out shapes never trained on.", "",
+             "", (f"Target: {what}; budget {args.budget} candidates per shape; seeds {args.seeds}; learned trained on "
+                  f"{trained_on}; held-out shapes never trained on."), "",
              "| shape | " + " | ".join(f"{p} s{s}" for s in args.seeds for p in ("learned", "random")) + " |",
              "|---|" + "---|" * (2 * len(args.seeds))]
     for shape in held:

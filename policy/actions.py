@@ -139,7 +139,7 @@ def to_sm80(k: Kernel, problem: Problem) -> Kernel:
 def to_sm90a(k: Kernel) -> Kernel:
     """The TMA warp-specialized rule: a producer warpgroup feeds wgmma consumers; ping-pong for tiles of one
     warpgroup, cooperative for 256-row tiles; stages fill the shared memory the epilogue leaves."""
-    bm, bn, bk = k.tile.block
+    bm, bn, _ = k.tile.block
     bm = min(256, max(64, bm))
     bn = min(256, max(64, bn))
     schedule = "cooperative" if bm >= 256 else "pingpong"

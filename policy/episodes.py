@@ -10,8 +10,8 @@ no evaluation (nothing is compiled or timed); every legal one costs one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from l2ir.errors import L2IRError
 from l2ir.nodes import Kernel, Problem
