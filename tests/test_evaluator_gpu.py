@@ -201,9 +201,10 @@ def test_timing_against_the_baseline(cache, tmp_path):
     assert back == ms
 
 
-# Kernels that compute correctly whenever a gate looks and skip work while being timed. K=4096 makes the skipped
-# compute large against the skipping kernel's own checks (its sampled loads), as in the shapes a search tunes.
-TIMED_PROBLEM = Problem(m=256, n=192, k=4096)
+# Kernels that compute correctly whenever a gate looks and skip work while being timed. K=8192 makes the skipped
+# compute large against the skipping kernel's own checks (its sampled loads), as in the compute-bound shapes a
+# search tunes.
+TIMED_PROBLEM = Problem(m=256, n=192, k=8192)
 TIMED_PLANTS = [
     ("COUNTER", ("timed_outputs", "post_timing")),
     ("REPEAT", ("replay_gain",)),
