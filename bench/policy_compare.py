@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -125,6 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", default="sm90a")
     ap.add_argument("--cache-dir", default=".l2ir-cache")
     ap.add_argument("--device-sm", default="sm_90")
+    ap.add_argument("--db-dir", help="keep the runs' records DBs here (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="results prefix (default bench/results/policy_compare[_standin])")
     args = ap.parse_args(argv)
     for name in ("train_shapes", "held_shapes", "train_budget", "budget", "batch"):
@@ -139,8 +141,12 @@ def main(argv=None) -> int:
     out = Path(args.out or ROOT / "bench" / "results" / ("policy_compare_standin" if args.standin
                                                          else "policy_compare"))
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = out.parent / (out.name + "_db")
-    work.mkdir(exist_ok=True)
+    if args.db_dir:
+        work = Path(args.db_dir)
+        work.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="policy_compare_")
+        work = Path(tmp.name)
     train, held = split_shapes(args.train_shapes, args.held_shapes)
     t0 = time.time()
 

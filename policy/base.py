@@ -263,6 +263,14 @@ class Dedupe:
     def __post_init__(self):
         self.seen.add(self.parent.content_hash() + "|" + (self.parent_backend or ""))
 
+    @classmethod
+    def of(cls, context: Context) -> "Dedupe":
+        """Also drops the kernels this problem has already seen (the context's history, on the default backend):
+        a search counts a repeat as a wasted step, and stops a shape after several."""
+        d = cls(context.parent, context.backend)
+        d.seen.update(step.kernel.content_hash() + "|" for step in context.history)
+        return d
+
     def fresh(self, child: Kernel, backend: str | None = None) -> bool:
         key = child.content_hash() + "|" + (backend or "")
         if key in self.seen:

@@ -147,6 +147,8 @@ class Learned:
     def propose(self, context: Context) -> list[Proposal]:
         torch = _torch()
         mask, children = self._legal(context)
+        seen = Dedupe.of(context)
+        mask = mask & np.array([m and seen.fresh(*children[i]) for i, m in enumerate(mask)], dtype=bool)
         if not mask.any():
             return []
         state = self._state(context)

@@ -29,7 +29,7 @@ class RandomEdits(StatelessPolicy):
 
     def propose(self, context: Context) -> list[Proposal]:
         rng = context.rng(salt=1)
-        seen = Dedupe(context.parent, context.backend)
+        seen = Dedupe.of(context)
         out: list[Proposal] = []
         for _ in range(self.tries * context.count):
             if len(out) >= context.count:

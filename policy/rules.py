@@ -240,7 +240,7 @@ class Rules(StatelessPolicy):
     name = "rules"
 
     def propose(self, context: Context) -> list[Proposal]:
-        seen = Dedupe(context.parent, context.backend)
+        seen = Dedupe.of(context)
         out: list[Proposal] = []
         for cand in candidates(context.problem, context.parent, context.arch, context.num_sms):
             if len(out) >= context.count:

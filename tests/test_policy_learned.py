@@ -108,9 +108,10 @@ def test_learned_reaches_the_target_in_fewer_evaluations_than_random_on_unseen_s
     shapes = [tuple(int(x) for x in rng.choice(grid, 3)) for _ in range(34)]
     train, held = shapes[:24], shapes[24:]
     assert not set(train) & set(held)
-    mean = _train_and_compare(train, held, epochs=2, budget=60, seeds=(0, 1))
-    # Random edits need about 30 evaluations here; the trained policy about 20 (measured when this was written).
-    assert mean["learned"] < 0.8 * mean["random"], mean
+    mean = _train_and_compare(train, held, epochs=3, budget=60, seeds=(0, 1))
+    # Random edits need about 37 evaluations here; the policy trained from init seed 0 about 26 (seed 2: 27; an
+    # untrained one 41), measured when this was written.
+    assert mean["learned"] < 0.85 * mean["random"], mean
 
 
 def test_learned_drives_the_search_loop_on_the_standin(tmp_path):
