@@ -26,7 +26,7 @@ from l2ir.policy.base import (Context, Feedback, Proposal, StatelessPolicy, get_
                               policy_names, register_policy)
 from l2ir.policy.episodes import climb
 from l2ir.policy.random_edits import RandomEdits
-from l2ir.policy.rules import Rules
+from l2ir.policy.rules import Rules, hopper_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = st.sampled_from(["sm90a", "sm80"])
@@ -199,9 +199,17 @@ def test_rules_short_k_takes_pingpong():
     ctx = Context(p, seed(p, "sm80"), count=8)
     first = next(q for q in Rules().propose(ctx) if q.note.startswith("waves"))
     assert first.apply(ctx.parent, p).pipeline.schedule == "pingpong"
-    # On a cooperative parent the schedule rule itself says so.
-    coop = [q for q in Rules().propose(Context(p, first.apply(ctx.parent, p).replace(), count=8))]
-    assert all(q.apply(first.apply(ctx.parent, p), p).pipeline.mode for q in coop)
+    # On a cooperative parent, short K asks for ping-pong on the same tile; long K keeps (or asks for) cooperative.
+    coop = hopper_kernel(p, 128, 128, "cooperative")
+    kids = [q.apply(coop, p) for q in Rules().propose(Context(p, coop, count=8))]
+    assert any(c.pipeline.schedule == "pingpong" and c.tile.block == coop.tile.block for c in kids)
+    long_k = Problem(4096, 4096, 8192)
+    pingpong = hopper_kernel(long_k, 128, 128, "pingpong")
+    props = Rules().propose(Context(long_k, pingpong, count=8))
+    sched = [q for q in props if q.note.startswith("schedule")]
+    assert sched and sched[0].apply(pingpong, long_k).pipeline.schedule == "cooperative"
+    assert not any(q.apply(pingpong, long_k).pipeline.schedule == "pingpong" and q.note.startswith("waves")
+                   for q in props)
 
 
 # ---------------------------------------------------------------------------------------------------------------
