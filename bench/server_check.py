@@ -134,32 +134,41 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=16, help="server rounds per method")
     ap.add_argument("--cache", default=".l2ir-cache")
     ap.add_argument("--no-gates", action="store_true", help="skip running the evaluator gates on each shape")
+    ap.add_argument("--compile-only", action="store_true", help="build the kernel into the cache and stop "
+                    "(start it in the background while other GPU work runs; it needs no GPU)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if args.samples < 2:
         fail(f"--samples {args.samples}: need at least 2")
 
-    import torch
-
     from l2ir.backends.compile import CompileOptions, compile_plan
     from l2ir.backends.registry import lower
     from l2ir.nodes import Problem
+
+    shapes = [parse_shape(s) for s in (args.shape or DEFAULT_SHAPES)]
+    kernel = sweep_kernel(args.results, args.config)
+    cls = Problem(m=shapes[0][0], n=shapes[0][1], k=shapes[0][2])
+    plan = lower(kernel, cls)
+    t0 = time.perf_counter()
+    # sm_90 (the H200 the sweep ran on): the build needs no GPU, so --compile-only can run beside other work.
+    art = compile_plan(plan, CompileOptions(cache_dir=args.cache, device_sm="sm_90"))
+    if not art.ok:
+        fail(f"compile failed: {art.summary()} (reproduce: {art.repro})")
+    print(f"compiled {args.config} in {time.perf_counter() - t0:.0f} s", flush=True)
+    if args.compile_only:
+        return 0
+
+    import torch
+
     from l2ir.runtime import load
     from l2ir.search.evaluator import EvalConfig, Evaluator, environment
     from l2ir.search.timing import CudaClock, Guard, TimingConfig, summarize, time_offline, time_server
 
     if not torch.cuda.is_available():
         fail("no CUDA GPU")
-    shapes = [parse_shape(s) for s in (args.shape or DEFAULT_SHAPES)]
-    kernel = sweep_kernel(args.results, args.config)
     major, minor = torch.cuda.get_device_capability(0)
-    cls = Problem(m=shapes[0][0], n=shapes[0][1], k=shapes[0][2])
-    plan = lower(kernel, cls)
-    t0 = time.perf_counter()
-    art = compile_plan(plan, CompileOptions(cache_dir=args.cache, device_sm=f"sm_{major}{minor}"))
-    if not art.ok:
-        fail(f"compile failed: {art.summary()} (reproduce: {art.repro})")
-    print(f"compiled {args.config} in {time.perf_counter() - t0:.0f} s", flush=True)
+    if (major, minor) != (9, 0):
+        fail(f"the sweep's kernels are sm90a (Hopper); this GPU is sm_{major}{minor}")
     launcher = load(plan, Path(art.binary), 0)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
@@ -226,7 +235,8 @@ def main(argv=None) -> int:
             r = row["methods"][name]
             print(f"  {name:11s} kernel {r['kernel_median_us']:9.1f} us  torch {r['torch_median_us']:9.1f} us  "
                   f"speedup {r['speedup']:.3f}", flush=True)
-        del sets, ws
+        sets.clear()              # the closures above die with this iteration; give the memory back now
+        ws = None
         torch.cuda.empty_cache()
         if not args.no_gates:
             ms = ev.evaluate(kernel, cls.with_shape(m, n, k), plan, art)

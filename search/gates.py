@@ -26,8 +26,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
 from l2ir.errors import VerifyError
 from l2ir.nodes import Kernel, Problem
 from l2ir.target import UNIT_ROUNDOFF
