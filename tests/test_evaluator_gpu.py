@@ -123,7 +123,9 @@ PLANTS = [
     ("STALE", "stale_output", ("accuracy", "ulp", "all_written", "guard_bands")),
     # Reward hacks caught before timing.
     ("RECOGNISE", "partial_refresh", ("accuracy", "ulp", "all_written", "stale_output", "guard_bands")),
-    ("FP16_RUNS", "ulp", ("accuracy", "all_written", "stale_output", "partial_refresh", "guard_bands")),
+    # (FP16_RUNS passes the magnitude bounds on most draws, not on all: tests/test_evaluator_cpu.py shows it on fixed
+    # data; here only the gates it cannot trip are required to pass.)
+    ("FP16_RUNS", "ulp", ("all_written", "guard_bands")),
     ("PROBE_EXACT", "ulp", ("all_written", "guard_bands")),
 ]
 
