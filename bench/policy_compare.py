@@ -67,7 +67,7 @@ def tune_config(shapes, policy: str, seed: int, budget: int, mode: str, args, in
 
     want = dict(shapes=tuple(tuple(s) for s in shapes), policy=policy, seed=seed, budget_candidates=budget,
                 batch=args.batch, init_size=init_size, arch=args.arch, neighbours=0, sweeps=False, mode=mode,
-                retime=False, cache_dir=args.cache_dir, device_sm=args.device_sm)
+                retime=False, cache_dir=args.cache_dir, device_sm=args.device_sm, budget_wall_s=args.budget_seconds)
     have = {f.name for f in dataclasses.fields(TuneConfig)}
     return TuneConfig(**{k: v for k, v in want.items() if k in have})
 
@@ -122,6 +122,9 @@ def main(argv=None) -> int:
                     help="instead of --target: per shape, F times the best speedup any run found on it (a target "
                          "every shape can reach, for shapes where nothing beats torch.matmul)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--budget-seconds", type=float, default=math.inf,
+                    help="wall seconds per search run (each policy and seed gets the same); a shape cut short "
+                         "counts the candidates it reached")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--arch", default="sm90a")
     ap.add_argument("--cache-dir", default=".l2ir-cache")

@@ -10,8 +10,9 @@ waves and last-wave fill on this problem; the parent's measured log speedup) and
 
 propose() draws `count * oversample` distinct actions from the masked softmax (Gumbel top-k with noise from the
 context's seeded generator), keeps the `count` the cost model ranks highest, and returns each as edits with a note.
-update() turns each outcome into a reward: the log speedup gained over the parent (log speedup alone when the
-parent was never measured), or `penalty` for an illegal or failed candidate; the policy gradient uses
+update() turns each outcome into a reward: the log speedup gained over the parent (0 for a loss or a gain within
+`min_gain`, the timing noise; log speedup alone when the parent was never measured), or `penalty` for an illegal
+or failed candidate; the policy gradient uses
 (reward - running baseline). state_dict() is JSON (weights as base64 float32), so the records DB stores it and a
 later run, on other shapes, starts from it. Everything is deterministic for a seed.
 """
@@ -58,7 +59,7 @@ class Learned:
 
     def __init__(self, seed: int = 0, hidden: int = 64, lr: float = 0.01, penalty: float = -0.5,
                  baseline_decay: float = 0.9, oversample: int = 2, temperature: float = 1.0,
-                 entropy: float = 0.01):
+                 entropy: float = 0.01, min_gain: float = 0.02):
         if hidden < 1 or lr <= 0 or oversample < 1 or temperature <= 0:
             raise ValueError(f"Learned: hidden, lr, oversample and temperature must be positive "
                              f"(got hidden={hidden} lr={lr} oversample={oversample} temperature={temperature})")
@@ -66,6 +67,7 @@ class Learned:
         self.seed, self.hidden, self.lr, self.penalty = seed, hidden, lr, penalty
         self.baseline_decay, self.oversample, self.temperature, self.entropy = (baseline_decay, oversample,
                                                                                 temperature, entropy)
+        self.min_gain = min_gain
         gen = torch.Generator().manual_seed(seed)
         self.net = torch.nn.Sequential(torch.nn.Linear(STATE_DIM, hidden), torch.nn.Tanh(),
                                        torch.nn.Linear(hidden, hidden), torch.nn.Tanh())
@@ -198,8 +200,10 @@ class Learned:
         base = fb.context.parent_reward
         if base is None:
             return fb.reward
-        # A search keeps its best kernel, so a worse child costs only its evaluation: the gain, floored at 0.
-        return max(0.0, fb.reward - base)
+        # A search keeps its best kernel, so a worse child costs only its evaluation: the gain, floored at 0. Gains
+        # within the timing noise (a few percent on a GPU) teach nothing but the noise, so they count as none.
+        gain = fb.reward - base
+        return gain if gain > self.min_gain else 0.0
 
     def update(self, feedback: list[Feedback]) -> None:
         rows = []
@@ -238,7 +242,7 @@ class Learned:
     def config(self) -> dict:
         return {"seed": self.seed, "hidden": self.hidden, "lr": self.lr, "penalty": self.penalty,
                 "baseline_decay": self.baseline_decay, "oversample": self.oversample,
-                "temperature": self.temperature, "entropy": self.entropy}
+                "temperature": self.temperature, "entropy": self.entropy, "min_gain": self.min_gain}
 
     def state_dict(self) -> dict:
         weights = {}
