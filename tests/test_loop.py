@@ -96,37 +96,42 @@ def test_resume_after_a_kill_mid_write_gives_the_uninterrupted_run(tmp_path, mon
     assert db.run(s.run_id)["status"] == "done"
 
 
-KILLED = textwrap.dedent("""
+RUNNER = textwrap.dedent("""
     import sys
     from l2ir.search.db import RecordsDB
     from l2ir.search.loop import Search, TuneConfig
     from l2ir.search.standin import StandinConfig, StandinEvaluator
     shapes = tuple(tuple(s) for s in {shapes!r})
-    cfg = TuneConfig(shapes=shapes, mode="standin", budget_candidates=40, seed=7)
     ev = StandinEvaluator(StandinConfig(("offline",), 7))
     rt = StandinEvaluator(StandinConfig(("offline", "server"), 7))
-    s = Search(cfg, RecordsDB(sys.argv[1]), ev, rt, progress=lambda st, e: print(st.candidates, flush=True))
-    s.run()
+    db = RecordsDB(sys.argv[1])
+    progress = lambda st, e: print(st.candidates, flush=True)
+    if sys.argv[2] == "resume":
+        Search.resume(db, 1, ev, rt, progress=progress).run()
+    else:
+        cfg = TuneConfig(shapes=shapes, mode="standin", budget_candidates=40, seed=7)
+        Search(cfg, db, ev, rt, progress=progress).run()
 """)
 
 
 def test_resume_after_a_real_kill_9(tmp_path):
+    # Every phase in a fresh process, as on a real machine: the uninterrupted reference, the killed run, the resume.
     shapes = SHAPES[:2]
-    ref = tune(RecordsDB(tmp_path / "ref.db"), seed=7, shapes=shapes, budget_candidates=40)
+    code = RUNNER.format(shapes=shapes)
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "ref.db"), "run"], check=True, capture_output=True)
     path = tmp_path / "r.db"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED.format(shapes=shapes), str(path)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path), "run"], stdout=subprocess.PIPE, text=True)
     for _ in range(25):                       # let it get well into the first shape
         proc.stdout.readline()
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    db = RecordsDB(path)
+    db, ref = RecordsDB(path), RecordsDB(tmp_path / "ref.db")
     done = len(db.edits(1))
-    assert 0 < done < len(trace(ref.db, ref.run_id))
+    assert 0 < done < len(trace(ref, 1))
     assert db.run(1)["status"] == "running"             # killed, not finished
-    ev, rt = evaluators(7)
-    Search.resume(db, 1, ev, rt).run()
-    assert trace(db, 1) == trace(ref.db, ref.run_id)
+    subprocess.run([sys.executable, "-c", code, str(path), "resume"], check=True, capture_output=True)
+    assert trace(db, 1) == trace(ref, 1)
+    assert db.run(1)["status"] == "done"
 
 
 def test_gpu_seconds_budget_is_shared_and_respected(tmp_path):
