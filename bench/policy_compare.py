@@ -142,7 +142,14 @@ def main(argv=None) -> int:
     from l2ir.policy.random_edits import RandomEdits
 
     mode = "standin" if args.standin else "gpu"
-    train_mode = "standin" if args.train_on == "standin" else mode
+    train_mode = "standin" if args.train_on == "standin" or args.state else mode
+    if mode == "gpu":
+        from l2ir.search.preflight import missing
+
+        lacks = missing(gpu=True, toolchain=True)
+        if lacks:
+            raise SystemExit(f"policy_compare: cannot compare on the GPU here: {'; '.join(lacks)} (--standin runs "
+                             "against the stand-in cost model, NOT measured)")
     out = Path(args.out or ROOT / "bench" / "results" / ("policy_compare_standin" if args.standin
                                                          else "policy_compare"))
     out.parent.mkdir(parents=True, exist_ok=True)
