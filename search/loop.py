@@ -122,6 +122,7 @@ class ShapeState:
     gpu_s: float = 0.0
     step: int = 0
     rows_at_step: int = 0              # edits already recorded at `step` (a resumed step skips that many)
+    last_step: int = -1                # the step of the last recorded candidate
     # The population and history as they were when `step` began: a resumed step picks its parent and builds its
     # context from these, as the killed run did, not from what the step itself added.
     step_view: tuple[list, int] | None = None
@@ -314,6 +315,7 @@ class Search:
             if e["verdict"] == DONE:
                 st.done = json.loads(e["detail"])
                 continue
+            st.last_step = e["step"]
             if e["step"] != st.step or st.step_view is None:
                 st.step, st.rows_at_step = e["step"], 0
                 st.step_view = (list(st.members.values()), len(st.history))
@@ -640,6 +642,7 @@ class Search:
         if built is not None:
             built.compile_seconds = 0.0          # paid once per kernel, never per shape
         self._count(st, verdict)
+        st.last_step = st.step
         if child is not None:
             st.seen.add(member_key(child, p.backend))
             st.history.append(_step(child, edit_text, reward))
@@ -732,7 +735,7 @@ class Search:
                     recs.append(rec)
                 self.db.add_many(recs, run=self.run_id, purpose="retime", backend=m.backend,
                                  measured=cfg.mode == "gpu")
-            self.db.add_edit(self.run_id, st.ptext, st.step, None, None, "loop", "end of shape", DONE,
+            self.db.add_edit(self.run_id, st.ptext, st.last_step + 1, None, None, "loop", "end of shape", DONE,
                              json.dumps(summary), gpu_seconds=0.0)
         st.done = summary
         self.progress(st, DONE)

@@ -479,3 +479,31 @@ def test_interleaved_rounds_build_many_shapes_at_once(tmp_path, monkeypatch):
     assert sum(seq) == sum(inter)              # the same kernels, each built once
     assert len(inter) < len(seq)               # in fewer, fuller compiles
     assert max(inter[1:]) > max(seq[1:])
+
+
+def test_a_crash_at_any_write_resumes_to_the_uninterrupted_run(tmp_path):
+    """Every point where a candidate's (or a shape's final) records are written, one at a time."""
+    shapes = SHAPES[:2]
+    ref = tune(RecordsDB(tmp_path / "ref.db"), seed=9, shapes=shapes, budget_candidates=7, init_size=3)
+    expect = trace(ref.db, ref.run_id)
+    for n in range(1, len(expect) + 1):
+        db = RecordsDB(tmp_path / f"r{n}.db")
+        cfg = TuneConfig(shapes=shapes, mode="standin", budget_candidates=7, init_size=3, seed=9)
+        ev, rt = evaluators(9)
+        s = Search(cfg, db, ev, rt)
+        real, calls = db.add_edit, {"n": 0}
+
+        def dying(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise Crash(f"killed at write {n}")
+            return real(*a, **k)
+
+        db.add_edit = dying
+        with pytest.raises(Crash):
+            s.run()
+        db.add_edit = real
+        assert len(db.edits(s.run_id)) == n - 1
+        ev, rt = evaluators(9)
+        Search.resume(db, s.run_id, ev, rt).run()
+        assert trace(db, s.run_id) == expect, f"crash at write {n}"
