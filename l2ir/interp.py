@@ -23,12 +23,13 @@ import numpy as np
 from .errors import InterpError
 from .indexing import ceil_div, rasterize, smem_swizzle, splitk_range
 from .nodes import Kernel, Problem
-from .verify import check_problem, resolved_stages
+from .analysis import resolved_stages
+from .target import H200_SMS, UNIT_ROUNDOFF
+from .verify import check_problem
 
 NP_DTYPES = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32)}
 # Unit roundoff of each dtype (half an ulp at 1.0).
-UNIT_ROUNDOFF = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8, "f32": 2.0 ** -24}
-DEFAULT_WORKERS = 132   # SMs of an H100/H200: the persistent grid of a stream-K launch
+DEFAULT_WORKERS = H200_SMS   # SMs of an H100/H200: the persistent grid of a stream-K launch
 
 
 @dataclass

@@ -28,6 +28,7 @@ from l2ir.backends.compile import CompileResult, cutlass_version
 from l2ir.runtime import LaunchPlan
 from l2ir.text import print_problem
 from l2ir.nodes import Kernel, Problem
+from l2ir.target import DTYPE_BYTES, TORCH_DTYPE
 
 from .gates import (GuardedBuffer, Verdict, admits, check_accuracy, check_ulps, disagreement_count, poison,
                     poisoned_count,
@@ -164,13 +165,10 @@ def clocks(device: int) -> dict:
 # Worker side: buffers, gates, timing.
 # ---------------------------------------------------------------------------------------------------------------
 
-TORCH_DTYPE_NAMES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
-
-
 def _tdtype(name: str):
     import torch
 
-    return getattr(torch, TORCH_DTYPE_NAMES[name])
+    return getattr(torch, TORCH_DTYPE[name])
 
 
 class Case:
@@ -182,10 +180,9 @@ class Case:
         self.ta, self.tb, self.tc = _tdtype(problem.a[0]), _tdtype(problem.b[0]), _tdtype(problem.c[0])
         self.a_stored = (m, k) if problem.a[1] == "row" else (k, m)
         self.b_stored = (k, n) if problem.b[1] == "row" else (n, k)
-        size = {"f16": 2, "bf16": 2, "f32": 4}
-        self.A = GuardedBuffer("A", m * k * size[problem.a[0]], device)
-        self.B = GuardedBuffer("B", k * n * size[problem.b[0]], device)
-        self.C = GuardedBuffer("C", m * n * size[problem.c[0]], device)
+        self.A = GuardedBuffer("A", m * k * DTYPE_BYTES[problem.a[0]], device)
+        self.B = GuardedBuffer("B", k * n * DTYPE_BYTES[problem.b[0]], device)
+        self.C = GuardedBuffer("C", m * n * DTYPE_BYTES[problem.c[0]], device)
         self.ws_bytes = launcher.workspace_bytes(m, n, k)
         self.W = GuardedBuffer("workspace", self.ws_bytes, device)
 
