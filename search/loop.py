@@ -252,31 +252,34 @@ class Search:
             self.start()
         cfg = self.config
         status = "done"
-        if len(cfg.shapes) > 1 and cfg.mode != "standin":
-            self.prebuild()
         try:
+            if len(cfg.shapes) > 1 and cfg.mode != "standin":
+                self.prebuild()
             if cfg.interleave:
-                return self._run_interleaved()
-            for i, shape in enumerate(cfg.shapes):
-                st = self._restore(shape)
-                self.states.append(st)
-                if st.done is not None:
-                    self.progress(st, "restored")
-                    continue
-                if self._wall_left() <= 0:
-                    status = "stopped: wall-time budget"
-                    break
-                gpu_cap = self._gpu_share(len(cfg.shapes) - i)
-                wall_cap = self._wall_left() / (len(cfg.shapes) - i) + (self.clock() - self._t0)
-                why = self._search_shape(st, gpu_cap, wall_cap)
-                self._finish_shape(st, why)
-                if why in ("GPU-seconds budget", "wall-time budget"):
-                    status = f"stopped: {why}"
-        except KeyboardInterrupt:
-            status = "interrupted"
+                self._run_interleaved()
+                status = self._status
+            else:
+                for i, shape in enumerate(cfg.shapes):
+                    st = self._restore(shape)
+                    self.states.append(st)
+                    if st.done is not None:
+                        self.progress(st, "restored")
+                        continue
+                    if self._wall_left() <= 0:
+                        status = "stopped: wall-time budget"
+                        break
+                    gpu_cap = self._gpu_share(len(cfg.shapes) - i)
+                    wall_cap = self._wall_left() / (len(cfg.shapes) - i) + (self.clock() - self._t0)
+                    why = self._search_shape(st, gpu_cap, wall_cap)
+                    self._finish_shape(st, why)
+                    if why in ("GPU-seconds budget", "wall-time budget"):
+                        status = f"stopped: {why}"
+        except BaseException as e:
+            # Not finished: `l2ir tune --resume RUN` continues it (a kill -9 leaves "running", as this would).
+            status = "interrupted" if isinstance(e, KeyboardInterrupt) else f"failed: {type(e).__name__}"
             raise
         finally:
-            self.db.set_run_status(self.run_id, self._status or status)
+            self.db.set_run_status(self.run_id, status)
         return self.states
 
     def _run_interleaved(self) -> list[ShapeState]:

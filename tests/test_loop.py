@@ -85,6 +85,7 @@ def test_resume_after_a_kill_mid_write_gives_the_uninterrupted_run(tmp_path, mon
     with pytest.raises(Crash):
         s.run()
     monkeypatch.setattr(db, "add_edit", real_add_edit)
+    assert db.run(s.run_id)["status"] == "failed: Crash"
     assert len(db.edits(s.run_id)) == 16
     # The half-written candidate left nothing: every measurement belongs to a recorded edit.
     assert {r.kernel for r in db.measurements(run=s.run_id)} <= {e["child"] for e in db.edits(s.run_id)}
