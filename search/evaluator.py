@@ -282,15 +282,17 @@ def run_job(job: dict, send, launcher=None, device=None) -> dict:
             guard_log.append("the kernel modified its inputs A or B")
 
         # stale_output: fresh inputs in the same buffers, C not re-poisoned; C must be the new product.
-        send("phase", "gate:stale_output")
-        ref_y = main.set_inputs(_randn((m, k), gen, dev), _randn((k, n), gen, dev))
-        main.run()
-        _sync(dev)
-        v = check_accuracy("stale_output", main.c(), ref_y, k, acc, out)
-        if not v.passed and relative_error(main.c(), ref_x) < relative_error(main.c(), ref_y):
-            v = Verdict("stale_output", False, v.detail + "; C is closer to the previous call's product")
-        record(v)
-        guard_log += [f"after the second call: {p}" for p in main.guard_problems()]
+        skip = set(job.get("skip_gates", ()))
+        if "stale_output" not in skip:
+            send("phase", "gate:stale_output")
+            ref_y = main.set_inputs(_randn((m, k), gen, dev), _randn((k, n), gen, dev))
+            main.run()
+            _sync(dev)
+            v = check_accuracy("stale_output", main.c(), ref_y, k, acc, out)
+            if not v.passed and relative_error(main.c(), ref_x) < relative_error(main.c(), ref_y):
+                v = Verdict("stale_output", False, v.detail + "; C is closer to the previous call's product")
+            record(v)
+            guard_log += [f"after the second call: {p}" for p in main.guard_problems()]
 
         # partial_refresh: a few random rows of A, then a few random columns of B, get new values in place; C keeps
         # the previous product. A kernel that decides "same inputs as last time" from the pointers and a few sampled
@@ -302,10 +304,13 @@ def run_job(job: dict, send, launcher=None, device=None) -> dict:
         record(Verdict("guard_bands", not guard_log, "; ".join(guard_log) or
                        "A, B, C and workspace guards intact, inputs unchanged"))
 
-        # ragged_shapes: every check again on shapes that no tile divides.
+        # ragged_shapes: every check again on shapes that no tile divides (once per kernel and problem class when
+        # the caller reuses the verdict: it is the kernel's predication that is checked, not this shape).
         send("phase", "gate:ragged_shapes")
         ran, failures, skipped = [], [], []
-        for shape in ragged_shapes(problem, kernel.tile.block if kernel.tile is not None else None):
+        ragged = [] if "ragged_shapes" in skip else ragged_shapes(
+            problem, kernel.tile.block if kernel.tile is not None else None)
+        for shape in ragged:
             ok, why = admits(kernel, problem.with_shape(*shape))
             if not ok:
                 skipped.append(f"{shape}: {why}")
@@ -327,7 +332,9 @@ def run_job(job: dict, send, launcher=None, device=None) -> dict:
                 failures.append(f"m={rm} n={rn} k={rk}: " + "; ".join(
                     ([va.detail] if not va.passed else []) + ([where] if cnt else []) + probs))
             del case, ref
-        if not ran:
+        if "ragged_shapes" in skip:
+            pass
+        elif not ran:
             record(Verdict("ragged_shapes", True, "no ragged shape is accepted by the kernel: "
                            + "; ".join(skipped), skipped=True))
         else:
@@ -619,8 +626,10 @@ class Evaluator:
         return None
 
     def evaluate(self, kernel: Kernel, problem: Problem, plan: LaunchPlan, artifact: CompileResult,
-                 time_kernel: bool = True) -> list[Measurement]:
-        """Gates, then (if all pass and time_kernel) timing per scenario. Never raises for a bad candidate."""
+                 time_kernel: bool = True, skip_gates: tuple[str, ...] = ()) -> list[Measurement]:
+        """Gates, then (if all pass and time_kernel) timing per scenario. Never raises for a bad candidate.
+        `skip_gates` names gates (stale_output, ragged_shapes) the caller has already passed for this kernel and
+        problem class; they are not run and not reported (the search loop reuses its recorded verdicts)."""
         scenarios = self.config.scenarios if (self.config.scenarios and time_kernel) else ("gates",)
         base = dict(kernel_hash=kernel.content_hash(), problem=print_problem(problem),
                     artifact_key=artifact.key, compile_seconds=artifact.compile_seconds)
@@ -636,7 +645,7 @@ class Evaluator:
         payload: dict = {}
         phase = "send"
         job = {"kernel": kernel, "problem": problem, "plan": plan, "binary": str(artifact.binary),
-               "config": self.config, "time": time_kernel}
+               "config": self.config, "time": time_kernel, "skip_gates": tuple(skip_gates)}
         try:
             self._conn.send(("eval", job))
         except (OSError, ValueError) as e:
