@@ -19,10 +19,9 @@ proposals the killed one would have made. Every candidate's records (kernel, mea
 policy state) commit in one transaction: a kill loses at most the candidates in flight.
 
 Cheap evaluation: the gates that depend only on the kernel and the problem class (stale output, ragged shapes:
-CLASS_GATES) are kept per kernel in the DB. A kernel that failed one is failed on
-every later shape without touching the GPU; one that passed them is evaluated with `skip_gates` where the
-evaluator accepts that option (the stand-in does; search/evaluator.Evaluator runs every gate until it offers it),
-and the reused verdicts are written into its measurement, marked as reused.
+CLASS_GATES) are kept per kernel in the DB. A kernel that failed one is failed on every later shape without
+touching the GPU; one that passed them is evaluated with `skip_gates` (search/evaluator.Evaluator and the stand-in
+take it), and the reused verdicts are written into its measurement, marked as reused.
 """
 
 from __future__ import annotations

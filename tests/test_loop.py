@@ -508,3 +508,31 @@ def test_a_crash_at_any_write_resumes_to_the_uninterrupted_run(tmp_path):
         ev, rt = evaluators(9)
         Search.resume(db, s.run_id, ev, rt).run()
         assert trace(db, s.run_id) == expect, f"crash at write {n}"
+
+
+@pytest.mark.parametrize("defect", ["stale", "divisible"])
+def test_the_evaluator_skips_only_the_class_gates_it_is_told_to(defect):
+    """The option the loop uses once a kernel passed its class gates on an earlier shape (search/evaluator.py)."""
+    from test_evaluator_cpu import NumpyKernel, _Plan, source_kernel
+
+    from l2ir.nodes import Problem
+    from l2ir.search.evaluator import EvalConfig, run_job
+    from l2ir.search.gates import GATES
+
+    def verdicts(skip):
+        sent = []
+        job = {"kernel": source_kernel(), "problem": Problem(m=64, n=96, k=256), "plan": _Plan(),
+               "config": EvalConfig(scenarios=()), "binary": "", "skip_gates": skip}
+        run_job(job, lambda kind, body: sent.append((kind, body)), launcher=NumpyKernel(defect), device="cpu")
+        return {b["name"]: b["passed"] for k, b in sent if k == "verdict"}
+
+    full, skipped = verdicts(()), verdicts(CLASS_GATES)
+    assert set(full) == set(GATES) and not all(full.values())     # the defect is caught by a class gate
+    assert set(skipped) == set(GATES) - set(CLASS_GATES)
+    # A kernel that leaves C stale is still caught per shape (partial refresh); a ragged-shape bug is only found by
+    # the class gate, which is why a kernel must have passed it before it is skipped.
+    assert [g for g, ok in skipped.items() if not ok] == (["partial_refresh"] if defect == "stale" else [])
+    import inspect
+
+    from l2ir.search.evaluator import Evaluator
+    assert "skip_gates" in inspect.signature(Evaluator.evaluate).parameters   # so the loop passes it

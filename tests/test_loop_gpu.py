@@ -80,6 +80,12 @@ def test_the_loop_on_the_gpu(tmp_path, cache):
     assert any(db.class_gates(h, cls, eid) is not None for h in first)
     gates = db.class_gates(next(h for h in first if db.class_gates(h, cls, eid)), cls, eid)
     assert {g["name"] for g in gates} == set(CLASS_GATES)
+    # ... and the evaluator skipped them there: the second shape's record carries them as reused verdicts.
+    second = [e["child"] for e in db.edits(s.run_id, s.states[1].ptext) if e["verdict"] == "measured"]
+    shared = [h for h in second if h in first]
+    assert shared
+    rec = db.record(db.measurements(problem=s.states[1].ptext, kernel=shared[0], purpose="search")[0].id)
+    assert all("reused" in v.detail for v in rec.verdicts if v.name in CLASS_GATES)
 
 
 KILLED = textwrap.dedent("""
