@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 NAME=${NAME:-tune_grid48_h200}
 POLICY=${POLICY:-random}
-DB=bench/results/$NAME.db
+DB=${DB:-bench/results/$NAME.db}   # an ignored path (.l2ir/...) keeps a DB across device calls on a warm machine
 mkdir -p bench/results
 
 # The last run in the DB if it did not finish (a kill, a lost machine), else a new one.
