@@ -9,3 +9,14 @@ Data flows through the packages in this order:
 Importing the package loads nothing: the compile and evaluator worker processes import single modules
 (l2ir.errors, l2ir.nodes) without pulling in the parser's dependencies.
 """
+
+# The PyTorch entry points live in l2ir/dispatch.py, imported on first use so that `import l2ir` loads no torch.
+_DISPATCH = ("matmul", "load", "patch_linear", "dispatch_stats")
+
+
+def __getattr__(name):
+    if name in _DISPATCH:
+        from . import dispatch
+
+        return getattr(dispatch, name)
+    raise AttributeError(f"module 'l2ir' has no attribute {name!r}")

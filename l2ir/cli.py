@@ -8,6 +8,7 @@
     l2ir lower FILE [--dump]           lower to CUDA source without compiling; --dump prints every stage
     l2ir compile FILE                  lower + compile (nvcc/NVRTC): stages on disk, registers, spills, SASS
     l2ir bench ...                     (GPU) seed + sweep over grid shapes, gated, timed against torch.matmul
+    l2ir export --db DB --out DIR      the dispatch package (binaries, table, manifest) that l2ir.matmul loads
 
 FILE is a .l2 file or '-' for standard input. Bad input exits with status 1 (2 for usage errors) and a located
 message, never a traceback.
@@ -344,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     from l2ir.search.tune import add_parsers      # tune, runs, best, report, db: the search (search/tune.py)
 
     add_parsers(sub, _shape)
+    from .export import add_parser as add_export  # export: the dispatch package for l2ir.matmul (l2ir/export.py)
+
+    add_export(sub)
     return p
 
 

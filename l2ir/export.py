@@ -1,0 +1,306 @@
+"""`l2ir export`: the records DB of one GPU -> a self-contained dispatch package that `l2ir.matmul` loads.
+
+A package is a folder:
+    manifest.json      format and version, the environment the numbers were measured in (GPU, SM count, capability,
+                       driver, CUDA, torch, CUTLASS), the untuned-shape rule, every file's sha256 and the package's
+                       content hash (sha256 over those file hashes)
+    table.json         one entry per tuned shape and problem class: the kernel (or null: cuBLAS), its measured speedup
+                       and spread, the measurement it came from; and per exported kernel its launch plan
+                       (form, entries, grid expressions of m, n, k, block, smem, cluster, workspace) and binary
+    kernels/<hash>/    kernel.cubin or kernel.so, kernel.l2 (the IR: the loader checks the verifier's problem rules
+                       on it before serving an untuned shape), kernel.cu (for reading only)
+
+Which kernel a tuned shape gets: among the kernels whose every measurement in the chosen environment passed every
+gate (and whose class gates passed), the fastest on that shape in the chosen scenario (the re-timed rows when the
+shape has any: a search's own rows favour the lucky sample), and only if its speedup stays above 1 at the bottom of the
+measured spread, speedup * (1 - spread) > 1. Otherwise the table says cuBLAS for that shape, with the reason.
+
+Untuned shapes (resolved by the loader, l2ir/dispatch.py, and cached per shape): the tuned shapes of the same problem
+class within `max_distance` in log2 space of (M, N, K), nearest first; the first one whose winner is cuBLAS decides
+cuBLAS, the first whose kernel admits the shape (the verifier's problem rules: divisibility, alignment, split-K
+slices, Source grid limits) decides that kernel; none within reach: cuBLAS.
+
+Export is a build tool: it reads the records DB and rebuilds binaries from the IR through backends/compile.py (the
+compile cache serves them when it has them). The package it writes needs none of that to load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMAT = "l2ir-dispatch"
+FORMAT_VERSION = 1
+DEFAULT_MAX_DISTANCE = 1.0      # log2 units: within a factor of 2 along one of M, N, K
+MANIFEST_ENV_KEYS = ("gpu", "capability", "sms", "driver", "cuda_runtime", "torch", "cutlass")
+
+
+class ExportError(Exception):
+    """A DB or option that cannot give a package (no environment, ambiguous environment, unwritable folder)."""
+
+
+@dataclass
+class Choice:
+    """The decision for one tuned shape and problem class."""
+
+    m: int
+    n: int
+    k: int
+    problem_class: str
+    kernel: str | None               # None: cuBLAS
+    backend: str | None = None
+    speedup: float | None = None
+    spread: float | None = None
+    kernel_us: float | None = None
+    baseline_us: float | None = None
+    measurement: int | None = None
+    purpose: str | None = None
+    reason: str = ""
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def choose_environment(db, env: str | None) -> str:
+    envs = [(eid, e, count) for eid, e, count in db.environments() if count and not e.get("standin")]
+    if env is not None:
+        hits = [eid for eid, _, _ in db.environments() if eid.startswith(env)]
+        if len(hits) != 1:
+            raise ExportError(f"--env {env}: {'no' if not hits else 'more than one'} environment matches "
+                              f"(environments: {', '.join(eid for eid, _, _ in envs) or 'none'})")
+        return hits[0]
+    if len(envs) != 1:
+        listing = "; ".join(f"{eid} ({e.get('gpu')}, {count} measurements)" for eid, e, count in envs)
+        raise ExportError(f"{'no measured environment' if not envs else 'several environments'} in the DB; "
+                          f"name one with --env ({listing or 'none'})")
+    return envs[0][0]
+
+
+def _clean_kernels(db, environment: str) -> tuple[set[str], dict[str, str]]:
+    """(kernels with a failed measurement or failed class gates in this environment, backend per kernel)."""
+    dirty = {r[0] for r in db.conn.execute(
+        "SELECT DISTINCT kernel FROM measurements WHERE environment=? AND passed=0", (environment,))}
+    dirty |= {r[0] for r in db.conn.execute(
+        "SELECT DISTINCT kernel FROM class_gates WHERE environment=? AND passed=0", (environment,))}
+    backends = {}
+    for kernel, backend in db.conn.execute(
+            "SELECT kernel, backend FROM measurements WHERE environment=? AND backend IS NOT NULL", (environment,)):
+        backends[kernel] = backend
+    return dirty, backends
+
+
+def choose(db, environment: str, scenario: str = "offline", accept=None) -> list[Choice]:
+    """One Choice per tuned shape and problem class of `environment` in `scenario` (see the module doc).
+    `accept(kernel_row) -> str | None` may rule a kernel out (returning why), e.g. to export only sm80 kernels."""
+    from l2ir.search.db import split_problem
+
+    dirty, backends = _clean_kernels(db, environment)
+    problems = sorted({(r.problem, split_problem(r.problem)[1])
+                       for r in db.measurements(environment=environment, scenario=scenario)})
+    out = []
+    for problem, cls in problems:
+        shape, _ = split_problem(problem)
+        if shape is None:
+            continue
+        rows = (db.ranking(problem, environment, scenario, purpose="retime", limit=1000)
+                or db.ranking(problem, environment, scenario, limit=1000))
+        why = "no gate-clean measurement"
+        pick = None
+        for r in rows:
+            if r.kernel in dirty:
+                why = f"kernel {r.kernel[:12]} failed a gate elsewhere in this environment"
+                continue
+            if r.spread is None or r.speedup is None or r.speedup * (1 - r.spread) <= 1.0:
+                why = (f"best clean speedup {r.speedup:.3f} (spread {r.spread if r.spread is not None else 'unknown'})"
+                       " is not above 1 beyond its spread")
+                continue
+            row = db.kernel(r.kernel)
+            if not row or not row.get("ir"):
+                why = f"kernel {r.kernel[:12]} has no IR in the DB"
+                continue
+            if accept is not None and (refusal := accept(row)):
+                why = f"kernel {r.kernel[:12]} left out: {refusal}"
+                continue
+            pick = r
+            break
+        if pick is None:
+            out.append(Choice(*shape, cls, None, reason=why))
+            continue
+        row = db.kernel(pick.kernel)
+        out.append(Choice(*shape, cls, pick.kernel, backends.get(pick.kernel) or row.get("backend"), pick.speedup,
+                          pick.spread, pick.kernel_median_us, pick.baseline_median_us, pick.id, pick.purpose,
+                          "fastest gate-clean kernel, above 1 beyond its spread"))
+    return out
+
+
+def device_sm_of(env: dict) -> str:
+    cap = str(env.get("capability") or "")
+    if not cap or "." not in cap:
+        raise ExportError(f"the environment has no compute capability ({cap!r}); cannot tell which SASS to build")
+    return "sm_" + cap.replace(".", "")
+
+
+def build_binary(ir_text: str, problem_class: str, backend: str | None, device_sm: str, cache_dir: str):
+    """(plan, artifact) for one kernel: lowered from its IR for the problem class and compiled (or served from the
+    compile cache). Raises ExportError with the compiler's first error line."""
+    from l2ir.backends.compile import CompileOptions, compile_plan
+    from l2ir.backends.registry import lower
+    from l2ir.text import parse_kernel, parse_problem
+
+    kernel = parse_kernel(ir_text)
+    problem = parse_problem(f"gemm m=1 n=1 k=1 {problem_class}")
+    plan = lower(kernel, problem, backend)
+    result = compile_plan(plan, CompileOptions(device_sm=device_sm, cache_dir=cache_dir))
+    if not result.ok:
+        raise ExportError(f"compile {result.reason}: {result.summary()} (reproduce: {result.repro})")
+    return plan, result
+
+
+def plan_json(plan) -> dict:
+    return {"form": plan.form, "arch": plan.arch,
+            "launches": [{"entry": ln.entry, "grid": [str(e) for e in ln.grid], "block": list(ln.block),
+                          "smem": ln.smem, "cluster": list(ln.cluster)} for ln in plan.launches],
+            "workspace_bytes": str(plan.workspace_bytes), "zero_workspace": plan.zero_workspace}
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def content_hash(files: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def export(db, out: str | Path, scenario: str = "offline", env: str | None = None, cache_dir: str = ".l2ir-cache",
+           max_distance: float = DEFAULT_MAX_DISTANCE, accept=None, build=build_binary, log=print) -> dict:
+    """Write the package; returns its manifest. `build(ir, problem_class, backend, device_sm, cache_dir)` makes
+    (plan, artifact); a kernel that does not build leaves its shapes to cuBLAS, with the reason in the table."""
+    if scenario not in ("offline", "server"):
+        raise ExportError(f"--scenario {scenario}: expected offline or server")
+    eid = choose_environment(db, env)
+    environment = db.environment(eid)
+    device_sm = device_sm_of(environment)
+    choices = choose(db, eid, scenario, accept)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        if not (out / "manifest.json").is_file():
+            raise ExportError(f"{out}: exists and is not a dispatch package; refusing to overwrite it")
+        shutil.rmtree(out)
+    (out / "kernels").mkdir(parents=True, exist_ok=True)
+
+    # Build every distinct (kernel, problem class) at once: each compile is its own nvcc process.
+    wanted = {(ch.kernel, ch.problem_class): ch.backend for ch in choices if ch.kernel is not None}
+    with ThreadPoolExecutor(max_workers=max(1, min(len(wanted), os.cpu_count() or 1))) as pool:
+        futures = {kc: pool.submit(build, db.kernel(kc[0])["ir"], kc[1], backend, device_sm, cache_dir)
+                   for kc, backend in wanted.items()}
+    built = {}
+    for kc, fut in futures.items():
+        try:
+            built[kc] = fut.result()
+        except Exception as e:  # noqa: BLE001 - a kernel that does not build falls back, the export goes on
+            built[kc] = e
+
+    kernels: dict[str, dict] = {}
+    failed: dict[str, str] = {}
+    for ch in choices:
+        if ch.kernel is None:
+            continue
+        key = f"{ch.kernel}|{ch.problem_class}"
+        if key in failed:
+            ch.reason, ch.kernel = failed[key], None
+            continue
+        name = f"{ch.kernel[:16]}-{hashlib.sha256(ch.problem_class.encode()).hexdigest()[:8]}"
+        ch_key = name
+        if ch_key not in kernels:
+            ir = db.kernel(ch.kernel)["ir"]
+            res = built[(ch.kernel, ch.problem_class)]
+            if isinstance(res, Exception):
+                failed[key] = f"binary not built: {(str(res).splitlines() or [type(res).__name__])[0]}"
+                log(f"warning: {ch.kernel[:12]} ({ch.problem_class}): {failed[key]}; its shapes go to cuBLAS")
+                ch.reason, ch.kernel = failed[key], None
+                continue
+            plan, art = res
+            kdir = out / "kernels" / name
+            kdir.mkdir(parents=True, exist_ok=True)
+            binary = Path(art.binary)
+            shutil.copyfile(binary, kdir / binary.name)
+            (kdir / "kernel.l2").write_text(ir if ir.endswith("\n") else ir + "\n")
+            (kdir / "kernel.cu").write_text(plan.source)
+            kernels[ch_key] = {"hash": ch.kernel, "problem_class": ch.problem_class, "backend": ch.backend,
+                               "dir": f"kernels/{name}", "binary": binary.name, "ir": "kernel.l2",
+                               "plan": plan_json(plan)}
+        ch.kernel_key = ch_key  # type: ignore[attr-defined]
+
+    entries = []
+    for ch in choices:
+        e = ch.to_json()
+        e["kernel_key"] = getattr(ch, "kernel_key", None) if ch.kernel else None
+        entries.append(e)
+    table = {"environment": eid, "scenario": scenario, "entries": entries, "kernels": kernels}
+    (out / "table.json").write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+    files = {str(p.relative_to(out)): sha256_file(p) for p in sorted(out.rglob("*"))
+             if p.is_file() and p.name != "manifest.json"}
+    manifest = {
+        "format": FORMAT, "version": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "environment": {"id": eid, **{k: environment.get(k) for k in MANIFEST_ENV_KEYS}},
+        "scenario": scenario, "device_sm": device_sm,
+        "rule": {"untuned": "nearest tuned shapes of the same problem class in log2(M, N, K), first cuBLAS winner "
+                            "or first kernel admitting the shape by the verifier's problem rules",
+                 "max_distance": max_distance},
+        "files": files, "content_hash": content_hash(files),
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    served = sum(1 for e in entries if e["kernel_key"])
+    log(f"{out}: {len(entries)} tuned shapes ({served} served by L2IR kernels, {len(entries) - served} by cuBLAS), "
+        f"{len(kernels)} binaries, environment {eid} ({environment.get('gpu')}), scenario {scenario}, "
+        f"content hash {manifest['content_hash'][:16]}")
+    return manifest
+
+
+def cmd_export(args) -> int:
+    """`l2ir export`: the CLI entry (registered in l2ir/cli.py)."""
+    from l2ir.search.db import DBError, RecordsDB
+
+    if not Path(args.db).is_file():
+        print(f"error: --db {args.db}: no such file", file=sys.stderr)
+        return 1
+    accept = None
+    if args.target:
+        targets = set(args.target)
+
+        def accept(row):
+            import re
+
+            m = re.search(r"target arch=(\S+)", row.get("ir") or "")
+            arch = m.group(1) if m else "?"
+            return None if arch in targets else f"target {arch} not in --target {','.join(sorted(targets))}"
+    try:
+        with RecordsDB(args.db) as db:
+            export(db, args.out, args.scenario, args.env, args.cache_dir, args.max_distance, accept)
+    except (ExportError, DBError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("export", help="write a dispatch package (binaries, table, manifest) for l2ir.matmul")
+    s.add_argument("--db", required=True, help="records DB (SQLite)")
+    s.add_argument("--out", required=True, help="package folder (replaced if it holds an earlier package)")
+    s.add_argument("--scenario", choices=("offline", "server"), default="offline")
+    s.add_argument("--env", help="environment id (or a unique prefix); needed when the DB holds several")
+    s.add_argument("--cache", dest="cache_dir", default=".l2ir-cache",
+                   help="compile cache: binaries found there are taken, missing ones are built into it")
+    s.add_argument("--max-distance", type=float, default=DEFAULT_MAX_DISTANCE,
+                   help="untuned shapes borrow a kernel only from tuned shapes this close in log2(M, N, K)")
+    s.add_argument("--target", action="append",
+                   help="export only kernels of this target (repeatable, e.g. sm80 for builds of seconds)")
+    s.set_defaults(fn=cmd_export)
