@@ -208,7 +208,7 @@ class StatelessPolicy:
 
 _REGISTRY: dict[str, Callable[..., Policy]] = {}
 _BUILTIN = {"random": "l2ir.policy.random_edits:RandomEdits", "rules": "l2ir.policy.rules:Rules",
-            "learned": "l2ir.policy.learned:Learned"}
+            "learned": "l2ir.policy.learned:Learned", "llm": "l2ir.policy.llm:LLMPolicy"}
 
 
 def register_policy(name: str, factory: Callable[..., Policy]) -> None:

@@ -70,7 +70,21 @@ CREATE INDEX measurements_run ON measurements (run);
 CREATE INDEX edits_run ON edits (run, problem, step);
 """
 
-MIGRATIONS = (SCHEMA_V1, SCHEMA_V2)
+# v3: an LLM policy's trajectory per model call: the problem and parent it was asked about, the cost, the parse
+# verdict with its located errors, the proposals that passed the checks and (JSON, filled in by the loop's feedback)
+# each proposal's gate verdict and reward.
+SCHEMA_V3 = """
+ALTER TABLE llm_calls ADD COLUMN problem TEXT;
+ALTER TABLE llm_calls ADD COLUMN parent TEXT;
+ALTER TABLE llm_calls ADD COLUMN cost REAL;
+ALTER TABLE llm_calls ADD COLUMN verdict TEXT;
+ALTER TABLE llm_calls ADD COLUMN errors TEXT;
+ALTER TABLE llm_calls ADD COLUMN proposals TEXT;
+ALTER TABLE llm_calls ADD COLUMN outcomes TEXT;
+CREATE INDEX llm_calls_run ON llm_calls (run, problem);
+"""
+
+MIGRATIONS = (SCHEMA_V1, SCHEMA_V2, SCHEMA_V3)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -438,13 +452,35 @@ class RecordsDB:
         return [dict(zip(cols, r)) for r in cur.fetchall()]
 
     def add_llm_call(self, run: int | None, prompt: str, reply: str, model: str, prompt_tokens: int,
-                     reply_tokens: int, latency_s: float) -> int:
+                     reply_tokens: int, latency_s: float, cost: float | None = None, problem: str | None = None,
+                     parent: str | None = None, verdict: str | None = None, errors: str | None = None,
+                     proposals: str | None = None) -> int:
         with self.transaction() as c:
             cur = c.execute("INSERT INTO llm_calls (run, prompt_hash, prompt, reply, model, prompt_tokens, "
-                            "reply_tokens, latency_s, created) VALUES (?,?,?,?,?,?,?,?,?)",
+                            "reply_tokens, latency_s, created, cost, problem, parent, verdict, errors, proposals) "
+                            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                             (run, hashlib.sha256(prompt.encode()).hexdigest(), prompt, reply, model, prompt_tokens,
-                             reply_tokens, latency_s, time.time()))
+                             reply_tokens, latency_s, time.time(), cost, problem, parent, verdict, errors,
+                             proposals))
             return cur.lastrowid
+
+    def set_llm_outcomes(self, call: int, outcomes: list[dict]):
+        """The gate verdict and reward of each proposal of model call `call`, as they are known."""
+        with self.transaction() as c:
+            c.execute("UPDATE llm_calls SET outcomes=? WHERE id=?", (json.dumps(outcomes), call))
+
+    def llm_calls(self, run: int | None = None) -> list[dict]:
+        """Model calls (a run's, or all), oldest first, JSON columns decoded."""
+        where, args = (" WHERE run=?", (run,)) if run is not None else ("", ())
+        cur = self.conn.execute(f"SELECT * FROM llm_calls{where} ORDER BY id", args)
+        cols = [c[0] for c in cur.description]
+        out = []
+        for r in cur.fetchall():
+            d = dict(zip(cols, r))
+            for k in ("errors", "proposals", "outcomes"):
+                d[k] = json.loads(d[k]) if d[k] else []
+            out.append(d)
+        return out
 
     def save_policy_state(self, name: str, state: bytes):
         with self.transaction() as c:

@@ -167,6 +167,13 @@ def _first_line(e: BaseException) -> str:
     return f"[{type(e).__name__}] " + (text.splitlines()[0] if text else "")
 
 
+def _bind_records(policy, db: RecordsDB, run_id: int):
+    # A policy that records its own trajectories (the LLM policy's model calls) writes them into the run's DB.
+    bind = getattr(policy, "bind_records", None)
+    if callable(bind):
+        bind(db, run_id)
+
+
 def _policy(name, seed: int):
     from l2ir.policy.base import get_policy
 
@@ -216,6 +223,7 @@ class Search:
         if state is not None:
             self.policy.load_state_dict(_loads_state(state))
         self.run_id = self.db.start_run(self.command, cfg.to_json(), cfg.seed, self.policy_name, budget)
+        _bind_records(self.policy, self.db, self.run_id)
         return self.run_id
 
     @classmethod
@@ -230,6 +238,7 @@ class Search:
             cfg = dataclasses.replace(cfg, budget_wall_s=budget_wall_s)
         s = cls(cfg, db, evaluator, retimer, policy, progress, clock, command)
         s.run_id = run_id
+        _bind_records(s.policy, db, run_id)
         state = db.load_policy_state(f"run:{run_id}")
         if state is not None:
             s.policy.load_state_dict(_loads_state(state))
