@@ -72,16 +72,16 @@ K1, K2, K3 = "a1" * 32, "b2" * 32, "c3" * 32
 
 
 def standard_db(path):
-    """K1 (sm80, align 8) wins 1024^3 and 256x4096x1024 clearly; 4096^3's best (K3) is not above 1 beyond its
-    spread; K2 is the fastest on 2048^3 but failed a gate on another shape; K3 (Source) wins b=row 512^3."""
+    """K1 (sm80, align 8) wins 256^3 and 64x512x256 clearly; 1024x64x64's best (K3) is not above 1 beyond its
+    spread; K2 is the fastest on 512^3 but failed a gate on another shape; K3 (Source) wins b=row 128^3."""
     rows = [
-        record(K1, (1024, 1024, 1024), 1.20),
-        record(K1, (256, 4096, 1024), 1.10),
-        record(K3, (4096, 4096, 4096), 1.01, spread=0.05),
-        record(K2, (2048, 2048, 2048), 1.50),
-        record(K1, (2048, 2048, 2048), 1.05, spread=0.01),
+        record(K1, (256, 256, 256), 1.20),
+        record(K1, (64, 512, 256), 1.10),
+        record(K3, (1024, 64, 64), 1.01, spread=0.05),
+        record(K2, (512, 512, 512), 1.50),
+        record(K1, (512, 512, 512), 1.05, spread=0.01),
         record(K2, (64, 64, 64), 0.50, passed=False),
-        record(K3, (512, 512, 512), 1.30, cls=CLS_ROW),
+        record(K3, (128, 128, 128), 1.30, cls=CLS_ROW),
     ]
     return make_db(path, rows, {K1: SM80, K2: SM80.replace("stages=4", "stages=3"), K3: SOURCE})
 
@@ -103,16 +103,16 @@ def entries(pkg):
 
 def test_export_picks_gate_clean_winners_above_their_spread(package):
     got, table = entries(package)
-    assert got[(1024, 1024, 1024, CLS_COL)]["kernel"] == K1
-    assert got[(256, 4096, 1024, CLS_COL)]["kernel"] == K1
-    # K2 is faster on 2048^3 but failed a gate on 64^3 in this environment: the next clean kernel serves it.
-    assert got[(2048, 2048, 2048, CLS_COL)]["kernel"] == K1
-    assert got[(2048, 2048, 2048, CLS_COL)]["speedup"] == pytest.approx(1.05)
+    assert got[(256, 256, 256, CLS_COL)]["kernel"] == K1
+    assert got[(64, 512, 256, CLS_COL)]["kernel"] == K1
+    # K2 is faster on 512^3 but failed a gate on 64^3 in this environment: the next clean kernel serves it.
+    assert got[(512, 512, 512, CLS_COL)]["kernel"] == K1
+    assert got[(512, 512, 512, CLS_COL)]["speedup"] == pytest.approx(1.05)
     # 1.01 with a 5 % spread could be a loss: cuBLAS, with the reason in the table.
-    e = got[(4096, 4096, 4096, CLS_COL)]
+    e = got[(1024, 64, 64, CLS_COL)]
     assert e["kernel"] is None and e["kernel_key"] is None and "beyond its spread" in e["reason"]
     assert got[(64, 64, 64, CLS_COL)]["kernel"] is None
-    assert got[(512, 512, 512, CLS_ROW)]["kernel"] == K3
+    assert got[(128, 128, 128, CLS_ROW)]["kernel"] == K3
     # One binary per (kernel, problem class), each with its plan and IR.
     assert sorted(s["hash"] for s in table["kernels"].values()) == [K1, K3]
     for spec in table["kernels"].values():
@@ -181,7 +181,7 @@ def test_build_failure_leaves_the_shapes_to_cublas(tmp_path):
     with standard_db(tmp_path / "r.db") as db:
         export.export(db, tmp_path / "pkg", cache_dir=str(tmp_path / "c"), build=broken, log=lambda s: None)
     got, table = entries(tmp_path / "pkg")
-    e = got[(512, 512, 512, CLS_ROW)]
+    e = got[(128, 128, 128, CLS_ROW)]
     assert e["kernel"] is None and "binary not built" in e["reason"] and "expected a ';'" in e["reason"]
     assert [s["hash"] for s in table["kernels"].values()] == [K1]
 

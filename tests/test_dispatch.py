@@ -1,0 +1,430 @@
+"""`l2ir.matmul` on the CPU: dispatch rules, every fallback reason, the custom op's fake implementation, the
+environment variable, the import chain.
+
+The dispatcher runs here with CPU tensors standing in for the device (`device_type = "cpu"`) and a runner that
+computes C from the data pointers it is handed (numpy over the raw memory), so the pointers, sizes and layouts
+the dispatcher passes are checked, not only its decisions.
+"""
+
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from test_export import CLS_COL, CLS_ROW, ENV, fake_build, standard_db
+
+import l2ir
+from l2ir import dispatch, export
+
+pytestmark = pytest.mark.filterwarnings("default")
+
+
+def _array(ptr, count):
+    return np.ctypeslib.as_array((ctypes.c_uint16 * count).from_address(ptr)).view(np.float16)
+
+
+class HostRunner:
+    """C = A @ B from raw pointers, in fp32, for the problem class it was loaded for."""
+
+    def __init__(self, spec, index):
+        self.b_col = ":col" in spec.problem_class.split()[1]
+        self.calls = 0
+
+    def __call__(self, a, b, c, m, n, k, device, stream):
+        self.calls += 1
+        A = _array(a, m * k).reshape(m, k).astype(np.float32)
+        B = _array(b, k * n).reshape(n, k).T if self.b_col else _array(b, k * n).reshape(k, n)
+        _array(c, m * n)[:] = (A @ B.astype(np.float32)).astype(np.float16).ravel()
+
+
+class CpuDispatcher(dispatch.Dispatcher):
+    device_type = "cpu"
+
+    def __init__(self, package, env=None, runner=HostRunner):
+        super().__init__(package)
+        self.env = dict(ENV) if env is None else env
+        self.runner_cls = runner
+
+    def device_env(self, index):
+        return self.env
+
+    def current_stream(self, index):
+        return 0
+
+    def make_runner(self, spec, index):
+        return self.runner_cls(spec, index)
+
+
+@pytest.fixture(scope="module")
+def pkg_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dispatch")
+    with standard_db(tmp / "r.db") as db:
+        export.export(db, tmp / "pkg", cache_dir=str(tmp / "cache"), build=fake_build, log=lambda s: None)
+    return tmp / "pkg"
+
+
+@pytest.fixture
+def disp(pkg_dir):
+    d = CpuDispatcher(dispatch.read_package(pkg_dir))
+    dispatch._reset(d)
+    yield d
+    dispatch._reset()
+
+
+def rand(*shape, dtype=torch.float16):
+    return torch.randn(*shape).to(dtype)
+
+
+def check(c, a, b):
+    ref = (a.double() @ b.double())
+    assert c.shape == ref.shape and c.dtype == a.dtype
+    torch.testing.assert_close(c.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dispatch rules.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_tuned_shape_is_served_by_its_kernel(disp):
+    a, w = rand(64, 256), rand(512, 256)
+    c = l2ir.matmul(a, w.t())                       # b = W.t(): problem class b=f16:col
+    check(c, a, w.t())
+    assert disp.stats == {"l2ir": 1}
+    b = rand(128, 128)
+    a2 = rand(128, 128)
+    check(l2ir.matmul(a2, b), a2, b)               # b row-major: the b=f16:row table (Source kernel K3)
+    assert disp.stats == {"l2ir": 2}
+
+
+def test_table_decides_tuned_shapes(disp):
+    assert disp.package.resolve(1024, 64, 64, CLS_COL) == (None, "cublas")
+    assert disp.package.resolve(512, 512, 512, CLS_COL)[1] == "l2ir"
+
+
+def test_nearest_neighbour_rule(disp):
+    pkg = disp.package
+    k1 = pkg.tuned[(256, 256, 256, CLS_COL)]
+    # Near 256^3 (log2 distance 0.05): its kernel admits the shape (multiples of 8: align=8).
+    assert pkg.resolve(248, 256, 256, CLS_COL) == (k1, "l2ir")
+    # Nearest tuned shape is 1024x64x64, won by cuBLAS: the measurement there decides.
+    assert pkg.resolve(1000, 64, 64, CLS_COL) == (None, "cublas")
+    # Near, but K=255 breaks the kernel's align=8 rule (B is column-major: its rows run along K).
+    assert pkg.resolve(256, 256, 255, CLS_COL) == (None, "not_admitted")
+    # Too far from any tuned shape.
+    assert pkg.resolve(16, 16, 16, CLS_COL) == (None, "untuned")
+    # Beyond the package's max distance by a hair: untuned; the manifest holds the bound.
+    assert pkg.max_distance == export.DEFAULT_MAX_DISTANCE
+    assert pkg.resolve(512, 256, 256, CLS_COL) == (k1, "l2ir")         # distance exactly 1
+    assert pkg.resolve(536, 256, 256, CLS_COL) == (None, "untuned")
+    # A problem class without kernels in the package.
+    assert pkg.resolve(1024, 1024, 1024, "a=bf16:row b=bf16:col c=bf16:row acc=f32") == (None, "layout")
+
+
+def test_untuned_shape_through_matmul_is_resolved_once(disp):
+    a, w = rand(248, 256), rand(256, 256)
+    for _ in range(3):
+        check(l2ir.matmul(a, w.t()), a, w.t())
+    assert disp.stats == {"l2ir": 3}
+    assert list(disp._routes) == [(248, 256, 256, torch.float16, "row", "col")]
+
+
+def test_batched_a_is_flattened(disp):
+    a, w = rand(4, 16, 256), rand(512, 256)
+    c = l2ir.matmul(a, w.t())
+    check(c, a, w.t())
+    assert c.shape == (4, 16, 512) and disp.stats == {"l2ir": 1}
+
+
+def test_out_argument(disp):
+    a, w = rand(64, 256), rand(512, 256)
+    out = torch.empty(64, 512, dtype=torch.float16)
+    assert l2ir.matmul(a, w.t(), out=out) is out
+    check(out, a, w.t())
+    assert disp.stats == {"l2ir": 1}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every fallback reason, counted, with torch.matmul's answer.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _misaligned(m, k):
+    buf = rand(m * k + 1)
+    return buf[1:].view(m, k)                       # 2 bytes past a 16-byte boundary
+
+
+CASES = {
+    "dtype": lambda: (rand(64, 256, dtype=torch.float32), rand(512, 256, dtype=torch.float32).t()),
+    "layout": lambda: (rand(256, 64).t(), rand(512, 256).t()),              # A column-major: no a=col kernels
+    "noncontiguous": lambda: (rand(64, 512)[:, ::2], rand(512, 256).t()),
+    "misaligned": lambda: (_misaligned(64, 256), rand(512, 256).t()),
+    "batch": lambda: (rand(2, 64, 256), rand(2, 256, 512)),
+    "empty": lambda: (rand(0, 256), rand(512, 256).t()),
+    "cublas": lambda: (rand(1024, 64), rand(64, 64).t()),
+    "untuned": lambda: (rand(16, 16), rand(16, 16).t()),
+    "not_admitted": lambda: (rand(256, 255), rand(256, 255).t()),
+}
+
+
+@pytest.mark.parametrize("reason", sorted(CASES))
+def test_fallback_reason_is_counted(disp, reason):
+    a, b = CASES[reason]()
+    c = l2ir.matmul(a, b)
+    torch.testing.assert_close(c, torch.matmul(a, b))
+    assert disp.stats == {reason: 1}
+
+
+def test_cpu_tensors_fall_back(pkg_dir):
+    d = dispatch.Dispatcher(dispatch.read_package(pkg_dir))      # device_type "cuda": CPU tensors are not served
+    dispatch._reset(d)
+    try:
+        a, w = rand(64, 256), rand(512, 256)
+        torch.testing.assert_close(l2ir.matmul(a, w.t()), torch.matmul(a, w.t()))
+        assert dispatch.dispatch_stats() == {"cpu": 1}
+    finally:
+        dispatch._reset()
+
+
+def test_no_package(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    dispatch._reset()
+    a, b = rand(8, 8), rand(8, 8)
+    torch.testing.assert_close(l2ir.matmul(a, b), a @ b)
+    assert dispatch.dispatch_stats() == {"no_package": 1}
+    dispatch._reset()
+
+
+def test_out_of_wrong_shape(disp):
+    a, w = rand(64, 256), rand(512, 256)
+    out = torch.empty(64, 512, dtype=torch.float32)
+    with pytest.raises(RuntimeError):
+        l2ir.matmul(a, w.t(), out=out)              # torch.matmul's own error: nothing silently cast
+    assert disp.stats == {"out": 1}
+
+
+def test_autograd_inputs_go_to_torch(disp):
+    a, w = rand(64, 256).requires_grad_(), rand(512, 256)
+    c = l2ir.matmul(a, w.t())
+    c.float().sum().backward()
+    assert a.grad is not None and disp.stats == {"autograd": 1}
+    with torch.no_grad():
+        l2ir.matmul(a, w.t())
+    assert disp.stats == {"autograd": 1, "l2ir": 1}
+
+
+def test_other_gpu_warns_once_and_falls_back(pkg_dir):
+    d = CpuDispatcher(dispatch.read_package(pkg_dir), env=dict(ENV, gpu="NVIDIA A100-SXM4-80GB", sms=108))
+    dispatch._reset(d)
+    a, w = rand(64, 256), rand(512, 256)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            torch.testing.assert_close(l2ir.matmul(a, w.t()), torch.matmul(a, w.t()))
+    msgs = [str(w.message) for w in caught]
+    assert len(msgs) == 1 and "A100" in msgs[0] and "sms 108" in msgs[0]
+    assert d.stats == {"environment": 3}
+    dispatch._reset()
+
+
+def test_other_driver_warns_once(pkg_dir):
+    d = CpuDispatcher(dispatch.read_package(pkg_dir), env=dict(ENV, driver="570.86.15"))
+    dispatch._reset(d)
+    with pytest.warns(RuntimeWarning, match="driver '570.86.15'"):
+        l2ir.matmul(rand(64, 256), rand(512, 256).t())
+    assert d.stats == {"environment": 1}
+    dispatch._reset()
+
+
+def test_kernel_that_fails_to_load(pkg_dir):
+    def broken(spec, index):
+        raise OSError("cuModuleLoadData: CUDA_ERROR_NO_BINARY_FOR_GPU")
+
+    d = CpuDispatcher(dispatch.read_package(pkg_dir), runner=broken)
+    dispatch._reset(d)
+    a, w = rand(64, 256), rand(512, 256)
+    with pytest.warns(RuntimeWarning, match="failed to load"):
+        torch.testing.assert_close(l2ir.matmul(a, w.t()), torch.matmul(a, w.t()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # the second call: counted, not warned again
+        l2ir.matmul(a, w.t())
+    assert d.stats == {"load_failed": 2}
+    dispatch._reset()
+
+
+def test_refused_launch_falls_back_and_is_remembered(pkg_dir):
+    class Refuses(HostRunner):
+        def __call__(self, *args):
+            raise RuntimeError("cuLaunchKernel returned CUresult 1")
+
+    d = CpuDispatcher(dispatch.read_package(pkg_dir), runner=Refuses)
+    dispatch._reset(d)
+    a, w = rand(64, 256), rand(512, 256)
+    with pytest.warns(RuntimeWarning, match="launch failed"):
+        torch.testing.assert_close(l2ir.matmul(a, w.t()), torch.matmul(a, w.t()))
+    l2ir.matmul(a, w.t())
+    assert d.stats == {"launch_failed": 1, "load_failed": 1}
+    dispatch._reset()
+
+
+def test_every_documented_reason_has_a_test_here():
+    tested = set(CASES) | {"l2ir", "cpu", "no_package", "out", "autograd", "environment", "load_failed",
+                           "launch_failed"}
+    assert tested == set(dispatch.REASONS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Threads, the debug log, nn.Linear, the custom op.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_threads_share_one_runner_and_count_every_call(disp):
+    a, w = rand(64, 256), rand(512, 256)
+    errors = []
+
+    def work():
+        try:
+            for _ in range(10):
+                check(l2ir.matmul(a, w.t()), a, w.t())
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and disp.stats == {"l2ir": 80}
+    (state,) = disp._devices.values()
+    assert len(state["runners"]) == 1 and next(iter(state["runners"].values())).calls == 80
+
+
+def test_debug_log_names_the_path(disp, caplog):
+    with caplog.at_level("DEBUG", logger="l2ir.dispatch"):
+        l2ir.matmul(rand(64, 256), rand(512, 256).t())
+        l2ir.matmul(rand(16, 16).t(), rand(16, 16))
+    assert "64x512x256 -> L2IR kernel" in caplog.text
+    assert "16x16x16 -> torch.matmul (layout)" in caplog.text
+
+
+def test_patch_linear_routes_nn_linear(disp):
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256,
+                                                                                              bias=False)).half()
+    x = rand(64, 256)
+    with torch.no_grad():
+        want = model.float()(x.float())
+        model.half()
+        with l2ir.patch_linear():
+            got = model(x)
+        assert torch.nn.functional.linear is not None and disp.stats["l2ir"] == 1   # 64x512x256 is tuned
+        assert sum(disp.stats.values()) == 2
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=5e-2)
+    # Outside the block F.linear is torch's again.
+    before = dict(disp.stats)
+    with torch.no_grad():
+        model(x)
+    assert disp.stats == before
+
+
+def test_fake_impl_gives_shape_and_dtype():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a = torch.empty(4, 64, 1024, dtype=torch.float16)
+        b = torch.empty(1024, 4096, dtype=torch.float16)
+        c = torch.ops.l2ir.matmul(a, b)
+        assert c.shape == (4, 64, 4096) and c.dtype == torch.float16
+        c2 = l2ir.matmul(a[0], b.t().contiguous().t())
+        assert c2.shape == (64, 4096)
+        out = torch.empty(64, 4096, dtype=torch.bfloat16)
+        torch.ops.l2ir.matmul_out(a[0].bfloat16(), b.bfloat16(), out)
+    torch.library.opcheck(torch.ops.l2ir.matmul.default, (rand(64, 128), rand(128, 32)))
+
+
+def test_torch_compile_fullgraph_traces_the_op(disp):
+    calls = []
+
+    def count(gm, example_inputs):
+        calls.append(str(gm.graph))
+        return gm
+
+    f = torch.compile(lambda a, b: l2ir.matmul(a, b) * 2, fullgraph=True, backend=count)
+    a, w = rand(64, 256), rand(512, 256)
+    torch.testing.assert_close(f(a, w.t()).double(), 2 * (a.double() @ w.t().double()), rtol=2e-2, atol=4e-2)
+    assert calls and "l2ir.matmul" in calls[0]
+    assert disp.stats == {"l2ir": 1}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Process-level behaviour (fresh interpreters).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _python(code, env=None):
+    full = dict(os.environ)
+    full.pop(dispatch.ENV_VAR, None)
+    full.update(env or {})
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_import_l2ir_is_light():
+    out = _python("import sys, l2ir; print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('l2ir')))")
+    assert out == "['l2ir']"
+
+
+def test_runtime_import_chain_never_imports_search(pkg_dir):
+    code = f"""
+import sys, torch, l2ir
+l2ir.load({str(pkg_dir)!r})
+from l2ir import dispatch
+d = dispatch._dispatcher()
+d.package.resolve(248, 256, 256, {CLS_COL!r})      # the untuned rule: parses IR, runs the problem rules
+l2ir.matmul(torch.randn(8, 8).half(), torch.randn(8, 8).half())
+bad = sorted(m for m in sys.modules if m.startswith(('l2ir.search', 'l2ir.backends', 'l2ir.policy', 'l2ir.export')))
+print(bad, l2ir.dispatch_stats())
+"""
+    assert _python(code) == "[] {'cpu': 1}"
+
+
+def test_environment_variable_is_read_at_first_use(pkg_dir):
+    code = """
+import os, l2ir, torch
+from l2ir import dispatch
+os.environ['L2IR_DISPATCH'] = os.environ.pop('PKG')         # set after import: still honoured
+l2ir.matmul(torch.randn(8, 8).half(), torch.randn(8, 8).half())
+print(dispatch._dispatcher().package.manifest['content_hash'][:12], l2ir.dispatch_stats())
+"""
+    want = dispatch.read_package(pkg_dir).manifest["content_hash"][:12]
+    assert _python(code, {"PKG": str(pkg_dir)}) == f"{want} {{'cpu': 1}}"
+
+
+def test_bad_environment_variable_warns_and_falls_back(tmp_path):
+    code = """
+import warnings, l2ir, torch
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter('always')
+    l2ir.matmul(torch.randn(8, 8).half(), torch.randn(8, 8).half())
+print(len(w), 'no manifest.json' in str(w[0].message), l2ir.dispatch_stats())
+"""
+    assert _python(code, {dispatch.ENV_VAR: str(tmp_path)}) == "1 True {'no_package': 1}"
+
+
+def test_one_package_per_process(pkg_dir, tmp_path):
+    dispatch._reset()
+    try:
+        man = l2ir.load(pkg_dir)
+        assert l2ir.load(str(pkg_dir)) is man                   # the same package: already loaded
+        other = tmp_path / "other"
+        with standard_db(tmp_path / "r.db") as db:
+            export.export(db, other, cache_dir=str(tmp_path / "c"), build=fake_build, log=lambda s: None)
+        with pytest.raises(dispatch.PackageError, match="already loaded"):
+            l2ir.load(other)
+    finally:
+        dispatch._reset()
