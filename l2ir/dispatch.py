@@ -308,7 +308,8 @@ class Dispatcher:
                 "capability": f"{props.major}.{props.minor}", "driver": _driver_version()}
 
     def current_stream(self, index: int) -> int:
-        return torch.cuda.current_stream(index).cuda_stream
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # the handle alone, no Stream object
+        return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
     def make_runner(self, spec: KernelSpec, index: int):
         return Runner(spec, index)
