@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -36,7 +37,7 @@ from l2ir.nodes import Kernel, Target
 from l2ir.text import parse_kernel_file, parse_node, print_problem
 
 from .base import Context, Dedupe, Feedback, Proposal
-from .model_backends import ModelBackend, Reply, backend_from_env
+from .model_backends import BackendError, ModelBackend, Reply, backend_from_env
 from .prompts import Facts, Relative, system_prompt, user_prompt
 
 _FENCE = re.compile(r"^[ \t]*```[ \t]*([A-Za-z0-9_+.-]*)[ \t]*$", re.MULTILINE)
@@ -163,6 +164,13 @@ def parse_reply(reply: str, arch: str = "sm90a") -> Parsed:
             elif re.search(r"^\s*kernel\s*\{", b.body, re.MULTILINE):
                 _, kernel, _ = parse_kernel_file(b.body)
                 out.proposals.append((Proposal(kernel=kernel, note="llm: whole kernel"), what))
+            elif re.match(r"\s*target\s+arch=", b.body):
+                # Node lines without the `kernel { }` around them (small models drop it): the same kernel.
+                try:
+                    _, kernel, _ = parse_kernel_file("kernel {\n" + b.body + "\n}")
+                except ParseError as e:
+                    raise ParseError(e.message, e.line - 1 if e.line else None, e.column, e.source_line) from None
+                out.proposals.append((Proposal(kernel=kernel, note="llm: whole kernel"), what))
             else:
                 edits = parse_edits(b.body)
                 if edits:
@@ -194,6 +202,20 @@ def verifier_error(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
+def _env_int(name: str, default: int) -> int:
+    return int(_env_float(name, default))
+
+
+def _env_float(name: str, default: float) -> float:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        return float(text)
+    except ValueError:
+        raise BackendError(f"{name}={text!r}: expected a number") from None
+
+
 @dataclass
 class _Call:
     id: int | None
@@ -207,8 +229,13 @@ class LLMPolicy:
 
     name = "llm"
 
-    def __init__(self, backend: ModelBackend | None = None, repairs: int = 1, max_tokens: int = 768,
-                 temperature: float = 0.7, relatives: int = 2, db=None, run: int | None = None):
+    def __init__(self, backend: ModelBackend | None = None, repairs: int | None = None,
+                 max_tokens: int | None = None, temperature: float | None = None, relatives: int = 2, db=None,
+                 run: int | None = None):
+        # `l2ir tune --policy llm` builds the policy with no arguments: these come from the environment then.
+        repairs = repairs if repairs is not None else _env_int("L2IR_LLM_REPAIRS", 1)
+        max_tokens = max_tokens if max_tokens is not None else _env_int("L2IR_LLM_MAX_TOKENS", 768)
+        temperature = temperature if temperature is not None else _env_float("L2IR_LLM_TEMPERATURE", 0.7)
         if repairs < 0 or relatives < 0 or max_tokens < 1:
             raise ValueError(f"LLMPolicy: repairs, relatives >= 0 and max_tokens >= 1, got {repairs}, {relatives}, "
                              f"{max_tokens}")

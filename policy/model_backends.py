@@ -17,6 +17,7 @@ import:
     L2IR_LLM_API_KEY      the key (or OPENAI_API_KEY); a local server that ignores keys needs none
     L2IR_LLM_TIMEOUT_S    seconds per request (60)       L2IR_LLM_RETRIES      retries with backoff (3)
     L2IR_LLM_CONCURRENCY  requests in flight at once (4) L2IR_LLM_PRICE        "IN,OUT" dollars per 1M tokens
+    (the policy's own: L2IR_LLM_MAX_TOKENS per reply (768), L2IR_LLM_REPAIRS per step (1), L2IR_LLM_TEMPERATURE)
 """
 
 from __future__ import annotations

@@ -64,6 +64,15 @@ def test_a_whole_kernel_parses_to_a_kernel_proposal():
     assert prop.kernel is not None and prop.kernel.pipeline.stages == 3 and where == "block 1 (untagged)"
 
 
+def test_node_lines_without_the_kernel_braces_are_a_kernel():
+    body = "\n".join(PARENT.text().strip().splitlines()[1:-1])
+    (prop, _), = parse_reply("```l2ir\n" + body + "\n```").proposals
+    assert prop.kernel == PARENT
+    bad = body.replace("tile block=", "tile blok=")
+    err, = parse_reply("Here:\n```l2ir\n" + bad + "\n```").errors
+    assert "reply line 4:" in err and "tile has no field 'blok'" in err
+
+
 def test_cuda_with_its_launch_line_becomes_a_source_kernel_that_verifies():
     reply = ("A naive kernel, one thread per output:\n"
              "source entry=my_gemm grid=(cdiv(n, 16), cdiv(m, 16), 1) block=16x16x1 smem=0\n"
