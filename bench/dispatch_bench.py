@@ -1,0 +1,212 @@
+"""(GPU) l2ir.matmul against torch.matmul: device time and eager time per call, and who served the calls.
+
+    python bench/dispatch_bench.py --out bench/results/dispatch_h200.json [--db bench/results/tune_grid48_h200.db]
+
+The package is exported from the records DB with its sm80 kernels only (CuTe builds of seconds; the sm90a CUTLASS
+winners take ~45 s each to build). The DB's measurements are copied into a scratch DB under this machine's
+environment, so the package loads here; the JSON records both environments (`measured_on`, `environment`) and says
+so (`relabelled`). For every tuned shape of the package up to --max-gflop and for untuned shapes near the served
+ones (one dimension scaled by 9/8 or 7/8, kept a multiple of 8), with a (M, K) row-major and b = W.t() (F.linear's
+layout):
+  device_us   median over trials of a CUDA graph of --reps back-to-back calls, per call (inputs fixed)
+  eager_us    median over trials of the wall time of --calls back-to-back eager calls, per call, synchronized at the
+              end: the host cost wherever it exceeds the device time (small shapes)
+  served      "l2ir" or the fallback reason of the dispatcher for that shape
+torch.matmul runs with fp16 reduced-precision reductions off (fp32 accumulation, the contract both are held to).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_package(db_path: Path, work: Path, cache: str, targets: tuple[str, ...]) -> tuple[Path, dict]:
+    """Copy the DB's offline measurements under this machine's environment and export its `targets` kernels."""
+    import re
+
+    from l2ir import export
+    from l2ir.search.db import RecordsDB
+    from l2ir.search.evaluator import environment
+
+    here = environment(0)
+    src = RecordsDB(db_path)
+    eid = export.choose_environment(src, None)
+    measured_on = src.environment(eid)
+    dst = RecordsDB(work / "bench.db")
+    recs = []
+    for rec_json, purpose in src.conn.execute(
+            "SELECT record, purpose FROM measurements WHERE environment=? AND scenario='offline' ORDER BY id", (eid,)):
+        rec = json.loads(rec_json)
+        rec["environment"] = here
+        rec["origin"] = f"copied from {db_path.name}, measured on {measured_on.get('gpu')} {eid}"
+        recs.append((purpose, rec))
+    for purpose in sorted({p for p, _ in recs}):
+        dst.add_many([r for p, r in recs if p == purpose], purpose=purpose, source=f"copy:{db_path.name}")
+    for h, ir, backend in src.conn.execute("SELECT hash, ir, backend FROM kernels WHERE ir IS NOT NULL"):
+        dst.add_kernel(h, ir=ir, backend=backend)
+
+    def accept(row):
+        m = re.search(r"target arch=(\S+)", row.get("ir") or "")
+        return None if m and m.group(1) in targets else "target not exported by the benchmark"
+
+    export.export(dst, work / "pkg", cache_dir=cache, accept=accept)
+    dst.close()
+    src.close()
+    return work / "pkg", {"measured_on": {"id": eid, **{k: measured_on.get(k) for k in export.MANIFEST_ENV_KEYS}},
+                          "relabelled": any(str(measured_on.get(k)) != str(here.get(k))
+                                            for k in export.MANIFEST_ENV_KEYS)}
+
+
+def device_us(fn, reps: int, trials: int) -> float:
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        g.replay()
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / reps)
+    return statistics.median(times)
+
+
+def eager_us(fn, calls: int, trials: int) -> float:
+    import torch
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e6 / calls)
+    return statistics.median(times)
+
+
+def near_shapes(shape):
+    m, n, k = shape
+    out = []
+    for i in range(3):
+        for f in (9 / 8, 7 / 8):
+            s = [m, n, k]
+            s[i] = max(8, int(round(s[i] * f / 8)) * 8)
+            if tuple(s) != shape:
+                out.append(tuple(s))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--db", default=str(ROOT / "bench" / "results" / "tune_grid48_h200.db"))
+    ap.add_argument("--out", required=True, help="JSON file")
+    ap.add_argument("--cache", default=str(ROOT / ".l2ir-cache"), help="compile cache")
+    ap.add_argument("--target", action="append", help="kernel targets to export (default: sm80)")
+    ap.add_argument("--max-gflop", type=float, default=20.0, help="leave out tuned shapes above this size")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--trials", type=int, default=5)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    import l2ir
+    from l2ir import dispatch
+    from l2ir.search.evaluator import environment
+
+    if not torch.cuda.is_available():
+        print("error: dispatch_bench needs a CUDA GPU", file=sys.stderr)
+        return 1
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    work = Path(tempfile.mkdtemp(prefix="l2ir-dispatch-bench-"))
+    t0 = time.time()
+    pkg_dir, provenance = build_package(Path(args.db), work, args.cache, tuple(args.target or ("sm80",)))
+    export_s = time.time() - t0
+    manifest = l2ir.load(pkg_dir)
+    d = dispatch._dispatcher()
+    cls = "a=f16:row b=f16:col c=f16:row acc=f32"
+
+    tuned = sorted({(m, n, k) for (m, n, k, c) in d.package.tuned if c == cls and 2 * m * n * k <= args.max_gflop * 1e9},
+                   key=lambda s: (s[0] * s[1] * s[2], s))
+    served_tuned = [s for s in tuned if d.package.tuned[(*s, cls)]]
+    shapes = [(s, "tuned") for s in tuned]
+    seen = set(tuned)
+    for s in served_tuned:
+        for t in near_shapes(s):
+            if t not in seen:
+                seen.add(t)
+                shapes.append((t, "untuned near " + "x".join(map(str, s))))
+
+    rows = []
+    for (m, n, k), kind in shapes:
+        a = torch.rand(m, k, device="cuda").sub_(0.5).half()
+        w = torch.rand(n, k, device="cuda").sub_(0.5).half()
+        b = w.t()
+        before = dict(d.stats)
+        c = l2ir.matmul(a, b)
+        served = next(r for r, v in d.stats.items() if v != before.get(r, 0))
+        err = float((c.double() - a.double() @ b.double()).abs().max())
+        row = {"m": m, "n": n, "k": k, "kind": kind, "served": served, "max_abs_err_vs_fp64": err,
+               "l2ir_device_us": device_us(lambda: l2ir.matmul(a, b), args.reps, args.trials),
+               "torch_device_us": device_us(lambda: torch.matmul(a, b), args.reps, args.trials),
+               "l2ir_eager_us": eager_us(lambda: l2ir.matmul(a, b), args.calls, args.trials),
+               "torch_eager_us": eager_us(lambda: torch.matmul(a, b), args.calls, args.trials)}
+        row["device_speedup"] = row["torch_device_us"] / row["l2ir_device_us"]
+        row["eager_speedup"] = row["torch_eager_us"] / row["l2ir_eager_us"]
+        rows.append(row)
+        print(f"{m:>6}x{n:<6}x{k:<6} {kind:<28} {served:<12} device {row['l2ir_device_us']:8.2f} vs "
+              f"{row['torch_device_us']:8.2f} us  eager {row['l2ir_eager_us']:7.2f} vs {row['torch_eager_us']:7.2f} us")
+
+    def gmean(xs):
+        xs = list(xs)
+        return statistics.geometric_mean(xs) if xs else None
+
+    by_l2ir = [r for r in rows if r["served"] == "l2ir"]
+    summary = {
+        "shapes": len(rows), "served_by_l2ir": len(by_l2ir),
+        "share_served_by_l2ir": len(by_l2ir) / len(rows) if rows else 0.0,
+        "fallback_reasons": {r: sum(1 for x in rows if x["served"] == r) for r in {x["served"] for x in rows}},
+        "geomean_device_speedup_where_served": gmean(r["device_speedup"] for r in by_l2ir),
+        "geomean_eager_speedup_where_served": gmean(r["eager_speedup"] for r in by_l2ir),
+        "geomean_eager_speedup_on_fallback": gmean(r["eager_speedup"] for r in rows if r["served"] != "l2ir"),
+        "eager_no_slower_than_torch_where_served": all(r["l2ir_eager_us"] <= r["torch_eager_us"] * 1.02
+                                                       for r in by_l2ir),
+    }
+    result = {"command": "python bench/dispatch_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "environment": environment(0),
+              "package": {"content_hash": manifest["content_hash"], "tuned_shapes": len(d.package.tuned),
+                          "kernels": len(d.package.kernels), "export_seconds": round(export_s, 1), **provenance},
+              "settings": {"reps": args.reps, "calls": args.calls, "trials": args.trials,
+                           "layout": "a row-major (M, K), b = W.t() with W row-major (N, K): problem " + cls},
+              "dispatch_stats": dispatch.dispatch_stats(), "summary": summary, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
