@@ -230,6 +230,18 @@ def _import(spec: str) -> Callable[..., Policy]:
         raise ValueError(f"policy '{spec}': cannot import {attr} from {module} ({e})") from None
 
 
+def policy_factory(name: str) -> Callable[..., Policy]:
+    """What `get_policy(name, **kwargs)` calls: a registered factory, a built-in policy's class, or
+    "package.module:Factory"."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if name in _BUILTIN:
+        return _import(_BUILTIN[name])
+    if ":" in name:
+        return _import(name)
+    raise ValueError(f"unknown policy '{name}' (policies: {', '.join(policy_names())}, or module:Factory)")
+
+
 def get_policy(policy: str | Policy, **kwargs: Any) -> Policy:
     """A policy by name ("random", "rules", "learned", a registered name, or "package.module:Factory"), or the
     policy object itself when one is passed."""
@@ -238,15 +250,7 @@ def get_policy(policy: str | Policy, **kwargs: Any) -> Policy:
             raise TypeError(f"{type(policy).__name__} is not a policy: it needs name, propose, update, state_dict "
                             f"and load_state_dict")
         return policy
-    if policy in _REGISTRY:
-        factory = _REGISTRY[policy]
-    elif policy in _BUILTIN:
-        factory = _import(_BUILTIN[policy])
-    elif ":" in policy:
-        factory = _import(policy)
-    else:
-        raise ValueError(f"unknown policy '{policy}' (policies: {', '.join(policy_names())}, or module:Factory)")
-    made = factory(**kwargs)
+    made = policy_factory(policy)(**kwargs)
     if not isinstance(made, Policy):
         raise TypeError(f"policy '{policy}' built a {type(made).__name__}, which is not a policy")
     return made

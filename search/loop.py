@@ -12,11 +12,20 @@ samples before it is reported.
         end      re-time the incumbent (fresh samples, offline and server, interleaved with torch.matmul); those are
                  the reported numbers, never the sample it was selected on
     budgets: candidates per shape, GPU-seconds per run (shared fairly among the shapes left), wall seconds.
+Lowering, compiling and evaluating go through the one candidate pipeline (search/pipeline.py); the loop legalizes
+and dedupes per shape (a duplicate is a recorded verdict) and writes the records.
 
 Determinism: every random draw depends on (seed, problem, step) and the population, and the population is what the
-DB holds, so the same seed gives the same proposals, and a resumed run (`l2ir tune --resume RUN`) makes the same
-proposals the killed one would have made. Every candidate's records (kernel, measurements, edit, class gates,
-policy state) commit in one transaction: a kill loses at most the candidates in flight.
+DB holds, so the same seed gives the same proposals (a policy whose factory takes a seed, the learned one, gets the
+run's), and a resumed run (`l2ir tune --resume RUN`) makes the same proposals the killed one would have made. Every
+candidate's records (kernel, measurements, edit, class gates) commit in one transaction: a kill loses at most the
+candidates in flight.
+
+Policy state: a run starts from the state stored for its policy by earlier runs on the DB (`policy:NAME`, saved at
+the end of every shape and round). For --resume the state as of the start of each step (round, when interleaved)
+is written once, with the step's first record; a resume re-makes the step's proposals from it and gives the
+policy the feedback of the step's recorded candidates again, in order, so it continues as the killed run would
+have.
 
 Cheap evaluation: the gates that depend only on the kernel and the problem class (stale output, ragged shapes:
 CLASS_GATES) are kept per kernel in the DB. A kernel that failed one is failed on every later shape without
@@ -36,15 +45,16 @@ from typing import Callable
 
 import numpy as np
 
+from l2ir.backends.compile import CompileOptions
 from l2ir.edits import parse_edits
 from l2ir.errors import L2IRError
 from l2ir.nodes import Kernel, Problem
 from l2ir.seed import seed as rule_seed
 from l2ir.text import parse_kernel, parse_problem, print_problem, print_problem_class
 
-from .db import RecordsDB, environment_id
+from .db import RecordsDB, environment_id, spread_of
 from .evaluator import Measurement
-from .gates import Verdict
+from .pipeline import Candidate, Pipeline, PipelineConfig, Prepared, _first_line
 
 # The gates that depend only on the kernel and the problem class, not on M, N, K: a stale output on fresh inputs in
 # the same buffers, and the shapes no tile divides (chosen from the tile, not from the problem's sizes).
@@ -127,29 +137,12 @@ class ShapeState:
     step_view: tuple[list, int] | None = None
     history: list = field(default_factory=list)
     curve: list[tuple[int, float]] = field(default_factory=list)   # (candidates, incumbent's speedup)
+    proposed: dict = field(default_factory=dict)   # step -> its proposals, made again on resume (see _propose)
     done: dict | None = None
 
     @property
     def best(self) -> float | None:
         return self.members[self.incumbent].speedup if self.incumbent else None
-
-
-@dataclass
-class Built:
-    plan: object = None
-    artifact: object = None
-    error: str = ""
-    compile_seconds: float = 0.0
-
-
-class _StandinArtifact:
-    """What the stand-in evaluator is handed instead of a binary: nothing was compiled."""
-
-    ok = True
-    key = "standin"
-    compile_seconds = 0.0
-    cached = True
-    resources: dict = {}
 
 
 def accepts(new: Member, incumbent: Member | None) -> bool:
@@ -162,11 +155,6 @@ def accepts(new: Member, incumbent: Member | None) -> bool:
     return new.speedup > incumbent.speedup * (1.0 + max(new.spread, incumbent.spread))
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"[{type(e).__name__}] " + (text.splitlines()[0] if text else "")
-
-
 def _bind_records(policy, db: RecordsDB, run_id: int):
     # A policy that records its own trajectories (the LLM policy's model calls) writes them into the run's DB.
     bind = getattr(policy, "bind_records", None)
@@ -175,9 +163,22 @@ def _bind_records(policy, db: RecordsDB, run_id: int):
 
 
 def _policy(name, seed: int):
-    from l2ir.policy.base import get_policy
+    """The policy by name, seeded by the run's seed when its factory takes one (the learned policy's initial
+    weights); random edits and rules draw from the context's seed (the run's seed plus the step) alone."""
+    from l2ir.policy.base import get_policy, policy_factory
 
-    return get_policy(name)
+    try:
+        takes_seed = "seed" in inspect.signature(policy_factory(name)).parameters
+    except (TypeError, ValueError):      # a factory without a signature: no seed to give
+        takes_seed = False
+    return get_policy(name, **({"seed": seed} if takes_seed else {}))
+
+
+def _build_error(item: Prepared) -> str:
+    """Why a kernel has no binary, as the edits table says it ("" when it has one)."""
+    if item.ok:
+        return ""
+    return item.error if item.status == "compile_failed" else f"not lowered: {item.error}"
 
 
 class Search:
@@ -202,15 +203,38 @@ class Search:
         self.command = command
         self.pclass = parse_problem(config.problem, "the run's problem class")
         self.cls_text = print_problem_class(self.pclass)
-        self.builds: dict[str, Built] = {}
+        # Every candidate is built and measured through the one candidate pipeline. The loop writes a candidate's
+        # records itself, in one transaction with its edit (record=False), and measures every candidate afresh
+        # (reuse=False: a selection sample is never one an earlier run took).
+        self.pipeline = Pipeline(PipelineConfig(
+            compile=CompileOptions(cache_dir=config.cache_dir, jobs=config.compile_jobs, device_sm=config.device_sm),
+            compile_kernels=config.mode != "standin", reuse=False, record=False, class_gates=CLASS_GATES,
+            reuse_class_gates=config.reuse_class_gates), evaluator, db)
+        self.builds: dict[str, Prepared] = {}          # member key -> the kernel lowered and compiled
+        self._compile_paid: set[str] = set()           # member keys whose compile seconds an edit already carries
         self.run_id: int | None = None
         self.states: list[ShapeState] = []
-        self.env_id: str | None = None
         self._status: str | None = None
         self._t0 = clock()
-        self._skip_ok = evaluator is not None and "skip_gates" in inspect.signature(evaluator.evaluate).parameters
+        # The policy's state as of the start of the current step (a round when interleaved), written with that
+        # step's first record: (state, newest edit row whose feedback it holds, step). `_last_edit` is the newest
+        # edit row written or restored; a resume feeds the rows after `_replay_after` to the policy again, in order.
+        self._snapshot: tuple[bytes, int, int] | None = None
+        self._last_edit = 0
+        self._replay_after: int | None = None
+        self._resume_step: int | None = None
+        self._learned = False                           # the policy had feedback in this invocation
         if evaluator is not None and getattr(evaluator, "environment", None):
             self.env_id = environment_id(evaluator.environment)
+
+    @property
+    def env_id(self) -> str | None:
+        """The environment the run's measurements and class gates are kept under (the evaluator's)."""
+        return self.pipeline.env_id
+
+    @env_id.setter
+    def env_id(self, value: str | None):
+        self.pipeline.env_id = value
 
     # -- run ----------------------------------------------------------------------------------------------------
 
@@ -223,6 +247,9 @@ class Search:
         if state is not None:
             self.policy.load_state_dict(_loads_state(state))
         self.run_id = self.db.start_run(self.command, cfg.to_json(), cfg.seed, self.policy_name, budget)
+        # A resume starts from the state this run started from (the stored one may change meanwhile).
+        with self.db.transaction():
+            self._save_run_state(_dumps_state(self.policy.state_dict()), 0, 0)
         _bind_records(self.policy, self.db, self.run_id)
         return self.run_id
 
@@ -242,6 +269,11 @@ class Search:
         state = db.load_policy_state(f"run:{run_id}")
         if state is not None:
             s.policy.load_state_dict(_loads_state(state))
+            at = db.load_policy_state(f"run:{run_id}:at")
+            if at is not None:
+                # The state is as of the start of a step: the feedback of the rows recorded since is replayed.
+                at = json.loads(at)
+                s._replay_after, s._resume_step = at["edit"], at["step"]
         db.set_run_status(run_id, "running")
         return s
 
@@ -270,6 +302,7 @@ class Search:
                 for i, shape in enumerate(cfg.shapes):
                     st = self._restore(shape)
                     self.states.append(st)
+                    self._resume_feedback([st])
                     if st.done is not None:
                         self.progress(st, "restored")
                         continue
@@ -292,6 +325,18 @@ class Search:
 
     def _run_interleaved(self) -> list[ShapeState]:
         self.states = [self._restore(shape) for shape in self.config.shapes]
+        for i, st in enumerate(self.states):
+            # A resume continues each shape at the step the killed run would have taken next: step 0 ran shape
+            # after shape, so a later shape's records close an earlier one's step 0 (made again, it would see the
+            # later shapes' winners); killed in the middle of a round, the shapes that round had not reached yet
+            # take their step in it now, from the state the round began with.
+            if st.done is not None:
+                continue
+            if st.rows_at_step and st.step < (self._resume_step or 0):
+                st.step, st.rows_at_step, st.step_view = self._resume_step, 0, None
+            elif st.step == 0 and st.rows_at_step and any(x.rows_at_step for x in self.states[i + 1:]):
+                st.step, st.rows_at_step, st.step_view = 1, 0, None
+        self._resume_feedback(self.states)
         for st in self.states:
             if st.done is not None:
                 self.progress(st, "restored")
@@ -323,6 +368,7 @@ class Search:
         problem = self.pclass.with_shape(*shape)
         st = ShapeState(tuple(shape), problem, print_problem(problem))
         for e in self.db.edits(self.run_id, st.ptext):
+            self._last_edit = max(self._last_edit, e["id"])
             if e["verdict"] == DONE:
                 st.done = json.loads(e["detail"])
                 continue
@@ -421,15 +467,21 @@ class Search:
         """Search one shape until a budget ends it; returns which one."""
         stalled = [0]
         while True:
-            why = self._budget_reason(st, gpu_cap, wall_cap)
-            if why is None:
-                planned = self._plan(st)
-                if isinstance(planned, str):
-                    return planned
-                self._build([(c, p.backend) for p, c, v, _ in planned[0] if v == "new"])
-                why = self._record(st, *planned, gpu_cap, stalled)
+            why = self._step_shape(st, gpu_cap, wall_cap, stalled)
             if why is not None:
                 return why
+
+    def _step_shape(self, st: ShapeState, gpu_cap: float, wall_end: float, stalled: list[int]) -> str | None:
+        """One step of one shape: plan, build, record. Returns why the shape ends, if it does."""
+        why = self._budget_reason(st, gpu_cap, wall_end)
+        if why is not None:
+            return why
+        self._mark_step([st])
+        planned = self._plan(st)
+        if isinstance(planned, str):
+            return planned
+        self._build([(c, p.backend) for p, c, v, _ in planned[0] if v == "new"])
+        return self._record(st, *planned, gpu_cap, stalled)
 
     def _search_interleaved(self, states: list[ShapeState]) -> dict[int, str]:
         """Every shape's step 0 in order (so each can start from the winners of the shapes before it), then rounds:
@@ -444,20 +496,14 @@ class Search:
         stalled = {i: [0] for i in range(len(states))}
         for i, st in enumerate(states):
             while st.done is None and st.step == 0 and i not in ended:
-                why = self._budget_reason(st, gpu_cap, end)
-                if why is None:
-                    planned = self._plan(st)
-                    if isinstance(planned, str):
-                        why = planned
-                    else:
-                        self._build([(c, p.backend) for p, c, v, _ in planned[0] if v == "new"])
-                        why = self._record(st, *planned, gpu_cap, stalled[i])
+                why = self._step_shape(st, gpu_cap, end, stalled[i])
                 if why is not None:
                     ended[i] = why
         while True:
             live = [i for i, st in enumerate(states) if st.done is None and i not in ended]
             if not live:
                 return ended
+            self._mark_step([states[i] for i in live])
             plans = []
             for i in live:
                 why = self._budget_reason(states[i], gpu_cap, end)
@@ -471,6 +517,7 @@ class Search:
                 why = self._record(states[i], *planned, gpu_cap, stalled[i])
                 if why is not None:
                     ended[i] = why
+            self._save_policy()
 
     def _budget_reason(self, st: ShapeState, gpu_cap: float, wall_end: float) -> str | None:
         if st.candidates >= self.config.budget_candidates:
@@ -481,24 +528,29 @@ class Search:
             return "wall-time budget"
         return None
 
-    def _plan(self, st: ShapeState):
-        """The shape's next step up to its build: proposals (re-made the same way on resume, the recorded ones
-        skipped), legalized and deduped, cut to what the candidate budget leaves room for. Returns (items, parent,
-        context), or why the shape cannot go on."""
-        cfg = self.config
+    def _propose(self, st: ShapeState):
+        """The step's (proposals, parent, context), made from the population and history as they were when the step
+        began (so a resumed step makes the killed run's proposals again), or why the shape cannot go on."""
         if st.step == 0:
-            proposals, parent, ctx = self._initial(st), None, None
-            limit = cfg.init_size - st.candidates
-        else:
-            pool, hist = list(st.members.values()), st.history
-            if st.rows_at_step and st.step_view is not None:
-                pool, hist = st.step_view[0], st.history[:st.step_view[1]]
-            if not pool:
-                return "no legal kernel"
-            parent = self._parent(st, pool)
-            ctx = self._context(st, parent, hist)
-            proposals = list(self.policy.propose(ctx))[:cfg.batch]
-            limit = None
+            return self._initial(st), None, None
+        pool, hist = list(st.members.values()), st.history
+        if st.rows_at_step and st.step_view is not None:
+            pool, hist = st.step_view[0], st.history[:st.step_view[1]]
+        if not pool:
+            return "no legal kernel"
+        parent = self._parent(st, pool)
+        ctx = self._context(st, parent, hist)
+        return list(self.policy.propose(ctx))[:self.config.batch], parent, ctx
+
+    def _plan(self, st: ShapeState):
+        """The shape's next step up to its build: proposals (the recorded ones of a resumed step skipped),
+        legalized and deduped, cut to what the candidate budget leaves room for. Returns (items, parent, context),
+        or why the shape cannot go on."""
+        made = st.proposed.pop(st.step, None) or self._propose(st)
+        if isinstance(made, str):
+            return made
+        proposals, parent, ctx = made
+        limit = self.config.init_size - st.candidates if st.step == 0 else None
         skip, st.rows_at_step = st.rows_at_step, 0
         return self._legalize(st, proposals[skip:], parent, limit), parent, ctx
 
@@ -516,6 +568,60 @@ class Search:
         if stalled[0] >= 5:
             return "the policy proposed nothing new"
         return None
+
+    # -- the learned state: once per step, enough to resume exactly ------------------------------------------------
+
+    def _resume_feedback(self, states: list[ShapeState]):
+        """After a resume, before anything new: the proposals of each shape's current step are made again from the
+        state loaded (the killed run made them from it, all of a round's before any of its records), then the
+        policy is given the feedback of the candidates recorded after that state, in the order they were
+        recorded."""
+        if self._replay_after is None:
+            return
+        replay = []
+        for st in states:
+            if st.done is not None or st.step == 0:
+                continue
+            rows = [e for e in self.db.edits(self.run_id, st.ptext) if e["step"] == st.step and e["verdict"] != DONE]
+            if not any(e["id"] > self._replay_after for e in rows) and st.step != self._resume_step:
+                continue
+            made = self._propose(st)
+            if isinstance(made, str):
+                continue
+            st.proposed[st.step] = made
+            proposals, _, ctx = made
+            replay += [(e, ctx, p) for p, e in zip(proposals, rows) if e["id"] > self._replay_after]
+        for e, ctx, p in sorted(replay, key=lambda r: r[0]["id"]):
+            fb = _feedback(ctx, p, e["verdict"], e["reward"] if e["verdict"] == "measured" else None, e["detail"],
+                           self._kernel(e["child"]) if e["child"] else None)
+            if fb is not None:
+                self._update(fb)
+
+    def _mark_step(self, states: list[ShapeState]):
+        """Keep the policy's state as it is at the start of this step (this round, when interleaved), to be written
+        with the step's first record: a resume re-makes the step's proposals from it and replays the feedback of
+        the step's recorded candidates. A step already begun (resumed) has its state in the DB; step 0 learns
+        nothing."""
+        if any(st.rows_at_step for st in states) or all(st.step == 0 for st in states):
+            return
+        self._snapshot = (_dumps_state(self.policy.state_dict()), self._last_edit, max(st.step for st in states))
+
+    def _save_run_state(self, state: bytes, edit: int, step: int):
+        """This run's policy state for --resume: it holds the feedback of every edit row up to `edit`, and was
+        taken at the start of step `step` (0: not in a step)."""
+        self.db.save_policy_state(f"run:{self.run_id}", state)
+        self.db.save_policy_state(f"run:{self.run_id}:at", json.dumps({"edit": edit, "step": step}).encode())
+
+    def _update(self, feedback):
+        self.policy.update([feedback])
+        self._learned = True
+
+    def _save_policy(self, state: bytes | None = None):
+        """The next run's starting point (any shapes): the policy as it is now, once it has learned something in
+        this run."""
+        if self._learned:
+            self.db.save_policy_state(f"policy:{self.policy_name}",
+                                      state if state is not None else _dumps_state(self.policy.state_dict()))
 
     def _legalize(self, st: ShapeState, proposals, parent: Member | None, limit: int | None) -> list:
         """(proposal, child, "new" | "illegal" | "duplicate", detail) per proposal, cut after the last new one the
@@ -554,38 +660,30 @@ class Search:
         return keep
 
     def _build(self, kernels: list[tuple[Kernel, str | None]]):
-        """Lower and compile the kernels not built yet in this run, in parallel (the compile cache is on disk)."""
-        from l2ir.backends.registry import lower
-
-        todo = []
+        """Lower and compile the kernels this run has not built yet, in one parallel batch through the pipeline
+        (each kernel once per problem class; the compile cache is on disk)."""
+        todo: dict[str, Candidate] = {}
         for k, backend in kernels:
             key = member_key(k, backend)
-            if key in self.builds:
-                continue
-            try:
-                plan = lower(k, self.pclass, backend)
-            except (L2IRError, NotImplementedError) as e:
-                self.builds[key] = Built(error=f"not lowered: {_first_line(e)}")
-                continue
-            self.builds[key] = Built(plan=plan)
-            todo.append(key)
-        if self.config.mode == "standin":
-            for key in todo:
-                self.builds[key].artifact = _StandinArtifact()
-            return
-        if not todo:
-            return
-        from l2ir.backends.compile import CompileOptions, compile_many
+            if key not in self.builds and key not in todo:
+                todo[key] = Candidate(key[:12], k, "search", backend)
+        if todo:
+            for key, item in zip(todo, self.pipeline.prepare(list(todo.values()), self.pclass)):
+                self.builds[key] = item
 
-        opts = CompileOptions(cache_dir=self.config.cache_dir, jobs=self.config.compile_jobs,
-                              device_sm=self.config.device_sm)
-        results = compile_many([self.builds[k].plan for k in todo], opts)
-        for key, art in zip(todo, results):
-            b = self.builds[key]
-            b.artifact = art
-            b.compile_seconds = 0.0 if getattr(art, "cached", False) else art.compile_seconds
-            if not art.ok:
-                b.error = f"compile {art.reason}: {art.summary()} (reproduce: {art.repro or '-'})"
+    def _built(self, key: str, kernel: Kernel) -> Prepared:
+        """The build of `key`, carrying this very kernel (the build may have come from an equal one)."""
+        item = self.builds[key]
+        return dataclasses.replace(item, candidate=dataclasses.replace(item.candidate, kernel=kernel))
+
+    def _compile_seconds(self, key: str) -> float:
+        """The kernel's fresh compile seconds for the first edit that uses it, 0 after: paid once per kernel,
+        never per shape."""
+        if key in self._compile_paid:
+            return 0.0
+        self._compile_paid.add(key)
+        art = self.builds[key].artifact
+        return 0.0 if art is None or getattr(art, "cached", False) else float(art.compile_seconds)
 
     def _candidate(self, st: ShapeState, p, parent: Member | None, ctx, child: Kernel | None, verdict: str,
                    detail: str):
@@ -596,43 +694,43 @@ class Search:
         cost = 0.0
         member = None
         built = None
+        error = ""
         class_verdicts = None
+        compile_seconds = 0.0
+        key = member_key(child, p.backend) if child is not None else None
         if verdict == "new":
-            built = self.builds[member_key(child, p.backend)]
-            if built.error:
-                verdict, detail = "failed", built.error
+            built = self.builds[key]
+            error = _build_error(built)
+            compile_seconds = self._compile_seconds(key)
+            if error:
+                verdict, detail = "failed", error
             elif cfg.mode == "compile_only":
                 verdict, member = "compiled", Member(child, p.backend)
             else:
-                measurements, cost, class_verdicts = self._evaluate(st, child, built)
+                out = self.pipeline.evaluate(self._built(key, child), st.problem)
+                measurements, cost, class_verdicts = out.measurements, out.cost_s, out.class_verdicts
                 ms = measurements[0] if measurements else None
                 if ms is not None and ms.passed and ms.speedup:
                     verdict = "measured"
-                    from .db import spread_of
-
                     member = Member(child, p.backend, float(ms.speedup), spread_of(ms.to_json()) or 0.0)
                 else:
                     verdict = "failed"
-                    detail = _failure(measurements)
+                    detail = _failure(measurements) if (measurements or not out.error) else out.error[:300]
         reward = math.log(member.speedup) if member is not None and member.speedup else None
-        feedback = None
-        if ctx is not None:
-            from l2ir.policy.base import Feedback
-
-            fb_verdict = {"measured": "measured", "illegal": "illegal"}.get(verdict, "failed")
-            if verdict != "duplicate" and not (verdict == "compiled"):
-                feedback = Feedback(ctx, p, fb_verdict, reward, detail, child)
+        feedback = _feedback(ctx, p, verdict, reward, detail, child)
         if feedback is not None:
-            self.policy.update([feedback])
+            self._update(feedback)
         st.gpu_s += cost
         child_hash = child.content_hash() if child is not None else None
         with self.db.transaction():
+            if self._snapshot is not None:
+                self._save_run_state(*self._snapshot)
             if child is not None:
                 art = built.artifact if built is not None else None
                 res = getattr(art, "resources", None) or {}
                 self.db.add_kernel(child_hash, ir=child.text(), backend=p.backend, target=child.target.arch,
                                    compile_ok=None if art is None else bool(art.ok),
-                                   compile_error=(built.error or None) if built is not None else None,
+                                   compile_error=(error or None) if built is not None else None,
                                    resources={f: dataclasses.asdict(r) for f, r in res.items()
                                               if dataclasses.is_dataclass(r)} or None)
             if measurements:
@@ -640,57 +738,22 @@ class Search:
                                  measured=cfg.mode == "gpu")
             if class_verdicts is not None:
                 self.db.add_class_gates(child_hash, self.cls_text, self.env_id, class_verdicts)
-            self.db.add_edit(self.run_id, st.ptext, st.step, parent.kernel.content_hash() if parent else None,
-                             child_hash, self.policy_name if parent else "init", edit_text, verdict, detail,
-                             reward if reward is not None else
-                             FAIL_REWARD if verdict in ("illegal", "failed") else None,
-                             backend=p.backend, gpu_seconds=cost,
-                             compile_seconds=built.compile_seconds if built else 0.0)
-            if feedback is not None:
-                state = _dumps_state(self.policy.state_dict())
-                self.db.save_policy_state(f"run:{self.run_id}", state)          # this run's, for --resume
-                self.db.save_policy_state(f"policy:{self.policy_name}", state)  # the next run's starting point
-        if built is not None:
-            built.compile_seconds = 0.0          # paid once per kernel, never per shape
+            edit_id = self.db.add_edit(self.run_id, st.ptext, st.step,
+                                       parent.kernel.content_hash() if parent else None, child_hash,
+                                       self.policy_name if parent else "init", edit_text, verdict, detail,
+                                       reward if reward is not None else
+                                       FAIL_REWARD if verdict in ("illegal", "failed") else None,
+                                       backend=p.backend, gpu_seconds=cost, compile_seconds=compile_seconds)
+        self._snapshot = None
+        self._last_edit = edit_id
         self._count(st, verdict)
         st.last_step = st.step
         if child is not None:
-            st.seen.add(member_key(child, p.backend))
+            st.seen.add(key)
             st.history.append(_step(child, edit_text, reward))
         if member is not None:
             self._admit(st, member)
         self.progress(st, verdict)
-
-    def _evaluate(self, st: ShapeState, kernel: Kernel, built: Built):
-        """Measurements, GPU seconds and (when every class gate ran) the class verdicts to keep for the kernel."""
-        cfg = self.config
-        h = kernel.content_hash()
-        reused = None
-        if cfg.reuse_class_gates and self.env_id is not None:
-            reused = self.db.class_gates(h, self.cls_text, self.env_id)
-            if reused is not None and not all(v["passed"] for v in reused):
-                bad = next(v for v in reused if not v["passed"])
-                v = Verdict(bad["name"], False, f"reused from an earlier shape: {bad['detail']}")
-                return [Measurement(kernel_hash=h, problem=st.ptext, scenario="offline", verdicts=[v],
-                                    environment=dict(self.evaluator.environment))], 0.0, None
-        skip = tuple(CLASS_GATES) if (reused is not None and self._skip_ok) else ()
-        t0 = time.perf_counter()
-        kw = {"skip_gates": skip} if self._skip_ok else {}
-        ms = self.evaluator.evaluate(kernel, st.problem, built.plan, built.artifact, **kw)
-        cost = getattr(self.evaluator, "last_cost_s", None)
-        cost = (time.perf_counter() - t0) if cost is None else cost
-        if self.env_id is None and self.evaluator.environment:
-            self.env_id = environment_id(self.evaluator.environment)
-        for m in ms:
-            if skip:
-                m.verdicts += [Verdict(v["name"], v["passed"], f"reused (kernel and problem class): {v['detail']}",
-                                       v.get("skipped", False)) for v in reused]
-        new_class = None
-        if not skip and ms and not ms[0].errors:
-            got = [v.to_json() for v in ms[0].verdicts if v.name in CLASS_GATES]
-            if len(got) == len(CLASS_GATES):
-                new_class = got
-        return ms, cost, new_class
 
     # -- the end of a shape: re-time the winner on fresh samples --------------------------------------------------
 
@@ -707,13 +770,13 @@ class Search:
                 built = self.builds.get(m.key)
                 if built is None or built.artifact is None:
                     self._build([(m.kernel, m.backend)])
-                    built = self.builds[m.key]
-                if built.error:
+                if _build_error(self.builds[m.key]):
                     continue
-                t0 = time.perf_counter()
-                ms = self.retimer.evaluate(m.kernel, st.problem, built.plan, built.artifact)
-                c = getattr(self.retimer, "last_cost_s", None)
-                cost += (time.perf_counter() - t0) if c is None else c
+                # Gated again in full (no class gate taken from the search) and timed on fresh samples.
+                out = self.pipeline.evaluate(self._built(m.key, m.kernel), st.problem, evaluator=self.retimer,
+                                             class_gates=False)
+                ms = out.measurements
+                cost += out.cost_s
                 retimes.append((m, ms))
                 if ms and all(x.passed for x in ms):
                     by = {x.scenario: x for x in ms}
@@ -737,6 +800,7 @@ class Search:
                                  "selected_speedup": None if m.speedup is None else float(m.speedup)}
         summary["retime_gpu_seconds"] = cost
         st.gpu_s += cost
+        state = _dumps_state(self.policy.state_dict())
         with self.db.transaction():
             for m, ms in retimes:
                 recs = []
@@ -746,10 +810,26 @@ class Search:
                     recs.append(rec)
                 self.db.add_many(recs, run=self.run_id, purpose="retime", backend=m.backend,
                                  measured=cfg.mode == "gpu")
-            self.db.add_edit(self.run_id, st.ptext, st.last_step + 1, None, None, "loop", "end of shape", DONE,
-                             json.dumps(summary), gpu_seconds=0.0)
+            edit_id = self.db.add_edit(self.run_id, st.ptext, st.last_step + 1, None, None, "loop", "end of shape",
+                                       DONE, json.dumps(summary), gpu_seconds=0.0)
+            # Once per shape: the state for --resume (every feedback so far) and the next run's starting point.
+            self._save_run_state(state, edit_id, 0)
+            self._save_policy(state)
+        self._snapshot = None
+        self._last_edit = edit_id
         st.done = summary
         self.progress(st, DONE)
+
+
+def _feedback(ctx, p, verdict: str, reward: float | None, detail: str, child: Kernel | None):
+    """What the policy learns from one recorded candidate: nothing at step 0 (no context), from a duplicate or from
+    a kernel only compiled."""
+    if ctx is None or verdict in ("duplicate", "compiled"):
+        return None
+    from l2ir.policy.base import Feedback
+
+    return Feedback(ctx, p, {"measured": "measured", "illegal": "illegal"}.get(verdict, "failed"), reward, detail,
+                    child)
 
 
 def _failure(ms: list[Measurement]) -> str:

@@ -14,7 +14,14 @@
   shape; a compiler error is "compile_failed" with the command that reproduces it.
 - evaluate: an evaluator object with `evaluate(kernel, problem, plan, artifact, time_kernel=True) ->
   list[Measurement]` and `config.scenarios` (search/evaluator.py's `Evaluator`; tests pass a deterministic stand-in),
-  then every measurement goes to the store (search/records.py).
+  then every measurement goes to the store (search/records.py). A caller that writes more than the measurements
+  of a candidate in one transaction (the search loop: kernel row, measurements, edit, class gates) sets
+  `record=False` and writes `Outcome.measurements` itself.
+- class gates: the gates named in `PipelineConfig.class_gates` depend only on the kernel and the problem class, not
+  on M, N, K. With a store that keeps them (`class_gates` / `add_class_gates`, search/db.py) they run once per
+  kernel, class and environment: a kernel that failed one fails on every later shape without an evaluation, one
+  that passed them is evaluated with `skip_gates` and the kept verdicts are written into its measurement, marked
+  as reused.
 
 Usage:
     with Evaluator(EvalConfig()) as ev:
@@ -24,6 +31,7 @@ Usage:
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -33,10 +41,12 @@ from l2ir.backends.registry import lower
 from l2ir.errors import VerifyError
 from l2ir.nodes import Kernel, Problem
 from l2ir.runtime import LaunchPlan
-from l2ir.text import print_problem
+from l2ir.text import print_problem, print_problem_class
 from l2ir.verify import check_problem, verify
 
+from .db import environment_id
 from .evaluator import Measurement
+from .gates import Verdict
 from .records import MemoryStore, Store
 
 # Every scenario a measurement can carry (search/evaluator.py; "gates" = gates only, not timed).
@@ -64,6 +74,34 @@ class PipelineConfig:
     # True: reuse a stored measurement whatever binary made it (a report rebuilt on a machine that compiled
     # nothing new); False: only one made with this very binary (same source, flags, toolchain).
     any_binary: bool = False
+    # False: lower only, no compile (the evaluator is the stand-in cost model, search/standin.py); the artifact is
+    # UNCOMPILED.
+    compile_kernels: bool = True
+    # False: never answer from the store, measure every candidate (a search's selection samples must be its own).
+    reuse: bool = True
+    # False: the measurements are only returned (Outcome.measurements, Outcome.class_verdicts); the caller records.
+    record: bool = True
+    # Gates kept per kernel and problem class and reused across shapes (see the module docstring).
+    class_gates: tuple[str, ...] = ()
+    reuse_class_gates: bool = True   # False: run them on every shape (still kept for later runs)
+
+
+class _Uncompiled:
+    """The artifact of a kernel lowered but not compiled (PipelineConfig.compile_kernels=False)."""
+
+    ok = True
+    key = "uncompiled"
+    reason = ""
+    repro = ""
+    compile_seconds = 0.0
+    cached = True
+    resources: dict = {}
+
+    def summary(self) -> str:
+        return "not compiled"
+
+
+UNCOMPILED = _Uncompiled()
 
 
 @dataclass
@@ -93,6 +131,9 @@ class Outcome:
     plan: LaunchPlan | None = None
     artifact: CompileResult | None = None
     measurements: list[Measurement] = field(default_factory=list)
+    cost_s: float = 0.0              # GPU seconds the evaluation cost (the evaluator's own count, else wall time)
+    # The class gates' verdicts this evaluation produced, to keep for the kernel (None: none new to keep).
+    class_verdicts: list[dict] | None = None
 
     @property
     def kernel_hash(self) -> str:
@@ -134,6 +175,14 @@ def _measurements(records: list[dict]) -> list[Measurement]:
     return [Measurement.from_json({k: v for k, v in r.items() if k in _MEASUREMENT_FIELDS}) for r in records]
 
 
+def _takes(evaluator, option: str) -> bool:
+    """Whether the evaluator's `evaluate` accepts the keyword (an evaluator written before the option existed)."""
+    try:
+        return option in inspect.signature(evaluator.evaluate).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _scenarios(evaluator, time_kernel: bool) -> tuple[str, ...]:
     """The scenarios the evaluator's measurements will carry (search/evaluator.py: "gates" when not timed)."""
     scenarios = tuple(getattr(getattr(evaluator, "config", None), "scenarios", ()) or ())
@@ -152,6 +201,9 @@ class Pipeline:
         self._log = log or (lambda msg: None)
         self._prepared: dict[tuple, Prepared] = {}     # (problem class text, kernel hash, backend)
         self.compile_wall_s = 0.0
+        # The environment class gates are kept under: the evaluator's, once it reports one (a caller that resumes
+        # from records may set it before).
+        self.env_id: str | None = None
 
     # ---- legalize, dedupe, lower, compile -------------------------------------------------------------------
 
@@ -183,7 +235,10 @@ class Pipeline:
             out.append(item)
             if item.ok:
                 to_compile.append(item)
-        if to_compile:
+        if to_compile and not self.config.compile_kernels:
+            for item in to_compile:
+                item.artifact = UNCOMPILED
+        elif to_compile:
             t0 = time.perf_counter()
             try:
                 results = compile_many([p.plan for p in to_compile], self.config.compile)
@@ -222,12 +277,13 @@ class Pipeline:
     # ---- evaluate and record ---------------------------------------------------------------------------------
 
     def evaluate(self, item: Prepared, problem: Problem, evaluator=None, time_kernel: bool | None = None,
-                 scenarios: tuple[str, ...] | None = None, **options) -> Outcome | None:
+                 scenarios: tuple[str, ...] | None = None, class_gates: bool = True, **options) -> Outcome | None:
         """One prepared candidate on one problem: its failure status, a stored measurement ("reused") or a new one
-        ("evaluated", recorded in the store). `evaluator` overrides the pipeline's for this call. Without any
-        evaluator only stored measurements count (of `scenarios`, default all, whatever binary made them, even if
-        this machine could not compile the kernel): a candidate with none gives None. `options` go to the
-        evaluator's `evaluate` as they are (e.g. the stand-in's skip_gates)."""
+        ("evaluated", recorded in the store unless `record` is off). `evaluator` overrides the pipeline's for this
+        call. Without any evaluator only stored measurements count (of `scenarios`, default all, whatever binary
+        made them, even if this machine could not compile the kernel): a candidate with none gives None.
+        `class_gates=False` runs every gate whatever is kept (a winner gated again). `options` go to the
+        evaluator's `evaluate` as they are."""
         cand = item.candidate
         evaluator = evaluator if evaluator is not None else self.evaluator
         if not item.ok and not (evaluator is None and item.status == "compile_failed"):
@@ -243,20 +299,64 @@ class Pipeline:
             stored = [r for r in stored if r is not None]
             return Outcome(cand, problem, "reused", "", item.plan, item.artifact, _measurements(stored)) \
                 if stored else None
-        binary = None if self.config.any_binary else item.artifact.key
-        stored = [self.store.lookup(item.kernel_hash, ptext, s, binary) for s in _scenarios(evaluator, timed)]
-        if all(r is not None for r in stored) and not (
-                self.config.remeasure_errors and any(r.get("errors") for r in stored)):
-            return Outcome(cand, problem, "reused", "", item.plan, item.artifact, _measurements(stored))
+        if self.config.reuse:
+            binary = None if self.config.any_binary else item.artifact.key
+            stored = [self.store.lookup(item.kernel_hash, ptext, s, binary) for s in _scenarios(evaluator, timed)]
+            if all(r is not None for r in stored) and not (
+                    self.config.remeasure_errors and any(r.get("errors") for r in stored)):
+                return Outcome(cand, problem, "reused", "", item.plan, item.artifact, _measurements(stored))
+        gates = self.config.class_gates if class_gates else ()
+        cls_text = print_problem_class(problem)
+        kept = self._kept_class_gates(item.kernel_hash, cls_text, evaluator) if gates else None
+        if kept is not None and not all(v["passed"] for v in kept):
+            bad = next(v for v in kept if not v["passed"])
+            verdict = Verdict(bad["name"], False, f"reused from an earlier shape: {bad['detail']}")
+            ms = [Measurement(kernel_hash=item.kernel_hash, problem=ptext, scenario=s, verdicts=[verdict],
+                              environment=dict(getattr(evaluator, "environment", None) or {}))
+                  for s in _scenarios(evaluator, timed)]
+            return self._recorded(Outcome(cand, problem, "evaluated", "", item.plan, item.artifact, ms), cls_text)
+        skip = tuple(gates) if (kept is not None and _takes(evaluator, "skip_gates")) else ()
+        if skip:
+            options = {**options, "skip_gates": skip}
+        t0 = time.perf_counter()
         try:
             ms = evaluator.evaluate(cand.kernel, problem, item.plan, item.artifact, time_kernel=timed, **options)
         except Exception as e:  # noqa: BLE001 - the evaluator promises not to raise; if it does, the run goes on
             return Outcome(cand, problem, "evaluated", f"the evaluator failed: {_first_line(e)}", item.plan,
                            item.artifact)
-        for m in ms:
-            self.store.add(m, cand.name, cand.origin)
+        cost = getattr(evaluator, "last_cost_s", None)
+        cost = (time.perf_counter() - t0) if cost is None else cost
+        if self.env_id is None and getattr(evaluator, "environment", None):
+            self.env_id = environment_id(evaluator.environment)
+        new_class = None
+        if skip:
+            for m in ms:
+                m.verdicts += [Verdict(v["name"], v["passed"], f"reused (kernel and problem class): {v['detail']}",
+                                       v.get("skipped", False)) for v in kept]
+        elif gates and ms and not ms[0].errors:
+            got = [v.to_json() for v in ms[0].verdicts if v.name in gates]
+            if len(got) == len(gates):
+                new_class = got
         errors = [e for m in ms for e in m.errors]
-        return Outcome(cand, problem, "evaluated", errors[0] if errors else "", item.plan, item.artifact, list(ms))
+        return self._recorded(Outcome(cand, problem, "evaluated", errors[0] if errors else "", item.plan,
+                                      item.artifact, list(ms), cost, new_class), cls_text)
+
+    def _kept_class_gates(self, kernel_hash: str, cls_text: str, evaluator) -> list[dict] | None:
+        env_id = self.env_id
+        if env_id is None and getattr(evaluator, "environment", None):
+            env_id = environment_id(evaluator.environment)
+        if not self.config.reuse_class_gates or env_id is None or not hasattr(self.store, "class_gates"):
+            return None
+        return self.store.class_gates(kernel_hash, cls_text, env_id)
+
+    def _recorded(self, outcome: Outcome, cls_text: str) -> Outcome:
+        if self.config.record:
+            cand = outcome.candidate
+            for m in outcome.measurements:
+                self.store.add(m, cand.name, cand.origin)
+            if outcome.class_verdicts is not None and self.env_id and hasattr(self.store, "add_class_gates"):
+                self.store.add_class_gates(outcome.kernel_hash, cls_text, self.env_id, outcome.class_verdicts)
+        return outcome
 
     def run(self, candidates: Iterable[Candidate], problems: Iterable[Problem]) -> list[Outcome]:
         """Every candidate on every problem: one Outcome per (problem, candidate), problems in order, candidates in

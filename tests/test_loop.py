@@ -371,7 +371,7 @@ class FakeArtifact:
 
 
 def test_compile_only_builds_each_kernel_once_for_all_shapes(tmp_path, monkeypatch):
-    import l2ir.backends.compile as bc
+    import l2ir.search.pipeline as pipeline_mod
 
     calls = []
 
@@ -379,7 +379,7 @@ def test_compile_only_builds_each_kernel_once_for_all_shapes(tmp_path, monkeypat
         calls.append(len(plans))
         return [FakeArtifact(f"{len(calls)}-{i}") for i in range(len(plans))]
 
-    monkeypatch.setattr(bc, "compile_many", fake_compile_many)
+    monkeypatch.setattr(pipeline_mod, "compile_many", fake_compile_many)
     db = RecordsDB(tmp_path / "r.db")
     cfg = TuneConfig(shapes=SHAPES, mode="compile_only", budget_candidates=8)
     s = Search(cfg, db)
@@ -460,7 +460,7 @@ def test_interleaved_rounds_resume_after_a_kill_mid_write(tmp_path, monkeypatch)
 
 
 def test_interleaved_rounds_build_many_shapes_at_once(tmp_path, monkeypatch):
-    import l2ir.backends.compile as bc
+    import l2ir.search.pipeline as pipeline_mod
 
     def count(interleave):
         calls = []
@@ -469,7 +469,7 @@ def test_interleaved_rounds_build_many_shapes_at_once(tmp_path, monkeypatch):
             calls.append(len(plans))
             return [FakeArtifact(f"{len(calls)}-{i}") for i in range(len(plans))]
 
-        monkeypatch.setattr(bc, "compile_many", fake_compile_many)
+        monkeypatch.setattr(pipeline_mod, "compile_many", fake_compile_many)
         db = RecordsDB(tmp_path / f"r{interleave}.db")
         s = Search(TuneConfig(shapes=SHAPES, mode="compile_only", budget_candidates=14, interleave=interleave), db)
         s.run()
@@ -536,3 +536,123 @@ def test_the_evaluator_skips_only_the_class_gates_it_is_told_to(defect):
 
     from l2ir.search.evaluator import Evaluator
     assert "skip_gates" in inspect.signature(Evaluator.evaluate).parameters   # so the loop passes it
+
+
+@pytest.mark.parametrize("name", ["random", "rules", "learned"])
+def test_every_policy_by_name_makes_the_same_proposals_for_a_seed(tmp_path, name):
+    runs = [_tune_named(RecordsDB(tmp_path / f"{i}.db"), name, 3) for i in range(2)]
+    assert trace(runs[0].db, runs[0].run_id) == trace(runs[1].db, runs[1].run_id)
+    assert any(e["policy"] == name for e in runs[0].db.edits(runs[0].run_id))
+
+
+def _tune_named(db, name, seed, shapes=SHAPES[:1], budget=9, **kw):
+    cfg = TuneConfig(shapes=shapes, mode="standin", budget_candidates=budget, init_size=3, policy=name, seed=seed,
+                     **kw)
+    ev, rt = evaluators(seed)
+    s = Search(cfg, db, ev, rt)
+    s.run()
+    return s
+
+
+def test_the_runs_seed_reaches_a_policy_that_takes_one(tmp_path):
+    from l2ir.search.loop import _policy
+
+    a, b = _policy("learned", 5), _policy("learned", 6)
+    assert a.config()["seed"] == 5 and b.config()["seed"] == 6
+    assert a.state_dict()["weights"] != b.state_dict()["weights"]
+    assert _policy("learned", 5).state_dict() == a.state_dict()
+    assert _policy("random", 5).name == "random"        # draws from the context's seed; its factory takes none
+    s = Search(TuneConfig(shapes=SHAPES[:1], mode="standin", policy="learned", seed=7), RecordsDB(tmp_path / "r.db"),
+               *evaluators(7))
+    assert s.policy.config()["seed"] == 7
+
+
+def test_a_new_run_starts_from_the_stored_state_of_its_policy(tmp_path):
+    import json
+
+    db = RecordsDB(tmp_path / "r.db")
+    first = _tune_named(db, "learned", 0)
+    stored = json.loads(db.load_policy_state("policy:learned")[1:])
+    assert stored["updates"] > 0 and stored == first.policy.state_dict()
+    # Another seed would start from other weights; the stored state wins, on other shapes.
+    second = Search(TuneConfig(shapes=SHAPES[1:2], mode="standin", policy="learned", seed=1), db, *evaluators(1))
+    second.start()
+    assert second.policy.state_dict()["weights"] == stored["weights"]
+    assert second.policy.updates == stored["updates"]
+    second.run()
+    assert json.loads(db.load_policy_state("policy:learned")[1:])["updates"] > stored["updates"]
+    # A policy of another name does not pick it up.
+    other = Search(TuneConfig(shapes=SHAPES[1:2], mode="standin", policy="random"), db, *evaluators())
+    other.start()
+    assert db.load_policy_state("policy:random") is None
+
+
+class Tally(StatelessPolicy):
+    """A learning policy whose proposals depend on everything it has learned (how much feedback, what rewards):
+    a resume that gives it any other state, or its feedback in another order, makes other proposals."""
+
+    name = "tally"
+
+    def __init__(self):
+        from l2ir.policy.base import get_policy
+
+        self.inner = get_policy("random")
+        self.count, self.total = 0, 0.0
+
+    def propose(self, context):
+        import dataclasses
+
+        shift = self.count * 7 + int(abs(self.total) * 1000)
+        return self.inner.propose(dataclasses.replace(context, seed=context.seed + shift))
+
+    def update(self, feedback):
+        for f in feedback:
+            self.count += 1
+            self.total = self.total * 0.5 + (f.reward if f.reward is not None else -1.0)
+
+    def state_dict(self):
+        return {"count": self.count, "total": self.total}
+
+    def load_state_dict(self, state):
+        self.count, self.total = state["count"], state["total"]
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_a_learning_policys_state_is_saved_once_per_step_and_resumes_exactly(tmp_path, interleave):
+    from l2ir.policy.base import register_policy
+
+    register_policy("tally", Tally)
+    shapes, kw = SHAPES[:2], dict(budget=10, interleave=interleave)
+    ref_db = RecordsDB(tmp_path / "ref.db")
+    saves = []
+    real_save = ref_db.save_policy_state
+    ref_db.save_policy_state = lambda name, state: (saves.append(name), real_save(name, state))[1]
+    ref = _tune_named(ref_db, "tally", 0, shapes, **kw)
+    expect = trace(ref_db, ref.run_id)
+    learned = [e for e in ref_db.edits(ref.run_id) if e["step"] > 0 and e["verdict"] not in ("duplicate", DONE)]
+    steps = {(e["problem"], e["step"]) for e in learned}
+    # Once per step (and shape), not once per candidate.
+    assert saves.count(f"run:{ref.run_id}") <= len(steps) + len(shapes) + 1 < len(learned) + len(shapes) + 1
+    rounds = max(e["step"] for e in learned)
+    assert saves.count("policy:tally") <= len(shapes) + (rounds if interleave else 0) < len(learned)
+    final = ref_db.load_policy_state("policy:tally")
+    for n in range(1, len(expect) + 1):
+        db = RecordsDB(tmp_path / f"r{n}.db")
+        cfg = TuneConfig(shapes=shapes, mode="standin", budget_candidates=10, init_size=3, policy="tally",
+                         interleave=interleave)
+        s = Search(cfg, db, *evaluators())
+        real, calls = db.add_edit, {"n": 0}
+
+        def dying(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise Crash(f"killed at write {n}")
+            return real(*a, **k)
+
+        db.add_edit = dying
+        with pytest.raises(Crash):
+            s.run()
+        db.add_edit = real
+        Search.resume(db, s.run_id, *evaluators()).run()
+        assert trace(db, s.run_id) == expect, f"crash at write {n}"
+        assert db.load_policy_state("policy:tally") == final, f"crash at write {n}"

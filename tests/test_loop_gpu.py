@@ -3,7 +3,6 @@ against torch.matmul, recorded in the DB under the GPU's environment, the winner
 gates reused on a second shape, and a kill -9 in the middle of a run resumed."""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,22 +12,7 @@ import pytest
 
 from l2ir.search.db import RecordsDB, environment_id
 from l2ir.search.loop import CLASS_GATES, DONE, Search, TuneConfig
-
-
-def _gpu_ready() -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    try:
-        from cuda.bindings import driver  # noqa: F401
-    except ImportError:
-        return "cuda-python is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU"
-    if shutil.which("nvcc") is None:
-        return "nvcc is not on PATH"
-    return None
+from test_evaluator_gpu import _gpu_ready
 
 
 SKIP = _gpu_ready()
