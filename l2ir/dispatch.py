@@ -191,7 +191,8 @@ def _libcuda():
 
 
 class Runner:
-    """One kernel loaded on one device. `__call__(a, b, c, m, n, k, device, stream)` takes data pointers."""
+    """One kernel loaded on one device. `__call__(a, b, c, m, n, k, like, stream)` takes data pointers; `like`
+    is a tensor on the device (a workspace is allocated beside it)."""
 
     def __init__(self, spec: KernelSpec, device: int):
         from .indexing import parse_expr
@@ -225,12 +226,12 @@ class Runner:
         self._geom[(m, n, k)] = geo
         return geo
 
-    def __call__(self, a: int, b: int, c: int, m: int, n: int, k: int, device: torch.device, stream: int):
+    def __call__(self, a: int, b: int, c: int, m: int, n: int, k: int, like: torch.Tensor, stream: int):
         grids, ws_bytes = self._geom.get((m, n, k)) or self._geometry(m, n, k)
         ws_ptr, ws_t = 0, None
         if ws_bytes:
             ws_t = (torch.zeros if self.plan.zero_workspace else torch.empty)(ws_bytes, dtype=torch.uint8,
-                                                                              device=device)
+                                                                              device=like.device)
             ws_ptr = ws_t.data_ptr()
         if self._fast is None:
             self.launcher(a, b, c, m, n, k, ws_ptr, ws_bytes, stream)
@@ -361,38 +362,40 @@ class Dispatcher:
                       "L2IR kernel" if reason == "l2ir" else f"torch.matmul ({reason})")
 
     def route(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None):
-        """(reason, runner, m, n, k): runner is None for every fallback reason."""
+        """(reason, runner, m, n, k, device index): runner is None for every fallback reason."""
         if self.package is None:
-            return "no_package", None, 0, 0, 0
+            return "no_package", None, 0, 0, 0, 0
         dev = a.device
         if dev.type != self.device_type or b.device != dev:
-            return "cpu", None, 0, 0, 0
+            return "cpu", None, 0, 0, 0, 0
         dt = a.dtype
         if dt not in _DTYPES or b.dtype != dt:
-            return "dtype", None, 0, 0, 0
-        if b.dim() != 2 or a.dim() < 2:
-            return "batch", None, 0, 0, 0
+            return "dtype", None, 0, 0, 0, 0
+        nd = a.dim()
+        if b.dim() != 2 or nd < 2:
+            return "batch", None, 0, 0, 0, 0
         k, n = b.shape
-        if a.dim() == 2:
-            m = a.shape[0]
+        if nd == 2:
+            m, ka = a.shape
             la = _layout(a, m, k)
         elif a.is_contiguous():
+            ka = a.shape[-1]
             m = a.numel() // k if k else 0
             la = "row"
         else:
-            return "batch", None, 0, 0, 0
-        if a.shape[-1] != k:
-            return "batch", None, 0, 0, 0       # torch.matmul raises its own shape error
+            return "batch", None, 0, 0, 0, 0
+        if ka != k:
+            return "batch", None, 0, 0, 0, 0    # torch.matmul raises its own shape error
         if m == 0 or n == 0 or k == 0:
-            return "empty", None, m, n, k
+            return "empty", None, m, n, k, 0
         lb = _layout(b, k, n)
         if la is None or lb is None:
-            return "noncontiguous", None, m, n, k
+            return "noncontiguous", None, m, n, k, 0
         if (a.data_ptr() | b.data_ptr()) & 15:
-            return "misaligned", None, m, n, k
+            return "misaligned", None, m, n, k, 0
         if out is not None and (out.device != dev or out.dtype != dt or not out.is_contiguous()
                                 or out.shape != a.shape[:-1] + (n,) or out.data_ptr() & 15):
-            return "out", None, m, n, k
+            return "out", None, m, n, k, 0
         rkey = (m, n, k, dt, la, lb)
         hit = self._routes.get(rkey)
         if hit is None:
@@ -400,23 +403,25 @@ class Dispatcher:
             self._routes[rkey] = hit
         key, reason = hit
         if key is None:
-            return reason, None, m, n, k
-        index = dev.index if dev.index is not None else 0
+            return reason, None, m, n, k, 0
+        index = dev.index or 0
         state = self._devices.get(index) or self._device(index)
         if not state["ok"]:
-            return "environment", None, m, n, k
+            return "environment", None, m, n, k, index
         runner = state["runners"].get(key) or self._runner(state, key, index)
         if isinstance(runner, Exception):
-            return "load_failed", None, m, n, k
-        return "l2ir", runner, m, n, k
+            return "load_failed", None, m, n, k, index
+        return "l2ir", runner, m, n, k, index
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        reason, runner, m, n, k = self.route(a, b, out)
+        reason, runner, m, n, k, index = self.route(a, b, out)
         if runner is not None:
-            c = out if out is not None else torch.empty(a.shape[:-1] + (n,), dtype=a.dtype, device=a.device)
-            index = a.device.index if a.device.index is not None else 0
+            if out is not None:
+                c = out
+            else:
+                c = a.new_empty((m, n)) if a.dim() == 2 else a.new_empty(a.shape[:-1] + (n,))
             try:
-                runner(a.data_ptr(), b.data_ptr(), c.data_ptr(), m, n, k, a.device, self.current_stream(index))
+                runner(a.data_ptr(), b.data_ptr(), c.data_ptr(), m, n, k, a, self.current_stream(index))
             except Exception as e:  # noqa: BLE001 - a refused launch is answered by torch.matmul, and remembered
                 self._devices[index]["runners"][next(key for key, r in self._devices[index]["runners"].items()
                                                      if r is runner)] = e
@@ -513,14 +518,18 @@ def _matmul_out_fake(a, b, out):
     return None
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """torch.matmul(a, b, out=out), through L2IR's tuned kernels where the loaded package serves the shape."""
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        if not torch.compiler.is_compiling():
+    if (a.requires_grad or b.requires_grad) and torch.is_grad_enabled():
+        if not _is_compiling():
             _dispatcher()._count("autograd")
         return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
-    if not torch.compiler.is_compiling() and type(a) is torch.Tensor and type(b) is torch.Tensor:
-        return _dispatcher().run(a, b, out)          # eager: the op's own implementation, without the op dispatch
+    if type(a) is torch.Tensor and type(b) is torch.Tensor and not _is_compiling():
+        # Eager: the op's own implementation, without the op dispatch (a few microseconds a call).
+        return (_STATE["dispatcher"] or _dispatcher()).run(a, b, out)
     if out is None:
         return torch.ops.l2ir.matmul(a, b)
     torch.ops.l2ir.matmul_out(a, b, out)

@@ -35,7 +35,7 @@ class HostRunner:
         self.b_col = ":col" in spec.problem_class.split()[1]
         self.calls = 0
 
-    def __call__(self, a, b, c, m, n, k, device, stream):
+    def __call__(self, a, b, c, m, n, k, like, stream):
         self.calls += 1
         A = _array(a, m * k).reshape(m, k).astype(np.float32)
         B = _array(b, k * n).reshape(n, k).T if self.b_col else _array(b, k * n).reshape(k, n)
