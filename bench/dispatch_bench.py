@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -37,7 +38,8 @@ def build_package(db_path: Path, work: Path, cache: str, targets: tuple[str, ...
     from l2ir.search.evaluator import environment
 
     here = environment(0)
-    src = RecordsDB(db_path)
+    shutil.copyfile(db_path, work / "source.db")         # opening a DB may migrate it: never touch the original
+    src = RecordsDB(work / "source.db")
     eid = export.choose_environment(src, None)
     measured_on = src.environment(eid)
     dst = RecordsDB(work / "bench.db")
