@@ -235,3 +235,21 @@ def test_cli_export_with_a_real_nvcc_compile(tmp_path, capsys):
     assert spec.binary == "kernel.cubin" and cubin[:4] == b"\x7fELF"
     assert spec.plan["launches"][0]["entry"] == "naive_gemm"
     assert "naive_gemm" in (spec.dir / "kernel.cu").read_text()
+
+
+def test_scenario_and_target_filter(tmp_path, capsys):
+    rows = [record(K1, (256, 256, 256), 1.2), record(K1, (256, 256, 256), 0.9, scenario="server"),
+            record(K3, (128, 128, 128), 1.3, scenario="server")]
+    with make_db(tmp_path / "r.db", rows, {K1: SM80, K3: SOURCE}) as db:
+        export.export(db, tmp_path / "srv", scenario="server", cache_dir=str(tmp_path / "c"), build=fake_build,
+                      log=lambda s: None)
+        got, _ = entries(tmp_path / "srv")
+        assert got[(256, 256, 256, CLS_COL)]["kernel"] is None              # offline's win does not count here
+        assert got[(128, 128, 128, CLS_COL)]["kernel"] == K3
+        export.export(db, tmp_path / "off", cache_dir=str(tmp_path / "c"), build=fake_build, log=lambda s: None,
+                      accept=lambda row: None if "source" not in row["ir"] else "no Source kernels")
+        got, _ = entries(tmp_path / "off")
+        assert set(got) == {(256, 256, 256, CLS_COL)} and got[(256, 256, 256, CLS_COL)]["kernel"] == K1
+    with pytest.raises(SystemExit) as exc:
+        main(["export", "--db", str(tmp_path / "r.db"), "--out", str(tmp_path / "bad"), "--scenario", "x"])
+    assert exc.value.code == 2 and "invalid choice: 'x'" in capsys.readouterr().err
