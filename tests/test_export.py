@@ -239,7 +239,7 @@ def test_cli_export_with_a_real_nvcc_compile(tmp_path, capsys):
 
 def test_scenario_and_target_filter(tmp_path, capsys):
     rows = [record(K1, (256, 256, 256), 1.2), record(K1, (256, 256, 256), 0.9, scenario="server"),
-            record(K3, (128, 128, 128), 1.3, scenario="server")]
+            record(K3, (128, 128, 128), 1.3, scenario="server"), record(K3, (128, 128, 128), 1.3)]
     with make_db(tmp_path / "r.db", rows, {K1: SM80, K3: SOURCE}) as db:
         export.export(db, tmp_path / "srv", scenario="server", cache_dir=str(tmp_path / "c"), build=fake_build,
                       log=lambda s: None)
@@ -249,7 +249,9 @@ def test_scenario_and_target_filter(tmp_path, capsys):
         export.export(db, tmp_path / "off", cache_dir=str(tmp_path / "c"), build=fake_build, log=lambda s: None,
                       accept=lambda row: None if "source" not in row["ir"] else "no Source kernels")
         got, _ = entries(tmp_path / "off")
-        assert set(got) == {(256, 256, 256, CLS_COL)} and got[(256, 256, 256, CLS_COL)]["kernel"] == K1
+        assert got[(256, 256, 256, CLS_COL)]["kernel"] == K1
+        assert got[(128, 128, 128, CLS_COL)]["kernel"] is None and "no Source kernels" in got[
+            (128, 128, 128, CLS_COL)]["reason"]
     with pytest.raises(SystemExit) as exc:
         main(["export", "--db", str(tmp_path / "r.db"), "--out", str(tmp_path / "bad"), "--scenario", "x"])
     assert exc.value.code == 2 and "invalid choice: 'x'" in capsys.readouterr().err
