@@ -203,16 +203,10 @@ def apply_action(kernel: Kernel, problem: Problem, action: Action, arch: str = "
     t, p, sw = kernel.tile, kernel.pipeline, kernel.swizzle or Swizzle()
     tma = p.mode == "tma_ws"
     new: Kernel | None = None
-    if knob == "block":
-        node = _set(t, block=v)
-        new = node and kernel.replace(tile=node)
-    elif knob == "warps":
-        if tma:
+    if knob in ("block", "warps", "cluster"):
+        if knob == "warps" and tma:
             return None          # fixed by the schedule
-        node = _set(t, warps=v)
-        new = node and kernel.replace(tile=node)
-    elif knob == "cluster":
-        node = _set(t, cluster=v)
+        node = _set(t, **{knob: v})
         new = node and kernel.replace(tile=node)
     elif knob == "stages":
         new = kernel.replace(pipeline=dataclasses.replace(p, stages=v))

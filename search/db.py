@@ -446,8 +446,12 @@ class RecordsDB:
             return cur.lastrowid
 
     def edits(self, run: int, problem: str | None = None) -> list[dict]:
-        where, args = _where(run=run, problem=problem)
-        cur = self.conn.execute(f"SELECT * FROM edits{where} ORDER BY id", args)
+        return self._rows("edits", run=run, problem=problem)
+
+    def _rows(self, table: str, **conds) -> list[dict]:
+        """The rows of `table` that match `conds` (a None condition matches all), oldest first, as dicts."""
+        where, args = _where(**conds)
+        cur = self.conn.execute(f"SELECT * FROM {table}{where} ORDER BY id", args)
         cols = [c[0] for c in cur.description]
         return [dict(zip(cols, r)) for r in cur.fetchall()]
 
@@ -471,15 +475,10 @@ class RecordsDB:
 
     def llm_calls(self, run: int | None = None) -> list[dict]:
         """Model calls (a run's, or all), oldest first, JSON columns decoded."""
-        where, args = (" WHERE run=?", (run,)) if run is not None else ("", ())
-        cur = self.conn.execute(f"SELECT * FROM llm_calls{where} ORDER BY id", args)
-        cols = [c[0] for c in cur.description]
-        out = []
-        for r in cur.fetchall():
-            d = dict(zip(cols, r))
+        out = self._rows("llm_calls", run=run)
+        for d in out:
             for k in ("errors", "proposals", "outcomes"):
                 d[k] = json.loads(d[k]) if d[k] else []
-            out.append(d)
         return out
 
     def save_policy_state(self, name: str, state: bytes):

@@ -65,26 +65,33 @@ class Crash(Exception):
     pass
 
 
-def test_resume_after_a_kill_mid_write_gives_the_uninterrupted_run(tmp_path, monkeypatch):
+def killed_run(db, cfg, method, n):
+    """A run of `cfg` on `db` whose n-th call of `db.<method>` dies inside the candidate's transaction (as a kill -9
+    there would); the method is put back afterwards. Returns the killed Search."""
+    s = Search(cfg, db, *evaluators(cfg.seed))
+    real, calls = getattr(db, method), {"n": 0}
+
+    def dying(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise Crash(f"killed at call {n} of {method}")
+        return real(*a, **k)
+
+    setattr(db, method, dying)
+    try:
+        with pytest.raises(Crash):
+            s.run()
+    finally:
+        setattr(db, method, real)
+    return s
+
+
+def test_resume_after_a_kill_mid_write_gives_the_uninterrupted_run(tmp_path):
     ref = tune(RecordsDB(tmp_path / "ref.db"), seed=5)
     db = RecordsDB(tmp_path / "r.db")
     cfg = TuneConfig(shapes=SHAPES, mode="standin", budget_candidates=12, seed=5)
-    ev, rt = evaluators(5)
-    s = Search(cfg, db, ev, rt)
-    real_add_edit = db.add_edit
-    calls = {"n": 0}
-
-    def dying_add_edit(*a, **k):
-        # The 17th candidate dies after its measurements were written inside the transaction, before its edit.
-        calls["n"] += 1
-        if calls["n"] == 17:
-            raise Crash("kill -9 in the middle of a candidate's records")
-        return real_add_edit(*a, **k)
-
-    monkeypatch.setattr(db, "add_edit", dying_add_edit)
-    with pytest.raises(Crash):
-        s.run()
-    monkeypatch.setattr(db, "add_edit", real_add_edit)
+    # The 17th candidate dies after its measurements were written inside the transaction, before its edit.
+    s = killed_run(db, cfg, "add_edit", 17)
     assert db.run(s.run_id)["status"] == "failed: Crash"
     assert len(db.edits(s.run_id)) == 16
     # The half-written candidate left nothing: every measurement belongs to a recorded edit.
@@ -429,25 +436,12 @@ def test_a_learning_policys_state_carries_over_to_the_next_run(tmp_path):
     assert db.load_policy_state("policy:counter") is not None
 
 
-def test_interleaved_rounds_resume_after_a_kill_mid_write(tmp_path, monkeypatch):
+def test_interleaved_rounds_resume_after_a_kill_mid_write(tmp_path):
     ref = tune(RecordsDB(tmp_path / "ref.db"), seed=6, interleave=True)
     db = RecordsDB(tmp_path / "r.db")
     cfg = TuneConfig(shapes=SHAPES, mode="standin", budget_candidates=12, seed=6, interleave=True)
-    ev, rt = evaluators(6)
-    s = Search(cfg, db, ev, rt)
-    real = db.add_many
-    calls = {"n": 0}
-
-    def dying(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 25:                    # in a round after step 0: shapes are mid-step at different points
-            raise Crash("kill -9 while writing a measurement")
-        return real(*a, **k)
-
-    monkeypatch.setattr(db, "add_many", dying)
-    with pytest.raises(Crash):
-        s.run()
-    monkeypatch.setattr(db, "add_many", real)
+    # Dies writing the 25th measurement, in a round after step 0: shapes are mid-step at different points.
+    s = killed_run(db, cfg, "add_many", 25)
     steps = {e["step"] for e in db.edits(s.run_id)}
     assert max(steps) >= 1
     ev, rt = evaluators(6)
@@ -490,20 +484,7 @@ def test_a_crash_at_any_write_resumes_to_the_uninterrupted_run(tmp_path):
     for n in range(1, len(expect) + 1):
         db = RecordsDB(tmp_path / f"r{n}.db")
         cfg = TuneConfig(shapes=shapes, mode="standin", budget_candidates=7, init_size=3, seed=9)
-        ev, rt = evaluators(9)
-        s = Search(cfg, db, ev, rt)
-        real, calls = db.add_edit, {"n": 0}
-
-        def dying(*a, **k):
-            calls["n"] += 1
-            if calls["n"] == n:
-                raise Crash(f"killed at write {n}")
-            return real(*a, **k)
-
-        db.add_edit = dying
-        with pytest.raises(Crash):
-            s.run()
-        db.add_edit = real
+        s = killed_run(db, cfg, "add_edit", n)
         assert len(db.edits(s.run_id)) == n - 1
         ev, rt = evaluators(9)
         Search.resume(db, s.run_id, ev, rt).run()
@@ -640,19 +621,8 @@ def test_a_learning_policys_state_is_saved_once_per_step_and_resumes_exactly(tmp
         db = RecordsDB(tmp_path / f"r{n}.db")
         cfg = TuneConfig(shapes=shapes, mode="standin", budget_candidates=10, init_size=3, policy="tally",
                          interleave=interleave)
-        s = Search(cfg, db, *evaluators())
-        real, calls = db.add_edit, {"n": 0}
-
-        def dying(*a, **k):
-            calls["n"] += 1
-            if calls["n"] == n:
-                raise Crash(f"killed at write {n}")
-            return real(*a, **k)
-
-        db.add_edit = dying
-        with pytest.raises(Crash):
-            s.run()
-        db.add_edit = real
+        s = killed_run(db, cfg, "add_edit", n)
+        assert len(db.edits(s.run_id)) == n - 1
         Search.resume(db, s.run_id, *evaluators()).run()
         assert trace(db, s.run_id) == expect, f"crash at write {n}"
         assert db.load_policy_state("policy:tally") == final, f"crash at write {n}"

@@ -172,3 +172,76 @@ def test_real_compile_of_a_source_kernel_and_a_broken_one(tmp_path):
     assert "floot" in prepared[1].error and "reproduce:" in prepared[1].error
     out = pipe.run([Candidate("naive", naive), Candidate("broken", broken)], [Problem(256, 256, 256, b=("f16", "col"))])
     assert [o.status for o in out] == ["evaluated", "compile_failed"]
+
+
+def test_the_search_loops_options_lower_only_measure_afresh_and_leave_recording_to_the_caller(compiles):
+    from l2ir.search.pipeline import UNCOMPILED
+
+    ev = StandIn()
+    store = MemoryStore()
+    pipe = Pipeline(PipelineConfig(compile_kernels=False, reuse=False, record=False), ev, store)
+    [item] = pipe.prepare([Candidate("example", SM80)], CLASS)
+    assert item.ok and item.plan is not None and item.artifact is UNCOMPILED and not compiles
+    first = pipe.evaluate(item, Problem(256, 256, 256))
+    again = pipe.evaluate(item, Problem(256, 256, 256))
+    assert [first.status, again.status] == ["evaluated", "evaluated"] and len(ev.calls) == 2
+    assert first.measurements and not list(store)        # the caller records
+    # The same kernel named for another backend is another build, not a duplicate.
+    ptx = pipe.prepare([Candidate("ptx", SM80, backend="cuda_ptx_sm80")], CLASS)
+    assert ptx[0].ok and ptx[0].plan.source != item.plan.source
+
+
+class SkipCounting:
+    """The stand-in cost model, recording which gates each call was told to skip."""
+
+    def __init__(self, fail_one_in=10 ** 9):
+        from l2ir.search.standin import StandinConfig, StandinEvaluator
+
+        self.inner = StandinEvaluator(StandinConfig(("offline",), fail_one_in=fail_one_in))
+        self.config, self.environment, self.skips = self.inner.config, self.inner.environment, []
+
+    def evaluate(self, kernel, problem, plan=None, artifact=None, time_kernel=True, skip_gates=()):
+        self.skips.append((problem.shape, tuple(skip_gates)))
+        return self.inner.evaluate(kernel, problem, plan, artifact, time_kernel, skip_gates)
+
+
+@pytest.mark.parametrize("record", [True, False])
+def test_class_gates_run_once_per_kernel_and_class(tmp_path, record):
+    from l2ir.search.db import RecordsDB
+    from l2ir.search.loop import CLASS_GATES
+
+    db = RecordsDB(tmp_path / "r.db")
+    ev = SkipCounting()
+    pipe = Pipeline(PipelineConfig(compile_kernels=False, reuse=False, record=record, class_gates=CLASS_GATES), ev,
+                    db)
+    [item] = pipe.prepare([Candidate("example", SM80)], CLASS)
+    a = pipe.evaluate(item, Problem(256, 256, 256))
+    assert a.passed and {v["name"] for v in a.class_verdicts} == set(CLASS_GATES)
+    if not record:                       # the caller keeps them, with its other records
+        assert db.class_gates(item.kernel_hash, "a=f16:row b=f16:col c=f16:row acc=f32", pipe.env_id) is None
+        assert not db.measurements()
+        db.add_class_gates(item.kernel_hash, "a=f16:row b=f16:col c=f16:row acc=f32", pipe.env_id, a.class_verdicts)
+    else:
+        assert len(db.measurements()) == 1
+    b = pipe.evaluate(item, Problem(512, 256, 256))
+    assert b.passed and b.class_verdicts is None
+    assert ev.skips == [((256, 256, 256), ()), ((512, 256, 256), CLASS_GATES)]
+    assert all("reused" in v.detail for v in b.measurements[0].verdicts if v.name in CLASS_GATES)
+    # A winner gated again runs every gate.
+    c = pipe.evaluate(item, Problem(512, 256, 256), class_gates=False)
+    assert ev.skips[-1] == ((512, 256, 256), ()) and c.passed
+
+
+def test_a_kernel_that_failed_a_class_gate_fails_later_shapes_without_an_evaluation(tmp_path):
+    from l2ir.search.db import RecordsDB
+    from l2ir.search.loop import CLASS_GATES
+
+    ev = SkipCounting(fail_one_in=1)                      # every kernel fails the ragged-shapes gate
+    pipe = Pipeline(PipelineConfig(compile_kernels=False, reuse=False, class_gates=CLASS_GATES), ev,
+                    RecordsDB(tmp_path / "r.db"))
+    [item] = pipe.prepare([Candidate("example", SM80)], CLASS)
+    assert not pipe.evaluate(item, Problem(256, 256, 256)).passed and len(ev.skips) == 1
+    later = pipe.evaluate(item, Problem(512, 256, 256))
+    assert later.status == "evaluated" and not later.passed and len(ev.skips) == 1 and later.cost_s == 0.0
+    [v] = later.measurements[0].verdicts
+    assert v.name == "ragged_shapes" and "reused from an earlier shape" in v.detail
