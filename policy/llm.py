@@ -11,6 +11,11 @@ the project's grammar and checked as strictly as any other proposal.
                 the same conversation, `repairs` times per step; a candidate that later fails to compile or fails
                 a gate sends its error into the next step's prompt for that problem
 
+Constrained decoding (`constrained=True`, L2IR_LLM_CONSTRAINED=1; backends that score continuations: the local
+model): instead of free text, the model ranks the legal children of the edit operators (policy.actions) by the
+log-probability of their edit lines as its reply, and the step draws from that distribution. Every proposal parses
+and verifies by construction, and log p(edit | prompt) is the explicit policy a policy-gradient update trains.
+
 Host code is never run: a CUDA block with a host main(), a <<<...>>> launch, a CUDA runtime call (cudaMalloc,
 cudaMemcpy, ...) or a process/file call is refused whole, with the reason and its line, rather than cut down to its
 device code: a model that wrote host code has usually written a kernel against its own launch, not against the
@@ -231,11 +236,12 @@ class LLMPolicy:
 
     def __init__(self, backend: ModelBackend | None = None, repairs: int | None = None,
                  max_tokens: int | None = None, temperature: float | None = None, relatives: int = 2, db=None,
-                 run: int | None = None):
+                 run: int | None = None, constrained: bool | None = None):
         # `l2ir tune --policy llm` builds the policy with no arguments: these come from the environment then.
         repairs = repairs if repairs is not None else _env_int("L2IR_LLM_REPAIRS", 1)
         max_tokens = max_tokens if max_tokens is not None else _env_int("L2IR_LLM_MAX_TOKENS", 768)
         temperature = temperature if temperature is not None else _env_float("L2IR_LLM_TEMPERATURE", 0.7)
+        constrained = constrained if constrained is not None else bool(_env_int("L2IR_LLM_CONSTRAINED", 0))
         if repairs < 0 or relatives < 0 or max_tokens < 1:
             raise ValueError(f"LLMPolicy: repairs, relatives >= 0 and max_tokens >= 1, got {repairs}, {relatives}, "
                              f"{max_tokens}")
@@ -245,6 +251,10 @@ class LLMPolicy:
         self.temperature = temperature
         self.relatives = relatives
         self.db, self.run = db, run
+        if constrained and not callable(getattr(self.backend, "score", None)):
+            raise BackendError(f"constrained decoding needs a backend that scores continuations (the local model); "
+                               f"{type(self.backend).__name__} does not")
+        self.constrained = constrained
         self._pending: dict[int, _Call] = {}
         self._repair: dict[str, str] = {}         # problem text -> the last candidate's failure, for the next prompt
         self.stats = {"calls": 0, "errors": 0, "parsed": 0, "proposals": 0, "legal": 0, "measured": 0,
@@ -309,6 +319,8 @@ class LLMPolicy:
         messages = [{"role": "system", "content": system_prompt(ctx.arch)},
                     {"role": "user", "content": user_prompt(self.facts(ctx))}]
         seen = Dedupe.of(ctx)
+        if self.constrained:
+            return self._choose(ctx, messages, seen)
         out: list[Proposal] = []
         for attempt in range(self.repairs + 1):
             reply = self.backend.complete(messages, self.max_tokens, self.temperature,
@@ -352,6 +364,54 @@ class LLMPolicy:
                          {"role": "user", "content": "These parts were rejected; reply with corrected blocks:\n- "
                           + "\n- ".join(errors[:8])}]
         return out[:ctx.count]
+
+    def _choose(self, ctx: Context, messages: list, seen: Dedupe) -> list[Proposal]:
+        """Constrained decoding: the model ranks the legal children of the edit operators (policy.actions) by the
+        log-probability of their edit text as its reply, and `count` are drawn without replacement (Gumbel top-k
+        at the policy's temperature; greedy at 0). Every proposal parses and verifies by construction, and the
+        model's distribution over them is explicit, which is what a policy-gradient update trains."""
+        import time
+
+        import numpy as np
+
+        from .actions import ACTIONS, apply_action, diff_edits
+        from .base import try_legalize
+
+        options: list[tuple[Proposal, str]] = []
+        for a in ACTIONS:
+            made = apply_action(ctx.parent, ctx.problem, a, ctx.arch, ctx.backend)
+            if made is None:
+                continue
+            child, backend = made
+            if try_legalize(child, ctx.problem, backend) is None or not seen.fresh(child, backend):
+                continue
+            edits = diff_edits(ctx.parent, child)
+            if edits:
+                text = "".join(f"{e}\n" for e in edits)
+                options.append((Proposal(edits=edits, backend=backend, note=f"llm (constrained): {a}"), text))
+        if not options:
+            return []
+        t0 = time.monotonic()
+        scores = np.array(self.backend.score(messages, [text + "```" for _, text in options]))
+        latency = time.monotonic() - t0
+        self.stats["calls"] += 1
+        keys = scores / self.temperature + ctx.rng(salt=7).gumbel(size=len(scores)) if self.temperature > 0 \
+            else scores
+        picked = [int(i) for i in np.argsort(-keys)[:ctx.count]]
+        good = [(options[i][0], f"option {i}") for i in picked]
+        reply_text = "".join(f"```l2ir\n{options[i][1]}```\n" for i in picked)
+        self.stats["parsed"] += 1
+        self.stats["proposals"] += len(good)
+        self.stats["legal"] += len(good)
+        reply = Reply(reply_text, getattr(self.backend, "model", "?"), 0, 0, latency, 0.0)
+        call = self._record(ctx, json.dumps(messages), reply, "legal", [], good)
+        out = []
+        for (p, where), i in zip(good, picked):
+            tagged = Proposal(edits=p.edits, backend=p.backend,
+                              note=f"{p.note} (log p {scores[i]:.2f}" + (f", llm call {call.id})" if call.id else ")"))
+            self._pending[id(tagged)] = call
+            out.append(tagged)
+        return out
 
     def update(self, feedback: list[Feedback]) -> None:
         for fb in feedback:

@@ -257,6 +257,31 @@ class LocalBackend:
                          f"generation failed: {_short(str(e))}")
 
 
+    def score(self, messages: Sequence[Message], continuations: Sequence[str]) -> list[float]:
+        """The log-probability of each continuation as the start of the reply (after the prefill): what the
+        constrained mode of the LLM policy ranks legal edits by. The prompt is run once; each continuation reuses
+        its key/value cache, cut back to the prompt afterwards."""
+        torch = self.torch
+        prompt = self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        enc = self.tok(prompt + self.prefill, return_tensors="pt", add_special_tokens=False).to(self.device)
+        n = enc["input_ids"].shape[1]
+        scores = []
+        with torch.no_grad():
+            out = self.lm(**enc, use_cache=True)
+            cache = out.past_key_values
+            first = torch.log_softmax(out.logits[0, -1].float(), -1)
+            for text in continuations:
+                ids = self.tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(self.device)
+                lp = first[ids[0, 0]]
+                if ids.shape[1] > 1:
+                    o = self.lm(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+                    logp = torch.log_softmax(o.logits[0].float(), -1)
+                    lp = lp + logp.gather(1, ids[0, 1:, None]).sum()
+                    cache.crop(-(cache.get_seq_length() - n))   # negative: tokens to drop (old and new API)
+                scores.append(float(lp))
+        return scores
+
+
 class ScriptedBackend:
     """Replies from a list (taken in order, the last one repeated) or from a function of the messages."""
 

@@ -68,3 +68,19 @@ def test_the_local_model_generates_and_its_reply_is_parsed(local, tmp_path):
     assert (call["verdict"] == "legal") == bool(props)
     for p in props:
         p.apply(ctx.parent, PROBLEM)                  # what it hands the search has passed the checks
+
+
+def test_constrained_decoding_with_the_local_model_gives_only_legal_edits(local):
+    ctx = Context(problem=PROBLEM, parent=seed(PROBLEM, "sm90a"), count=3, seed=5)
+    messages = [{"role": "system", "content": "Reply with one L2IR edit."}, {"role": "user", "content": "Faster?"}]
+    # The scores are log-probabilities: a continuation is less likely than its own prefix.
+    short, long = local.score(messages, ["set pipeline", "set pipeline.stages = 4\n```"])
+    assert long < short < 0
+    pol = LLMPolicy(local, temperature=1.0, constrained=True)
+    t0 = time.monotonic()
+    props = pol.propose(ctx)
+    print(f"constrained step: {time.monotonic() - t0:.1f} s")
+    assert len(props) == 3 and len({p.text() for p in props}) == 3
+    for p in props:
+        p.apply(ctx.parent, PROBLEM)
+        assert "log p -" in p.note

@@ -5,6 +5,7 @@ against a chat-completions server on 127.0.0.1 (slow, malformed, truncated and e
 from __future__ import annotations
 
 import json
+import re
 import math
 import threading
 import time
@@ -431,3 +432,28 @@ def test_tune_policy_llm_standin_records_trajectories(tmp_path, monkeypatch):
     edits = [e for e in db.edits(run["id"]) if e["policy"] == "llm"]
     assert edits and {round(e["reward"], 9) for e in edits if e["verdict"] == "measured"} >= {
         round(o["reward"], 9) for o in outcomes if o["verdict"] == "measured"}
+
+
+def test_constrained_mode_ranks_legal_operator_edits_by_the_models_scores():
+    class Scorer(ScriptedBackend):
+        """Prefers deeper pipelines: the score is the stage count in the text, or -10."""
+
+        def score(self, messages, continuations):
+            self.scored = list(continuations)
+            out = []
+            for c in continuations:
+                m = re.match(r"set pipeline\.stages = (\d+)\n```$", c)
+                out.append(float(m.group(1)) if m else -10.0)
+            return out
+
+    be = Scorer([""])
+    pol = LLMPolicy(be, temperature=0.0, constrained=True)
+    props = pol.propose(ctx(count=2))
+    assert len(be.scored) > 10 and all(c.endswith("```") for c in be.scored)
+    legal_stages = sorted(int(m.group(1)) for c in be.scored
+                          for m in [re.match(r"set pipeline\.stages = (\d+)\n```$", c)] if m)
+    assert [str(p.edits[0]) for p in props] == [f"set pipeline.stages = {s}" for s in legal_stages[::-1][:2]]
+    for p in props:
+        p.apply(PARENT, PROBLEM)
+    with pytest.raises(BackendError, match="scores continuations"):
+        LLMPolicy(ScriptedBackend([""]), constrained=True)
