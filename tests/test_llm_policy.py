@@ -425,6 +425,9 @@ def test_tune_policy_llm_standin_records_trajectories(tmp_path, monkeypatch):
     assert first["cost"] == pytest.approx(120e-6)
     assert any("host main()" in e for e in first["errors"]) and any("node tile, rule" in e for e in first["errors"])
     assert json.loads(first["prompt"])[0]["role"] == "system"
+    # Later prompts carry the parent's measured time from the records DB, as TFLOP/s and roofline share.
+    assert any("TFLOP/s" in json.loads(c["prompt"])[1]["content"] and "of the H200 roofline" in
+               json.loads(c["prompt"])[1]["content"] for c in calls)
     outcomes = [o for c in calls for o in c["outcomes"]]
     assert outcomes and {o["verdict"] for o in outcomes} <= {"measured", "failed", "illegal"}
     assert any(o["verdict"] == "measured" and o["reward"] is not None for o in outcomes)
@@ -457,3 +460,25 @@ def test_constrained_mode_ranks_legal_operator_edits_by_the_models_scores():
         p.apply(PARENT, PROBLEM)
     with pytest.raises(BackendError, match="scores continuations"):
         LLMPolicy(ScriptedBackend([""]), constrained=True)
+
+
+@pytest.mark.nvcc
+def test_cuda_from_a_reply_compiles_like_any_candidate(tmp_path):
+    """The Source kernel a reply becomes is lowered and compiled by the same path as every candidate (nvcc, the
+    L2IR ABI's launch plan); a reply whose CUDA does not compile is a recorded compile failure, not a crash."""
+    import shutil
+
+    from l2ir.backends.compile import CompileOptions, compile_plan
+    from l2ir.backends.registry import lower
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH")
+    opts = CompileOptions(cache_dir=str(tmp_path))
+    good = "source entry=my_gemm grid=(cdiv(n, 16), cdiv(m, 16), 1) block=16x16x1 smem=0\n```cuda\n" \
+           "#include <cuda_fp16.h>\n" + CUDA + "\n```"
+    (prop, _), = parse_reply(good).proposals
+    art = compile_plan(lower(prop.apply(PARENT, PROBLEM), PROBLEM), opts)
+    assert art.ok, art.summary()
+    (bad, _), = parse_reply(good.replace("acc = 0.f;", "acc = undefined_name;")).proposals
+    art = compile_plan(lower(bad.apply(PARENT, PROBLEM), PROBLEM), opts)
+    assert not art.ok and "undefined_name" in art.summary()
