@@ -245,13 +245,14 @@ class Learned:
                 "temperature": self.temperature, "entropy": self.entropy, "min_gain": self.min_gain}
 
     def state_dict(self) -> dict:
-        weights = {}
-        for name, p in self._named().items():
-            arr = p.detach().numpy().astype("<f4")
-            weights[name] = {"shape": list(arr.shape), "data": base64.b64encode(arr.tobytes()).decode()}
+        weights = {name: _encode(p) for name, p in self._named().items()}
+        # Adam's moments are part of the learner: a policy resumed without them takes different steps from the
+        # uninterrupted one after its next update.
+        moments = {str(i): {key: _encode(v) for key, v in st.items()}
+                   for i, st in self.opt.state_dict()["state"].items()}
         return {"policy": self.name, "version": STATE_VERSION, "config": self.config(),
                 "actions": [str(a) for a in ACTIONS], "state_dim": STATE_DIM, "weights": weights,
-                "baseline": self.baseline, "updates": self.updates}
+                "optimizer": moments, "baseline": self.baseline, "updates": self.updates}
 
     def load_state_dict(self, state: dict | bytes) -> None:
         torch = _torch()
@@ -270,8 +271,12 @@ class Learned:
         named = self._named()
         with torch.no_grad():
             for name, spec in state["weights"].items():
-                arr = np.frombuffer(base64.b64decode(spec["data"]), dtype="<f4").reshape(spec["shape"])
-                named[name].copy_(torch.from_numpy(arr.copy()))
+                named[name].copy_(torch.from_numpy(_decode(spec)))
+        # States saved before the moments were kept load with fresh ones.
+        opt_state = self.opt.state_dict()
+        opt_state["state"] = {int(i): {key: torch.from_numpy(_decode(spec)) for key, spec in st.items()}
+                              for i, st in state.get("optimizer", {}).items()}
+        self.opt.load_state_dict(opt_state)
         self.baseline = float(state["baseline"])
         self.updates = int(state["updates"])
 
@@ -284,3 +289,13 @@ class Learned:
         pol = cls(**state["config"])
         pol.load_state_dict(state)
         return pol
+
+
+def _encode(tensor) -> dict:
+    """A float32 tensor as JSON: shape and base64 of its little-endian bytes."""
+    arr = tensor.detach().cpu().numpy().astype("<f4")
+    return {"shape": list(arr.shape), "data": base64.b64encode(arr.tobytes()).decode()}
+
+
+def _decode(spec: dict) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(spec["data"]), dtype="<f4").reshape(spec["shape"]).copy()

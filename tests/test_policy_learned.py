@@ -61,6 +61,20 @@ def test_learned_is_deterministic_and_its_state_round_trips():
         Learned().load_state_dict({"policy": "random"})
 
 
+def test_a_restored_learned_policy_keeps_learning_as_the_original():
+    """The saved state carries the optimizer's moments: after the same updates, the restored policy and the original
+    hold the same weights (without the moments, Adam's first step after a restore differs)."""
+    p = Problem(2048, 1024, 1024)
+    pol = Learned(seed=4)
+    climb(pol, p, synthetic_speedup, seed(p, "sm80"), budget=16, seed=2)
+    assert pol.updates > 0 and pol.state_dict()["optimizer"]
+    restored = Learned.from_state(json.loads(json.dumps(pol.state_dict())))
+    q = Problem(512, 4096, 2048)
+    for twin in (pol, restored):
+        climb(twin, q, synthetic_speedup, seed(q, "sm80"), budget=16, seed=7)
+    assert json.dumps(pol.state_dict()["weights"]) == json.dumps(restored.state_dict()["weights"])
+
+
 def test_learned_update_moves_toward_rewarded_actions():
     p = Problem(4096, 4096, 4096)
     ctx = Context(p, seed(p, "sm80"), Measured(speedup=0.5), seed=0, count=8)
