@@ -231,6 +231,10 @@ class LocalBackend:
         except (OSError, ValueError, ImportError) as e:
             raise BackendError(f"local model {self.model}: cannot load: {_short(str(e))}") from None
         self.lm.to(self.device).eval()
+        # transformers renamed the forward's cache argument (past_key_values -> cache); use what this version takes.
+        import inspect
+
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.lm.forward).parameters else "past_key_values"
 
     def complete(self, messages: Sequence[Message], max_tokens: int = 768, temperature: float = 0.7,
                  seed: int | None = None) -> Reply:
@@ -274,7 +278,7 @@ class LocalBackend:
                 ids = self.tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(self.device)
                 lp = first[ids[0, 0]]
                 if ids.shape[1] > 1:
-                    o = self.lm(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+                    o = self.lm(input_ids=ids[:, :-1], use_cache=True, **{self._cache_kw: cache})
                     logp = torch.log_softmax(o.logits[0].float(), -1)
                     lp = lp + logp.gather(1, ids[0, 1:, None]).sum()
                     cache.crop(-(cache.get_seq_length() - n))   # negative: tokens to drop (old and new API)
