@@ -452,3 +452,27 @@ class LLMPolicy:
         except Exception:  # noqa: BLE001 - a records failure must not stop the step; the edits table still has it
             call.id = None
         return call
+
+
+def summarize_calls(calls: list[dict], fail_reward: float = -1.0) -> dict:
+    """What a set of model calls (RecordsDB.llm_calls rows) achieved: the valid-reply rate (replies with at least
+    one proposal that passed the checks), the parse rate, and the mean reward of their proposals (log speedup when
+    measured, `fail_reward` when a candidate failed a compile or a gate; the loop's FAIL_REWARD by default). The
+    numbers a fine-tuned policy is compared by, before and after, on held-out shapes."""
+    n = len(calls)
+    outcomes = [o for c in calls for o in (c.get("outcomes") or [])]
+    rewards = [o["reward"] if o.get("reward") is not None else fail_reward for o in outcomes]
+    measured = [o["reward"] for o in outcomes if o.get("verdict") == "measured" and o.get("reward") is not None]
+    return {
+        "calls": n,
+        "backend_errors": sum(c.get("verdict") == "error" for c in calls),
+        "parse_rate": sum(c.get("verdict") in ("legal", "illegal") for c in calls) / n if n else None,
+        "valid_rate": sum(c.get("verdict") == "legal" for c in calls) / n if n else None,
+        "proposals": len(outcomes),
+        "measured": len(measured),
+        "mean_reward": sum(rewards) / len(rewards) if rewards else None,
+        "mean_measured_reward": sum(measured) / len(measured) if measured else None,
+        "tokens": sum((c.get("prompt_tokens") or 0) + (c.get("reply_tokens") or 0) for c in calls),
+        "cost": sum(c.get("cost") or 0.0 for c in calls),
+        "latency_s": sum(c.get("latency_s") or 0.0 for c in calls),
+    }

@@ -431,6 +431,14 @@ def test_tune_policy_llm_standin_records_trajectories(tmp_path, monkeypatch):
     outcomes = [o for c in calls for o in c["outcomes"]]
     assert outcomes and {o["verdict"] for o in outcomes} <= {"measured", "failed", "illegal"}
     assert any(o["verdict"] == "measured" and o["reward"] is not None for o in outcomes)
+    from l2ir.policy.llm import summarize_calls
+
+    summary = summarize_calls(calls)
+    assert summary["calls"] == len(calls) and 0 < summary["valid_rate"] <= summary["parse_rate"] <= 1
+    assert summary["measured"] == sum(o["verdict"] == "measured" for o in outcomes) > 0
+    rewards = [o["reward"] if o["reward"] is not None else -1.0 for o in outcomes]
+    assert summary["mean_reward"] == pytest.approx(sum(rewards) / len(rewards))
+    assert summary["cost"] == pytest.approx(sum(c["cost"] for c in calls))
     # The same candidates are in the edits table under the policy's name, with the rewards the outcomes carry.
     edits = [e for e in db.edits(run["id"]) if e["policy"] == "llm"]
     assert edits and {round(e["reward"], 9) for e in edits if e["verdict"] == "measured"} >= {
