@@ -106,11 +106,11 @@ class Parsed:
         return "parsed" if self.proposals else "unparsed"
 
 
-def _located(e: ParseError, offset: int, what: str) -> str:
-    """A ParseError of text that starts at reply line offset+1, as 'reply line L:C: message'."""
+def _located(e: ParseError, offset: int, what: str, col_offset: int = 0) -> str:
+    """A ParseError of text that starts at reply line offset+1 (column col_offset+1), as 'reply line L:C: ...'."""
     if e.line is None:
         return f"{what}: {e.message}"
-    col = f":{e.column}" if e.column is not None else ""
+    col = f":{e.column + (col_offset if e.line == 1 else 0)}" if e.column is not None else ""
     text = f"{what}, reply line {e.line + offset}{col}: {e.message}"
     if e.source_line is not None:
         text += f" (in: {e.source_line.strip()[:120]})"
@@ -184,13 +184,15 @@ def parse_reply(reply: str, arch: str = "sm90a") -> Parsed:
             out.errors.append(_located(e, b.line - 1, what))
         except (L2IRError, ValueError, TypeError) as e:
             out.errors.append(f"{what}, reply line {b.line}: {e}")
-    edit_lines = [(ln, m.group(1).strip()) for ln, text in prose for m in [_PROSE_EDIT.match(text)] if m]
+    # A sentence's full stop is not part of the edit (no value ends in '.').
+    edit_lines = [(ln, m.start(1), m.group(1).strip().rstrip(".").rstrip()) for ln, text in prose
+                  for m in [_PROSE_EDIT.match(text)] if m]
     edits = []
-    for ln, text in edit_lines:
+    for ln, start, text in edit_lines:
         try:
             edits.extend(parse_edits(text))
         except ParseError as e:
-            out.errors.append(_located(e, ln - 1, "edit in prose"))
+            out.errors.append(_located(e, ln - 1, "edit in prose", start))
     if edits:
         out.proposals.append((Proposal(edits=edits, note="llm: edits in prose"), "prose"))
     if not out.proposals and not out.errors:

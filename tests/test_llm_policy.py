@@ -47,7 +47,7 @@ def ctx(**kw):
 def test_edits_in_prose_and_in_blocks_are_separate_proposals():
     reply = ("I'd deepen the ring and shrink the tile:\n"
              "- `set pipeline.stages = 4`\n"
-             "2. set tile.block = 128x128x64\n"
+             "2. set tile.block = 128x128x64.\r\n"
              "Also setting things up is nice.\n"          # prose that is not an edit line
              "```l2ir\nset pipeline.stages = 5\nremove swizzle\n```\n")
     p = parse_reply(reply)
@@ -109,6 +109,11 @@ def test_host_code_is_refused_with_its_reason_and_line(host, what):
     assert "refused" in err and what in err and "host code is never run" in err
     assert "reply line 10:1" in err        # the host line is the 8th line of the block that starts on line 3
     assert host_code(CUDA) is None
+
+
+def test_errors_in_prose_edits_are_located_in_the_reply_line():
+    err, = parse_reply("Plan:\n  - `set tile.blok = 128x128x64`\n").errors
+    assert "edit in prose, reply line 2:15:" in err       # 'blok' starts at column 15 of '  - `set tile.blok'
 
 
 def test_errors_are_located_at_the_reply_line_and_column():
