@@ -17,6 +17,7 @@ import:
     L2IR_LLM_API_KEY      the key (or OPENAI_API_KEY); a local server that ignores keys needs none
     L2IR_LLM_TIMEOUT_S    seconds per request (60)       L2IR_LLM_RETRIES      retries with backoff (3)
     L2IR_LLM_CONCURRENCY  requests in flight at once (4) L2IR_LLM_PRICE        "IN,OUT" dollars per 1M tokens
+    L2IR_LLM_DEVICE       the local model's torch device (cpu; cuda on a GPU machine)
     (the policy's own: L2IR_LLM_MAX_TOKENS per reply (768), L2IR_LLM_REPAIRS per step (1), L2IR_LLM_TEMPERATURE)
 """
 
@@ -222,7 +223,7 @@ class LocalBackend:
         if threads:
             torch.set_num_threads(threads)
         self.torch = torch
-        self.device = device or "cpu"
+        self.device = device or _env("L2IR_LLM_DEVICE") or "cpu"
         self.model = str(path / kwargs["gguf_file"]) if kwargs else str(path)
         self.prefill = prefill
         try:
