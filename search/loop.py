@@ -8,7 +8,8 @@ samples before it is reported.
         step s   parent = tournament over the population; policy.propose(Context) -> Proposals
                  legalize (verifier, problem rules, lowering: an illegal proposal is a recorded verdict, never a
                  crash) -> dedupe (content hash + backend) -> lower + compile the batch in parallel (each kernel once
-                 per problem class, cached on disk) -> evaluate -> record -> policy.update(Feedback)
+                 per problem class, cached on disk) -> evaluate (the batch at once on a pool of GPUs, search/pool.py)
+                 -> record, in proposal order -> policy.update(Feedback)
         end      re-time the incumbent (fresh samples, offline and server, interleaved with torch.matmul); those are
                  the reported numbers, never the sample it was selected on
     budgets: candidates per shape, GPU-seconds per run (shared fairly among the shapes left), wall seconds.
@@ -212,6 +213,9 @@ class Search:
             reuse_class_gates=config.reuse_class_gates), evaluator, db)
         self.builds: dict[str, Prepared] = {}          # member key -> the kernel lowered and compiled
         self._compile_paid: set[str] = set()           # member keys whose compile seconds an edit already carries
+        # Outcomes of a batch evaluated ahead on a pool of GPUs, by (problem, member key), taken in candidate order
+        # when the candidates are recorded (see _evaluate_ahead).
+        self._ahead: dict[tuple[str, str], object] = {}
         self.run_id: int | None = None
         self.states: list[ShapeState] = []
         self._status: str | None = None
@@ -481,7 +485,11 @@ class Search:
         if isinstance(planned, str):
             return planned
         self._build([(c, p.backend) for p, c, v, _ in planned[0] if v == "new"])
-        return self._record(st, *planned, gpu_cap, stalled)
+        self._evaluate_ahead([(st, planned[0])])
+        try:
+            return self._record(st, *planned, gpu_cap, stalled)
+        finally:
+            self._ahead.clear()
 
     def _search_interleaved(self, states: list[ShapeState]) -> dict[int, str]:
         """Every shape's step 0 in order (so each can start from the winners of the shapes before it), then rounds:
@@ -513,10 +521,14 @@ class Search:
                 else:
                     plans.append((i, planned))
             self._build([(c, p.backend) for _, planned in plans for p, c, v, _ in planned[0] if v == "new"])
-            for i, planned in plans:
-                why = self._record(states[i], *planned, gpu_cap, stalled[i])
-                if why is not None:
-                    ended[i] = why
+            self._evaluate_ahead([(states[i], planned[0]) for i, planned in plans])
+            try:
+                for i, planned in plans:
+                    why = self._record(states[i], *planned, gpu_cap, stalled[i])
+                    if why is not None:
+                        ended[i] = why
+            finally:
+                self._ahead.clear()
             self._save_policy()
 
     def _budget_reason(self, st: ShapeState, gpu_cap: float, wall_end: float) -> str | None:
@@ -671,6 +683,33 @@ class Search:
             for key, item in zip(todo, self.pipeline.prepare(list(todo.values()), self.pclass)):
                 self.builds[key] = item
 
+    def _evaluate_ahead(self, steps: list[tuple[ShapeState, list]]):
+        """With a pool of GPUs (an evaluator with `evaluate_many` and more than one worker), evaluate the planned
+        candidates of these steps (a step, or a round of them) at the same time, before they are recorded one by
+        one in candidate order: the records, their order and the one transaction per candidate are what one GPU
+        writes. A kernel that more than one shape of a round evaluates is evaluated ahead only for the first; the
+        others are evaluated when they are recorded, after the first kept its class gates (as one GPU does). A
+        candidate the GPU-seconds budget stops before it is recorded is evaluated and not kept (one batch at
+        most); a kill loses at most the batch in flight."""
+        ev = self.evaluator
+        if self.config.mode == "compile_only" or not callable(getattr(ev, "evaluate_many", None)) \
+                or getattr(ev, "size", 1) < 2:
+            return
+        keys, jobs, kernels = [], [], set()
+        for st, items in steps:
+            for p, child, verdict, _ in items:
+                if verdict != "new":
+                    continue
+                key = member_key(child, p.backend)
+                h = child.content_hash()
+                if _build_error(self.builds[key]) or h in kernels or (st.ptext, key) in self._ahead:
+                    continue
+                kernels.add(h)
+                keys.append((st.ptext, key))
+                jobs.append((self._built(key, child), st.problem))
+        if len(jobs) > 1:
+            self._ahead.update(zip(keys, self.pipeline.evaluate_many(jobs)))
+
     def _built(self, key: str, kernel: Kernel) -> Prepared:
         """The build of `key`, carrying this very kernel (the build may have come from an equal one)."""
         item = self.builds[key]
@@ -707,7 +746,8 @@ class Search:
             elif cfg.mode == "compile_only":
                 verdict, member = "compiled", Member(child, p.backend)
             else:
-                out = self.pipeline.evaluate(self._built(key, child), st.problem)
+                out = self._ahead.pop((st.ptext, key), None) or self.pipeline.evaluate(self._built(key, child),
+                                                                                        st.problem)
                 measurements, cost, class_verdicts = out.measurements, out.cost_s, out.class_verdicts
                 ms = measurements[0] if measurements else None
                 if ms is not None and ms.passed and ms.speedup:

@@ -161,6 +161,21 @@ class Outcome:
         return next(iter(self.speedups.values()), None)
 
 
+@dataclass
+class _Pending:
+    """An evaluation `Pipeline.evaluate` has decided to run, with what its result is finished with."""
+
+    item: Prepared
+    problem: Problem
+    evaluator: object
+    timed: bool
+    options: dict
+    skip: tuple[str, ...]
+    gates: tuple[str, ...]
+    kept: list[dict] | None
+    cls_text: str
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"[{type(e).__name__}] " + (text.splitlines()[0] if text else "")
@@ -177,6 +192,8 @@ def _measurements(records: list[dict]) -> list[Measurement]:
 
 def _takes(evaluator, option: str) -> bool:
     """Whether the evaluator's `evaluate` accepts the keyword (an evaluator written before the option existed)."""
+    if callable(getattr(evaluator, "takes", None)):      # a pool answers for the evaluators it forwards to
+        return bool(evaluator.takes(option))
     try:
         return option in inspect.signature(evaluator.evaluate).parameters
     except (TypeError, ValueError):
@@ -284,8 +301,15 @@ class Pipeline:
         made them, even if this machine could not compile the kernel): a candidate with none gives None.
         `class_gates=False` runs every gate whatever is kept (a winner gated again). `options` go to the
         evaluator's `evaluate` as they are."""
-        cand = item.candidate
         evaluator = evaluator if evaluator is not None else self.evaluator
+        job = self._prepare_evaluation(item, problem, evaluator, time_kernel, scenarios, class_gates, options)
+        return self._run(job) if isinstance(job, _Pending) else job
+
+    def _prepare_evaluation(self, item: Prepared, problem: Problem, evaluator, time_kernel: bool | None,
+                            scenarios: tuple[str, ...] | None, class_gates: bool, options: dict):
+        """Everything of `evaluate` before the evaluator runs: the Outcome when none has to run (a failure status,
+        a stored or kept answer), else the evaluation to run (_Pending)."""
+        cand = item.candidate
         if not item.ok and not (evaluator is None and item.status == "compile_failed"):
             return Outcome(cand, problem, item.status, item.error, item.plan, item.artifact)
         try:
@@ -318,14 +342,26 @@ class Pipeline:
         skip = tuple(gates) if (kept is not None and _takes(evaluator, "skip_gates")) else ()
         if skip:
             options = {**options, "skip_gates": skip}
+        return _Pending(item, problem, evaluator, timed, options, skip, gates, kept, cls_text)
+
+    def _run(self, job: _Pending) -> Outcome:
         t0 = time.perf_counter()
         try:
-            ms = evaluator.evaluate(cand.kernel, problem, item.plan, item.artifact, time_kernel=timed, **options)
+            ms = job.evaluator.evaluate(job.item.candidate.kernel, job.problem, job.item.plan, job.item.artifact,
+                                        time_kernel=job.timed, **job.options)
         except Exception as e:  # noqa: BLE001 - the evaluator promises not to raise; if it does, the run goes on
-            return Outcome(cand, problem, "evaluated", f"the evaluator failed: {_first_line(e)}", item.plan,
-                           item.artifact)
-        cost = getattr(evaluator, "last_cost_s", None)
-        cost = (time.perf_counter() - t0) if cost is None else cost
+            return self._failed(job, e)
+        cost = getattr(job.evaluator, "last_cost_s", None)
+        return self._finish(job, ms, (time.perf_counter() - t0) if cost is None else cost)
+
+    @staticmethod
+    def _failed(job: _Pending, e: BaseException) -> Outcome:
+        item = job.item
+        return Outcome(item.candidate, job.problem, "evaluated", f"the evaluator failed: {_first_line(e)}",
+                       item.plan, item.artifact)
+
+    def _finish(self, job: _Pending, ms: list[Measurement], cost: float) -> Outcome:
+        item, evaluator, skip, gates, kept = job.item, job.evaluator, job.skip, job.gates, job.kept
         if self.env_id is None and getattr(evaluator, "environment", None):
             self.env_id = environment_id(evaluator.environment)
         new_class = None
@@ -338,8 +374,34 @@ class Pipeline:
             if len(got) == len(gates):
                 new_class = got
         errors = [e for m in ms for e in m.errors]
-        return self._recorded(Outcome(cand, problem, "evaluated", errors[0] if errors else "", item.plan,
-                                      item.artifact, list(ms), cost, new_class), cls_text)
+        return self._recorded(Outcome(item.candidate, job.problem, "evaluated", errors[0] if errors else "",
+                                      item.plan, item.artifact, list(ms), cost, new_class), job.cls_text)
+
+    def evaluate_many(self, jobs: Iterable[tuple[Prepared, Problem]], evaluator=None, time_kernel: bool | None = None,
+                      class_gates: bool = True, **options) -> list[Outcome | None]:
+        """`evaluate` for several (prepared candidate, problem) pairs, in that order; the evaluations an evaluator
+        pool can run at once (`evaluate_many`, search/pool.py) run concurrently, any other evaluator takes them one
+        by one. Outcomes (and records, with `record` on) come in job order. The jobs must not depend on each other:
+        class gates one job keeps are not seen by another job of the same call (give a kernel once per call)."""
+        jobs = list(jobs)
+        evaluator = evaluator if evaluator is not None else self.evaluator
+        if evaluator is None or not callable(getattr(evaluator, "evaluate_many", None)):
+            return [self.evaluate(item, p, evaluator, time_kernel, class_gates=class_gates, **options)
+                    for item, p in jobs]
+        from .pool import Job
+
+        before = [self._prepare_evaluation(item, p, evaluator, time_kernel, None, class_gates, options)
+                  for item, p in jobs]
+        pending = [b for b in before if isinstance(b, _Pending)]
+        try:
+            results = evaluator.evaluate_many([Job(b.item.candidate.kernel, b.problem, b.item.plan,
+                                                   b.item.artifact, b.timed, b.options) for b in pending])
+            costs = list(getattr(evaluator, "last_costs_s", None) or [0.0] * len(pending))
+        except Exception as e:  # noqa: BLE001 - a pool promises not to raise; if it does, the run goes on
+            results, costs = [e] * len(pending), [0.0] * len(pending)
+        done = {id(b): (self._failed(b, r) if isinstance(r, BaseException) else self._finish(b, r, c))
+                for b, r, c in zip(pending, results, costs)}
+        return [done[id(b)] if isinstance(b, _Pending) else b for b in before]
 
     def _kept_class_gates(self, kernel_hash: str, cls_text: str, evaluator) -> list[dict] | None:
         env_id = self.env_id

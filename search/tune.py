@@ -121,20 +121,44 @@ def _mode(args) -> tuple[str, str | None]:
                             "model")
 
 
-def _evaluators(mode: str, seed: int):
+def _workers(mode: str, gpus: str | None) -> list[int]:
+    """The devices `--gpus` names (N, all, or a list like 0,1). The stand-in uses no GPU: N (or a list) is how many
+    stand-in workers to pool, "all" one."""
+    from .pool import parse_gpus
+
+    try:
+        if mode == "standin":
+            text = "all" if gpus is None else str(gpus).strip()
+            return [0] if text == "all" else parse_gpus(text, visible=64)     # workers, not devices
+        return parse_gpus(gpus)
+    except ValueError as e:
+        raise TuneError(str(e)) from None
+
+
+def _evaluators(mode: str, seed: int, gpus: str | None = None):
+    """The search's evaluator (a pool of one worker per device when --gpus names more than one) and the re-timer
+    (on the first device: winners are re-timed one after another)."""
     if mode == "standin":
+        from .pool import EvaluatorPool
         from .standin import StandinConfig, StandinEvaluator
 
-        return (StandinEvaluator(StandinConfig(("offline",), seed)),
+        n = len(_workers(mode, gpus))
+        search = [StandinEvaluator(StandinConfig(("offline",), seed)) for _ in range(n)]
+        return (search[0] if n == 1 else EvaluatorPool(search),
                 StandinEvaluator(StandinConfig(("offline", "server"), seed)))
     if mode == "gpu":
         from .evaluator import EvalConfig, Evaluator
+        from .pool import EvaluatorPool
         from .timing import TimingConfig
 
+        devices = _workers(mode, gpus)
+        if not devices:
+            raise TuneError("--gpus: no GPU visible")
         # Selection needs only the offline number; the winner is re-timed in both scenarios, interleaved with
         # torch.matmul, on fresh samples.
-        search = Evaluator(EvalConfig(scenarios=("offline",), timing=TimingConfig(trials=5, target_ms=5.0)))
-        return search, Evaluator(EvalConfig(scenarios=("offline", "server")))
+        config = EvalConfig(device=devices[0], scenarios=("offline",), timing=TimingConfig(trials=5, target_ms=5.0))
+        search = Evaluator(config) if len(devices) == 1 else EvaluatorPool.on_devices(devices, config)
+        return search, Evaluator(EvalConfig(device=devices[0], scenarios=("offline", "server")))
     return None, None
 
 
@@ -162,7 +186,7 @@ def cmd_tune(args) -> int:
     if note:
         print(note.format(n=args.budget_candidates), file=sys.stderr)
     db = _open(args.db)
-    ev, rt = _evaluators(mode, args.seed)
+    ev, rt = _evaluators(mode, args.seed, args.gpus)
     view = _LiveView(console, mode)
     command = "l2ir " + " ".join(sys.argv[1:])
     try:
@@ -171,7 +195,10 @@ def cmd_tune(args) -> int:
             if row is None:
                 raise TuneError(f"{args.db}: no run {args.resume} (l2ir runs lists them)")
             if row["config"]["mode"] != mode:
-                ev, rt = _evaluators(row["config"]["mode"], row["seed"])
+                for e in (ev, rt):
+                    if e is not None:
+                        e.close()
+                ev, rt = _evaluators(row["config"]["mode"], row["seed"], args.gpus)
                 view = _LiveView(console, row["config"]["mode"])
             search = Search.resume(db, args.resume, ev, rt, progress=view.update, command=command,
                                    budget_wall_s=args.budget_seconds)
@@ -192,6 +219,11 @@ def cmd_tune(args) -> int:
         finally:
             view.stop()
         print_results(search, states, Console(width=None if sys.stdout.isatty() else 160))
+        if getattr(ev, "jobs_per_worker", None) is not None:
+            gpu = search.config.mode == "gpu"
+            devices = [getattr(getattr(w, "config", None), "device", i) if gpu else i for i, w in enumerate(ev.workers)]
+            print(f"evaluations per {'GPU' if gpu else 'stand-in worker'}: "
+                  + ", ".join(f"{d}: {n}" for d, n in zip(devices, ev.jobs_per_worker)), file=sys.stderr)
     finally:
         for e in (ev, rt):
             if e is not None:
@@ -605,6 +637,8 @@ def add_parsers(sub, shape_type) -> None:
     s.add_argument("--standin", action="store_true", help="search against the stand-in cost model (NOT measured)")
     s.add_argument("--cache-dir", default=".l2ir-cache", help="compile cache")
     s.add_argument("--device-sm", default="sm_90", help="SASS target of the GPU that runs the kernels")
+    s.add_argument("--gpus", default="all",
+                   help="GPUs that evaluate candidates at once, one worker each: N, all (default) or a list 0,1")
     s.set_defaults(fn=_guard(cmd_tune))
 
     s = sub.add_parser("runs", help="the search runs in the records DB")
