@@ -695,6 +695,10 @@ class Search:
         if self.config.mode == "compile_only" or not callable(getattr(ev, "evaluate_many", None)) \
                 or getattr(ev, "size", 1) < 2:
             return
+        if self.env_id is None and not getattr(ev, "environment", None):
+            # The GPU is not known until a worker has started, and the class gates kept for it with it: one step
+            # goes one by one (its first evaluation starts every worker) so each candidate sees what one GPU sees.
+            return
         keys, jobs, kernels = [], [], set()
         for st, items in steps:
             for p, child, verdict, _ in items:

@@ -288,3 +288,30 @@ def test_gpus_option(tmp_path, capsys):
     assert main(argv + ["--gpus", "two"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --gpus 'two'")
+
+
+class LateEnv(Sleepy):
+    """Knows its GPU only once it has run a job (as search/evaluator.Evaluator, whose worker reports it)."""
+
+    def __init__(self, config=None, sleep_s=0.01):
+        super().__init__(config, sleep_s)
+        self.known, self.environment = self.environment, {}
+
+    def evaluate(self, kernel, problem, plan=None, artifact=None, time_kernel=True, skip_gates=()):
+        self.environment = self.known
+        return super().evaluate(kernel, problem, plan, artifact, time_kernel, skip_gates)
+
+
+def test_a_second_run_reuses_kept_class_gates_on_a_pool_as_on_one_gpu(tmp_path):
+    # Run 2 on the same DB finds run 1's class gates, once a worker has said which GPU it is on.
+    got = []
+    for name, make in (("one", lambda: LateEnv(StandinConfig(("offline",)))),
+                       ("many", lambda: EvaluatorPool([LateEnv(StandinConfig(("offline",))) for _ in range(3)]))):
+        db = RecordsDB(tmp_path / f"{name}.db")
+        for seed in (1, 2):
+            s = Search(TuneConfig(shapes=SHAPES, mode="standin", budget_candidates=8, seed=seed), db, make(),
+                       retimer(seed))
+            s.run()
+        got.append((trace(db, s.run_id), full_records(db, s.run_id)))
+    assert got[1] == got[0]
+    assert any(v["detail"].startswith("reused") for rec in got[1][1] for v in rec["verdicts"])
