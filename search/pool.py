@@ -186,8 +186,8 @@ class EvaluatorPool:
                 # before and died keeps restarting through the evaluator's own recovery instead.
                 self._dead[w] = why
                 names = getattr(getattr(worker, "config", None), "device", w)
-                self._log(f"l2ir: GPU {names} could not start an evaluator ({why}); continuing on "
-                          f"{self.size} other worker(s)")
+                self._log(f"l2ir: GPU {names} could not start an evaluator ({why}); "
+                          + (f"continuing on {self.size} other worker(s)" if self.size else "no worker left"))
                 return
         while True:
             try:

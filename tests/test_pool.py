@@ -315,3 +315,27 @@ def test_a_second_run_reuses_kept_class_gates_on_a_pool_as_on_one_gpu(tmp_path):
         got.append((trace(db, s.run_id), full_records(db, s.run_id)))
     assert got[1] == got[0]
     assert any(v["detail"].startswith("reused") for rec in got[1][1] for v in rec["verdicts"])
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(_cuda(), reason="a GPU is visible: its evaluator would start")
+def test_real_evaluators_that_cannot_start_say_so_once_each_and_fail_the_jobs():
+    from l2ir.search.evaluator import EvalConfig
+
+    said = []
+    with EvaluatorPool.on_devices([0, 1], EvalConfig(scenarios=("offline",), startup_timeout_s=120),
+                                  log=said.append) as pool:
+        out = pool.evaluate_many(jobs(3))
+        out += pool.evaluate_many(jobs(1))
+    assert [len(ms) for ms in out] == [1] * 4 and [ms[0].scenario for ms in out] == ["offline"] * 4
+    assert all("no evaluator could start" in ms[0].errors[0] for ms in out)
+    assert sorted(s.split(" could not")[0] for s in said) == ["l2ir: GPU 0", "l2ir: GPU 1"]
+    assert pool.size == 0 and pool.jobs_per_worker == [0, 0]

@@ -45,3 +45,29 @@ def test_tune_on_every_gpu(tmp_path):
     assert search_rows and all(not rdb.record(r.id).environment.get("standin") for r in search_rows)
     winners = [e for e in rdb.edits(run["id"]) if e["verdict"] == "done"]
     assert len(winners) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_pool_evaluates_at_once_and_a_crash_restarts_only_its_worker(tmp_path):
+    # Gates only (nothing timed), so with one GPU its two workers may share it.
+    from l2ir.search.evaluator import EvalConfig, Evaluator
+    from l2ir.search.pool import EvaluatorPool, Job
+    from test_evaluator_gpu import PROBLEM, build, planted_kernel
+
+    config = EvalConfig(scenarios=(), phase_timeout_s=60)
+    pool = (EvaluatorPool.on_devices("all", config) if _gpus() >= 2 else
+            EvaluatorPool([Evaluator(config), Evaluator(config)]))
+    cache = str(tmp_path / "cache")
+    good, bad = planted_kernel(), planted_kernel("CRASH")
+    built = {id(k): build(k, cache) for k in (good, bad)}
+    kernels = [good, bad, good, good, good, good]
+    with pool:
+        out = pool.evaluate_many([Job(k, PROBLEM, *built[id(k)], time_kernel=False) for k in kernels])
+        assert [ms[0].passed for ms in out] == [k is good for k in kernels]
+        assert any("illegal" in e.lower() or "died" in e for e in out[1][0].errors), out[1][0].errors
+        assert sum(pool.jobs_per_worker) == len(kernels)
+        crashed = pool.evaluated_by[1]
+        # The other worker never restarted: a crash costs only the worker that ran it.
+        assert all(w.starts == 1 for i, w in enumerate(pool.workers) if i != crashed)
+        assert pool.size == len(pool.workers)
