@@ -289,6 +289,20 @@ def fit_backend(k: Kernel, backend: str) -> Kernel:
     return refit(k)
 
 
+def legal_children(parent: Kernel, problem: Problem, arch: str, backend: str | None, seen):
+    """(index, action, child, backend) for every action that makes a legal child (verifier, problem rules and the
+    backend's lowering) not yet in `seen` (a policy.base.Dedupe): the move set every action-ranking policy draws from."""
+    from .base import try_legalize
+
+    for i, action in enumerate(ACTIONS):
+        made = apply_action(parent, problem, action, arch, backend)
+        if made is None:
+            continue
+        child, child_backend = made
+        if try_legalize(child, problem, child_backend) is not None and seen.fresh(child, child_backend):
+            yield i, action, child, child_backend
+
+
 def diff_edits(parent: Kernel, child: Kernel) -> tuple[Edit, ...]:
     """The edits that turn `parent` into `child`, node by node in print order: `set` for a single changed field,
     `replace` for more, `insert` / `remove` for optional nodes that appear or go."""

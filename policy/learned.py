@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from .actions import ACTIONS, KNOBS, apply_action, diff_edits
-from .base import Context, Dedupe, Feedback, Proposal, try_legalize
+from .actions import ACTIONS, KNOBS, diff_edits, legal_children
+from .base import Context, Dedupe, Feedback, Proposal
 from .features import STATE_DIM, state_features
 
 STATE_VERSION = 1
@@ -126,15 +126,10 @@ class Learned:
         seen = Dedupe(context.parent, context.backend)
         mask = np.zeros(len(ACTIONS), dtype=bool)
         children: list = [None] * len(ACTIONS)
-        for i, action in enumerate(ACTIONS):
-            made = apply_action(context.parent, context.problem, action, context.arch, context.backend)
-            if made is None:
-                continue
-            kernel, backend = made
-            if try_legalize(kernel, context.problem, backend) is None or not seen.fresh(kernel, backend):
-                continue
+        for i, _, kernel, backend in legal_children(context.parent, context.problem, context.arch, context.backend,
+                                                    seen):
             mask[i] = True
-            children[i] = made
+            children[i] = (kernel, backend)
         return mask, children
 
     def _state(self, context: Context) -> np.ndarray:

@@ -376,17 +376,10 @@ class LLMPolicy:
 
         import numpy as np
 
-        from .actions import ACTIONS, apply_action, diff_edits
-        from .base import try_legalize
+        from .actions import diff_edits, legal_children
 
         options: list[tuple[Proposal, str]] = []
-        for a in ACTIONS:
-            made = apply_action(ctx.parent, ctx.problem, a, ctx.arch, ctx.backend)
-            if made is None:
-                continue
-            child, backend = made
-            if try_legalize(child, ctx.problem, backend) is None or not seen.fresh(child, backend):
-                continue
+        for _, a, child, backend in legal_children(ctx.parent, ctx.problem, ctx.arch, ctx.backend, seen):
             edits = diff_edits(ctx.parent, child)
             if edits:
                 text = "".join(f"{e}\n" for e in edits)
