@@ -33,6 +33,11 @@ bench-sm90-1tflop|470|python3 -m l2ir.cli bench --target sm90a --shapes 20 --min
 bench-cuda-ptx|200|python3 -m l2ir.cli bench --target sm90a --backend cuda_ptx --shapes 0 --shape 4096x4096x4096 --shape 8192x8192x8192 --shape 8192x8192x512 --shape 16384x16384x512 --shape 1000x1000x1000 --shape 256x256x256 --out bench/results/cuda_ptx_h200
 bench-cuda-ptx-sm80|300|python3 -m l2ir.cli bench --target sm80 --backend cuda_ptx_sm80 --shapes 0 --shape 4096x4096x4096 --shape 1000x1000x1000 --shape 127x136x72 --shape 64x64x64 --shape 8192x8192x512 --out bench/results/cuda_ptx_sm80_h200
 torch-baseline|300|python3 bench/torch_baseline_probe.py --out bench/results/torch_baseline_probe_h200.json
+server-check|570|python3 bench/server_check.py --out bench/results/server_check_h200.json
+tune-grid|590|bash bench/tune_grid.sh
+loop-gpu|590|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_loop_gpu.py tests/test_pool_gpu.py tests/test_pipeline_gpu.py
+dispatch|240|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_dispatch_gpu.py && python3 bench/dispatch_bench.py --max-gflop 5 --out bench/results/dispatch_h200.json
+policy-compare|540|python3 bench/policy_compare.py --state bench/results/policy_compare_standin_learned_state.json --train-shapes 24 --held-shapes 8 --limit-held 4 --budget 10 --seeds 0 --budget-seconds 230 --out bench/results/policy_compare_h200_s0
 EOF
 }
 
