@@ -28,6 +28,15 @@ DEVICE_SM = "sm_90"
 # stream-K grid is sized to it; the seed sizes split-K by it.
 H200_SMS = 132
 
+# The H200's two roofline ceilings, as measured on this workplace's H200s (not the datasheet's 989 TFLOP/s dense
+# fp16/bf16 tensor and 4.8 TB/s HBM3e, which no real kernel reaches): an 8192^3 bf16 torch.matmul on random data ran
+# at 769-798 TFLOP/s (the top is taken: a ceiling is the most seen; random bits keep the tensor cores' power-bound
+# clock honest, zeros ran at 894), and a device-to-device copy moved 4.3 TB/s counting bytes read and written.
+# fp16 and bf16 share the tensor-core rate. A kernel's time under max(FLOPs / the first, least DRAM bytes / the
+# second) means the timing or a ceiling is wrong.
+H200_TENSOR_F16_FLOPS = 798e12
+H200_DRAM_BYTES_PER_S = 4.3e12
+
 # blockDim limits: x and y up to 1024, z up to 64, and 1024 threads in all.
 BLOCK_DIM_MAX = (1024, 1024, 64)
 MAX_THREADS = 1024

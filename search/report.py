@@ -8,8 +8,11 @@ import dataclasses
 import datetime as dt
 import hashlib
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from l2ir import target
 
 # FLOP regimes the summary groups by: launch/latency-bound, one-wave, multi-wave, compute-bound.
 REGIMES = ((0.0, 1e9, "< 1 GFLOP"), (1e9, 1e11, "1-100 GFLOP"), (1e11, 1e12, "0.1-1 TFLOP"),
@@ -54,6 +57,52 @@ def geomean(xs) -> float | None:
 def gflop(shape: tuple[int, int, int]) -> float:
     m, n, k = shape
     return 2 * m * n * k / 1e9
+
+
+# Roofline ceilings (peak tensor FLOP/s, DRAM bytes/s) by a substring of the GPU's name; a GPU not named here (or
+# a stand-in) gets no roofline rather than another chip's.
+ROOFLINE_CEILINGS = {"H200": (target.H200_TENSOR_F16_FLOPS, target.H200_DRAM_BYTES_PER_S)}
+
+
+def ceilings_for(env: dict | None) -> tuple[float, float] | None:
+    """The roofline ceilings of the GPU an environment measured on, or None (unknown GPU, stand-in)."""
+    env = env or {}
+    if env.get("standin"):
+        return None
+    return next((c for name, c in ROOFLINE_CEILINGS.items() if name in str(env.get("gpu") or "")), None)
+
+
+def roofline(shape: tuple[int, int, int], problem_class: str, ceilings: tuple[float, float]) -> dict:
+    """A GEMM's floor time: the longer of its FLOPs at the tensor rate and its least DRAM traffic (A and B read once,
+    C written once; dtypes from the problem class's a=, b=, c=, f16 where absent) at the DRAM rate."""
+    m, n, k = shape
+    size = {}
+    for op in "abc":
+        mt = re.search(rf"(?:^|\s){op}=(\w+)", problem_class)
+        dtype = mt.group(1) if mt else "f16"
+        if dtype not in target.DTYPE_BYTES:
+            raise ValueError(f"roofline: operand {op} of problem class {problem_class!r} has dtype {dtype!r}, not one "
+                             f"of {sorted(target.DTYPE_BYTES)}")
+        size[op] = target.DTYPE_BYTES[dtype]
+    flop_rate, byte_rate = ceilings
+    flops = 2 * m * n * k
+    nbytes = m * k * size["a"] + k * n * size["b"] + m * n * size["c"]
+    compute_s, memory_s = flops / flop_rate, nbytes / byte_rate
+    return {"flops": flops, "bytes": nbytes, "floor_us": max(compute_s, memory_s) * 1e6,
+            "bound": "compute" if compute_s >= memory_s else "memory"}
+
+
+def roofline_share(floor_us: float, time_us: float | None) -> float | None:
+    """The share of the floor a time reaches (floor / time); above 1 means faster than the hardware allows."""
+    return floor_us / time_us if time_us else None
+
+
+def median(xs) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
 def timing(rec: dict) -> dict:

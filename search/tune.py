@@ -440,7 +440,8 @@ def shape_results(db, environment: str, run: int | None = None) -> list[dict]:
 def write_report(db, out: Path, environment: str | None = None, run: int | None = None) -> list[Path]:
     """report.md and PNGs (heat map of the offline speedup over M, N for each K; speedup by regime; search
     curves) under `out`, one section and set of plots per environment. Returns the files written."""
-    from .report import REGIMES, geomean
+    from .db import split_problem
+    from .report import REGIMES, ceilings_for, geomean, median, roofline, roofline_share
 
     out.mkdir(parents=True, exist_ok=True)
     envs = [(environment, db.environment(environment))] if environment else [(e, env) for e, env, n in
@@ -459,24 +460,66 @@ def write_report(db, out: Path, environment: str | None = None, run: int | None 
         label = STANDIN_LABEL if env.get("standin") else (
             f"{env.get('gpu')}, {env.get('sms')} SMs, driver {env.get('driver')}, CUDA {env.get('cuda_runtime')}, "
             f"torch {env.get('torch')}, CUTLASS {env.get('cutlass')}")
+        ceil = ceilings_for(env)
+        for r in rows:
+            roof = roofline(r["shape"], split_problem(r["problem"])[1], ceil) if ceil else None
+            r["roofline"] = roof and roof | {"kernel_share": roofline_share(roof["floor_us"], r["kernel_us"]),
+                                             "torch_share": roofline_share(roof["floor_us"], r["torch_us"])}
+        def share(r: dict, who: str) -> float | None:
+            return r["roofline"] and r["roofline"][f"{who}_share"]
+
+        def pct(x: float | None) -> str:
+            # Above 100% of the floor is faster than the hardware allows: a timing or a ceiling is wrong, never a win.
+            return "-" if x is None else (f"**{100 * x:.1f}% > floor!**" if x > 1 else f"{100 * x:.1f}%")
+
+        suspicious = [r for r in rows if any((share(r, w) or 0) > 1 for w in ("kernel", "torch"))]
         lines += [f"## {label} (environment `{eid}`)", "",
                   "Speedup = torch.matmul median / kernel median, device time, interleaved. Re-timed winners where a "
-                  "search made them (fresh samples), else the best gate-clean measurement.", "",
-                  "| FLOP regime | shapes | offline geomean | server geomean | faster than torch (offline) |",
-                  "|---|---:|---:|---:|---:|"]
+                  "search made them (fresh samples), else the best gate-clean measurement.", ""]
+        if ceil:
+            lines += [f"Roofline share = floor / offline time, floor = max(FLOPs / {ceil[0] / 1e12:.0f} TFLOP/s, "
+                      f"(M*K + K*N + M*N) * dtype bytes / {ceil[1] / 1e12:.1f} TB/s) (the ceilings measured on this "
+                      "GPU, l2ir/target.py); the bound says which term is larger.", ""]
+        else:
+            lines += ["No roofline: no ceilings are recorded for this GPU (l2ir/target.py).", ""]
+        for r in suspicious:
+            lines += [f"**SUSPICIOUS: {'x'.join(map(str, r['shape']))} ran faster than its roofline floor (kernel "
+                      f"{pct(share(r, 'kernel'))}, torch {pct(share(r, 'torch'))} of "
+                      f"{r['roofline']['floor_us']:.2f} us): the timing or a ceiling is wrong.**", ""]
+            print(f"warning: {'x'.join(map(str, r['shape']))} ran faster than its roofline floor: the timing or a "
+                  "ceiling is wrong", file=sys.stderr)
+        lines += ["| FLOP regime | shapes | offline geomean | server geomean | faster than torch (offline) | "
+                  "kernel roofline (median) | torch roofline (median) |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         f = lambda x: f"{x:.3f}x" if x else "-"  # noqa: E731
-        for lo, hi, name in REGIMES:
-            rs = [r for r in rows if lo <= 2 * math.prod(r["shape"]) < hi]
+        for name, rs in [(name, [r for r in rows if lo <= 2 * math.prod(r["shape"]) < hi]) for lo, hi, name in REGIMES
+                         ] + [("all", rows)]:
             lines.append(f"| {name} | {len(rs)} | {f(geomean([r['offline'] for r in rs]))} | "
-                         f"{f(geomean([r['server'] for r in rs]))} | {sum(1 for r in rs if r['offline'] > 1)} |")
-        lines.append(f"| all | {len(rows)} | {f(geomean([r['offline'] for r in rows]))} | "
-                     f"{f(geomean([r['server'] for r in rows]))} | {sum(1 for r in rows if r['offline'] > 1)} |")
-        lines += ["", "| M | N | K | kernel | offline | server | kernel us | torch us | re-timed |",
-                  "|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+                         f"{f(geomean([r['server'] for r in rs]))} | {sum(1 for r in rs if r['offline'] > 1)} | "
+                         f"{pct(median(share(r, 'kernel') for r in rs))} | "
+                         f"{pct(median(share(r, 'torch') for r in rs))} |")
+        lines += ["", "| M | N | K | kernel | offline | server | kernel us | torch us | re-timed | floor us | bound | "
+                  "kernel roofline | torch roofline |",
+                  "|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---|---:|---:|"]
         for r in rows:
+            roof = r["roofline"]
             lines.append(f"| {' | '.join(map(str, r['shape']))} | {r['kernel'][:12]} | {f(r['offline'])} | "
                          f"{f(r['server'])} | {r['kernel_us']:.2f} | {r['torch_us']:.2f} | "
-                         f"{'yes' if r['retimed'] else 'no'} |")
+                         f"{'yes' if r['retimed'] else 'no'} | "
+                         + (f"{roof['floor_us']:.2f} | {roof['bound']} | {pct(roof['kernel_share'])} | "
+                            f"{pct(roof['torch_share'])} |" if roof else "- | - | - | - |"))
+        furthest = sorted((r for r in rows if share(r, "kernel") is not None), key=lambda r: share(r, "kernel"))[:8]
+        if furthest:
+            lines += ["", "Furthest from their floor (lowest kernel roofline share): "
+                      + "; ".join(f"{'x'.join(map(str, r['shape']))} {pct(share(r, 'kernel'))} "
+                                  f"({r['roofline']['bound']}-bound, torch {pct(share(r, 'torch'))})"
+                                  for r in furthest) + "."]
+            behind = sorted((r for r in rows if share(r, "kernel") is not None),
+                            key=lambda r: share(r, "kernel") - share(r, "torch"))[:8]
+            lines += ["", "Furthest behind torch's share (points of the floor torch reaches and the kernel does not): "
+                      + "; ".join(f"{'x'.join(map(str, r['shape']))} {pct(share(r, 'kernel'))} vs "
+                                  f"{pct(share(r, 'torch'))}" for r in behind
+                                  if share(r, "kernel") < share(r, "torch")) + "."]
         cost = _costs(db, eid, run)
         if cost["shapes"]:
             lines += ["", f"Search cost over {cost['shapes']} searched shapes: {cost['gpu_seconds_per_shape']:.1f} "
@@ -484,8 +527,12 @@ def write_report(db, out: Path, environment: str | None = None, run: int | None 
                       "is paid once per kernel and shared by the shapes that use it); the whole 1000-shape grid at "
                       f"this rate: {cost['projected_1000_shapes_hours']:.1f} hours on one GPU."]
         summary[eid] = {"environment": env, "label": label, "shapes": rows, "cost": cost,
+                        "roofline_ceilings": ceil and {"tensor_flops": ceil[0], "dram_bytes_per_s": ceil[1]},
+                        "suspicious": [r["problem"] for r in suspicious],
                         "by_regime": {name: {"shapes": len(rs), "offline_geomean": geomean([r["offline"] for r in rs]),
-                                             "server_geomean": geomean([r["server"] for r in rs])}
+                                             "server_geomean": geomean([r["server"] for r in rs]),
+                                             "kernel_roofline_median": median(share(r, "kernel") for r in rs),
+                                             "torch_roofline_median": median(share(r, "torch") for r in rs)}
                                       for lo, hi, name in REGIMES
                                       for rs in [[r for r in rows if lo <= 2 * math.prod(r["shape"]) < hi]]},
                         "overall": {"offline_geomean": geomean([r["offline"] for r in rows]),
