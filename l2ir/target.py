@@ -28,7 +28,7 @@ DEVICE_SM = "sm_90"
 # stream-K grid is sized to it; the seed sizes split-K by it.
 H200_SMS = 132
 
-# The H200's two roofline ceilings, as measured on this workplace's H200s (not the datasheet's 989 TFLOP/s dense
+# The H200's two roofline ceilings, as measured on the H200s L2IR is tuned on (not the datasheet's 989 TFLOP/s dense
 # fp16/bf16 tensor and 4.8 TB/s HBM3e, which no real kernel reaches): an 8192^3 bf16 torch.matmul on random data ran
 # at 769-798 TFLOP/s (the top is taken: a ceiling is the most seen; random bits keep the tensor cores' power-bound
 # clock honest, zeros ran at 894), and a device-to-device copy moved 4.3 TB/s counting bytes read and written.

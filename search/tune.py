@@ -478,8 +478,8 @@ def write_report(db, out: Path, environment: str | None = None, run: int | None 
                   "search made them (fresh samples), else the best gate-clean measurement.", ""]
         if ceil:
             lines += [f"Roofline share = floor / offline time, floor = max(FLOPs / {ceil[0] / 1e12:.0f} TFLOP/s, "
-                      f"(M*K + K*N + M*N) * dtype bytes / {ceil[1] / 1e12:.1f} TB/s) (the ceilings measured on this "
-                      "GPU, l2ir/target.py); the bound says which term is larger.", ""]
+                      f"(M*K + K*N + M*N) * dtype bytes / {ceil[1] / 1e12:.1f} TB/s) (the ceilings measured on "
+                      "the H200s L2IR is tuned on, l2ir/target.py); the bound says which term is larger.", ""]
         else:
             lines += ["No roofline: no ceilings are recorded for this GPU (l2ir/target.py).", ""]
         for r in suspicious:
