@@ -664,7 +664,7 @@ def add_parsers(sub, shape_type) -> None:
     s.add_argument("--shapes-file", help="a file with one MxNxK per line")
     s.add_argument("--grid", action="store_true", help="grid shapes, an equal share from each FLOP regime")
     s.add_argument("--sample", type=int, default=48, help="how many grid shapes with --grid (default 48)")
-    s.add_argument("--policy", default="random", help="random, rules, learned, or module:Factory")
+    s.add_argument("--policy", default="random", help="random, rules, learned, llm, or module:Factory")
     s.add_argument("--budget-candidates", type=int,
                    help=f"candidates built and timed per shape (default {DEFAULT_CANDIDATES}; "
                         f"{FALLBACK_CANDIDATES} on the no-GPU compile-only path)")
