@@ -65,10 +65,11 @@ class Crash(Exception):
     pass
 
 
-def killed_run(db, cfg, method, n):
-    """A run of `cfg` on `db` whose n-th call of `db.<method>` dies inside the candidate's transaction (as a kill -9
-    there would); the method is put back afterwards. Returns the killed Search."""
-    s = Search(cfg, db, *evaluators(cfg.seed))
+def killed_run(db, cfg, method, n, evaluator_pair=None):
+    """A run of `cfg` on `db` (with `evaluator_pair` = (evaluator, retimer), by default the stand-ins) whose n-th call
+    of `db.<method>` dies inside the candidate's transaction (as a kill -9 there would); the method is put back
+    afterwards. Returns the killed Search."""
+    s = Search(cfg, db, *(evaluator_pair or evaluators(cfg.seed)))
     real, calls = getattr(db, method), {"n": 0}
 
     def dying(*a, **k):

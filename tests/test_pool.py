@@ -18,7 +18,7 @@ from l2ir.search.loop import DONE, Search, TuneConfig
 from l2ir.search.pool import EvaluatorPool, Job, parse_gpus
 from l2ir.search.standin import StandinConfig, StandinEvaluator
 from l2ir.search.sweeps import load_sweep
-from test_loop import SHAPES, Crash, trace
+from test_loop import SHAPES, killed_run, trace
 
 from l2ir.cli import main
 from l2ir.seed import seed as rule_seed
@@ -197,22 +197,7 @@ def test_a_device_that_cannot_start_is_left_out_and_said_once():
 
 def killed(db, cfg, method, n, workers=2):
     """A pooled run of `cfg` killed at the n-th call of `db.<method>` (inside a candidate's transaction)."""
-    s = Search(cfg, db, pool_of(workers, cfg.seed), retimer(cfg.seed))
-    real, calls = getattr(db, method), {"n": 0}
-
-    def dying(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == n:
-            raise Crash(f"killed at call {n} of {method}")
-        return real(*a, **k)
-
-    setattr(db, method, dying)
-    try:
-        with pytest.raises(Crash):
-            s.run()
-    finally:
-        setattr(db, method, real)
-    return s
+    return killed_run(db, cfg, method, n, (pool_of(workers, cfg.seed), retimer(cfg.seed)))
 
 
 @pytest.mark.parametrize("interleave", [False, True])
