@@ -105,13 +105,17 @@ def test_resume_after_a_kill_mid_write_gives_the_uninterrupted_run(tmp_path):
     assert db.run(s.run_id)["status"] == "done"
 
 
+# One phase of a stand-in run in its own process: RUNNER DB (run | resume) [WORKERS] (a pool of WORKERS stand-ins).
 RUNNER = textwrap.dedent("""
     import sys
     from l2ir.search.db import RecordsDB
     from l2ir.search.loop import Search, TuneConfig
+    from l2ir.search.pool import EvaluatorPool
     from l2ir.search.standin import StandinConfig, StandinEvaluator
     shapes = tuple(tuple(s) for s in {shapes!r})
-    ev = StandinEvaluator(StandinConfig(("offline",), 7))
+    workers = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    ev = StandinEvaluator(StandinConfig(("offline",), 7)) if workers == 1 else EvaluatorPool(
+        [StandinEvaluator(StandinConfig(("offline",), 7)) for _ in range(workers)])
     rt = StandinEvaluator(StandinConfig(("offline", "server"), 7))
     db = RecordsDB(sys.argv[1])
     progress = lambda st, e: print(st.candidates, flush=True)

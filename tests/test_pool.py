@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -18,7 +17,7 @@ from l2ir.search.loop import DONE, Search, TuneConfig
 from l2ir.search.pool import EvaluatorPool, Job, parse_gpus
 from l2ir.search.standin import StandinConfig, StandinEvaluator
 from l2ir.search.sweeps import load_sweep
-from test_loop import SHAPES, killed_run, trace
+from test_loop import RUNNER, SHAPES, killed_run, trace
 
 from l2ir.cli import main
 from l2ir.seed import seed as rule_seed
@@ -214,28 +213,6 @@ def test_a_pooled_run_killed_mid_batch_resumes_to_the_uninterrupted_run(tmp_path
     assert key(trace(db, s.run_id)) == key(trace(ref.db, ref.run_id))
     assert [x.done for x in resumed.states] == [x.done for x in ref.states]
     assert db.run(s.run_id)["status"] == "done"
-
-
-RUNNER = textwrap.dedent("""
-    import sys
-    from l2ir.search.db import RecordsDB
-    from l2ir.search.loop import Search, TuneConfig
-    from l2ir.search.pool import EvaluatorPool
-    from l2ir.search.standin import StandinConfig, StandinEvaluator
-    shapes = tuple(tuple(s) for s in {shapes!r})
-    workers = int(sys.argv[3])
-    one = StandinEvaluator(StandinConfig(("offline",), 7))
-    ev = one if workers == 1 else EvaluatorPool([StandinEvaluator(StandinConfig(("offline",), 7))
-                                                 for _ in range(workers)])
-    rt = StandinEvaluator(StandinConfig(("offline", "server"), 7))
-    db = RecordsDB(sys.argv[1])
-    progress = lambda st, e: print(st.candidates, flush=True)
-    if sys.argv[2] == "resume":
-        Search.resume(db, 1, ev, rt, progress=progress).run()
-    else:
-        cfg = TuneConfig(shapes=shapes, mode="standin", budget_candidates=40, seed=7)
-        Search(cfg, db, ev, rt, progress=progress).run()
-""")
 
 
 def test_a_pooled_run_resumes_after_a_real_kill_9(tmp_path):
