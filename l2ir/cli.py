@@ -232,6 +232,26 @@ def cmd_compile(args) -> int:
     return 0
 
 
+def _bench_family(spec: str):
+    """--family BACKEND=SWEEP[:CONFIG,CONFIG...] -> (backend, sweep, ((config, kernel), ...))."""
+    from l2ir.backends.registry import BACKENDS
+    from l2ir.search.sweeps import load_sweep
+
+    backend, eq, rest = spec.partition("=")
+    sweep, _, picks = rest.partition(":")
+    if not eq or not backend or not sweep:
+        raise CliError(f"--family {spec!r}: expected BACKEND=SWEEP[:CONFIG,...], e.g. cuda_ptx=cuda_ptx")
+    if backend not in BACKENDS:
+        raise CliError(f"--family {spec!r}: unknown backend '{backend}' (backends: {', '.join(BACKENDS)})")
+    known = load_sweep(sweep)
+    names = [n for n in picks.split(",") if n] or list(known)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise CliError(f"--family {spec!r}: unknown config(s) {', '.join(unknown)} in sweep '{sweep}' "
+                       f"(known: {', '.join(known)})")
+    return backend, sweep, tuple((n, known[n]) for n in names)
+
+
 def cmd_bench(args) -> int:
     """GPU benchmark: seed + a named sweep over grid shapes, through the candidate pipeline (search/bench.py)."""
     from pathlib import Path
@@ -242,6 +262,9 @@ def cmd_bench(args) -> int:
     from l2ir.search.sweeps import load_sweep
 
     problem = parse_problem(args.problem, "--problem") if args.problem else Problem(1, 1, 1)
+    families = tuple(_bench_family(spec) for spec in (args.family or []))
+    if families and (args.sweep is not None or args.backend):
+        raise CliError("--family names its backend and sweep; drop --sweep/--backend")
     sweep_name = default_sweep(args.target, args.backend)
     known = load_sweep(sweep_name)
     sweep = known
@@ -253,7 +276,7 @@ def cmd_bench(args) -> int:
         sweep = {n: known[n] for n in args.sweep}
     shapes = list(args.shape or [])
     if args.shapes:
-        shapes += [s for s in grid_shapes(args.shapes, args.min_gflop) if s not in shapes]
+        shapes += [s for s in grid_shapes(args.shapes, args.min_gflop, args.max_gflop) if s not in shapes]
     shapes = tuple(sorted(shapes, key=lambda s: (s[0] * s[1] * s[2], s)))
     if not shapes:
         raise CliError("no shapes: give --shapes N and/or --shape MxNxK")
@@ -267,7 +290,7 @@ def cmd_bench(args) -> int:
                       target=args.target, budget_s=args.budget_s, resume=not args.no_resume, backend=args.backend,
                       cache_dir=args.cache_dir, command="l2ir " + " ".join(sys.argv[1:]),
                       baseline_reduced_precision=args.torch_defaults, report_only=args.report_only,
-                      device_sm=args.device_sm, problem=problem)
+                      device_sm=args.device_sm, problem=problem, families=families, fresh=not args.no_fresh)
     print_summary(run_bench(cfg))
     return 0
 
@@ -326,7 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shapes", type=int, default=40, help="how many shapes of the {64..16384}^3 grid (0: none)")
     s.add_argument("--shape", type=_shape, action="append", help="an explicit MxNxK (repeatable; added to --shapes)")
     s.add_argument("--min-gflop", type=float, default=0.0, help="only grid shapes of at least this many GFLOP")
+    s.add_argument("--max-gflop", type=float, default=float("inf"), help="only grid shapes below this many GFLOP")
     s.add_argument("--sweep", nargs="*", help="sweep config names (default: all for the target)")
+    s.add_argument("--family", action="append", metavar="BACKEND=SWEEP[:CONFIG,...]",
+                   help="measure a kernel family side by side with the others (repeatable), e.g. "
+                        "cuda_ptx=cuda_ptx cutlass_sm90=sm90a cuda_ptx_sm80=cuda_ptx_sm80; replaces --sweep")
+    s.add_argument("--no-fresh", action="store_true",
+                   help="do not re-time each winner on fresh inputs (the report then uses selection samples)")
     s.add_argument("--out", required=True, help="results prefix, e.g. bench/results/sm80_grid40")
     s.add_argument("--budget-s", type=float, default=1e9, help="stop starting shapes after this many seconds")
     s.add_argument("--no-resume", action="store_true", help="discard earlier measurements in OUT.jsonl")

@@ -26,10 +26,11 @@ from .report import RunStats, ShapeResult, fmt_us, kernel_report, summarize, tim
 GRID = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 12288, 16384)
 
 
-def grid_shapes(count: int, min_gflop: float = 0.0) -> list[tuple[int, int, int]]:
-    """`count` shapes of the {64..16384}^3 grid (those of at least `min_gflop`) spread evenly over the FLOP range
-    (sorted by FLOPs, then M, N, K)."""
-    shapes = sorted(((m, n, k) for m in GRID for n in GRID for k in GRID if 2 * m * n * k >= min_gflop * 1e9),
+def grid_shapes(count: int, min_gflop: float = 0.0, max_gflop: float = float("inf")) -> list[tuple[int, int, int]]:
+    """`count` shapes of the {64..16384}^3 grid (those of at least `min_gflop` and below `max_gflop`) spread evenly
+    over the FLOP range (sorted by FLOPs, then M, N, K)."""
+    shapes = sorted(((m, n, k) for m in GRID for n in GRID for k in GRID
+                     if min_gflop * 1e9 <= 2 * m * n * k < max_gflop * 1e9),
                     key=lambda s: (s[0] * s[1] * s[2], s))
     if count >= len(shapes):
         return shapes
@@ -55,6 +56,13 @@ class BenchConfig:
     shapes: tuple[tuple[int, int, int], ...]
     sweep: tuple[tuple[str, Kernel], ...]       # (config name, kernel), e.g. load_sweep("sm90a").items()
     sweep_name: str = ""                        # where the configs came from (records their origin)
+    # Kernel families measured side by side: (backend, sweep name, ((config name, kernel), ...)). Given, they
+    # replace `sweep`; each config is lowered by its family's backend and named "<backend>/<config>", so every
+    # record and the winner say which family it is.
+    families: tuple[tuple[str, str, tuple[tuple[str, Kernel], ...]], ...] = ()
+    # Re-time each shape's winner offline on fresh inputs and seeds (<out>-fresh.jsonl): the selection samples
+    # picked it, the fresh ones report it, so the winner's luck in selection is not reported as speed.
+    fresh: bool = True
     target: str = "sm80"                        # the seed generator's target
     budget_s: float = 1e9                       # stop starting new shapes after this long (results are kept)
     resume: bool = True
@@ -81,9 +89,13 @@ def candidates_for(cfg: BenchConfig, shape: tuple[int, int, int]):
 
     from .pipeline import Candidate
 
+    first = [Candidate("seed", seed(cfg.problem.with_shape(*shape), cfg.target), "seed")]
+    if cfg.families:
+        return first + [Candidate(f"{backend}/{name}", k, f"sweep:{sweep}", backend)
+                        for backend, sweep, configs in cfg.families for name, k in configs]
     origin = f"sweep:{cfg.sweep_name}" if cfg.sweep_name else "sweep"
-    return [Candidate("seed", seed(cfg.problem.with_shape(*shape), cfg.target), "seed")] + [
-        Candidate(name, k, origin) for name, k in cfg.sweep]
+    return first + [Candidate(name, k, origin) for name, k in cfg.sweep]
+
 
 
 def run_bench(cfg: BenchConfig) -> dict:
@@ -101,6 +113,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     pcfg = PipelineConfig(backend=cfg.backend, any_binary=cfg.report_only,
                           compile=CompileOptions(cache_dir=cfg.cache_dir, jobs=cfg.compile_jobs, device_sm=cfg.device_sm))
     pipeline = Pipeline(pcfg, None, store, log=_log)
+    # The winner's report timing: never answered from the selection records, only from earlier fresh ones.
+    fresh_pipeline = Pipeline(pcfg, None, JsonlStore(cfg.out.with_name(cfg.out.name + "-fresh.jsonl"),
+                                                      resume=cfg.resume), log=_log)
 
     # Lower and compile every distinct kernel of every shape once, in one parallel batch (all shapes share one
     # dtype/layout class); the per-shape calls below then only look them up.
@@ -171,6 +186,15 @@ def run_bench(cfg: BenchConfig) -> dict:
                 sr.best_name, sr.best_hash = name, item.kernel_hash[:12]
                 sr.offline = timing(rec)
                 sr.server = timing(srv) if srv is not None else {}
+                if cfg.fresh:
+                    f = fresh_pipeline.evaluate(item, problem, evaluators.get("offline"), scenarios=("offline",))
+                    frec = f.measurements[0].to_json() if f is not None and f.measurements else None
+                    if frec is not None and passed(frec):
+                        sr.fresh = timing(frec)
+                    elif frec is not None:
+                        stats.recheck_failures += 1
+                        sr.gates[name]["fresh"] = False
+                        _log(f"{shape} {name:28s} FAILED on fresh inputs: {first_failure(frec)[:160]}")
                 break
             sr.passed = sum(1 for g in sr.gates.values() if "errors" not in g and all(g.values()))
             shape_results.append(sr)

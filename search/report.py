@@ -31,6 +31,7 @@ class ShapeResult:
     offline: dict = field(default_factory=dict)
     server: dict = field(default_factory=dict)
     gates: dict = field(default_factory=dict)
+    fresh: dict = field(default_factory=dict)     # the winner re-timed offline on fresh inputs (its report time)
 
 
 @dataclass
@@ -151,10 +152,70 @@ def summarize(results: list[ShapeResult], stats: RunStats, *, target: str, probl
         "overall_server_geomean_speedup": geomean([r.server.get("speedup") for r in results]),
         "by_regime": by_regime,
         "recheck_failures": stats.recheck_failures,
-        "shapes": [dataclasses.asdict(r) | {"offline": {k: v for k, v in r.offline.items() if "samples" not in k},
-                                             "server": {k: v for k, v in r.server.items() if "samples" not in k}}
+        **fresh_summary(results, problem_class, environment),
+        "shapes": [dataclasses.asdict(r) | {part: {k: v for k, v in getattr(r, part).items() if "samples" not in k}
+                                             for part in ("offline", "server", "fresh")}
                    for r in results],
     }
+
+
+def family_of(name: str | None) -> str | None:
+    """The family (backend) of a bench candidate name: "cuda_ptx/64x128" -> "cuda_ptx" (search/bench.py names a
+    family's configs "<backend>/<config>"); the seed and single-sweep configs belong to the default backend."""
+    if name is None:
+        return None
+    return name.split("/", 1)[0] if "/" in name else "default"
+
+
+def is_unaligned(shape: tuple[int, int, int]) -> bool:
+    """A shape with a dimension that is not a multiple of 8: no 16-byte vector covers its rows evenly."""
+    return any(d % 8 for d in shape)
+
+
+def _ratio_stats(xs: list[float]) -> dict:
+    return {"n": len(xs), "geomean": geomean(xs), "min": min(xs, default=None), "max": max(xs, default=None)}
+
+
+def fresh_summary(results: list[ShapeResult], problem_class: str, environment: dict) -> dict:
+    """What the winners measure on fresh samples (the report numbers; selection picked them on other samples), by
+    FLOP regime and by group (unaligned shapes, DRAM-bound shapes with their roofline shares), which family won
+    where, and the repeat check: torch.matmul timed in the selection run and again in the fresh run, the same
+    kernel twice (an A/A check of the method), beside the winner's own selection-to-fresh ratio."""
+    ceilings = ceilings_for(environment)
+    speed = lambda r: r.fresh.get("speedup")  # noqa: E731
+    by_regime = {}
+    for lo, hi, label in REGIMES:
+        rows = [r for r in results if lo <= gflop(r.shape) * 1e9 < hi]
+        by_regime[label] = {"shapes": len(rows), "fresh_geomean_speedup": geomean([speed(r) for r in rows]),
+                            "fresh_min_speedup": min((speed(r) for r in rows if speed(r)), default=None)}
+    groups = {}
+    unaligned = [r for r in results if is_unaligned(r.shape)]
+    groups["unaligned"] = {"shapes": len(unaligned), "fresh_geomean_speedup": geomean([speed(r) for r in unaligned]),
+                           "fresh_min_speedup": min((speed(r) for r in unaligned if speed(r)), default=None)}
+    if ceilings is not None:
+        dram = []
+        for r in results:
+            roof = roofline(r.shape, problem_class, ceilings)
+            if roof["bound"] == "memory" and gflop(r.shape) >= 1.0:
+                dram.append({"shape": list(r.shape), "floor_us": round(roof["floor_us"], 3),
+                             "kernel_share": roofline_share(roof["floor_us"], r.fresh.get("kernel_us")),
+                             "torch_share": roofline_share(roof["floor_us"], r.fresh.get("torch_us"))})
+        groups["dram_bound"] = {"shapes": len(dram), "rule": "memory-bound on the roofline and at least 1 GFLOP",
+                                "median_kernel_share": median([d["kernel_share"] for d in dram]),
+                                "median_torch_share": median([d["torch_share"] for d in dram]), "rows": dram}
+    wins: dict[str, int] = {}
+    for r in results:
+        if r.best_name is not None:
+            fam = family_of(r.best_name)
+            wins[fam] = wins.get(fam, 0) + 1
+    torch_aa = [r.fresh["torch_us"] / r.offline["torch_us"] for r in results
+                if r.fresh.get("torch_us") and r.offline.get("torch_us")]
+    winner_repeat = [r.fresh["kernel_us"] / r.offline["kernel_us"] for r in results
+                     if r.fresh.get("kernel_us") and r.offline.get("kernel_us")]
+    return {"overall_fresh_geomean_speedup": geomean([speed(r) for r in results]),
+            "fresh_by_regime": by_regime, "groups": groups, "wins_by_family": wins,
+            "repeat_check": {"torch_fresh_over_selection": _ratio_stats(torch_aa),
+                             "winner_fresh_over_selection": _ratio_stats(winner_repeat)}}
 
 
 def short_symbol(symbol: str, limit: int = 72) -> str:

@@ -210,3 +210,46 @@ def test_bench_runs_the_pipeline_resumes_and_rebuilds_its_report(tmp_path, monke
     report = run_bench(BenchConfig(**{**cfg.__dict__, "report_only": True}))
     assert [r["best_name"] for r in report["shapes"]] == [r["best_name"] for r in s["shapes"]]
     assert report["recheck_failures"] == s["recheck_failures"]
+
+
+def test_bench_families_name_their_backend_and_report_winners_on_fresh_samples(tmp_path, monkeypatch):
+    from l2ir.search import evaluator
+    from l2ir.search.bench import BenchConfig, run_bench
+
+    _fake_build(monkeypatch)
+    monkeypatch.setattr(evaluator, "Evaluator", _Evaluator)
+    _Evaluator.calls, _Evaluator.flaky = [], set()
+    families = (("cuda_ptx_sm80", "cuda_ptx_sm80", tuple(load_sweep("cuda_ptx_sm80").items())),
+                ("cute_sm80", "sm80", tuple(load_sweep("sm80").items())))
+    shapes = ((100, 256, 256), (1000, 1000, 1000))
+    cfg = BenchConfig(out=tmp_path / "fam", shapes=shapes, sweep=(), target="sm80", families=families)
+    s = run_bench(cfg)
+    records = [json.loads(line) for line in (tmp_path / "fam.jsonl").read_text().splitlines()]
+    assert {r["config"].split("/")[0] for r in records if r["origin"] != "seed"} == {"cuda_ptx_sm80", "cute_sm80"}
+    fresh = [json.loads(line) for line in (tmp_path / "fam-fresh.jsonl").read_text().splitlines()]
+    assert len(fresh) == len(shapes) and {r["scenario"] for r in fresh} == {"offline"}
+    for row in s["shapes"]:
+        assert row["fresh"]["speedup"] == row["offline"]["speedup"]      # the stand-in is deterministic
+        assert row["best_name"] == "seed" or row["best_name"].split("/")[0] in ("cuda_ptx_sm80", "cute_sm80")
+        # the winner was timed offline twice: once among the candidates, once on fresh samples
+        offline_calls = [c for c in _Evaluator.calls if c[0] == ("offline",) and c[2] == tuple(row["shape"])
+                         and c[1].startswith(row["best_hash"])]
+        assert len(offline_calls) == 2
+    assert sum(s["wins_by_family"].values()) == len(shapes)
+    assert s["groups"]["unaligned"]["shapes"] == 1                       # M=100 is not a multiple of 8
+    assert s["repeat_check"]["torch_fresh_over_selection"]["geomean"] == pytest.approx(1.0)
+    assert s["overall_fresh_geomean_speedup"] == pytest.approx(s["overall_offline_geomean_speedup"])
+    # a rerun measures nothing again, the fresh timings included
+    calls = len(_Evaluator.calls)
+    run_bench(cfg)
+    assert len(_Evaluator.calls) == calls
+
+
+def test_bench_family_flag_checks_backend_sweep_and_configs(capsys):
+    from l2ir.cli import main
+
+    for spec, why in (("cuda_ptx", "expected BACKEND=SWEEP"), ("nope=sm80", "unknown backend 'nope'"),
+                      ("cute_sm80=sm80:missing", "unknown config(s) missing")):
+        assert main(["bench", "--report-only", "--shapes", "0", "--shape", "64x64x64", "--family", spec,
+                     "--out", "/tmp/x"]) != 0
+        assert why in capsys.readouterr().err
