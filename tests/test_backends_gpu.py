@@ -206,3 +206,132 @@ def test_generated_kernel_passes_every_gate(built, evaluator, key):
         assert m.passed and not m.errors, f"{key} at {shape}: errors {m.errors}; failed gates {failed}"
         ran = {v.name for v in m.verdicts if not v.skipped}
         assert {"accuracy", "all_written", "guard_bands"} <= ran, (shape, ran)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cuda_ptx sm90a families for small and skinny shapes: the latency-bound one-warpgroup kernels (tile.warps=4x1, one
+# tile per block) and split-K with the in-kernel reduction, from the cuda_ptx sweep plus a staged-epilogue variant,
+# at the skinny, tiny and ragged shapes they are for (each also runs the evaluator's ragged_shapes gate).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _cuda_ptx_small_families() -> dict[str, Kernel]:
+    kernels = {name: k for name, k in load_sweep("cuda_ptx").items() if not name.startswith("ptx_coop")}
+    base = kernels["ptx_w4x1_64x256x64"]
+    kernels["w4x1_64x256x64_smem8"] = base.replace(epilogue=Epilogue("smem", 8))
+    return kernels
+
+
+CUDA_PTX_SMALL = _cuda_ptx_small_families()
+CUDA_PTX_SMALL_SHAPES = ((64, 1024, 16384), (100, 3000, 4104), (64, 64, 64), (128, 16384, 4096))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", list(CUDA_PTX_SMALL))
+def test_cuda_ptx_small_shape_families_pass_every_gate(evaluator, tmp_path_factory, name):
+    import torch
+
+    from l2ir.search.gates import admits
+
+    major, minor = torch.cuda.get_device_capability(0)
+    if (major, minor) < (9, 0):
+        pytest.skip(f"the sm90a kernels need a Hopper GPU; this one is sm_{major}{minor}")
+    kernel = CUDA_PTX_SMALL[name]
+    plan = lower(kernel, F16, "cuda_ptx")
+    options = CompileOptions(cache_dir=str(tmp_path_factory.mktemp("cuda_ptx_small")), device_sm=f"sm_{major}{minor}")
+    (art,) = compile_many([plan], options)
+    assert art.ok, f"compile {art.reason}: {art.log[-3000:]}\nreproduce: {art.repro}"
+    shapes = [s for s in CUDA_PTX_SMALL_SHAPES if admits(kernel, F16.with_shape(*s))[0]]
+    assert len(shapes) >= 3, [admits(kernel, F16.with_shape(*s))[1] for s in CUDA_PTX_SMALL_SHAPES]
+    for shape in shapes:
+        (m,) = evaluator.evaluate(kernel, F16.with_shape(*shape), plan, art)
+        failed = [f"{v.name}: {v.detail}" for v in m.verdicts if not v.passed]
+        assert m.passed and not m.errors, f"{name} at {shape}: errors {m.errors}; failed gates {failed}"
+        ran = {v.name for v in m.verdicts if not v.skipped}
+        assert {"accuracy", "ulp", "all_written", "guard_bands", "ragged_shapes"} <= ran, (shape, ran)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cuda_ptx_sm80 kernel families: split-K reduced inside the kernel (one launch), decode / skinny tiles, unaligned K
+# (pad.align 4 / 2 / 1). Each at the shapes it is for, aligned and ragged, through every gate; split-K kernels also
+# launched three times on one workspace zeroed once: bit-identical C each time, counters left zero.
+# ---------------------------------------------------------------------------------------------------------------
+
+PTX_SM80_FAMILIES = {
+    "decode_16x128x64_w1x4_s6_splitk8": (
+        sm80((16, 128, 64), (1, 4), 6, swizzle=(3, 3, 3), splitk=(8, "workspace"), epilogue=("direct", 2)),
+        [(16, 4096, 4096), (64, 1024, 16384), (13, 3000, 4104)]),
+    "decode_32x128x64_w1x4_s6_splitk4": (
+        sm80((32, 128, 64), (1, 4), 6, swizzle=(3, 3, 3), splitk=(4, "workspace")),
+        [(64, 1024, 16384), (100, 3000, 4104)]),
+    "skinny_n_128x32x64_w4x1_s6_splitk4": (
+        sm80((128, 32, 64), (4, 1), 6, swizzle=(3, 3, 3), raster="along_m", splitk=(4, "workspace")),
+        [(12288, 64, 12288), (3000, 104, 4104)]),
+    "small_64x64x64_w1x2_s8_splitk2": (
+        sm80((64, 64, 64), (1, 2), 8, swizzle=(3, 3, 3), splitk=(2, "workspace")),
+        [(1024, 768, 512), (100, 3000, 4104)]),
+    "latency_64x64x64_w2x2_s4": (
+        sm80((64, 64, 64), (2, 2), 4, swizzle=(3, 3, 3)), [(64, 64, 64), (1024, 768, 512), (100, 3000, 4104)]),
+    "align4_64x128x32_w2x2_s4": (
+        sm80((64, 128, 32), (2, 2), 4, align=4, epilogue=("smem", 4)), [(512, 512, 1004), (1000, 1000, 1004)]),
+    "align2_64x64x64_w2x2_s4": (
+        sm80((64, 64, 64), (2, 2), 4, swizzle=(3, 3, 3), align=2, pad=("zero_fill", "predicate", "predicate"),
+             epilogue=("direct", 2)), [(512, 512, 1002), (1000, 1000, 998)]),
+    "align1_64x64x32_w2x2_s4": (
+        sm80((64, 64, 32), (2, 2), 4, align=1, epilogue=("smem", 1)), [(1000, 1000, 999), (127, 129, 67)]),
+    "align1_16x128x64_w1x4_s4_splitk4": (
+        sm80((16, 128, 64), (1, 4), 4, swizzle=(3, 3, 3), align=1, pad=("predicate", "zero_fill", "zero_fill"),
+             splitk=(4, "workspace"), epilogue=("direct", 1)), [(16, 4096, 4097), (100, 3000, 999)]),
+}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", list(PTX_SM80_FAMILIES))
+def test_cuda_ptx_sm80_families_pass_every_gate(evaluator, tmp_path, name):
+    import torch
+
+    from l2ir.runtime import load
+    from l2ir.search.gates import admits, relative_error, tolerance
+
+    kernel, shapes = PTX_SM80_FAMILIES[name]
+    plan = lower(kernel, F16, "cuda_ptx_sm80")
+    major, minor = torch.cuda.get_device_capability(0)
+    (art,) = compile_many([plan], CompileOptions(cache_dir=str(tmp_path), device_sm=f"sm_{major}{minor}"))
+    assert art.ok, f"compile {art.reason}: {art.summary()}\nreproduce: {art.repro}"
+    for shape in shapes:
+        problem = F16.with_shape(*shape)
+        ok, why = admits(kernel, problem)
+        assert ok, f"{name} at {shape}: {why}"
+        (m,) = evaluator.evaluate(kernel, problem, plan, art)
+        failed = [f"{v.name}: {v.detail}" for v in m.verdicts if not v.passed]
+        assert m.passed and not m.errors, f"{name} at {shape}: errors {m.errors}; failed gates {failed}"
+        ran = {v.name for v in m.verdicts if not v.skipped}
+        assert {"accuracy", "all_written", "guard_bands"} <= ran, (shape, ran)
+    if kernel.splitk is None:
+        return
+    # One workspace, zeroed once: the kernel must leave its tile counters zero, and the fixed slice order must give
+    # the same bits whichever slice arrives last.
+    mm, nn, kk = shapes[-1]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    a = torch.randn((mm, kk), generator=gen, device="cuda").half()
+    b = torch.randn((nn, kk), generator=gen, device="cuda").half()          # B col: stored N x K, K contiguous
+    ws_bytes = plan.workspace_for(mm, nn, kk)
+    ws = torch.zeros(ws_bytes, dtype=torch.uint8, device="cuda")
+    launcher = load(plan, art.binary)
+    try:
+        outs = []
+        for _ in range(3):
+            c = torch.full((mm, nn), float("nan"), dtype=torch.half, device="cuda")
+            launcher(a.data_ptr(), b.data_ptr(), c.data_ptr(), mm, nn, kk, ws.data_ptr(), ws_bytes)
+            torch.cuda.synchronize()
+            outs.append(c)
+    finally:
+        launcher.close()
+    ref = a.double() @ b.double().t()
+    assert relative_error(outs[0], ref) <= tolerance(kk, "f32", "f16")
+    for c in outs[1:]:
+        assert torch.equal(c.view(torch.int16), outs[0].view(torch.int16)), "split-K output differs run to run"
+    tiles = -(-mm // kernel.tile.bm) * -(-nn // kernel.tile.bn)
+    assert int(ws[ws_bytes - 4 * tiles:].count_nonzero()) == 0, "tile counters not reset to zero"

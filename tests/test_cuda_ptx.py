@@ -43,6 +43,15 @@ def coop(block=(128, 256, 64), **changes) -> Kernel:
     return k.replace(**changes)
 
 
+def lat(block=(64, 128, 64), **changes) -> Kernel:
+    """Latency-bound family: tile.warps=4x1 (one consumer warpgroup, 256 threads), one tile per block, no cluster."""
+    k = Kernel(target=Target("sm90a"), tile=Tile(block, (4, 1), (1, 1)), mma=Mma("wgmma", (64, block[1], 16)),
+               pipeline=Pipeline("tma_ws", "auto", "pingpong", persistent=False),
+               swizzle=Swizzle((3, 3, 3), "along_n", 1), pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+               epilogue=Epilogue("direct", 2))
+    return k.replace(**changes)
+
+
 CASES: dict[str, tuple[Kernel, Problem]] = {
     "coop_128x256x64_direct": (coop(), PROBLEM),
     "coop_256x128x64_smem8_along_m8": (
@@ -55,6 +64,9 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
         coop((128, 128, 128), swizzle=Swizzle((2, 3, 3), "along_n", 4), epilogue=Epilogue("smem", 4),
              pad=Pad("divisible", "divisible", "divisible", 8),
              pipeline=Pipeline("tma_ws", 3, "cooperative", persistent=True)), PROBLEM),
+    "w4x1_64x128x64_direct": (lat(), PROBLEM),
+    "w4x1_64x256x64_smem8_bf16": (lat((64, 256, 64), epilogue=Epilogue("smem", 8)),
+                                  Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col"), c=("bf16", "row"))),
 }
 
 
@@ -138,6 +150,36 @@ def test_divisible_drops_predicates():
     assert "if (row < M" not in div and "*reinterpret_cast<Out2T*>(dst) = pack2(v0, v1);" in div
 
 
+def test_one_consumer_warpgroup_family():
+    """tile.warps=4x1 (pingpong, one tile per block) renders one consumer warpgroup in a 256-thread block, with no
+    register hand-over (REG_BUDGET); 8x1 keeps two consumers, 384 threads and the 40/232 split."""
+    one = sm90a.canonicalize(lat(), PROBLEM)
+    two = sm90a.canonicalize(coop(), PROBLEM)
+    assert (one.consumer_wgs, one.threads, one.wg_m, one.slabs) == (1, 256, 64, 1)
+    assert (two.consumer_wgs, two.threads) == (2, 384)
+    src1, src2 = sm90a.render(one), sm90a.render(two)
+    assert "constexpr int CONSUMER_WGS = 1;" in src1 and "constexpr int CONSUMER_WGS = 2;" in src2
+    assert "setmaxnreg.dec.sync.aligned.u32 40;" in src1 and "setmaxnreg.inc" not in src1
+    assert "setmaxnreg.inc.sync.aligned.u32 232;" in src2
+    assert "pid += num_tiles" in src1 and "const int grid = int(num_tiles);" in src1
+    # BM=128 on one warpgroup: two 64-row slabs.
+    assert sm90a.canonicalize(lat((128, 128, 64)), PROBLEM).slabs == 2
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_short_prologue(name):
+    """One thread prefetches both tensor maps before it initializes the barriers (the descriptor fetch overlaps the
+    setup); one block-wide barrier in the whole kernel; the host shim encodes tensor maps only on a cache miss."""
+    src = lower(*CASES[name]).source
+    kernel_src = src[src.index("__launch_bounds__"):src.index("// ---- trusted host code")]
+    assert kernel_src.count("__syncthreads()") == 1
+    assert kernel_src.count("prefetch.tensormap") == 2
+    assert kernel_src.index("prefetch.tensormap") < kernel_src.index("mbar_init(")
+    host = src[src.index('extern "C" int l2ir_run'):]
+    assert "thread_local MapCache cache;" in host
+    assert host.index("if (!cache.valid ||") < host.index("encode_operand(encode, &cache.tmap_a")
+
+
 def test_grid_is_explicit_sm_count():
     assert "constexpr int NUM_SMS = 132;" in lower(coop(), PROBLEM).source
     assert "constexpr int NUM_SMS = 114;" in lower(coop(), PROBLEM, num_sms=114).source
@@ -202,7 +244,8 @@ def test_illegal_ir_raises_verify_error():
 # nvcc builds (skip cleanly without nvcc).
 # ---------------------------------------------------------------------------------------------------------------
 
-NVCC_CASES = ["coop_128x256x64_direct", "coop_256x128x64_smem8_along_m8"]
+NVCC_CASES = ["coop_128x256x64_direct", "coop_256x128x64_smem8_along_m8", "w4x1_64x128x64_direct",
+              "w4x1_64x256x64_smem8_bf16"]
 
 
 @pytest.fixture(scope="module")
@@ -218,15 +261,19 @@ def test_nvcc_builds_without_spills(builds, name):
     assert spills and all(s == ("0", "0") for s in spills), f"register spills: {spills}"
     assert "C7510" not in b.log and "C7515" not in b.log, "ptxas serialized the wgmma pipeline"
     assert "warning" not in b.log.lower(), b.log
+    cfg = sm90a.canonicalize(*CASES[name])
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", b.log)]
-    assert regs and max(regs) <= 168, regs   # 65536 / 384 threads, rounded down to a multiple of 8
-    bn = CASES[name][0].tile.bn
+    # The launch-bound cap sm90a.REG_BUDGET's arithmetic assumes: 65536 / threads rounded down to 8, at most 255.
+    cap = min(255, 65536 // cfg.threads // 8 * 8)
+    assert regs and max(regs) <= cap, (regs, cap)
     ptx = b.ptx()
-    assert f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{cfg.bn}k16.f32.{cfg.in_dtype}.{cfg.in_dtype}" in ptx
+    producer, consumer = sm90a.REG_BUDGET[cfg.consumer_wgs]
     for instr in ("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes",
-                  "setmaxnreg.dec.sync.aligned.u32 40", "setmaxnreg.inc.sync.aligned.u32 232",
+                  f"setmaxnreg.dec.sync.aligned.u32 {producer}", "prefetch.tensormap",
                   "mbarrier.try_wait.parity.shared::cta.b64", "wgmma.wait_group.sync.aligned 1"):
         assert instr in ptx, instr
+    assert (f"setmaxnreg.inc.sync.aligned.u32 {consumer}" in ptx) if consumer else ("setmaxnreg.inc" not in ptx)
 
 
 @pytest.mark.nvcc
@@ -236,7 +283,7 @@ def test_sass_has_hgmma(builds, name):
     if sass is None:
         pytest.skip("cuobjdump/nvdisasm not found (PATH or the NVIDIA wheels)")
     kernel = CASES[name][0]
-    slabs = kernel.tile.bm // 128
+    slabs = sm90a.canonicalize(*CASES[name]).slabs
     hgmma = re.findall(rf"HGMMA\.64x{kernel.tile.bn}x16\.F32", sass)
     # One k-tile's wgmmas (BK/16 steps x slabs) appear once in the unrolled main loop.
     assert len(hgmma) == kernel.tile.bk // 16 * slabs, len(hgmma)

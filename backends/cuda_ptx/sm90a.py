@@ -64,10 +64,14 @@ from l2ir.runtime import LaunchPlan, status_constants_cpp
 from .common import UnsupportedLowering, check_problem_class
 
 ENTRY = "l2ir_cuda_ptx_sm90a_gemm"
-# setmaxnreg targets. The register file holds 64K 32-bit registers per SM; with one 384-thread block per SM the
-# producer's 128 threads x 40 plus the consumers' 256 x 232 is 64,512: the consumers get what the producer gives up.
-PRODUCER_REGS = 40
-CONSUMER_REGS = 232
+# setmaxnreg targets (producer, consumer) by consumer warpgroups. setmaxnreg moves registers only inside the block's
+# own pool, which is fixed at launch: threads x the count ptxas compiled for, and with __launch_bounds__(THREADS, 1)
+# and setmaxnreg in the kernel ptxas compiles for the bound's cap, 65536 / THREADS rounded down to 8.
+#   8x1, 384 threads: cap 168, pool 384 x 168 = 64,512; producer 128 x 40 + consumers 256 x 232 = 64,512.
+#   4x1, 256 threads: cap 255 (the per-thread maximum), pool 256 x 256 = 65,536 (whole-warp allocation rounds the
+#   255 up to 256); the one consumer warpgroup already has the per-thread maximum, so there is nothing to move:
+#   the producer releases its registers (40) and the consumer keeps what it has.
+REG_BUDGET = {2: (40, 232), 1: (40, None)}
 # wgmma swizzle modes in the descriptor's bits 62-63, by swizzle bits B of <B,3,3>.
 DESC_SWIZZLE_MODE = {3: 1, 2: 2, 1: 3}      # 128B, 64B, 32B
 TMA_SWIZZLE = {3: "CU_TENSOR_MAP_SWIZZLE_128B", 2: "CU_TENSOR_MAP_SWIZZLE_64B", 1: "CU_TENSOR_MAP_SWIZZLE_32B"}
@@ -83,7 +87,7 @@ class PtxConfig:
     bm: int
     bn: int
     bk: int
-    consumer_wgs: int         # 2 (cooperative)
+    consumer_wgs: int         # 2 (cooperative, tile.warps=8x1) | 1 (pingpong non-persistent, tile.warps=4x1)
     stages: int
     stages_field: str         # the IR's value ("auto" or the number), for comments
     persistent: bool
@@ -95,6 +99,12 @@ class PtxConfig:
     divisible: tuple[bool, bool, bool]
     epilogue: str             # "direct" | "smem"
     vector: int
+
+    @property
+    def schedule_text(self) -> str:
+        if self.consumer_wgs == 2:
+            return f"cooperative (2 consumer warpgroups of {self.wg_m} rows)"
+        return "one consumer warpgroup (pingpong, one tile per block)"
 
     @property
     def wg_m(self) -> int:
@@ -199,9 +209,16 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
     if pipe.mode != "tma_ws":
         raise UnsupportedLowering("pipeline.mode", f"'{pipe.mode}': the sm90a rule lowers TMA warp-specialized "
                                   "pipelines")
-    if pipe.schedule != "cooperative":
-        raise UnsupportedLowering("pipeline.schedule", f"'{pipe.schedule}': only cooperative is generated (two "
-                                  "consumer warpgroups splitting BM); pingpong is not written yet")
+    # The verifier ties the schedule to tile.warps: cooperative = 8x1, pingpong = 4x1 (one warpgroup per tile).
+    # Without a persistent loop a block owns one tile, so ping-pong has no second tile to alternate with: it lowers to
+    # one consumer warpgroup per block (256 threads), the latency-bound family. The alternating persistent form is not
+    # generated.
+    if pipe.schedule == "pingpong" and pipe.persistent:
+        raise UnsupportedLowering("pipeline.schedule", "pingpong with persistent=true: two consumer warpgroups "
+                                  "alternating tiles is not generated; set pipeline.persistent = false (one tile "
+                                  "per block on one consumer warpgroup, tile.warps=4x1)")
+    if pipe.schedule not in ("cooperative", "pingpong"):
+        raise UnsupportedLowering("pipeline.schedule", f"'{pipe.schedule}': cooperative or pingpong")
     if pipe.prefetch:
         raise UnsupportedLowering("pipeline.prefetch", "wgmma reads shared memory; there are no fragments to prefetch")
     if tile.cluster != (1, 1):
@@ -214,12 +231,13 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
     check_problem_class(problem)
 
     bm, bn, bk = tile.block
-    wgs = 2
+    wgs = 2 if pipe.schedule == "cooperative" else 1
     if tile.warps != (4 * wgs, 1):
-        raise UnsupportedLowering("tile.warps", f"{tile.warps[0]}x{tile.warps[1]}: cooperative uses 8x1")
+        raise UnsupportedLowering("tile.warps", f"{tile.warps[0]}x{tile.warps[1]}: {pipe.schedule} uses "
+                                  f"{4 * wgs}x1")
     if bm % (64 * wgs):
-        raise UnsupportedLowering("tile.block", f"BM={bm}: two warpgroups of whole 64-row wgmma slabs need BM % 128 "
-                                  "== 0")
+        raise UnsupportedLowering("tile.block", f"BM={bm}: {wgs} warpgroup(s) of whole 64-row wgmma slabs need "
+                                  f"BM % {64 * wgs} == 0")
     if bm > TMA_BOX_MAX or bn > TMA_BOX_MAX:
         raise UnsupportedLowering("tile.block", f"{bm}x{bn}: one TMA box spans at most {TMA_BOX_MAX} rows")
     if tuple(mma.shape) != (64, bn, 16):
@@ -409,7 +427,7 @@ def _header(cfg: PtxConfig) -> list[str]:
         "// Generated by L2IR backends/cuda_ptx/sm90a.py from the kernel IR. Do not edit: change the IR and lower again.",
         "//",
         f"// problem class: {cfg.problem_class} (M, N, K are run-time arguments)",
-        f"// tile {cfg.bm}x{cfg.bn}x{cfg.bk} cooperative (2 consumer warpgroups of {cfg.wg_m} rows), wgmma 64x{cfg.bn}x16, "
+        f"// tile {cfg.bm}x{cfg.bn}x{cfg.bk} {cfg.schedule_text}, wgmma 64x{cfg.bn}x16, "
         f"stages {cfg.stages} (pipeline.stages={cfg.stages_field}),",
         f"// swizzle {cfg.swizzle_field}, raster {cfg.raster}/{cfg.group}, persistent "
         f"{str(cfg.persistent).lower()}, epilogue {cfg.epilogue}/{cfg.vector}",
@@ -455,7 +473,8 @@ def _config(cfg: PtxConfig) -> list[str]:
         "",
         "// ---- tile (tile.block, tile.warps, mma.shape) ----",
         f"constexpr int BM = {cfg.bm}, BN = {cfg.bn}, BK = {cfg.bk};",
-        f"constexpr int CONSUMER_WGS = {cfg.consumer_wgs};        // tile.warps=8x1: two consumer warpgroups split BM",
+        f"constexpr int CONSUMER_WGS = {cfg.consumer_wgs};        // tile.warps={4 * cfg.consumer_wgs}x1: "
+        + ("two consumer warpgroups split BM" if cfg.consumer_wgs == 2 else "one consumer warpgroup owns the tile"),
         "constexpr int WG_M = BM / CONSUMER_WGS;   // rows per consumer warpgroup",
         "constexpr int SLABS = WG_M / 64;          // wgmma m64 slabs per consumer warpgroup",
         f"constexpr int WGMMA_N = {cfg.bn};            // mma.shape=64x{cfg.bn}x16: one instruction spans BN",
@@ -493,7 +512,7 @@ def _config(cfg: PtxConfig) -> list[str]:
         f"constexpr uint64_t DESC_SWIZZLE = {DESC_SWIZZLE_MODE[cfg.swizzle_bits]};   // 1 = 128B, 2 = 64B, 3 = 32B",
         "constexpr uint64_t DESC_TEMPLATE = (DESC_LBO << 16) | (DESC_SBO << 32) | (DESC_SWIZZLE << 62);",
         "",
-        "static_assert(BK % ATOM_K == 0 && BM % 128 == 0 && BN % 8 == 0 && BN <= 256, \"tile.block\");",
+        "static_assert(BK % ATOM_K == 0 && BM % (64 * CONSUMER_WGS) == 0 && BN % 8 == 0 && BN <= 256, \"tile.block\");",
         f"static_assert(SMEM_BYTES <= {SMEM_LIMIT['sm90a']}, \"shared memory exceeds the 227 KB sm90 opt-in\");",
         "",
     ]
@@ -601,6 +620,10 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "  const int wg = threadIdx.x / 128;",
         "",
         "  if (threadIdx.x == 0) {",
+        "    // The tensor maps live in the kernel's parameter space; fetching them into the TMA unit's descriptor cache",
+        "    // now overlaps that latency with the barrier setup and the block-wide barrier below.",
+        '    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_a)) : "memory");',
+        '    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_b)) : "memory");',
         "    for (int s = 0; s < STAGES; ++s) {",
         "      mbar_init(bars + 8 * s, 1);                           // full: the producer's arrive.expect_tx",
         "      mbar_init(bars + 8 * (STAGES + s), CONSUMER_WGS * 4);  // empty: one arrival per consumer warp",
@@ -609,14 +632,14 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         '    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");',
         '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
         "  }",
-        "  __syncthreads();   // the last block-wide barrier: after this the warpgroups only meet through mbarriers",
+        "  // The one block-wide barrier: no thread may wait on or arrive at an mbarrier before it is initialized.",
+        "  // After it the warpgroups meet only through mbarriers (and named barriers inside a warpgroup).",
+        "  __syncthreads();",
         "",
         "  if (wg == 0) {",
-        "    // ---- producer warpgroup: TMA only, so it gives its registers to the consumers ----",
-        f'    asm volatile("setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGS};" ::: "memory");',
+        "    // ---- producer warpgroup: TMA only, so it releases its registers (REG_BUDGET) ----",
+        f'    asm volatile("setmaxnreg.dec.sync.aligned.u32 {REG_BUDGET[cfg.consumer_wgs][0]};" ::: "memory");',
         "    if (threadIdx.x == 0) {",
-        '      asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_a)) : "memory");',
-        '      asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_b)) : "memory");',
         "      int stage = 0;",
         "      uint32_t phase = 0;",
         *_tile_loop(cfg, "      "),
@@ -640,7 +663,9 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "    }",
         "  } else {",
         "    // ---- consumer warpgroups: wgmma and the epilogue ----",
-        f'    asm volatile("setmaxnreg.inc.sync.aligned.u32 {CONSUMER_REGS};" ::: "memory");',
+        *([f'    asm volatile("setmaxnreg.inc.sync.aligned.u32 {REG_BUDGET[cfg.consumer_wgs][1]};" ::: "memory");']
+          if REG_BUDGET[cfg.consumer_wgs][1] else
+          ["    // 256 threads: the consumer already holds the per-thread maximum and keeps it (REG_BUDGET)."]),
         "    const int cw = wg - 1;   // consumer warpgroup: rows [cw * WG_M, (cw + 1) * WG_M) of the tile",
         "    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;",
         f"    float acc[SLABS][{nr}];",
@@ -737,6 +762,17 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "  return r == CUDA_SUCCESS;",
         "}",
         "",
+        "// The encoded maps of the last call (per host thread). CUtensorMap's own declaration carries the alignment",
+        "// the driver requires.",
+        "struct MapCache {",
+        "  CUtensorMap tmap_a;",
+        "  CUtensorMap tmap_b;",
+        "  const void* a = nullptr;",
+        "  const void* b = nullptr;",
+        "  int m = 0, n = 0, k = 0;",
+        "  bool valid = false;",
+        "};",
+        "",
         "// Opt the kernel into SMEM_BYTES of dynamic shared memory (above the 48 KB default), once per device, so",
         "// calls captured into a CUDA graph issue only the launch.",
         "bool configure_kernel() {",
@@ -777,16 +813,24 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "return L2IR_STATUS_MISALIGNED;",
         "  const long long num_tiles = (long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN);",
         "  if (num_tiles > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
-        "  EncodeTiledFn encode = tensor_map_encoder();",
-        "  if (encode == nullptr) return L2IR_STATUS_TENSOR_MAP;",
-        "  CUtensorMap tmap_a, tmap_b;",
-        "  if (!encode_operand(encode, &tmap_a, A, M, K, BM) || !encode_operand(encode, &tmap_b, B, N, K, BN)) {",
-        "    return L2IR_STATUS_TENSOR_MAP;",
+        "  // Encoding a tensor map is a driver call; a repeated call on the same operands (a layer's weights, a",
+        "  // benchmark loop) re-uses the maps of this thread's previous call. The maps hold only addresses and",
+        "  // sizes, so (A, B, M, N, K) decides them (the device is implied by the unified address of A and B).",
+        "  thread_local MapCache cache;",
+        "  if (!cache.valid || cache.a != A || cache.b != B || cache.m != M || cache.n != N || cache.k != K) {",
+        "    EncodeTiledFn encode = tensor_map_encoder();",
+        "    if (encode == nullptr) return L2IR_STATUS_TENSOR_MAP;",
+        "    cache.valid = false;",
+        "    if (!encode_operand(encode, &cache.tmap_a, A, M, K, BM) ||",
+        "        !encode_operand(encode, &cache.tmap_b, B, N, K, BN)) {",
+        "      return L2IR_STATUS_TENSOR_MAP;",
+        "    }",
+        "    cache.a = A; cache.b = B; cache.m = M; cache.n = N; cache.k = K; cache.valid = true;",
         "  }",
         "  if (!configure_kernel()) return L2IR_STATUS_CUDA_ERROR;",
         grid_line,
         f"  {ENTRY}<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(",
-        "      tmap_a, tmap_b, static_cast<OutT*>(C), M, N, K);",
+        "      cache.tmap_a, cache.tmap_b, static_cast<OutT*>(C), M, N, K);",
         "  return cudaGetLastError() == cudaSuccess ? 0 : L2IR_STATUS_CUDA_ERROR;",
         "}",
         "",

@@ -72,7 +72,7 @@ constexpr uint64_t DESC_SBO = 1024 >> 4;   // 8 rows x 128 B
 constexpr uint64_t DESC_SWIZZLE = 1;   // 1 = 128B, 2 = 64B, 3 = 32B
 constexpr uint64_t DESC_TEMPLATE = (DESC_LBO << 16) | (DESC_SBO << 32) | (DESC_SWIZZLE << 62);
 
-static_assert(BK % ATOM_K == 0 && BM % 128 == 0 && BN % 8 == 0 && BN <= 256, "tile.block");
+static_assert(BK % ATOM_K == 0 && BM % (64 * CONSUMER_WGS) == 0 && BN % 8 == 0 && BN <= 256, "tile.block");
 static_assert(SMEM_BYTES <= 232448, "shared memory exceeds the 227 KB sm90 opt-in");
 
 // ---- PTX wrappers ----
@@ -186,6 +186,10 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
   const int wg = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
+    // The tensor maps live in the kernel's parameter space; fetching them into the TMA unit's descriptor cache
+    // now overlaps that latency with the barrier setup and the block-wide barrier below.
+    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_a)) : "memory");
+    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_b)) : "memory");
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(bars + 8 * s, 1);                           // full: the producer's arrive.expect_tx
       mbar_init(bars + 8 * (STAGES + s), CONSUMER_WGS * 4);  // empty: one arrival per consumer warp
@@ -194,14 +198,14 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
-  __syncthreads();   // the last block-wide barrier: after this the warpgroups only meet through mbarriers
+  // The one block-wide barrier: no thread may wait on or arrive at an mbarrier before it is initialized.
+  // After it the warpgroups meet only through mbarriers (and named barriers inside a warpgroup).
+  __syncthreads();
 
   if (wg == 0) {
-    // ---- producer warpgroup: TMA only, so it gives its registers to the consumers ----
+    // ---- producer warpgroup: TMA only, so it releases its registers (REG_BUDGET) ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
     if (threadIdx.x == 0) {
-      asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_a)) : "memory");
-      asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_b)) : "memory");
       int stage = 0;
       uint32_t phase = 0;
       // pipeline.persistent=true: grid = min(tiles, NUM_SMS); each block walks tiles pid, pid + gridDim.x, ...
@@ -347,6 +351,17 @@ bool encode_operand(EncodeTiledFn encode, CUtensorMap* map, const void* ptr, int
   return r == CUDA_SUCCESS;
 }
 
+// The encoded maps of the last call (per host thread). CUtensorMap's own declaration carries the alignment
+// the driver requires.
+struct MapCache {
+  CUtensorMap tmap_a;
+  CUtensorMap tmap_b;
+  const void* a = nullptr;
+  const void* b = nullptr;
+  int m = 0, n = 0, k = 0;
+  bool valid = false;
+};
+
 // Opt the kernel into SMEM_BYTES of dynamic shared memory (above the 48 KB default), once per device, so
 // calls captured into a CUDA graph issue only the launch.
 bool configure_kernel() {
@@ -381,15 +396,23 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
   if (reinterpret_cast<uintptr_t>(C) % 16 != 0 || N % 8 != 0) return L2IR_STATUS_MISALIGNED;
   const long long num_tiles = (long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN);
   if (num_tiles > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;
-  EncodeTiledFn encode = tensor_map_encoder();
-  if (encode == nullptr) return L2IR_STATUS_TENSOR_MAP;
-  CUtensorMap tmap_a, tmap_b;
-  if (!encode_operand(encode, &tmap_a, A, M, K, BM) || !encode_operand(encode, &tmap_b, B, N, K, BN)) {
-    return L2IR_STATUS_TENSOR_MAP;
+  // Encoding a tensor map is a driver call; a repeated call on the same operands (a layer's weights, a
+  // benchmark loop) re-uses the maps of this thread's previous call. The maps hold only addresses and
+  // sizes, so (A, B, M, N, K) decides them (the device is implied by the unified address of A and B).
+  thread_local MapCache cache;
+  if (!cache.valid || cache.a != A || cache.b != B || cache.m != M || cache.n != N || cache.k != K) {
+    EncodeTiledFn encode = tensor_map_encoder();
+    if (encode == nullptr) return L2IR_STATUS_TENSOR_MAP;
+    cache.valid = false;
+    if (!encode_operand(encode, &cache.tmap_a, A, M, K, BM) ||
+        !encode_operand(encode, &cache.tmap_b, B, N, K, BN)) {
+      return L2IR_STATUS_TENSOR_MAP;
+    }
+    cache.a = A; cache.b = B; cache.m = M; cache.n = N; cache.k = K; cache.valid = true;
   }
   if (!configure_kernel()) return L2IR_STATUS_CUDA_ERROR;
   const int grid = num_tiles < NUM_SMS ? int(num_tiles) : NUM_SMS;   // pipeline.persistent=true
   l2ir_cuda_ptx_sm90a_gemm<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(
-      tmap_a, tmap_b, static_cast<OutT*>(C), M, N, K);
+      cache.tmap_a, cache.tmap_b, static_cast<OutT*>(C), M, N, K);
   return cudaGetLastError() == cudaSuccess ? 0 : L2IR_STATUS_CUDA_ERROR;
 }
