@@ -9,13 +9,16 @@ Two pure steps, like the sm90a rule:
 so there is no host code at all.
 
 The GEMM kernel (one block per output tile, WM x WN warps, each warp owns a (BM/WM) x (BN/WN) block of C):
-  global -> shared   cp.async.cg 16-byte copies (one 8-element K-chunk of one row per copy) into a ring of `stages`
-                     buffers; the src-size operand (16 or 0) zero-fills chunks past M / N / K without reading them.
+  global -> shared   cp.async copies of pad.align elements (cg 16 bytes; ca 8 or 4 bytes) into a ring of `stages`
+                     buffers; the src-size operand (full or 0) zero-fills chunks past M / N / K without reading
+                     them. pad.align=1: predicated 2-byte loads, 8 per 16-byte shared store.
   shared -> regs     ldmatrix.x4: a 16x16 A fragment (m16n8k16's a0..a3) or two 8x16 B fragments (b0,b1 of two n8
                      blocks) per instruction, from the swizzled K-major tiles.
   math               mma.sync.aligned.m16n8k16.row.col.f32.{f16|bf16}.{f16|bf16}.f32, fp32 accumulators in registers.
   epilogue           registers -> global (path=direct), or registers -> shared -> coalesced vector stores (path=smem);
-                     split-K writes fp32 partials to the workspace and a second kernel sums them in slice order.
+                     split-K: every slice stores fp32 partials to the workspace and counts itself in on a per-tile
+                     counter; the last to arrive sums all slices in slice order (deterministic), resets the counter
+                     and runs the epilogue. One launch.
 
 Field -> code map (the generated lines name their field in a comment):
   target.arch          sm80/86/89/90/90a -> plan.arch sm_80/sm_86/sm_89/sm_90/sm_90a (the header names it too)
@@ -32,9 +35,11 @@ Field -> code map (the generated lines name their field in a comment):
                        are masked; zero_fill: rows past M/N are zero-filled and stores are masked; divisible: neither
   pad.k                zero_fill: every k-tile checks K; predicate: only the last k-tile checks (still zero-fills);
                        divisible: no check
-  pad.align            8 only (16-byte cp.async chunks need K % 8 == 0; C vectors need N % 8 == 0)
-  splitk               split_k + reduce=workspace: grid.z = slices, l2ir.indexing.splitk_range, fp32 partials, a
-                       reduction kernel; reduce=atomic and stream_k raise
+  pad.align            8 / 4 / 2: cp.async of 16 / 8 / 4 bytes (K % align == 0, so a chunk is wholly in or out of
+                       K; C vectors are at most align wide, by verify); 1: plain predicated loads (any K)
+  splitk               split_k + reduce=workspace: grid.z = slices, l2ir.indexing.splitk_range, fp32 partials and
+                       an in-kernel fixup by the last slice to arrive (workspace zeroed before the first launch
+                       only: the kernel leaves its counters zero); reduce=atomic and stream_k raise
   epilogue.path        direct | smem (tma raises)
   epilogue.vector      direct: 1 (scalar) or 2 (the accumulator pair); smem: 1/2/4/8 elements per global store
   problem              a row (K-major), b col (K-major), f16 or bf16 in (same type), f16 or bf16 out, acc f32
@@ -56,10 +61,7 @@ from l2ir.runtime import Launch, LaunchPlan
 from .common import UnsupportedLowering, check_problem_class
 
 GEMM_ENTRY = "l2ir_cuda_ptx_sm80_gemm"
-REDUCE_ENTRY = "l2ir_cuda_ptx_sm80_splitk_reduce"
 ABI = "const void* A_, const void* B_, void* C_, int M, int N, int K, void* workspace_"
-# The split-K reduction kernel: 256 threads, each summing one vector of `vector` outputs over the slices.
-REDUCE_THREADS = 256
 M_, N_ = Var("m"), Var("n")
 
 
@@ -87,6 +89,7 @@ class Sm80Config:
     epilogue: str             # "direct" | "smem"
     vector: int
     slices: int               # 1 = no split-K
+    align: int = 8            # pad.align: elements per global -> shared copy
 
     @property
     def threads(self) -> int:
@@ -109,15 +112,26 @@ class Sm80Config:
         return self.stages * (self.bm + self.bn) * self.bk * DTYPE_BYTES[self.in_dtype]
 
     @property
-    def stage_elem_bytes(self) -> int:
-        """What the smem epilogue stages: fp32 partials under split-K (rounded once, after the reduction)."""
-        return 4 if self.split else DTYPE_BYTES[self.out_dtype]
+    def chunk(self) -> int:
+        """Elements per global -> shared copy: one cp.async of pad.align elements, or 8 loaded ones for align 1."""
+        return 8 if self.align == 1 else self.align
+
+    @property
+    def chunk_note(self) -> str:
+        return ("pad.align=1: 8 predicated 2-byte loads, one 16-byte shared store" if self.align == 1 else
+                f"pad.align={self.align}: one {2 * self.align}-byte cp.async")
 
     @property
     def epilogue_bytes(self) -> int:
+        """The smem epilogue stages C in the output type: split-K sums the slices in registers (the fixup) first."""
         if self.epilogue != "smem":
             return 0
-        return self.bm * (self.bn + C_ROW_PAD) * self.stage_elem_bytes
+        return self.bm * (self.bn + C_ROW_PAD) * DTYPE_BYTES[self.out_dtype]
+
+    @property
+    def partial_floats(self) -> int:
+        """fp32 values of one slice's partial tile in the workspace (the whole BM x BN accumulator tile)."""
+        return self.bm * self.bn
 
     @property
     def smem_bytes(self) -> int:
@@ -164,9 +178,10 @@ def canonicalize(kernel: Kernel, problem: Problem) -> Sm80Config:
     if (bn // wn) % 16:
         raise UnsupportedLowering("tile.warps", f"{wm}x{wn}: each warp's N extent BN/WN={bn // wn} must be a "
                                   "multiple of 16 (one ldmatrix.x4 yields the B fragments of two n8 blocks)")
-    if pad.align != 8:
-        raise UnsupportedLowering("pad.align", f"{pad.align}: cp.async.cg copies 16-byte chunks (8 elements); "
-                                  "narrower alignments are not generated")
+    if pad.align == 1 and ((bm * bk) % (8 * 32 * wm * wn) or (bn * bk) % (8 * 32 * wm * wn)):
+        raise UnsupportedLowering("pad.align", f"1 with block {bm}x{bn}x{bk} and {32 * wm * wn} threads: align 1 loads "
+                                  "8-element register chunks, so each A and B tile must split into whole passes of "
+                                  "8 * threads elements")
 
     smem = swz.smem
     if smem is not None and smem[0] == 0:
@@ -203,6 +218,7 @@ def canonicalize(kernel: Kernel, problem: Problem) -> Sm80Config:
         bm=bm, bn=bn, bk=bk, wm=wm, wn=wn, stages=pipe.stages, prefetch=pipe.prefetch,
         swizzle=tuple(smem) if smem is not None else None, raster=swz.raster, group=swz.group,
         pad_m=pad.m, pad_n=pad.n, pad_k=pad.k, epilogue=epi.path, vector=epi.vector, slices=slices,
+        align=pad.align,
     )
     if cfg.smem_bytes > SMEM_LIMIT[cfg.arch]:
         from l2ir.errors import ResourceError
@@ -221,8 +237,11 @@ def _describe(kernel_text: str) -> list[str]:
 
 
 def _load_tile(cfg: Sm80Config, op: str) -> list[str]:
-    """The cp.async copies of one k-tile of A or B (`op`) into stage `stage`: CHUNKS_<op> 16-byte chunks over the
-    block, thread tid taking chunks tid, tid + THREADS, ... Rows follow pad.m / pad.n; K follows pad.k."""
+    """The copies of one k-tile of A or B (`op`) into stage `stage`: CHUNKS_<op> chunks of CHUNK elements over the
+    block, thread tid taking chunks tid, tid + THREADS, ... Rows follow pad.m / pad.n; K follows pad.k.
+    pad.align 8 / 4 / 2: one cp.async of 16 / 8 / 4 bytes per chunk. pad.align 1: no cp.async copies 2 bytes and an
+    odd K leaves rows 2-byte aligned, so 8 predicated 2-byte loads fill a register chunk that one 16-byte shared
+    store writes."""
     rows, dim, pad_rows = ("BM", "M", cfg.pad_m) if op == "A" else ("BN", "N", cfg.pad_n)
     fld = "pad.m" if op == "A" else "pad.n"
     ptr, base = ("A", "a_rows") if op == "A" else ("B", "b_rows")
@@ -235,32 +254,48 @@ def _load_tile(cfg: Sm80Config, op: str) -> list[str]:
         "#pragma unroll",
         f"  for (int it = 0; it < CHUNKS_{op} / THREADS; ++it) {{",
         "    const int c = it * THREADS + int(threadIdx.x);",
-        "    const int r = c / (BK / 8);            // row of the tile",
-        "    const int kc = (c % (BK / 8)) * 8;     // first K element of the chunk",
+        "    const int r = c / (BK / CHUNK);                // row of the tile",
+        "    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk",
         "    const int k = kt * BK + kc;",
         f"    const int grow = {base} + r;",
         f"    const unsigned dst = smem_base + 2u * unsigned({smem_off} + swz(r * BK + kc));",
-        f"    const InT* src = {ptr} + (long long)grow * K + k;",
     ]
     k_ok = "(!check_k || k < K)" if cfg.pad_k != "divisible" else None
     row_ok = f"grow < {dim}"
+    if cfg.align == 1:
+        conds = [c for c in (None if pad_rows == "divisible" else row_ok,) if c]
+        elem_ok = " && ".join(conds + (["(!check_k || k + e < K)"] if k_ok else []))
+        out += [
+            f"    const unsigned short* src = reinterpret_cast<const unsigned short*>({ptr}) + (long long)grow * K + k;",
+            f"    // pad.align=1: each element checks its row ({fld}={pad_rows}) and K; elements outside are zeros, so",
+            "    // they add 0 to every dot product.",
+            "    unsigned short h[8];",
+            "#pragma unroll",
+            f"    for (int e = 0; e < 8; ++e) h[e] = {'(' + elem_ok + ') ? __ldg(src + e) : (unsigned short)0' if elem_ok else '__ldg(src + e)'};",
+            "    st_shared_16(dst, h);",
+            "  }", "}", "",
+        ]
+        return out
+    out.append(f"    const InT* src = {ptr} + (long long)grow * K + k;")
+    whole = (f"    // K % {cfg.align} == 0 (pad.align={cfg.align}), so a {cfg.align}-element chunk is wholly inside or "
+             "wholly outside K.")
     if pad_rows == "divisible":
         out.append(f"    // {fld}=divisible: every row of the tile exists.")
         if k_ok:
-            out += ["    // K % 8 == 0 (pad.align=8), so a chunk is wholly inside or wholly outside K.",
-                    f"    cp_async_zfill(dst, {k_ok} ? src : {ptr}, {k_ok});"]
+            out += [whole, f"    cp_async_zfill(dst, {k_ok} ? src : {ptr}, {k_ok});"]
         else:
             out.append("    cp_async(dst, src);")
     elif pad_rows == "predicate":
         out.append(f"    // {fld}=predicate: a row past {dim} is not loaded; its stale shared memory only reaches "
                    "outputs that are never stored.")
         if k_ok:
-            out += [f"    if ({row_ok}) cp_async_zfill(dst, {k_ok} ? src : {ptr}, {k_ok});"]
+            out += [whole, f"    if ({row_ok}) cp_async_zfill(dst, {k_ok} ? src : {ptr}, {k_ok});"]
         else:
             out += [f"    if ({row_ok}) cp_async(dst, src);"]
     else:
         cond = f"{row_ok} && {k_ok}" if k_ok else row_ok
         out += [f"    // {fld}=zero_fill: a row past {dim} is written as zeros (src-size 0 reads nothing).",
+                *([whole] if k_ok else []),
                 f"    const bool ok = {cond};",
                 f"    cp_async_zfill(dst, ok ? src : {ptr}, ok);"]
     out += ["  }", "}", ""]
@@ -399,18 +434,16 @@ def _guarded(cond: str | None, stmt: str, indent: str) -> str:
 def _epilogue(cfg: Sm80Config) -> list[str]:
     i = "  "
     bounds_note = ("pad.m/n=divisible: whole tiles, no bounds checks" if _bounds(cfg, "m", "n") is None else
-                   "N % 8 == 0 (pad.align=8), so a vector is wholly inside or wholly outside the matrix")
+                   f"N % {cfg.align} == 0 (pad.align={cfg.align}) and the vector divides it, so a vector is wholly "
+                   "inside or wholly outside the matrix")
     if cfg.epilogue == "direct":
-        dst = ("ws + ((long long)slice * M + m) * N + n" if cfg.split else "C + (long long)m * N + n")
+        dst = "C + (long long)m * N + n"
         if cfg.vector == 2:
-            what = "fp32 pair (8 bytes)" if cfg.split else "packed pair (4 bytes)"
-            st0 = (f"*reinterpret_cast<float2*>({dst}) = make_float2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);"
-                   if cfg.split else
-                   f"*reinterpret_cast<Out2T*>({dst}) = pack2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);")
-            stores = [f"{i}        // epilogue.vector=2: one store of the {what}; {bounds_note}.",
+            st0 = f"*reinterpret_cast<Out2T*>({dst}) = pack2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);"
+            stores = [f"{i}        // epilogue.vector=2: one store of the packed pair (4 bytes); {bounds_note}.",
                       _guarded(_bounds(cfg, "m", "n"), st0, i + "        ")]
         else:
-            conv = "" if cfg.split else "to_out"
+            conv = "to_out"
             c1 = _bounds(cfg, "m", "n + 1")
             stores = [f"{i}        // epilogue.vector=1: two scalar stores, each predicated.",
                       _guarded(_bounds(cfg, "m", "n"), f"({dst})[0] = {conv}(acc[mi][ni][2 * h]);", i + "        "),
@@ -434,16 +467,10 @@ def _epilogue(cfg: Sm80Config) -> list[str]:
             f"{i}}}",
         ]
     v = cfg.vector
-    st = "float" if cfg.split else "OutT"
-    if cfg.split:
-        frag_write = ("*reinterpret_cast<float2*>(&c_tile[r * C_PITCH + c]) = "
-                      "make_float2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);")
-        dst = "ws + ((long long)slice * M + m) * N + n"
-        what = "this slice's fp32 partial in the workspace"
-    else:
-        frag_write = "*reinterpret_cast<Out2T*>(&c_tile[r * C_PITCH + c]) = pack2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);"
-        dst = "C + (long long)m * N + n"
-        what = "C"
+    st = "OutT"
+    frag_write = "*reinterpret_cast<Out2T*>(&c_tile[r * C_PITCH + c]) = pack2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);"
+    dst = "C + (long long)m * N + n"
+    what = "C"
     store = f"*reinterpret_cast<Vec<{st}, VEC>*>({dst}) = *reinterpret_cast<const Vec<{st}, VEC>*>(&c_tile[r * C_PITCH + cv]);"
     passes_exact = (cfg.bm * (cfg.bn // v)) % cfg.threads == 0
     return [
@@ -516,12 +543,49 @@ def _config(cfg: Sm80Config) -> list[str]:
         f"constexpr int STAGES = {cfg.stages};                       // pipeline.stages",
         "constexpr int A_STAGE = BM * BK, B_STAGE = BN * BK;  // elements per ring stage",
         "constexpr int SMEM_A = 0, SMEM_B = STAGES * A_STAGE;  // element offsets of the two rings",
-        "constexpr int CHUNKS_A = BM * BK / 8, CHUNKS_B = BN * BK / 8;   // 16-byte cp.async chunks per tile",
+        f"constexpr int CHUNK = {cfg.chunk};   // elements per global -> shared copy ({cfg.chunk_note})",
+        "constexpr int CHUNKS_A = BM * BK / CHUNK, CHUNKS_B = BN * BK / CHUNK;   // copies per tile",
         "static_assert(CHUNKS_A % THREADS == 0 && CHUNKS_B % THREADS == 0, \"whole copy passes\");",
         "static_assert(NI % 2 == 0, \"B fragments come in pairs from one ldmatrix.x4\");",
         *([f"constexpr int C_PITCH = BN + {C_ROW_PAD};   // staged C row pitch (epilogue.path=smem)"]
           if cfg.epilogue == "smem" else []),
         "",
+    ]
+
+
+def _copy_functions(cfg: Sm80Config) -> list[str]:
+    """The global -> shared copy primitives pad.align allows."""
+    if cfg.align == 1:
+        return [
+            "// pad.align=1: rows may start on any 2-byte boundary, which no cp.async form copies; 8 loaded elements",
+            "// are written with one 16-byte shared store (the swizzle keeps 8-element chunks whole and aligned).",
+            "__device__ __forceinline__ void st_shared_16(unsigned dst, const unsigned short (&h)[8]) {",
+            '  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\\n" :: "r"(dst),',
+            '               "r"(unsigned(h[0]) | (unsigned(h[1]) << 16)), "r"(unsigned(h[2]) | (unsigned(h[3]) << 16)),',
+            '               "r"(unsigned(h[4]) | (unsigned(h[5]) << 16)), "r"(unsigned(h[6]) | (unsigned(h[7]) << 16))',
+            '               : "memory");',
+            "}",
+        ]
+    nbytes = 2 * cfg.align
+    cache = "cg" if nbytes == 16 else "ca"
+    why = ("cp.async.cg: 16 bytes global -> shared, bypassing L1 (the tile is reused from shared memory, not L1)"
+           if nbytes == 16 else
+           f"cp.async.ca: {nbytes} bytes global -> shared (pad.align={cfg.align}: rows are only {nbytes}-byte aligned; "
+           ".cg takes 16-byte copies only)")
+    return [
+        f"// {why}.",
+        "__device__ __forceinline__ void cp_async(unsigned dst, const void* src) {",
+        f'  asm volatile("cp.async.{cache}.shared.global [%0], [%1], {nbytes};\\n" :: "r"(dst), "l"(src) : "memory");',
+        "}",
+        f"// src-size 0 writes {nbytes} zero bytes and reads nothing: out-of-range chunks cost no traffic and add 0 to "
+        "every",
+        "// dot product. `src` must still be a valid address, so callers pass the operand's base when !valid.",
+        "__device__ __forceinline__ void cp_async_zfill(unsigned dst, const void* src, bool valid) {",
+        f"  const int src_bytes = valid ? {nbytes} : 0;",
+        f'  asm volatile("cp.async.{cache}.shared.global [%0], [%1], {nbytes}, %2;\\n" :: "r"(dst), "l"(src), '
+        '"r"(src_bytes)',
+        '               : "memory");',
+        "}",
     ]
 
 
@@ -549,17 +613,7 @@ def _device_functions(cfg: Sm80Config) -> list[str]:
         f"__device__ __forceinline__ Out2T pack2(float a, float b) {{ return {pack}; }}",
         f"__device__ __forceinline__ OutT to_out(float a) {{ return {to_out}; }}",
         "",
-        "// cp.async.cg: 16 bytes global -> shared, bypassing L1 (the tile is reused from shared memory, not L1).",
-        "__device__ __forceinline__ void cp_async(unsigned dst, const void* src) {",
-        '  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" :: "r"(dst), "l"(src) : "memory");',
-        "}",
-        "// src-size 0 writes 16 zero bytes and reads nothing: out-of-range chunks cost no traffic and add 0 to every",
-        "// dot product. `src` must still be a valid address, so callers pass the operand's base when !valid.",
-        "__device__ __forceinline__ void cp_async_zfill(unsigned dst, const void* src, bool valid) {",
-        "  const int src_bytes = valid ? 16 : 0;",
-        '  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" :: "r"(dst), "l"(src), "r"(src_bytes)',
-        '               : "memory");',
-        "}",
+        *_copy_functions(cfg),
         "__device__ __forceinline__ void cp_async_commit() { asm volatile(\"cp.async.commit_group;\\n\" ::: \"memory\"); }",
         "template <int N>",
         "__device__ __forceinline__ void cp_async_wait() {",
@@ -634,9 +688,9 @@ def _gemm_entry(cfg: Sm80Config) -> list[str]:
         "  const unsigned smem_base = static_cast<unsigned>(__cvta_generic_to_shared(smem));",
         "  const InT* __restrict__ A = static_cast<const InT*>(A_);",
         "  const InT* __restrict__ B = static_cast<const InT*>(B_);",
-        *(["  // splitk: this kernel writes fp32 partials to the workspace; the reduction kernel writes C.",
-          "  (void)C_;", "  float* __restrict__ ws = static_cast<float*>(workspace_);"] if cfg.split
-          else ["  OutT* __restrict__ C = static_cast<OutT*>(C_);", "  (void)workspace_;"]),
+        "  OutT* __restrict__ C = static_cast<OutT*>(C_);",
+        *(["  float* __restrict__ ws = static_cast<float*>(workspace_);   // splitk: partials, then tile counters"]
+          if cfg.split else ["  (void)workspace_;"]),
         "",
         f"  // swizzle.raster={cfg.raster} group={cfg.group}: linear block id -> output tile (l2ir.indexing.rasterize);",
         "  // blocks that run together share A and B tiles in L2.",
@@ -654,7 +708,7 @@ def _gemm_entry(cfg: Sm80Config) -> list[str]:
         L += [
             f"  // splitk slices={cfg.slices} (grid.z, l2ir.indexing.splitk_range): this slice owns k-tiles "
             "[k_begin, k_end);",
-            "  // an empty range still writes a zero partial, so the reduction never reads unwritten workspace.",
+            "  // an empty range still writes a zero partial, so the fixup never reads unwritten workspace.",
             "  const int slice = int(blockIdx.z);",
             f"  const int k_begin = {kb.to_cpp()};",
             f"  const int k_end = {ke.to_cpp()};",
@@ -680,50 +734,83 @@ def _gemm_entry(cfg: Sm80Config) -> list[str]:
         "",
         *_mainloop(cfg),
         "",
+        *_splitk_fixup(cfg),
         *_epilogue(cfg),
         "}",
     ]
     return L
 
 
-def _reduce_entry(cfg: Sm80Config) -> list[str]:
-    """split_k reduce=workspace: the second kernel that sums the fp32 partials in slice order."""
+def _splitk_fixup(cfg: Sm80Config) -> list[str]:
+    """split_k reduce=workspace, reduced inside the GEMM kernel: every slice stores its fp32 accumulators to the
+    workspace and counts itself in on the tile's counter; the slice that arrives last sums all partials in slice order
+    0..S-1 (the same order whoever arrives last, so C is bit-identical run to run), resets the counter to zero, and
+    falls through to the normal epilogue. One launch: no reduction kernel, no second pass over the workspace."""
     if not cfg.split:
         return []
-    v = cfg.vector
+    i = "  "
+    frag = "((tile_slot + s) * (MI * NI) + mi * NI + ni) * THREADS + int(threadIdx.x)"
     return [
+        f"{i}// splitk slices={cfg.slices} reduce=workspace, fixed up in this kernel (no reduction kernel). Workspace:",
+        f"{i}//   [tiles][slices][MI*NI][THREADS] float4 partials: each thread stores its accumulator fragments as",
+        f"{i}//   float4s, consecutive threads at consecutive 16-byte addresses (coalesced, no bounds checks: the whole",
+        f"{i}//   tile is stored, rows past M / N are never read into C);",
+        f"{i}//   then [tiles] unsigned arrival counters, zero before the first launch (plan.zero_workspace) and left",
+        f"{i}//   zero by every launch: the last arrival resets its tile's counter, so repeated launches need no memset.",
+        f"{i}cp_async_wait<0>();   // no copy may still target shared memory when a block leaves early",
+        f"{i}{{",
+        f"{i}  constexpr int SLICES = {cfg.slices};",
+        f"{i}  const int tiles = tiles_m * tiles_n;",
+        f"{i}  float4* __restrict__ part = reinterpret_cast<float4*>(ws);",
+        f"{i}  unsigned* __restrict__ counters = reinterpret_cast<unsigned*>(ws + (long long)tiles * SLICES * BM * BN);",
+        f"{i}  const long long tile_slot = (long long)pid * SLICES;   // this tile's first partial",
+        f"{i}  {{",
+        f"{i}    const long long s = slice;",
+        f"{i}#pragma unroll",
+        f"{i}    for (int mi = 0; mi < MI; ++mi)",
+        f"{i}#pragma unroll",
+        f"{i}      for (int ni = 0; ni < NI; ++ni)",
+        f"{i}        part[{frag}] = make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2], acc[mi][ni][3]);",
+        f"{i}  }}",
+        f"{i}  // Release: this block's partial is visible GPU-wide before its arrival is counted.",
+        f"{i}  __threadfence();",
+        f"{i}  __syncthreads();",
+        f"{i}  __shared__ int is_last;",
+        f"{i}  if (threadIdx.x == 0) {{",
+        f"{i}    const unsigned arrived = atomicAdd(&counters[pid], 1u);",
+        f"{i}    is_last = arrived == SLICES - 1;",
+        f"{i}    // Self-cleaning: all {cfg.slices} slices of this tile have arrived, nobody touches the counter again in",
+        f"{i}    // this launch, so the next launch finds it zero.",
+        f"{i}    if (is_last) counters[pid] = 0u;",
+        f"{i}  }}",
+        f"{i}  __syncthreads();",
+        f"{i}  if (!is_last) return;",
+        f"{i}  // Acquire: the other slices' partials, read through L2 (ld.global.cg; L1 is not coherent across SMs).",
+        f"{i}  __threadfence();",
+        f"{i}#pragma unroll",
+        f"{i}  for (int mi = 0; mi < MI; ++mi)",
+        f"{i}#pragma unroll",
+        f"{i}    for (int ni = 0; ni < NI; ++ni) {{",
+        f"{i}      const float4 own = make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2], acc[mi][ni][3]);",
+        f"{i}      // Slice order 0..S-1 whichever slice this block is: fp32 addition is not associative, and a fixed",
+        f"{i}      // order makes C bit-identical run to run.",
+        f"{i}      float4 sum;",
+        f"{i}      {{ const long long s = 0; sum = slice == 0 ? own : __ldcg(&part[{frag}]); }}",
+        f"{i}#pragma unroll",
+        f"{i}      for (long long s = 1; s < SLICES; ++s) {{",
+        f"{i}        const float4 v = s == slice ? own : __ldcg(&part[{frag}]);",
+        f"{i}        sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;",
+        f"{i}      }}",
+        f"{i}      acc[mi][ni][0] = sum.x; acc[mi][ni][1] = sum.y; acc[mi][ni][2] = sum.z; acc[mi][ni][3] = sum.w;",
+        f"{i}    }}",
+        f"{i}}}",
         "",
-        f"// splitk reduce=workspace: C = sum over the {cfg.slices} slices of the fp32 partials, in slice order",
-        "// (deterministic), rounded to C once. C is row-major with leading dimension N, so the output is one",
-        f"// contiguous run of M*N elements; each thread owns {v} consecutive ones (M*N % {v} == 0: pad.align=8).",
-        f'extern "C" __global__ void __launch_bounds__({REDUCE_THREADS})',
-        f"{REDUCE_ENTRY}({ABI}) {{",
-        "  using namespace l2ir_ptx_sm80;",
-        "  (void)A_; (void)B_; (void)K;",
-        "  const float* __restrict__ ws = static_cast<const float*>(workspace_);",
-        "  OutT* __restrict__ C = static_cast<OutT*>(C_);",
-        "  const long long total = (long long)M * N;",
-        f"  const long long i = ((long long)blockIdx.x * {REDUCE_THREADS} + threadIdx.x) * {v};",
-        "  if (i >= total) return;",
-        f"  Vec<float, {v}> sum = *reinterpret_cast<const Vec<float, {v}>*>(ws + i);",
-        "#pragma unroll",
-        f"  for (int s = 1; s < {cfg.slices}; ++s) {{",
-        f"    const Vec<float, {v}> part = *reinterpret_cast<const Vec<float, {v}>*>(ws + s * total + i);",
-        "#pragma unroll",
-        f"    for (int e = 0; e < {v}; ++e) sum.v[e] += part.v[e];",
-        "  }",
-        f"  Vec<OutT, {v}> out;",
-        "#pragma unroll",
-        f"  for (int e = 0; e < {v}; ++e) out.v[e] = to_out(sum.v[e]);",
-        f"  *reinterpret_cast<Vec<OutT, {v}>*>(C + i) = out;",
-        "}",
     ]
 
 
 def render(cfg: Sm80Config, kernel_text: str = "") -> str:
     """The .cu text for one configuration. Deterministic: the same config gives the same bytes."""
-    sections = (_header(cfg, kernel_text), _config(cfg), _device_functions(cfg), _gemm_entry(cfg),
-                _reduce_entry(cfg))
+    sections = (_header(cfg, kernel_text), _config(cfg), _device_functions(cfg), _gemm_entry(cfg))
     return "\n".join(line for section in sections for line in section) + "\n"
 
 
@@ -732,15 +819,21 @@ def render(cfg: Sm80Config, kernel_text: str = "") -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _tiles(cfg: Sm80Config):
+    return cdiv(M_, cfg.bm) * cdiv(N_, cfg.bn)
+
+
 def launches(cfg: Sm80Config) -> tuple[Launch, ...]:
-    tiles = cdiv(M_, cfg.bm) * cdiv(N_, cfg.bn)
-    gemm = Launch(entry=GEMM_ENTRY, grid=(tiles, Const(1), Const(cfg.slices)), block=(cfg.threads, 1, 1),
-                  smem=cfg.smem_bytes)
+    """One launch, split-K included (the slices reduce inside the kernel)."""
+    return (Launch(entry=GEMM_ENTRY, grid=(_tiles(cfg), Const(1), Const(cfg.slices)), block=(cfg.threads, 1, 1),
+                   smem=cfg.smem_bytes),)
+
+
+def workspace_bytes(cfg: Sm80Config):
+    """split-K: every tile's fp32 partials of every slice, then one 4-byte arrival counter per tile."""
     if not cfg.split:
-        return (gemm,)
-    reduce = Launch(entry=REDUCE_ENTRY, grid=(cdiv(M_ * N_, REDUCE_THREADS * cfg.vector), Const(1), Const(1)),
-                    block=(REDUCE_THREADS, 1, 1), smem=0)
-    return (gemm, reduce)
+        return Const(0)
+    return _tiles(cfg) * Const(cfg.slices * cfg.partial_floats * 4 + 4)
 
 
 def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
@@ -751,11 +844,12 @@ def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
         arch=NVCC_ARCH[cfg.arch],
         form="kernels",
         launches=launches(cfg),
-        workspace_bytes=(Const(cfg.slices) * M_ * N_ * 4) if cfg.split else Const(0),
-        zero_workspace=False,
+        workspace_bytes=workspace_bytes(cfg),
+        # The tile counters must be zero before the first launch; every launch leaves them zero (the last arrival
+        # resets its tile's), so zeroing once at allocation is enough. Without split-K there is no workspace.
+        zero_workspace=cfg.split,
         needs_cutlass=False,
     )
 
 
-__all__ = ["Sm80Config", "canonicalize", "render", "launches", "lower", "GEMM_ENTRY",
-           "REDUCE_ENTRY"]
+__all__ = ["Sm80Config", "canonicalize", "render", "launches", "workspace_bytes", "lower", "GEMM_ENTRY"]

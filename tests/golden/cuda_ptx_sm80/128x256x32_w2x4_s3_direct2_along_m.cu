@@ -30,7 +30,8 @@ constexpr int KSTEPS = BK / 16;                     // m16n8k16 k-steps per k-ti
 constexpr int STAGES = 3;                       // pipeline.stages
 constexpr int A_STAGE = BM * BK, B_STAGE = BN * BK;  // elements per ring stage
 constexpr int SMEM_A = 0, SMEM_B = STAGES * A_STAGE;  // element offsets of the two rings
-constexpr int CHUNKS_A = BM * BK / 8, CHUNKS_B = BN * BK / 8;   // 16-byte cp.async chunks per tile
+constexpr int CHUNK = 8;   // elements per global -> shared copy (pad.align=8: one 16-byte cp.async)
+constexpr int CHUNKS_A = BM * BK / CHUNK, CHUNKS_B = BN * BK / CHUNK;   // copies per tile
 static_assert(CHUNKS_A % THREADS == 0 && CHUNKS_B % THREADS == 0, "whole copy passes");
 static_assert(NI % 2 == 0, "B fragments come in pairs from one ldmatrix.x4");
 
@@ -117,13 +118,14 @@ __device__ __forceinline__ void load_a(unsigned smem_base, const InT* __restrict
 #pragma unroll
   for (int it = 0; it < CHUNKS_A / THREADS; ++it) {
     const int c = it * THREADS + int(threadIdx.x);
-    const int r = c / (BK / 8);            // row of the tile
-    const int kc = (c % (BK / 8)) * 8;     // first K element of the chunk
+    const int r = c / (BK / CHUNK);                // row of the tile
+    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk
     const int k = kt * BK + kc;
     const int grow = a_rows + r;
     const unsigned dst = smem_base + 2u * unsigned(SMEM_A + stage * A_STAGE + swz(r * BK + kc));
     const InT* src = A + (long long)grow * K + k;
     // pad.m=predicate: a row past M is not loaded; its stale shared memory only reaches outputs that are never stored.
+    // K % 8 == 0 (pad.align=8), so a 8-element chunk is wholly inside or wholly outside K.
     if (grow < M) cp_async_zfill(dst, (!check_k || k < K) ? src : A, (!check_k || k < K));
   }
 }
@@ -134,13 +136,14 @@ __device__ __forceinline__ void load_b(unsigned smem_base, const InT* __restrict
 #pragma unroll
   for (int it = 0; it < CHUNKS_B / THREADS; ++it) {
     const int c = it * THREADS + int(threadIdx.x);
-    const int r = c / (BK / 8);            // row of the tile
-    const int kc = (c % (BK / 8)) * 8;     // first K element of the chunk
+    const int r = c / (BK / CHUNK);                // row of the tile
+    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk
     const int k = kt * BK + kc;
     const int grow = b_rows + r;
     const unsigned dst = smem_base + 2u * unsigned(SMEM_B + stage * B_STAGE + swz(r * BK + kc));
     const InT* src = B + (long long)grow * K + k;
     // pad.n=predicate: a row past N is not loaded; its stale shared memory only reaches outputs that are never stored.
+    // K % 8 == 0 (pad.align=8), so a 8-element chunk is wholly inside or wholly outside K.
     if (grow < N) cp_async_zfill(dst, (!check_k || k < K) ? src : B, (!check_k || k < K));
   }
 }
@@ -238,7 +241,7 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
         const int m = tile_m * BM + warp_m * WARP_M + mi * 16 + (lane >> 2) + 8 * h;
         const int n = tile_n * BN + warp_n * WARP_N + ni * 8 + (lane & 3) * 2;
         {
-          // epilogue.vector=2: one store of the packed pair (4 bytes); N % 8 == 0 (pad.align=8), so a vector is wholly inside or wholly outside the matrix.
+          // epilogue.vector=2: one store of the packed pair (4 bytes); N % 8 == 0 (pad.align=8) and the vector divides it, so a vector is wholly inside or wholly outside the matrix.
           if (m < M && n < N) *reinterpret_cast<Out2T*>(C + (long long)m * N + n) = pack2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
         }
       }

@@ -29,7 +29,8 @@ constexpr int KSTEPS = BK / 16;                     // m16n8k16 k-steps per k-ti
 constexpr int STAGES = 1;                       // pipeline.stages
 constexpr int A_STAGE = BM * BK, B_STAGE = BN * BK;  // elements per ring stage
 constexpr int SMEM_A = 0, SMEM_B = STAGES * A_STAGE;  // element offsets of the two rings
-constexpr int CHUNKS_A = BM * BK / 8, CHUNKS_B = BN * BK / 8;   // 16-byte cp.async chunks per tile
+constexpr int CHUNK = 8;   // elements per global -> shared copy (pad.align=8: one 16-byte cp.async)
+constexpr int CHUNKS_A = BM * BK / CHUNK, CHUNKS_B = BN * BK / CHUNK;   // copies per tile
 static_assert(CHUNKS_A % THREADS == 0 && CHUNKS_B % THREADS == 0, "whole copy passes");
 static_assert(NI % 2 == 0, "B fragments come in pairs from one ldmatrix.x4");
 
@@ -116,14 +117,14 @@ __device__ __forceinline__ void load_a(unsigned smem_base, const InT* __restrict
 #pragma unroll
   for (int it = 0; it < CHUNKS_A / THREADS; ++it) {
     const int c = it * THREADS + int(threadIdx.x);
-    const int r = c / (BK / 8);            // row of the tile
-    const int kc = (c % (BK / 8)) * 8;     // first K element of the chunk
+    const int r = c / (BK / CHUNK);                // row of the tile
+    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk
     const int k = kt * BK + kc;
     const int grow = a_rows + r;
     const unsigned dst = smem_base + 2u * unsigned(SMEM_A + stage * A_STAGE + swz(r * BK + kc));
     const InT* src = A + (long long)grow * K + k;
     // pad.m=divisible: every row of the tile exists.
-    // K % 8 == 0 (pad.align=8), so a chunk is wholly inside or wholly outside K.
+    // K % 8 == 0 (pad.align=8), so a 8-element chunk is wholly inside or wholly outside K.
     cp_async_zfill(dst, (!check_k || k < K) ? src : A, (!check_k || k < K));
   }
 }
@@ -134,13 +135,14 @@ __device__ __forceinline__ void load_b(unsigned smem_base, const InT* __restrict
 #pragma unroll
   for (int it = 0; it < CHUNKS_B / THREADS; ++it) {
     const int c = it * THREADS + int(threadIdx.x);
-    const int r = c / (BK / 8);            // row of the tile
-    const int kc = (c % (BK / 8)) * 8;     // first K element of the chunk
+    const int r = c / (BK / CHUNK);                // row of the tile
+    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk
     const int k = kt * BK + kc;
     const int grow = b_rows + r;
     const unsigned dst = smem_base + 2u * unsigned(SMEM_B + stage * B_STAGE + swz(r * BK + kc));
     const InT* src = B + (long long)grow * K + k;
     // pad.n=zero_fill: a row past N is written as zeros (src-size 0 reads nothing).
+    // K % 8 == 0 (pad.align=8), so a 8-element chunk is wholly inside or wholly outside K.
     const bool ok = grow < N && (!check_k || k < K);
     cp_async_zfill(dst, ok ? src : B, ok);
   }

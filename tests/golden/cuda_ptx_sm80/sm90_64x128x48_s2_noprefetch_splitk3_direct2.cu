@@ -30,7 +30,8 @@ constexpr int KSTEPS = BK / 16;                     // m16n8k16 k-steps per k-ti
 constexpr int STAGES = 2;                       // pipeline.stages
 constexpr int A_STAGE = BM * BK, B_STAGE = BN * BK;  // elements per ring stage
 constexpr int SMEM_A = 0, SMEM_B = STAGES * A_STAGE;  // element offsets of the two rings
-constexpr int CHUNKS_A = BM * BK / 8, CHUNKS_B = BN * BK / 8;   // 16-byte cp.async chunks per tile
+constexpr int CHUNK = 8;   // elements per global -> shared copy (pad.align=8: one 16-byte cp.async)
+constexpr int CHUNKS_A = BM * BK / CHUNK, CHUNKS_B = BN * BK / CHUNK;   // copies per tile
 static_assert(CHUNKS_A % THREADS == 0 && CHUNKS_B % THREADS == 0, "whole copy passes");
 static_assert(NI % 2 == 0, "B fragments come in pairs from one ldmatrix.x4");
 
@@ -117,8 +118,8 @@ __device__ __forceinline__ void load_a(unsigned smem_base, const InT* __restrict
 #pragma unroll
   for (int it = 0; it < CHUNKS_A / THREADS; ++it) {
     const int c = it * THREADS + int(threadIdx.x);
-    const int r = c / (BK / 8);            // row of the tile
-    const int kc = (c % (BK / 8)) * 8;     // first K element of the chunk
+    const int r = c / (BK / CHUNK);                // row of the tile
+    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk
     const int k = kt * BK + kc;
     const int grow = a_rows + r;
     const unsigned dst = smem_base + 2u * unsigned(SMEM_A + stage * A_STAGE + swz(r * BK + kc));
@@ -135,8 +136,8 @@ __device__ __forceinline__ void load_b(unsigned smem_base, const InT* __restrict
 #pragma unroll
   for (int it = 0; it < CHUNKS_B / THREADS; ++it) {
     const int c = it * THREADS + int(threadIdx.x);
-    const int r = c / (BK / 8);            // row of the tile
-    const int kc = (c % (BK / 8)) * 8;     // first K element of the chunk
+    const int r = c / (BK / CHUNK);                // row of the tile
+    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk
     const int k = kt * BK + kc;
     const int grow = b_rows + r;
     const unsigned dst = smem_base + 2u * unsigned(SMEM_B + stage * B_STAGE + swz(r * BK + kc));
@@ -156,9 +157,8 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
   const unsigned smem_base = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const InT* __restrict__ A = static_cast<const InT*>(A_);
   const InT* __restrict__ B = static_cast<const InT*>(B_);
-  // splitk: this kernel writes fp32 partials to the workspace; the reduction kernel writes C.
-  (void)C_;
-  float* __restrict__ ws = static_cast<float*>(workspace_);
+  OutT* __restrict__ C = static_cast<OutT*>(C_);
+  float* __restrict__ ws = static_cast<float*>(workspace_);   // splitk: partials, then tile counters
 
   // swizzle.raster=along_n group=1: linear block id -> output tile (l2ir.indexing.rasterize);
   // blocks that run together share A and B tiles in L2.
@@ -171,7 +171,7 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
   const int a_rows = tile_m * BM, b_rows = tile_n * BN;   // first row of this tile in A (M) and B (N)
   const int k_tiles = (K + BK - 1) / BK;
   // splitk slices=3 (grid.z, l2ir.indexing.splitk_range): this slice owns k-tiles [k_begin, k_end);
-  // an empty range still writes a zero partial, so the reduction never reads unwritten workspace.
+  // an empty range still writes a zero partial, so the fixup never reads unwritten workspace.
   const int slice = int(blockIdx.z);
   const int k_begin = min((slice * ((k_tiles + 3 - 1) / 3)), k_tiles);
   const int k_end = min((min((slice * ((k_tiles + 3 - 1) / 3)), k_tiles) + ((k_tiles + 3 - 1) / 3)), k_tiles);
@@ -224,6 +224,60 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
     read_stage = (read_stage + 1 == STAGES) ? 0 : read_stage + 1;
   }
 
+  // splitk slices=3 reduce=workspace, fixed up in this kernel (no reduction kernel). Workspace:
+  //   [tiles][slices][MI*NI][THREADS] float4 partials: each thread stores its accumulator fragments as
+  //   float4s, consecutive threads at consecutive 16-byte addresses (coalesced, no bounds checks: the whole
+  //   tile is stored, rows past M / N are never read into C);
+  //   then [tiles] unsigned arrival counters, zero before the first launch (plan.zero_workspace) and left
+  //   zero by every launch: the last arrival resets its tile's counter, so repeated launches need no memset.
+  cp_async_wait<0>();   // no copy may still target shared memory when a block leaves early
+  {
+    constexpr int SLICES = 3;
+    const int tiles = tiles_m * tiles_n;
+    float4* __restrict__ part = reinterpret_cast<float4*>(ws);
+    unsigned* __restrict__ counters = reinterpret_cast<unsigned*>(ws + (long long)tiles * SLICES * BM * BN);
+    const long long tile_slot = (long long)pid * SLICES;   // this tile's first partial
+    {
+      const long long s = slice;
+  #pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+  #pragma unroll
+        for (int ni = 0; ni < NI; ++ni)
+          part[((tile_slot + s) * (MI * NI) + mi * NI + ni) * THREADS + int(threadIdx.x)] = make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2], acc[mi][ni][3]);
+    }
+    // Release: this block's partial is visible GPU-wide before its arrival is counted.
+    __threadfence();
+    __syncthreads();
+    __shared__ int is_last;
+    if (threadIdx.x == 0) {
+      const unsigned arrived = atomicAdd(&counters[pid], 1u);
+      is_last = arrived == SLICES - 1;
+      // Self-cleaning: all 3 slices of this tile have arrived, nobody touches the counter again in
+      // this launch, so the next launch finds it zero.
+      if (is_last) counters[pid] = 0u;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    // Acquire: the other slices' partials, read through L2 (ld.global.cg; L1 is not coherent across SMs).
+    __threadfence();
+  #pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+  #pragma unroll
+      for (int ni = 0; ni < NI; ++ni) {
+        const float4 own = make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2], acc[mi][ni][3]);
+        // Slice order 0..S-1 whichever slice this block is: fp32 addition is not associative, and a fixed
+        // order makes C bit-identical run to run.
+        float4 sum;
+        { const long long s = 0; sum = slice == 0 ? own : __ldcg(&part[((tile_slot + s) * (MI * NI) + mi * NI + ni) * THREADS + int(threadIdx.x)]); }
+  #pragma unroll
+        for (long long s = 1; s < SLICES; ++s) {
+          const float4 v = s == slice ? own : __ldcg(&part[((tile_slot + s) * (MI * NI) + mi * NI + ni) * THREADS + int(threadIdx.x)]);
+          sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+        }
+        acc[mi][ni][0] = sum.x; acc[mi][ni][1] = sum.y; acc[mi][ni][2] = sum.z; acc[mi][ni][3] = sum.w;
+      }
+  }
+
   // epilogue.path=direct: each thread stores its accumulators straight from registers. m16n8 f32
   // fragment: c0,c1 at (groupID, 2*tig + 0/1), c2,c3 at (groupID + 8, ...); groupID = lane/4, tig = lane%4.
   #pragma unroll
@@ -235,35 +289,10 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
         const int m = tile_m * BM + warp_m * WARP_M + mi * 16 + (lane >> 2) + 8 * h;
         const int n = tile_n * BN + warp_n * WARP_N + ni * 8 + (lane & 3) * 2;
         {
-          // epilogue.vector=2: one store of the fp32 pair (8 bytes); N % 8 == 0 (pad.align=8), so a vector is wholly inside or wholly outside the matrix.
-          if (m < M && n < N) *reinterpret_cast<float2*>(ws + ((long long)slice * M + m) * N + n) = make_float2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+          // epilogue.vector=2: one store of the packed pair (4 bytes); N % 8 == 0 (pad.align=8) and the vector divides it, so a vector is wholly inside or wholly outside the matrix.
+          if (m < M && n < N) *reinterpret_cast<Out2T*>(C + (long long)m * N + n) = pack2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
         }
       }
     }
   }
-}
-
-// splitk reduce=workspace: C = sum over the 3 slices of the fp32 partials, in slice order
-// (deterministic), rounded to C once. C is row-major with leading dimension N, so the output is one
-// contiguous run of M*N elements; each thread owns 2 consecutive ones (M*N % 2 == 0: pad.align=8).
-extern "C" __global__ void __launch_bounds__(256)
-l2ir_cuda_ptx_sm80_splitk_reduce(const void* A_, const void* B_, void* C_, int M, int N, int K, void* workspace_) {
-  using namespace l2ir_ptx_sm80;
-  (void)A_; (void)B_; (void)K;
-  const float* __restrict__ ws = static_cast<const float*>(workspace_);
-  OutT* __restrict__ C = static_cast<OutT*>(C_);
-  const long long total = (long long)M * N;
-  const long long i = ((long long)blockIdx.x * 256 + threadIdx.x) * 2;
-  if (i >= total) return;
-  Vec<float, 2> sum = *reinterpret_cast<const Vec<float, 2>*>(ws + i);
-#pragma unroll
-  for (int s = 1; s < 3; ++s) {
-    const Vec<float, 2> part = *reinterpret_cast<const Vec<float, 2>*>(ws + s * total + i);
-#pragma unroll
-    for (int e = 0; e < 2; ++e) sum.v[e] += part.v[e];
-  }
-  Vec<OutT, 2> out;
-#pragma unroll
-  for (int e = 0; e < 2; ++e) out.v[e] = to_out(sum.v[e]);
-  *reinterpret_cast<Vec<OutT, 2>*>(C + i) = out;
 }
