@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -147,18 +148,57 @@ def _evaluators(mode: str, seed: int, gpus: str | None = None):
         return (search[0] if n == 1 else EvaluatorPool(search),
                 StandinEvaluator(StandinConfig(("offline", "server"), seed)))
     if mode == "gpu":
-        from .evaluator import EvalConfig, Evaluator
+        from .evaluator import Evaluator
         from .pool import EvaluatorPool
-        from .timing import TimingConfig
 
         devices = _workers(mode, gpus)
         if not devices:
             raise TuneError("--gpus: no GPU visible")
-        # Selection needs only the offline number; the winner is re-timed in both scenarios, interleaved with
-        # torch.matmul, on fresh samples.
-        config = EvalConfig(device=devices[0], scenarios=("offline",), timing=TimingConfig(trials=5, target_ms=5.0))
+        config, retime = eval_configs(devices[0])
         search = Evaluator(config) if len(devices) == 1 else EvaluatorPool.on_devices(devices, config)
-        return search, Evaluator(EvalConfig(device=devices[0], scenarios=("offline", "server")))
+        return search, Evaluator(retime)
+    return None, None
+
+
+def eval_configs(device: int):
+    """(search, re-time) evaluator configs on `device`. Selection needs only the offline number; the winner is
+    re-timed in both scenarios, interleaved with torch.matmul, on fresh samples."""
+    from .evaluator import EvalConfig
+    from .timing import TimingConfig
+
+    return (EvalConfig(device=device, scenarios=("offline",), timing=TimingConfig(trials=5, target_ms=5.0)),
+            EvalConfig(device=device, scenarios=("offline", "server")))
+
+
+def _cluster_spec(args) -> str | None:
+    """--cluster, else Dask's own DASK_SCHEDULER_ADDRESS; None: the local pool (search/pool.py)."""
+    return getattr(args, "cluster", None) or os.environ.get("DASK_SCHEDULER_ADDRESS") or None
+
+
+def _cluster_mode(args) -> str:
+    """On a cluster the GPUs are the workers': the driver needs the toolchain (it lowers and keys every kernel)."""
+    from .preflight import missing
+
+    if args.standin:
+        return "standin"
+    toolchain = missing(gpu=False, toolchain=True)
+    if toolchain:
+        raise TuneError("l2ir tune --cluster cannot run here: " + "; ".join(toolchain)
+                        + " (--standin searches against the cost model, clearly not measured)")
+    return "compile_only" if args.compile_only else "gpu"
+
+
+def _cluster_evaluators(cluster, mode: str, seed: int):
+    """The search's evaluator and the re-timer on the cluster's GPU workers (each sees its one GPU as device 0)."""
+    import functools
+
+    from .cluster import evaluators, standin_makers
+    from .evaluator import Evaluator
+
+    if mode == "standin":
+        return evaluators(cluster, *standin_makers(seed))
+    if mode == "gpu":
+        return evaluators(cluster, *(functools.partial(Evaluator, c) for c in eval_configs(0)))
     return None, None
 
 
@@ -178,15 +218,27 @@ def cmd_tune(args) -> int:
         shapes = [s for s in shapes if not (s in seen or seen.add(s))]
         if not shapes:
             raise TuneError("no shapes: give --shape MxNxK, --shapes-file F or --grid [--sample N]")
-    mode, note = _mode(args)
+    spec = _cluster_spec(args)
+    mode, note = (_cluster_mode(args), None) if spec else _mode(args)
     if args.budget_candidates is None:
         # Without a GPU the fallback only shows that the proposals build: a few, since each CUTLASS build is minutes
         # on a small CPU.
         args.budget_candidates = FALLBACK_CANDIDATES if (note and mode == "compile_only") else DEFAULT_CANDIDATES
     if note:
         print(note.format(n=args.budget_candidates), file=sys.stderr)
+    cluster = None
+    if spec:
+        from .cluster import ClusterError, distribute, open_cluster
+
+        try:
+            cluster = open_cluster(spec, mode, _workers(mode, args.gpus) if spec == "local" and mode != "compile_only"
+                                   else ())
+        except ClusterError as e:
+            raise TuneError(str(e)) from None
     db = _open(args.db)
-    ev, rt = _evaluators(mode, args.seed, args.gpus)
+    make = (lambda m, seed: _cluster_evaluators(cluster, m, seed)) if cluster else (
+        lambda m, seed: _evaluators(m, seed, args.gpus))
+    ev, rt = make(mode, args.seed)
     view = _LiveView(console, mode)
     command = "l2ir " + " ".join(sys.argv[1:])
     try:
@@ -198,7 +250,7 @@ def cmd_tune(args) -> int:
                 for e in (ev, rt):
                     if e is not None:
                         e.close()
-                ev, rt = _evaluators(row["config"]["mode"], row["seed"], args.gpus)
+                ev, rt = make(row["config"]["mode"], row["seed"])
                 view = _LiveView(console, row["config"]["mode"])
             search = Search.resume(db, args.resume, ev, rt, progress=view.update, command=command,
                                    budget_wall_s=args.budget_seconds)
@@ -213,13 +265,21 @@ def cmd_tune(args) -> int:
                 search = Search(cfg, db, ev, rt, progress=view.update, command=command)
             except ValueError as e:
                 raise TuneError(str(e)) from None
+        if cluster is not None:
+            distribute(search, cluster)
         view.start(len(search.config.shapes), search.config.budget_candidates)
         try:
             states = search.run()
+        except Exception as e:
+            if cluster is not None and isinstance(e, ClusterError):
+                raise TuneError(f"{e} (l2ir tune --resume {search.run_id} continues the run)") from None
+            raise
         finally:
             view.stop()
         print_results(search, states, Console(width=None if sys.stdout.isatty() else 160))
-        if getattr(ev, "jobs_per_worker", None) is not None:
+        if callable(getattr(ev, "summary", None)):
+            print(ev.summary(), file=sys.stderr)
+        elif getattr(ev, "jobs_per_worker", None) is not None:
             gpu = search.config.mode == "gpu"
             devices = [getattr(getattr(w, "config", None), "device", i) if gpu else i for i, w in enumerate(ev.workers)]
             print(f"evaluations per {'GPU' if gpu else 'stand-in worker'}: "
@@ -229,6 +289,8 @@ def cmd_tune(args) -> int:
             if e is not None:
                 e.close()
         db.close()
+        if cluster is not None:
+            cluster.close()
     return 0
 
 
@@ -686,6 +748,9 @@ def add_parsers(sub, shape_type) -> None:
     s.add_argument("--device-sm", default="sm_90", help="SASS target of the GPU that runs the kernels")
     s.add_argument("--gpus", default="all",
                    help="GPUs that evaluate candidates at once, one worker each: N, all (default) or a list 0,1")
+    s.add_argument("--cluster", metavar="local|ADDRESS",
+                   help="run on Dask: 'local' (a GPU worker per --gpus device, CPU workers compile) or a scheduler's "
+                        "address or scheduler file (default: $DASK_SCHEDULER_ADDRESS, else the local pool)")
     s.set_defaults(fn=_guard(cmd_tune))
 
     s = sub.add_parser("runs", help="the search runs in the records DB")
