@@ -218,6 +218,26 @@ def test_divisible_drops_predicates():
     assert "cp_async(dst, src);" in div and "cp_async_zfill(dst," not in div
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_align1_loads_are_in_flight_during_the_mmas(prefetch):
+    """pad.align=1 has no cp.async: the next k-tile's loads go to registers before this k-tile's MMAs and reach shared
+    memory after them, before the barrier that publishes them, into the stage nobody reads any more."""
+    kernel = ms((64, 64, 32), pipeline=Pipeline("multistage", 4, prefetch=prefetch),
+                pad=Pad("predicate", "predicate", "zero_fill", 1), epilogue=Epilogue("smem", 1))
+    src = lower(kernel, PROBLEM).source
+    assert not any(copy in src for copy in ("cp_async(", "cp_async_zfill(", "cp.async.cg", "cp.async.ca"))
+    loop = src[src.index("for (int t = 0; t < k_count; ++t) {"):src.index("// epilogue.path=smem")]
+    gather, mma = loop.index("gather_a(ra, A, a_rows,"), loop.index("mma_all(acc,")
+    if prefetch:
+        store = loop.index("store_a(smem_base, ra, fill_stage);")
+        assert loop.index("fill_stage = write_stage;") < store
+        assert gather < store < loop.index("__syncthreads();", store) < loop.index("load_frags(", store)
+    else:
+        store = loop.index("store_a(smem_base, ra, write_stage);")
+        assert loop.index("__syncthreads();") < gather < mma < store < loop.index("write_stage = read_stage;")
+    assert gather < mma
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Refusals: every field this rule does not implement raises, naming the field.
 # ---------------------------------------------------------------------------------------------------------------

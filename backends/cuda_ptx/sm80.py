@@ -263,19 +263,7 @@ def _load_tile(cfg: Sm80Config, op: str) -> list[str]:
     k_ok = "(!check_k || k < K)" if cfg.pad_k != "divisible" else None
     row_ok = f"grow < {dim}"
     if cfg.align == 1:
-        conds = [c for c in (None if pad_rows == "divisible" else row_ok,) if c]
-        elem_ok = " && ".join(conds + (["(!check_k || k + e < K)"] if k_ok else []))
-        out += [
-            f"    const unsigned short* src = reinterpret_cast<const unsigned short*>({ptr}) + (long long)grow * K + k;",
-            f"    // pad.align=1: each element checks its row ({fld}={pad_rows}) and K; elements outside are zeros, so",
-            "    // they add 0 to every dot product.",
-            "    unsigned short h[8];",
-            "#pragma unroll",
-            f"    for (int e = 0; e < 8; ++e) h[e] = {'(' + elem_ok + ') ? __ldg(src + e) : (unsigned short)0' if elem_ok else '__ldg(src + e)'};",
-            "    st_shared_16(dst, h);",
-            "  }", "}", "",
-        ]
-        return out
+        return _load_tile_align1(cfg, op)
     out.append(f"    const InT* src = {ptr} + (long long)grow * K + k;")
     whole = (f"    // K % {cfg.align} == 0 (pad.align={cfg.align}), so a {cfg.align}-element chunk is wholly inside or "
              "wholly outside K.")
@@ -302,15 +290,92 @@ def _load_tile(cfg: Sm80Config, op: str) -> list[str]:
     return out
 
 
+def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
+    """pad.align=1: k-tile `kt` of A or B in two halves, so the global loads of a tile STAGES-1 ahead are in flight
+    while the current tile's MMAs run: gather_<op> loads 8-element chunks into registers (predicated 2-byte loads:
+    no cp.async form copies 2 bytes, and an odd K leaves rows 2-byte aligned), store_<op> writes each chunk with one
+    16-byte shared store. load_<op> does both at once (prologue, stages=1)."""
+    rows, dim, pad_rows = ("BM", "M", cfg.pad_m) if op == "A" else ("BN", "N", cfg.pad_n)
+    fld = "pad.m" if op == "A" else "pad.n"
+    ptr, base = ("A", "a_rows") if op == "A" else ("B", "b_rows")
+    smem_off = "SMEM_A + stage * A_STAGE" if op == "A" else "SMEM_B + stage * B_STAGE"
+    o = op.lower()
+    conds = [] if pad_rows == "divisible" else [f"grow < {dim}"]
+    if cfg.pad_k != "divisible":
+        conds.append("(!check_k || k + e < K)")
+    load = "__ldg(src + e)"
+    elem = f"({' && '.join(conds)}) ? {load} : (unsigned short)0" if conds else load
+    regs = f"unsigned (&r)[CHUNKS_{op} / THREADS][4]"
+    return [
+        f"// k-tile `kt` of {op} ({rows} x BK, K contiguous) into registers: chunk `it` of this thread in r[it].",
+        f"__device__ __forceinline__ void gather_{o}({regs}, const InT* __restrict__ {ptr}, int {base}, int M, int N, "
+        "int K, int kt, bool check_k) {",
+        "  (void)M; (void)N; (void)check_k;",
+        "#pragma unroll",
+        f"  for (int it = 0; it < CHUNKS_{op} / THREADS; ++it) {{",
+        "    const int c = it * THREADS + int(threadIdx.x);",
+        "    const int r_ = c / (BK / CHUNK);               // row of the tile",
+        "    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk",
+        "    const int k = kt * BK + kc;",
+        f"    const int grow = {base} + r_;",
+        f"    const unsigned short* src = reinterpret_cast<const unsigned short*>({ptr}) + (long long)grow * K + k;",
+        f"    // pad.align=1: each element checks its row ({fld}={pad_rows}) and K; elements outside are zeros, so they",
+        "    // add 0 to every dot product.",
+        "    unsigned short h[8];",
+        "#pragma unroll",
+        f"    for (int e = 0; e < 8; ++e) h[e] = {elem};",
+        "#pragma unroll",
+        "    for (int w = 0; w < 4; ++w) r[it][w] = unsigned(h[2 * w]) | (unsigned(h[2 * w + 1]) << 16);",
+        "  }",
+        "}",
+        f"// The registers of gather_{o} into ring stage `stage`.",
+        f"__device__ __forceinline__ void store_{o}(unsigned smem_base, const {regs.replace('(&r)', '(&r)')}, "
+        "int stage) {",
+        "#pragma unroll",
+        f"  for (int it = 0; it < CHUNKS_{op} / THREADS; ++it) {{",
+        "    const int c = it * THREADS + int(threadIdx.x);",
+        "    const int r_ = c / (BK / CHUNK);",
+        "    const int kc = (c % (BK / CHUNK)) * CHUNK;",
+        f"    st_shared_16(smem_base + 2u * unsigned({smem_off} + swz(r_ * BK + kc)), r[it]);",
+        "  }",
+        "}",
+        f"__device__ __forceinline__ void load_{o}(unsigned smem_base, const InT* __restrict__ {ptr}, int {base}, "
+        "int M, int N, int K, int kt, int stage, bool check_k) {",
+        f"  unsigned r[CHUNKS_{op} / THREADS][4];",
+        f"  gather_{o}(r, {ptr}, {base}, M, N, K, kt, check_k);",
+        f"  store_{o}(smem_base, r, stage);",
+        "}",
+        "",
+    ]
+
+
+def _k_check(cfg: Sm80Config, tile: str) -> tuple[str, str]:
+    if cfg.pad_k == "predicate":
+        return (f"k_begin + {tile} == k_tiles - 1",
+                "pad.k=predicate: only the last k-tile can run past K, so only it checks (and zero-fills)")
+    if cfg.pad_k == "zero_fill":
+        return "true", "pad.k=zero_fill: every k-tile checks K; chunks past K are zero-filled"
+    return "false", "pad.k=divisible: K % BK == 0, no k-tile runs past K"
+
+
+def _gather(cfg: Sm80Config, tile: str, indent: str) -> list[str]:
+    """pad.align=1 steady state: start the global loads of k-tile `tile` into registers (stored by _store)."""
+    check, note = _k_check(cfg, tile)
+    return [
+        f"{indent}// {note}",
+        f"{indent}// pad.align=1: the loads land in registers while this k-tile's MMAs run; stored after them.",
+        f"{indent}gather_a(ra, A, a_rows, M, N, K, k_begin + {tile}, {check});",
+        f"{indent}gather_b(rb, B, b_rows, M, N, K, k_begin + {tile}, {check});",
+    ]
+
+
+def _store(stage: str, indent: str) -> list[str]:
+    return [f"{indent}store_a(smem_base, ra, {stage});", f"{indent}store_b(smem_base, rb, {stage});"]
+
+
 def _issue(cfg: Sm80Config, tile: str, stage: str, indent: str) -> list[str]:
     """Issue both operands' copies of k-tile `tile` (relative to k_begin) into `stage`."""
-    if cfg.pad_k == "predicate":
-        check = f"k_begin + {tile} == k_tiles - 1"
-        note = "pad.k=predicate: only the last k-tile can run past K, so only it checks (and zero-fills)"
-    elif cfg.pad_k == "zero_fill":
-        check, note = "true", "pad.k=zero_fill: every k-tile checks K; chunks past K are zero-filled"
-    else:
-        check, note = "false", "pad.k=divisible: K % BK == 0, no k-tile runs past K"
+    check, note = _k_check(cfg, tile)
     return [
         f"{indent}// {note}",
         f"{indent}load_a(smem_base, A, a_rows, M, N, K, k_begin + {tile}, {stage}, {check});",
@@ -336,6 +401,7 @@ def _mainloop(cfg: Sm80Config) -> list[str]:
             f"{i}  }}",
             f"{i}}}",
         ]
+    staged = cfg.align == 1
     lines = [
         f"{i}// Prologue: put STAGES-1 k-tiles in flight before the first MMA. Every slot commits a group, even an",
         f"{i}// empty one, so the group count per k-tile stays uniform and cp.async.wait_group N means 'tile t landed'.",
@@ -348,6 +414,8 @@ def _mainloop(cfg: Sm80Config) -> list[str]:
         f"{i}}}",
         f"{i}int read_stage = 0;             // stage holding k-tile t",
         f"{i}int write_stage = STAGES - 1;   // stage k-tile t+STAGES-1 goes to: the one k-tile t-1 used",
+        *([f"{i}unsigned ra[CHUNKS_A / THREADS][4], rb[CHUNKS_B / THREADS][4];   // pad.align=1: k-tile t+STAGES-1 "
+           "in flight", f"{i}int fill_stage = 0;             // where ra/rb go"] if staged else []),
     ]
     if not cfg.prefetch:
         return lines + [
@@ -359,7 +427,8 @@ def _mainloop(cfg: Sm80Config) -> list[str]:
             f"{i}  // is refilled next.",
             f"{i}  __syncthreads();",
             f"{i}  if (t + STAGES - 1 < k_count) {{",
-            *_issue(cfg, "t + STAGES - 1", "write_stage", i + "    "),
+            *(_gather(cfg, "t + STAGES - 1", i + "    ") if staged else
+              _issue(cfg, "t + STAGES - 1", "write_stage", i + "    ")),
             f"{i}  }}",
             f"{i}  cp_async_commit();",
             f"{i}#pragma unroll",
@@ -367,12 +436,21 @@ def _mainloop(cfg: Sm80Config) -> list[str]:
             f"{i}    load_frags(smem_base, read_stage, kk, fa[0], fb[0]);",
             f"{i}    mma_all(acc, fa[0], fb[0]);",
             f"{i}  }}",
+            *([f"{i}  // The stage k-tile t-1 used: every warp passed this iteration's barrier after reading it, and the",
+               f"{i}  // next iteration's barrier publishes the store.",
+               f"{i}  if (t + STAGES - 1 < k_count) {{", *_store("write_stage", i + "    "), f"{i}  }}"]
+              if staged else []),
             f"{i}  write_stage = read_stage;",
             f"{i}  read_stage = (read_stage + 1 == STAGES) ? 0 : read_stage + 1;",
             f"{i}}}",
         ]
     odd = (cfg.bk // 16) % 2 == 1
+    store = ([f"{i}      // pad.align=1: k-tile t+STAGES-1 from registers into the stage k-tile t-1 used (nobody reads it",
+              f"{i}      // before the barrier below publishes it).",
+              f"{i}      if (t + STAGES - 1 < k_count) {{", *_store("fill_stage", i + "        "), f"{i}      }}"]
+             if staged else [])
     last_step = [f"{i}    if (kk == KSTEPS - 1) {{",
+                 *store,
                  f"{i}      // The next k-tile's first k-step is read below. Groups committed: tiles up to t+STAGES-1,",
                  f"{i}      // so allowing STAGES-2 pending means tile t+1 landed; the barrier makes it visible.",
                  f"{i}      read_stage = (read_stage + 1 == STAGES) ? 0 : read_stage + 1;",
@@ -407,8 +485,10 @@ def _mainloop(cfg: Sm80Config) -> list[str]:
         f"{i}    if (kk == 0) {{",
         f"{i}      // Refill the stage tile t-1 used: every warp passed the barrier after its last read of it.",
         f"{i}      if (t + STAGES - 1 < k_count) {{",
-        *_issue(cfg, "t + STAGES - 1", "write_stage", i + "        "),
+        *(_gather(cfg, "t + STAGES - 1", i + "        ") if staged else
+          _issue(cfg, "t + STAGES - 1", "write_stage", i + "        ")),
         f"{i}      }}",
+        *([f"{i}      fill_stage = write_stage;"] if staged else []),
         f"{i}      cp_async_commit();",
         f"{i}      write_stage = (write_stage + 1 == STAGES) ? 0 : write_stage + 1;",
         f"{i}    }}",
@@ -559,11 +639,9 @@ def _copy_functions(cfg: Sm80Config) -> list[str]:
         return [
             "// pad.align=1: rows may start on any 2-byte boundary, which no cp.async form copies; 8 loaded elements",
             "// are written with one 16-byte shared store (the swizzle keeps 8-element chunks whole and aligned).",
-            "__device__ __forceinline__ void st_shared_16(unsigned dst, const unsigned short (&h)[8]) {",
-            '  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\\n" :: "r"(dst),',
-            '               "r"(unsigned(h[0]) | (unsigned(h[1]) << 16)), "r"(unsigned(h[2]) | (unsigned(h[3]) << 16)),',
-            '               "r"(unsigned(h[4]) | (unsigned(h[5]) << 16)), "r"(unsigned(h[6]) | (unsigned(h[7]) << 16))',
-            '               : "memory");',
+            "__device__ __forceinline__ void st_shared_16(unsigned dst, const unsigned (&w)[4]) {",
+            '  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\\n" :: "r"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]),',
+            '               "r"(w[3]) : "memory");',
             "}",
         ]
     nbytes = 2 * cfg.align

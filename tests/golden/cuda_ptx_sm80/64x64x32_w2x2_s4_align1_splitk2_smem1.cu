@@ -50,11 +50,9 @@ __device__ __forceinline__ OutT to_out(float a) { return __float2half_rn(a); }
 
 // pad.align=1: rows may start on any 2-byte boundary, which no cp.async form copies; 8 loaded elements
 // are written with one 16-byte shared store (the swizzle keeps 8-element chunks whole and aligned).
-__device__ __forceinline__ void st_shared_16(unsigned dst, const unsigned short (&h)[8]) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(dst),
-               "r"(unsigned(h[0]) | (unsigned(h[1]) << 16)), "r"(unsigned(h[2]) | (unsigned(h[3]) << 16)),
-               "r"(unsigned(h[4]) | (unsigned(h[5]) << 16)), "r"(unsigned(h[6]) | (unsigned(h[7]) << 16))
-               : "memory");
+__device__ __forceinline__ void st_shared_16(unsigned dst, const unsigned (&w)[4]) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]),
+               "r"(w[3]) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -111,46 +109,76 @@ __device__ __forceinline__ void mma_all(float (&acc)[MI][NI][4], const unsigned 
     for (int ni = 0; ni < NI; ++ni) mma_16816(acc[mi][ni], fa[mi], fb[ni]);
 }
 
-// k-tile `kt` of A (BM x BK, K contiguous) into ring stage `stage`.
-__device__ __forceinline__ void load_a(unsigned smem_base, const InT* __restrict__ A, int a_rows, int M, int N, int K, int kt, int stage, bool check_k) {
+// k-tile `kt` of A (BM x BK, K contiguous) into registers: chunk `it` of this thread in r[it].
+__device__ __forceinline__ void gather_a(unsigned (&r)[CHUNKS_A / THREADS][4], const InT* __restrict__ A, int a_rows, int M, int N, int K, int kt, bool check_k) {
   (void)M; (void)N; (void)check_k;
 #pragma unroll
   for (int it = 0; it < CHUNKS_A / THREADS; ++it) {
     const int c = it * THREADS + int(threadIdx.x);
-    const int r = c / (BK / CHUNK);                // row of the tile
+    const int r_ = c / (BK / CHUNK);               // row of the tile
     const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk
     const int k = kt * BK + kc;
-    const int grow = a_rows + r;
-    const unsigned dst = smem_base + 2u * unsigned(SMEM_A + stage * A_STAGE + swz(r * BK + kc));
+    const int grow = a_rows + r_;
     const unsigned short* src = reinterpret_cast<const unsigned short*>(A) + (long long)grow * K + k;
-    // pad.align=1: each element checks its row (pad.m=predicate) and K; elements outside are zeros, so
-    // they add 0 to every dot product.
+    // pad.align=1: each element checks its row (pad.m=predicate) and K; elements outside are zeros, so they
+    // add 0 to every dot product.
     unsigned short h[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) h[e] = (grow < M && (!check_k || k + e < K)) ? __ldg(src + e) : (unsigned short)0;
-    st_shared_16(dst, h);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) r[it][w] = unsigned(h[2 * w]) | (unsigned(h[2 * w + 1]) << 16);
   }
 }
+// The registers of gather_a into ring stage `stage`.
+__device__ __forceinline__ void store_a(unsigned smem_base, const unsigned (&r)[CHUNKS_A / THREADS][4], int stage) {
+#pragma unroll
+  for (int it = 0; it < CHUNKS_A / THREADS; ++it) {
+    const int c = it * THREADS + int(threadIdx.x);
+    const int r_ = c / (BK / CHUNK);
+    const int kc = (c % (BK / CHUNK)) * CHUNK;
+    st_shared_16(smem_base + 2u * unsigned(SMEM_A + stage * A_STAGE + swz(r_ * BK + kc)), r[it]);
+  }
+}
+__device__ __forceinline__ void load_a(unsigned smem_base, const InT* __restrict__ A, int a_rows, int M, int N, int K, int kt, int stage, bool check_k) {
+  unsigned r[CHUNKS_A / THREADS][4];
+  gather_a(r, A, a_rows, M, N, K, kt, check_k);
+  store_a(smem_base, r, stage);
+}
 
-// k-tile `kt` of B (BN x BK, K contiguous) into ring stage `stage`.
-__device__ __forceinline__ void load_b(unsigned smem_base, const InT* __restrict__ B, int b_rows, int M, int N, int K, int kt, int stage, bool check_k) {
+// k-tile `kt` of B (BN x BK, K contiguous) into registers: chunk `it` of this thread in r[it].
+__device__ __forceinline__ void gather_b(unsigned (&r)[CHUNKS_B / THREADS][4], const InT* __restrict__ B, int b_rows, int M, int N, int K, int kt, bool check_k) {
   (void)M; (void)N; (void)check_k;
 #pragma unroll
   for (int it = 0; it < CHUNKS_B / THREADS; ++it) {
     const int c = it * THREADS + int(threadIdx.x);
-    const int r = c / (BK / CHUNK);                // row of the tile
+    const int r_ = c / (BK / CHUNK);               // row of the tile
     const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk
     const int k = kt * BK + kc;
-    const int grow = b_rows + r;
-    const unsigned dst = smem_base + 2u * unsigned(SMEM_B + stage * B_STAGE + swz(r * BK + kc));
+    const int grow = b_rows + r_;
     const unsigned short* src = reinterpret_cast<const unsigned short*>(B) + (long long)grow * K + k;
-    // pad.align=1: each element checks its row (pad.n=zero_fill) and K; elements outside are zeros, so
-    // they add 0 to every dot product.
+    // pad.align=1: each element checks its row (pad.n=zero_fill) and K; elements outside are zeros, so they
+    // add 0 to every dot product.
     unsigned short h[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) h[e] = (grow < N && (!check_k || k + e < K)) ? __ldg(src + e) : (unsigned short)0;
-    st_shared_16(dst, h);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) r[it][w] = unsigned(h[2 * w]) | (unsigned(h[2 * w + 1]) << 16);
   }
+}
+// The registers of gather_b into ring stage `stage`.
+__device__ __forceinline__ void store_b(unsigned smem_base, const unsigned (&r)[CHUNKS_B / THREADS][4], int stage) {
+#pragma unroll
+  for (int it = 0; it < CHUNKS_B / THREADS; ++it) {
+    const int c = it * THREADS + int(threadIdx.x);
+    const int r_ = c / (BK / CHUNK);
+    const int kc = (c % (BK / CHUNK)) * CHUNK;
+    st_shared_16(smem_base + 2u * unsigned(SMEM_B + stage * B_STAGE + swz(r_ * BK + kc)), r[it]);
+  }
+}
+__device__ __forceinline__ void load_b(unsigned smem_base, const InT* __restrict__ B, int b_rows, int M, int N, int K, int kt, int stage, bool check_k) {
+  unsigned r[CHUNKS_B / THREADS][4];
+  gather_b(r, B, b_rows, M, N, K, kt, check_k);
+  store_b(smem_base, r, stage);
 }
 
 }  // namespace l2ir_ptx_sm80
@@ -208,6 +236,8 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
   }
   int read_stage = 0;             // stage holding k-tile t
   int write_stage = STAGES - 1;   // stage k-tile t+STAGES-1 goes to: the one k-tile t-1 used
+  unsigned ra[CHUNKS_A / THREADS][4], rb[CHUNKS_B / THREADS][4];   // pad.align=1: k-tile t+STAGES-1 in flight
+  int fill_stage = 0;             // where ra/rb go
   // pipeline.prefetch=true: ldmatrix of k-step kk+1 (across the tile boundary too) is in flight while
   // k-step kk's MMAs run, so ldmatrix latency never stalls the tensor cores.
   cp_async_wait<STAGES - 2>();   // k-tile 0 landed
@@ -220,13 +250,21 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
         // Refill the stage tile t-1 used: every warp passed the barrier after its last read of it.
         if (t + STAGES - 1 < k_count) {
           // pad.k=zero_fill: every k-tile checks K; chunks past K are zero-filled
-          load_a(smem_base, A, a_rows, M, N, K, k_begin + t + STAGES - 1, write_stage, true);
-          load_b(smem_base, B, b_rows, M, N, K, k_begin + t + STAGES - 1, write_stage, true);
+          // pad.align=1: the loads land in registers while this k-tile's MMAs run; stored after them.
+          gather_a(ra, A, a_rows, M, N, K, k_begin + t + STAGES - 1, true);
+          gather_b(rb, B, b_rows, M, N, K, k_begin + t + STAGES - 1, true);
         }
+        fill_stage = write_stage;
         cp_async_commit();
         write_stage = (write_stage + 1 == STAGES) ? 0 : write_stage + 1;
       }
       if (kk == KSTEPS - 1) {
+        // pad.align=1: k-tile t+STAGES-1 from registers into the stage k-tile t-1 used (nobody reads it
+        // before the barrier below publishes it).
+        if (t + STAGES - 1 < k_count) {
+          store_a(smem_base, ra, fill_stage);
+          store_b(smem_base, rb, fill_stage);
+        }
         // The next k-tile's first k-step is read below. Groups committed: tiles up to t+STAGES-1,
         // so allowing STAGES-2 pending means tile t+1 landed; the barrier makes it visible.
         read_stage = (read_stage + 1 == STAGES) ? 0 : read_stage + 1;
