@@ -8,14 +8,17 @@
     l2ir.dispatch_stats()                  # {"l2ir": 120, "cublas": 8, "misaligned": 1, ...}
 
 It is a torch custom op (`torch.ops.l2ir.matmul`, `torch.ops.l2ir.matmul_out`) with fake implementations, so it
-works under CUDA graph capture (launches go to the current stream) and inside torch.compile(fullgraph=True). In eager
-mode the wrapper calls the same implementation directly: the dispatcher's per-call cost is a dict lookup keyed by
-(m, n, k, dtype, layouts), the output allocation, and one cuLaunchKernel through ctypes with argument arrays built
-once per thread.
+works under CUDA graph capture (launches go to the current stream) and inside torch.compile(fullgraph=True). Outside
+torch.compile the wrapper calls the implementation directly, without the op dispatcher. The first call of each
+(shapes, strides, dtypes, devices) decides its route under a lock and keeps it as a closure; every later call is a
+lock-free dict lookup and that closure: a fallback counts its reason and calls torch, a served call checks the
+data pointers' alignment, allocates the output and launches with everything else bound (grids, function handles,
+argument block, workspace size).
 
 It never gives a wrong answer: whatever it cannot serve goes to torch.matmul, and each such call is counted under
-its reason (REASONS below), also logged at DEBUG level on the "l2ir.dispatch" logger. A call captured in a CUDA graph
-is counted once, at capture; replays do not run Python.
+its reason (REASONS below; a thread counts into its own dict, summed by `dispatch_stats()`); each route is logged
+at DEBUG level on the "l2ir.dispatch" logger when it is decided. A call captured in a CUDA graph is counted once,
+at capture; replays do not run Python.
 
 The runtime import chain is l2ir.dispatch -> l2ir.runtime, l2ir.indexing (launch expressions) and, for untuned
 shapes only, l2ir.text + l2ir.verify (the problem rules on the kernel's IR). It never imports l2ir.search,
@@ -33,7 +36,7 @@ import math
 import os
 import threading
 import warnings
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,6 +175,12 @@ def read_package(path: str | Path) -> Package:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Launching a kernel from the package.
+#
+# The eager call is host-bound on small shapes (a 64^3 GEMM runs ~2 us on an H200, torch.matmul's host path ~12 us),
+# so everything that does not change between two calls of one shape is computed once, in `bind(m, n, k)`: the
+# grids, the function handles and context as ctypes objects, the argument block (one per thread). A call fills
+# three pointers and launches. The libcuda entry points are called WITHOUT ctypes argtypes (every argument is
+# already a ctypes object or a small int), which saves ~0.8 us of per-argument conversion per launch.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -181,81 +190,151 @@ class _Args(ctypes.Structure):
                 ("n", ctypes.c_int), ("k", ctypes.c_int), ("ws", ctypes.c_void_p)]
 
 
-def _libcuda():
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-    lib.cuLaunchKernel.restype = ctypes.c_int
-    lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
-    lib.cuCtxSetCurrent.restype = ctypes.c_int
-    return lib
+_ARG_OFFSETS = tuple(getattr(_Args, name).offset for name, _ in _Args._fields_)
+
+
+def _arg_block(m: int, n: int, k: int) -> tuple[_Args, ctypes.c_void_p]:
+    """(argument values, kernelParams) for one thread and shape: kernelParams points at each value in the block."""
+    args = _Args(None, None, None, m, n, k, None)
+    base = ctypes.addressof(args)
+    params = (ctypes.c_void_p * len(_ARG_OFFSETS))(*[base + off for off in _ARG_OFFSETS])
+    args._params = params                                  # keep the pointer array alive with its block
+    return args, ctypes.c_void_p(ctypes.addressof(params))
+
+
+class Driver:
+    """The two libcuda entry points of the eager launch, as bare ctypes functions (no argtypes: see above).
+    `path` may name another library with the same symbols (the CPU tests' stub driver)."""
+
+    def __init__(self, path: str = "libcuda.so.1"):
+        lib = ctypes.CDLL(path)          # a CDLL of its own: argtypes set on another handle do not reach it
+        self.launch = lib.cuLaunchKernel
+        self.set_ctx = lib.cuCtxSetCurrent
+
+
+class KernelLaunch:
+    """A "kernels" plan without clusters, loaded in `ctx` as `funcs` (one per launch): `bind(m, n, k)` gives
+    (go, workspace bytes), `go(a, b, c, ws, stream)` launching every non-empty grid of the plan in order."""
+
+    def __init__(self, driver: Driver, ctx: int, funcs: list[int], plan):
+        self.driver, self.ctx, self.funcs, self.plan = driver, ctypes.c_void_p(ctx), list(funcs), plan
+
+    def bind(self, m: int, n: int, k: int):
+        from .runtime import LaunchError
+
+        grids = []
+        for fn, ln in zip(self.funcs, self.plan.launches):
+            g = ln.grid_for(m, n, k)
+            if g[0] * g[1] * g[2]:
+                grids.append((ctypes.c_void_p(fn), *g, *ln.block, ln.smem))
+        ws_bytes = self.plan.workspace_for(m, n, k)
+        launch, set_ctx, ctx, vp = self.driver.launch, self.driver.set_ctx, self.ctx, ctypes.c_void_p
+        tls = threading.local()
+
+        def args():
+            block = tls.block = _arg_block(m, n, k)
+            return block
+
+        def failed(rc):
+            raise LaunchError(f"cuLaunchKernel returned CUresult {rc} for m={m} n={n} k={k}")
+
+        if len(grids) == 1:
+            ((fn, gx, gy, gz, bx, by, bz, smem),) = grids
+
+            def go(a: int, b: int, c: int, ws: int, stream: int) -> None:
+                try:
+                    block, params = tls.block
+                except AttributeError:
+                    block, params = args()
+                block.a = a
+                block.b = b
+                block.c = c
+                block.ws = ws
+                # torch binds the primary context to a thread lazily; the module lives there, so make it current.
+                set_ctx(ctx)
+                rc = launch(fn, gx, gy, gz, bx, by, bz, smem, vp(stream), params, None)
+                if rc:
+                    failed(rc)
+        else:
+            def go(a: int, b: int, c: int, ws: int, stream: int) -> None:
+                try:
+                    block, params = tls.block
+                except AttributeError:
+                    block, params = args()
+                block.a, block.b, block.c, block.ws = a, b, c, ws
+                s = vp(stream)
+                set_ctx(ctx)
+                for fn, gx, gy, gz, bx, by, bz, smem in grids:
+                    rc = launch(fn, gx, gy, gz, bx, by, bz, smem, s, params, None)
+                    if rc:
+                        failed(rc)
+        return go, ws_bytes
+
+
+class ShimLaunch:
+    """A host_shim plan's library: `bind(m, n, k)` gives (go, workspace bytes) calling l2ir_run. `path` is the
+    shared library (loaded once more, here, without argtypes: ctypes objects in, an int status out)."""
+
+    def __init__(self, path: str | Path, workspace_size=None):
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+        self.run = lib.l2ir_run
+        self.workspace_size = workspace_size or (lambda m, n, k: int(lib.l2ir_workspace_size(m, n, k)))
+
+    def bind(self, m: int, n: int, k: int):
+        from .runtime import LaunchError, status_name
+
+        ws_bytes = int(self.workspace_size(m, n, k))
+        run, vp, wsb = self.run, ctypes.c_void_p, ctypes.c_size_t(ws_bytes)
+
+        def go(a: int, b: int, c: int, ws: int, stream: int) -> None:
+            rc = run(vp(a), vp(b), vp(c), m, n, k, vp(ws), wsb, vp(stream))
+            if rc:
+                raise LaunchError(f"l2ir_run returned {rc} ({status_name(rc)}) for m={m} n={n} k={k}")
+        return go, ws_bytes
+
+
+def launch_plan(spec: KernelSpec):
+    """The runtime's LaunchPlan of a package kernel (its table entry: form, entries, grid expressions, workspace)."""
+    from .indexing import parse_expr
+    from .runtime import Launch, LaunchPlan
+
+    p = spec.plan
+    return LaunchPlan(
+        source="", arch=p["arch"], form=p["form"],
+        launches=tuple(Launch(ln["entry"], tuple(parse_expr(g) for g in ln["grid"]), tuple(ln["block"]),
+                              ln["smem"], tuple(ln["cluster"])) for ln in p["launches"]),
+        workspace_bytes=parse_expr(p["workspace_bytes"]), zero_workspace=p["zero_workspace"])
 
 
 class Runner:
-    """One kernel loaded on one device. `__call__(a, b, c, m, n, k, like, stream)` takes data pointers; `like`
-    is a tensor on the device (a workspace is allocated beside it)."""
+    """One kernel loaded on one device. `bind(m, n, k)` -> (go, workspace bytes) with `go(a, b, c, ws, stream)`
+    taking data pointers and the raw stream handle; the dispatcher binds once per shape and keeps the result."""
 
     def __init__(self, spec: KernelSpec, device: int):
-        from .indexing import parse_expr
-        from .runtime import Launch, LaunchPlan, load
+        from .runtime import load
 
-        p = spec.plan
-        self.plan = LaunchPlan(
-            source="", arch=p["arch"], form=p["form"],
-            launches=tuple(Launch(ln["entry"], tuple(parse_expr(g) for g in ln["grid"]), tuple(ln["block"]),
-                                  ln["smem"], tuple(ln["cluster"])) for ln in p["launches"]),
-            workspace_bytes=parse_expr(p["workspace_bytes"]), zero_workspace=p["zero_workspace"])
+        self.plan = launch_plan(spec)
+        self.zero_workspace = self.plan.zero_workspace
         self.launcher = load(self.plan, spec.dir / spec.binary, device)
-        self._geom: dict[tuple[int, int, int], tuple] = {}
-        self._tls = threading.local()
         self._fast = None
-        if self.plan.form == "kernels" and all(ln.cluster == (1, 1, 1) for ln in self.plan.launches):
-            try:
-                lib = _libcuda()
-                self._fast = (lib.cuLaunchKernel, lib.cuCtxSetCurrent, int(self.launcher._ctx),
-                              [int(fn) for fn in self.launcher._funcs])
-            except (OSError, TypeError, AttributeError):
-                self._fast = None     # the cuda-python launcher below is slower but equivalent
+        try:
+            if self.plan.form == "host_shim":
+                self._fast = ShimLaunch(spec.dir / spec.binary, self.launcher.workspace_bytes)
+            elif all(ln.cluster == (1, 1, 1) for ln in self.plan.launches):
+                self._fast = KernelLaunch(Driver(), int(self.launcher._ctx), [int(fn) for fn in self.launcher._funcs],
+                                          self.plan)
+        except (OSError, TypeError, AttributeError):
+            self._fast = None     # the runtime's launcher below is slower but equivalent
 
-    def _geometry(self, m: int, n: int, k: int) -> tuple:
-        grids = []
-        for ln in self.plan.launches:
-            g = ln.grid_for(m, n, k)
-            grids.append((g, ln.block, ln.smem))
-        ws = self.launcher.workspace_bytes(m, n, k)
-        geo = (tuple(grids), ws)
-        self._geom[(m, n, k)] = geo
-        return geo
+    def bind(self, m: int, n: int, k: int):
+        if self._fast is not None:
+            return self._fast.bind(m, n, k)
+        ws_bytes = self.launcher.workspace_bytes(m, n, k)
+        launcher = self.launcher
 
-    def __call__(self, a: int, b: int, c: int, m: int, n: int, k: int, like: torch.Tensor, stream: int):
-        grids, ws_bytes = self._geom.get((m, n, k)) or self._geometry(m, n, k)
-        ws_ptr, ws_t = 0, None
-        if ws_bytes:
-            ws_t = (torch.zeros if self.plan.zero_workspace else torch.empty)(ws_bytes, dtype=torch.uint8,
-                                                                              device=like.device)
-            ws_ptr = ws_t.data_ptr()
-        if self._fast is None:
-            self.launcher(a, b, c, m, n, k, ws_ptr, ws_bytes, stream)
-            return ws_t
-        launch, set_ctx, ctx, fns = self._fast
-        args = getattr(self._tls, "args", None)
-        if args is None:
-            args = self._tls.args = _Args()
-            off = [getattr(_Args, f).offset for f, _ in _Args._fields_]
-            base = ctypes.addressof(args)
-            self._tls.params = (ctypes.c_void_p * 7)(*[base + o for o in off])
-        args.a, args.b, args.c, args.m, args.n, args.k, args.ws = a, b, c, m, n, k, ws_ptr
-        params = self._tls.params
-        # torch binds the primary context to a thread lazily; the module lives there, so make it current.
-        set_ctx(ctx)
-        for fn, ((gx, gy, gz), (bx, by, bz), smem) in zip(fns, grids):
-            if gx * gy * gz == 0:
-                continue
-            rc = launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, None)
-            if rc:
-                from .runtime import LaunchError
-
-                raise LaunchError(f"cuLaunchKernel returned CUresult {rc} for m={m} n={n} k={k}")
-        return ws_t
+        def go(a: int, b: int, c: int, ws: int, stream: int) -> None:
+            launcher(a, b, c, m, n, k, ws, ws_bytes, stream)      # clusters: cuLaunchKernelEx through cuda-python
+        return go, ws_bytes
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -284,22 +363,72 @@ def _layout(t: torch.Tensor, rows: int, cols: int) -> str | None:
     return None
 
 
+def fast_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """Everything a route depends on except the data pointers (checked on every call): shapes and strides (layout,
+    batch, contiguity), dtypes, devices. `Dispatcher.eager` builds the same tuple inline (a call costs ~0.1 us)."""
+    return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.device, b.device)
+
+
+_FAST_MAX = 1 << 14          # routes kept per process; dynamic shapes beyond that start the cache over
+
+
+class _Counts:
+    """Calls per reason with one dict per thread: a thread only ever increments its own, so the call path takes
+    no lock; `total()` sums copies (a dict copy is atomic under the GIL)."""
+
+    def __init__(self):
+        self.tls = threading.local()
+        self._all: list[defaultdict] = []
+        self._lock = threading.Lock()
+
+    def mine(self) -> defaultdict:
+        try:
+            return self.tls.d
+        except AttributeError:
+            d = self.tls.d = defaultdict(int)
+            with self._lock:
+                self._all.append(d)
+            return d
+
+    def total(self) -> Counter:
+        with self._lock:
+            dicts = list(self._all)
+        out: Counter[str] = Counter()
+        for d in dicts:
+            out.update({r: v for r, v in d.copy().items() if v})
+        return out
+
+
 class Dispatcher:
-    """Routes calls to package kernels or torch.matmul. One per process (see `_dispatcher()`)."""
+    """Routes calls to package kernels or torch.matmul. One per process (see `_dispatcher()`).
+
+    Each (shapes, strides, dtypes, devices) is decided once, under the lock, into a closure kept in `_fast`: a
+    fallback closure counts its reason and calls torch (torch.mm for 2-D operands: the op torch.matmul itself ends
+    in, without its dimension dispatch); a served closure holds the bound launch (grids, handles, argument block,
+    workspace size, output shape). A repeated call is one dict lookup and that closure."""
 
     device_type = "cuda"
 
     def __init__(self, package: Package | None):
         self.package = package
-        self.stats: Counter[str] = Counter()
+        self._counts = _Counts()
         self._lock = threading.RLock()
-        self._routes: dict[tuple, str | None | tuple] = {}
+        self._routes: dict[tuple, tuple] = {}
+        self._fast: dict[tuple, object] = {}
         self._devices: dict[int, dict] = {}            # index -> {"ok": bool, "runners": {key: Runner|Exception}}
         self._classes: dict[tuple, str] = {}
         for dt, name in _DTYPES.items():
             for la in ("row", "col"):
                 for lb in ("row", "col"):
                     self._classes[(dt, la, lb)] = f"a={name}:{la} b={name}:{lb} c={name}:row acc=f32"
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # the handle alone, no Stream object
+        self._stream_of = (raw if raw is not None and type(self).current_stream is Dispatcher.current_stream
+                           else self.current_stream)
+
+    @property
+    def stats(self) -> Counter:
+        """Calls per path: "l2ir" or the fallback reason (see REASONS)."""
+        return self._counts.total()
 
     # -- what the GPU is, and whether the package was measured on one like it --------------------------------
 
@@ -309,8 +438,7 @@ class Dispatcher:
                 "capability": f"{props.major}.{props.minor}", "driver": _driver_version()}
 
     def current_stream(self, index: int) -> int:
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # the handle alone, no Stream object
-        return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+        return torch.cuda.current_stream(index).cuda_stream
 
     def make_runner(self, spec: KernelSpec, index: int):
         return Runner(spec, index)
@@ -331,7 +459,7 @@ class Dispatcher:
             if diffs:
                 warnings.warn(f"l2ir: dispatch package {self.package.path} was measured on another machine: "
                               f"device {index} has {'; '.join(diffs)}; every call on it goes to torch.matmul",
-                              RuntimeWarning, stacklevel=4)
+                              RuntimeWarning, stacklevel=5)
             state = {"ok": not diffs, "runners": {}}
             self._devices[index] = state
             return state
@@ -347,33 +475,33 @@ class Dispatcher:
                     r = self.make_runner(self.package.kernels[key], index)
                 except Exception as e:  # noqa: BLE001 - a kernel that does not load falls back, once, loudly
                     warnings.warn(f"l2ir: kernel {key} failed to load on device {index}: {e}; its shapes go to "
-                                  f"torch.matmul", RuntimeWarning, stacklevel=4)
+                                  f"torch.matmul", RuntimeWarning, stacklevel=5)
                     r = e
                 state["runners"][key] = r
             return r
 
-    # -- one call --------------------------------------------------------------------------------------------
+    # -- deciding a route (once per fast key) -----------------------------------------------------------------
 
     def _count(self, reason: str, m=None, n=None, k=None):
-        with self._lock:
-            self.stats[reason] += 1
+        self._counts.mine()[reason] += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug("l2ir.matmul %sx%sx%s -> %s", m, n, k,
                       "L2IR kernel" if reason == "l2ir" else f"torch.matmul ({reason})")
 
-    def route(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None):
-        """(reason, runner, m, n, k, device index): runner is None for every fallback reason."""
+    def decide(self, a: torch.Tensor, b: torch.Tensor):
+        """(reason, kernel key, runner, m, n, k, device index) from what `fast_key` holds: runner is None for
+        every fallback reason. Data pointers and out= are checked per call, by the route's closure."""
         if self.package is None:
-            return "no_package", None, 0, 0, 0, 0
+            return "no_package", None, None, 0, 0, 0, 0
         dev = a.device
         if dev.type != self.device_type or b.device != dev:
-            return "cpu", None, 0, 0, 0, 0
+            return "cpu", None, None, 0, 0, 0, 0
         dt = a.dtype
         if dt not in _DTYPES or b.dtype != dt:
-            return "dtype", None, 0, 0, 0, 0
+            return "dtype", None, None, 0, 0, 0, 0
         nd = a.dim()
         if b.dim() != 2 or nd < 2:
-            return "batch", None, 0, 0, 0, 0
+            return "batch", None, None, 0, 0, 0, 0
         k, n = b.shape
         if nd == 2:
             m, ka = a.shape
@@ -383,19 +511,14 @@ class Dispatcher:
             m = a.numel() // k if k else 0
             la = "row"
         else:
-            return "batch", None, 0, 0, 0, 0
+            return "batch", None, None, 0, 0, 0, 0
         if ka != k:
-            return "batch", None, 0, 0, 0, 0    # torch.matmul raises its own shape error
+            return "batch", None, None, 0, 0, 0, 0    # torch.matmul raises its own shape error
         if m == 0 or n == 0 or k == 0:
-            return "empty", None, m, n, k, 0
+            return "empty", None, None, m, n, k, 0
         lb = _layout(b, k, n)
         if la is None or lb is None:
-            return "noncontiguous", None, m, n, k, 0
-        if (a.data_ptr() | b.data_ptr()) & 15:
-            return "misaligned", None, m, n, k, 0
-        if out is not None and (out.device != dev or out.dtype != dt or not out.is_contiguous()
-                                or out.shape != a.shape[:-1] + (n,) or out.data_ptr() & 15):
-            return "out", None, m, n, k, 0
+            return "noncontiguous", None, None, m, n, k, 0
         rkey = (m, n, k, dt, la, lb)
         hit = self._routes.get(rkey)
         if hit is None:
@@ -403,38 +526,115 @@ class Dispatcher:
             self._routes[rkey] = hit
         key, reason = hit
         if key is None:
-            return reason, None, m, n, k, 0
+            return reason, None, None, m, n, k, 0
         index = dev.index or 0
-        state = self._devices.get(index) or self._device(index)
+        state = self._device(index)
         if not state["ok"]:
-            return "environment", None, m, n, k, index
-        runner = state["runners"].get(key) or self._runner(state, key, index)
+            return "environment", None, None, m, n, k, index
+        runner = self._runner(state, key, index)
         if isinstance(runner, Exception):
-            return "load_failed", None, m, n, k, index
-        return "l2ir", runner, m, n, k, index
+            return "load_failed", key, None, m, n, k, index
+        return "l2ir", key, runner, m, n, k, index
+
+    def lookup(self, a: torch.Tensor, b: torch.Tensor):
+        """The route's closure for these operands (decided and kept on first sight); `.reason` names its path."""
+        return self._fast.get(fast_key(a, b)) or self._prepare(a, b)
+
+    def _prepare(self, a: torch.Tensor, b: torch.Tensor):
+        key = fast_key(a, b)
+        with self._lock:
+            entry = self._fast.get(key)
+            if entry is not None:
+                return entry
+            reason, kkey, runner, m, n, k, index = self.decide(a, b)
+            two_d = a.dim() == 2 and b.dim() == 2
+            if runner is None:
+                entry = self._fallback(reason, torch.mm if two_d else torch.matmul)
+            else:
+                shape = (m, n) if two_d else (*a.shape[:-1], n)
+                entry = self._served(runner, kkey, m, n, k, index, shape, torch.mm if two_d else torch.matmul)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("l2ir.matmul %sx%sx%s -> %s [route for %s]", m, n, k,
+                          "L2IR kernel" if reason == "l2ir" else f"torch.matmul ({reason})", key)
+            if len(self._fast) >= _FAST_MAX:
+                self._fast.clear()
+            self._fast[key] = entry
+            return entry
+
+    def _fallback(self, reason: str, fn):
+        tls, mine_slow = self._counts.tls, self._counts.mine
+
+        def fallback(a, b, out=None):
+            try:
+                mine = tls.d
+            except AttributeError:
+                mine = mine_slow()
+            mine[reason] += 1
+            return fn(a, b) if out is None else fn(a, b, out=out)
+
+        fallback.reason = reason
+        return fallback
+
+    def _served(self, runner, kkey: str, m: int, n: int, k: int, index: int, shape: tuple, fn):
+        go, ws_bytes = runner.bind(m, n, k)
+        zero_ws = bool(getattr(runner, "zero_workspace", False))
+        tls, mine_slow, stream_of = self._counts.tls, self._counts.mine, self._stream_of
+        u8 = torch.uint8
+
+        def serve(a, b, out=None):
+            pa = a.data_ptr()
+            pb = b.data_ptr()
+            try:
+                mine = tls.d
+            except AttributeError:
+                mine = mine_slow()
+            if (pa | pb) & 15:
+                # TMA, cp.async and vector loads need 16-byte aligned operands; a view can start anywhere.
+                mine["misaligned"] += 1
+                return fn(a, b) if out is None else fn(a, b, out=out)
+            c = a.new_empty(shape) if out is None else out
+            if ws_bytes:
+                w = (a.new_zeros if zero_ws else a.new_empty)(ws_bytes, dtype=u8)   # freed after us, stream-ordered
+                ws = w.data_ptr()
+            else:
+                ws = 0
+            try:
+                go(pa, pb, c.data_ptr(), ws, stream_of(index))
+            except Exception as e:  # noqa: BLE001 - a refused launch is answered by torch, and remembered
+                self._launch_failed(kkey, index, e)
+                mine["launch_failed"] += 1
+                return fn(a, b) if out is None else fn(a, b, out=out)
+            mine["l2ir"] += 1
+            return c
+
+        serve.reason = "l2ir"
+        return serve
+
+    def _launch_failed(self, kkey: str, index: int, err: Exception) -> None:
+        with self._lock:
+            self._devices[index]["runners"][kkey] = err
+            self._fast.clear()              # every route bound to that runner decides again: load_failed
+        warnings.warn(f"l2ir: launch failed ({err}); this kernel's shapes go to torch.matmul", RuntimeWarning,
+                      stacklevel=4)
+
+    # -- one call --------------------------------------------------------------------------------------------
+
+    def eager(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """l2ir.matmul(a, b) outside torch.compile: a dict lookup and the route's closure."""
+        entry = self._fast.get((a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.device, b.device))
+        if entry is None:
+            entry = self._prepare(a, b)
+        return entry(a, b)
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        reason, runner, m, n, k, index = self.route(a, b, out)
-        if runner is not None:
-            if out is not None:
-                c = out
-            else:
-                c = a.new_empty((m, n)) if a.dim() == 2 else a.new_empty(a.shape[:-1] + (n,))
-            try:
-                runner(a.data_ptr(), b.data_ptr(), c.data_ptr(), m, n, k, a, self.current_stream(index))
-            except Exception as e:  # noqa: BLE001 - a refused launch is answered by torch.matmul, and remembered
-                self._devices[index]["runners"][next(key for key, r in self._devices[index]["runners"].items()
-                                                     if r is runner)] = e
-                warnings.warn(f"l2ir: launch failed ({e}); this kernel's shapes go to torch.matmul",
-                              RuntimeWarning, stacklevel=3)
-                reason = "launch_failed"
-            else:
-                self._count("l2ir", m, n, k)
-                return c
-        self._count(reason, m, n, k)
-        if out is not None:
+        if out is None:
+            return self.eager(a, b)
+        entry = self.lookup(a, b)
+        if entry.reason == "l2ir" and (out.device != a.device or out.dtype != a.dtype or not out.is_contiguous()
+                                       or out.shape != a.shape[:-1] + b.shape[-1:] or out.data_ptr() & 15):
+            self._count("out", *a.shape[-2:], b.shape[-1])
             return torch.matmul(a, b, out=out)
-        return torch.matmul(a, b)
+        return entry(a, b, out)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -487,10 +687,7 @@ def _reset(dispatcher: Dispatcher | None = None) -> None:
 def dispatch_stats() -> dict[str, int]:
     """Calls per path since the process started: "l2ir" or the fallback reason (see REASONS)."""
     d = _STATE["dispatcher"]
-    if d is None:
-        return {}
-    with d._lock:
-        return dict(d.stats)
+    return {} if d is None else dict(d.stats)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -519,17 +716,21 @@ def _matmul_out_fake(a, b, out):
 
 
 _is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """torch.matmul(a, b, out=out), through L2IR's tuned kernels where the loaded package serves the shape."""
-    if (a.requires_grad or b.requires_grad) and torch.is_grad_enabled():
-        if not _is_compiling():
-            _dispatcher()._count("autograd")
-        return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
-    if type(a) is torch.Tensor and type(b) is torch.Tensor and not _is_compiling():
+    if type(a) is _Tensor and type(b) is _Tensor and not _is_compiling():
         # Eager: the op's own implementation, without the op dispatch (a few microseconds a call).
-        return (_STATE["dispatcher"] or _dispatcher()).run(a, b, out)
+        d = _STATE["dispatcher"] or _dispatcher()
+        if (a.requires_grad or b.requires_grad) and _grad_enabled():
+            d._count("autograd")
+            return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
+        return d.eager(a, b) if out is None else d.run(a, b, out)
+    if (a.requires_grad or b.requires_grad) and torch.is_grad_enabled():
+        return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
     if out is None:
         return torch.ops.l2ir.matmul(a, b)
     torch.ops.l2ir.matmul_out(a, b, out)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -29,13 +30,19 @@ def _array(ptr, count):
 
 
 class HostRunner:
-    """C = A @ B from raw pointers, in fp32, for the problem class it was loaded for."""
+    """C = A @ B from raw pointers, in fp32, for the problem class it was loaded for (the Runner protocol:
+    `bind(m, n, k)` -> (go, workspace bytes), `go(a, b, c, ws, stream)`)."""
 
     def __init__(self, spec, index):
         self.b_col = ":col" in spec.problem_class.split()[1]
         self.calls = 0
+        self.binds = []
 
-    def __call__(self, a, b, c, m, n, k, like, stream):
+    def bind(self, m, n, k):
+        self.binds.append((m, n, k))
+        return (lambda a, b, c, ws, stream: self(a, b, c, m, n, k)), 0
+
+    def __call__(self, a, b, c, m, n, k):
         self.calls += 1
         A = _array(a, m * k).reshape(m, k).astype(np.float32)
         B = _array(b, k * n).reshape(n, k).T if self.b_col else _array(b, k * n).reshape(k, n)
@@ -304,12 +311,14 @@ def test_threads_share_one_runner_and_count_every_call(disp):
     assert len(state["runners"]) == 1 and next(iter(state["runners"].values())).calls == 80
 
 
-def test_debug_log_names_the_path(disp, caplog):
+def test_debug_log_names_each_route_once(disp, caplog):
     with caplog.at_level("DEBUG", logger="l2ir.dispatch"):
-        l2ir.matmul(rand(64, 256), rand(512, 256).t())
-        l2ir.matmul(rand(16, 16).t(), rand(16, 16))
-    assert "64x512x256 -> L2IR kernel" in caplog.text
-    assert "16x16x16 -> torch.matmul (layout)" in caplog.text
+        for _ in range(2):
+            l2ir.matmul(rand(64, 256), rand(512, 256).t())
+            l2ir.matmul(rand(16, 16).t(), rand(16, 16))
+    assert caplog.text.count("64x512x256 -> L2IR kernel") == 1
+    assert caplog.text.count("16x16x16 -> torch.matmul (layout)") == 1
+    assert disp.stats == {"l2ir": 2, "layout": 2}
 
 
 def test_patch_linear_routes_nn_linear(disp):
@@ -428,3 +437,179 @@ def test_one_package_per_process(pkg_dir, tmp_path):
             l2ir.load(other)
     finally:
         dispatch._reset()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The eager fast path: routes kept per fast key, launches bound once per shape (stub libcuda, no GPU).
+# ---------------------------------------------------------------------------------------------------------------
+
+STUB_DRIVER = r"""
+#include <stddef.h>
+#include <stdint.h>
+/* libcuda's two eager-launch entry points and the host-shim ABI, recording what they were handed. */
+static uint64_t rec[32];
+int stub_rc = 0;
+int cuCtxSetCurrent(void* ctx) { rec[0] = (uint64_t)ctx; return 0; }
+int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                   unsigned smem, void* stream, void** params, void** extra) {
+  rec[1] = (uint64_t)f; rec[2] = gx; rec[3] = gy; rec[4] = gz; rec[5] = bx; rec[6] = by; rec[7] = bz;
+  rec[8] = smem; rec[9] = (uint64_t)stream; rec[10] = (uint64_t)extra;
+  rec[11] = *(uint64_t*)params[0]; rec[12] = *(uint64_t*)params[1]; rec[13] = *(uint64_t*)params[2];
+  rec[14] = (uint64_t)*(int*)params[3]; rec[15] = (uint64_t)*(int*)params[4]; rec[16] = (uint64_t)*(int*)params[5];
+  rec[17] = *(uint64_t*)params[6]; rec[18] += 1;
+  return stub_rc; }
+size_t l2ir_workspace_size(int m, int n, int k) { return (size_t)m * 4096; }
+int l2ir_run(const void* a, const void* b, void* c, int m, int n, int k, void* ws, size_t wsb, void* s) {
+  rec[20] = (uint64_t)a; rec[21] = (uint64_t)b; rec[22] = (uint64_t)c; rec[23] = m; rec[24] = n; rec[25] = k;
+  rec[26] = (uint64_t)ws; rec[27] = wsb; rec[28] = (uint64_t)s; return stub_rc; }
+void stub_record(uint64_t* out) { for (int i = 0; i < 32; i++) out[i] = rec[i]; }
+"""
+
+
+@pytest.fixture(scope="module")
+def stub_driver(tmp_path_factory):
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the stub driver")
+    d = tmp_path_factory.mktemp("stub")
+    (d / "stub.c").write_text(STUB_DRIVER)
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(d / "libstub.so"), str(d / "stub.c")], check=True)
+    lib = ctypes.CDLL(str(d / "libstub.so"))
+
+    def record():
+        out = (ctypes.c_uint64 * 32)()
+        lib.stub_record(out)
+        return list(out)
+
+    return SimpleNamespace(path=str(d / "libstub.so"), lib=lib, record=record,
+                           rc=ctypes.c_int.in_dll(lib, "stub_rc"))
+
+
+def test_kernel_launch_packs_the_abi(pkg_dir, stub_driver):
+    pkg = dispatch.read_package(pkg_dir)
+    spec = next(s for s in pkg.kernels.values() if s.problem_class == CLS_COL)
+    plan = dispatch.launch_plan(spec)
+    (ln,) = plan.launches
+    kl = dispatch.KernelLaunch(dispatch.Driver(stub_driver.path), 0x7F00_1234_5000, [0x7F00_AAAA_0000], plan)
+    go, ws = kl.bind(1000, 512, 264)
+    assert ws == plan.workspace_for(1000, 512, 264) == 0
+    a, b, c, s = 0x7F12_0000_0010, 0x7F13_0000_0020, 0x7F14_0000_0030, 0x5555_0000_1234
+    go(a, b, c, 0, s)
+    r = stub_driver.record()
+    assert r[0] == 0x7F00_1234_5000 and r[1] == 0x7F00_AAAA_0000
+    assert tuple(r[2:5]) == ln.grid_for(1000, 512, 264) and tuple(r[5:8]) == ln.block and r[8] == ln.smem
+    assert r[9] == s and r[10] == 0
+    assert r[11:18] == [a, b, c, 1000, 512, 264, 0]
+    # A second shape bound beside the first keeps its own argument block.
+    go2, _ = kl.bind(8, 16, 32)
+    go2(c, b, a, 0, 0)
+    assert stub_driver.record()[11:18] == [c, b, a, 8, 16, 32, 0]
+    go(a, b, c, 0, s)
+    assert stub_driver.record()[11:18] == [a, b, c, 1000, 512, 264, 0]
+    # Threads fill their own blocks.
+    seen = []
+
+    def work(i):
+        go(a + 16 * i, b, c, 0, s)
+        seen.append(stub_driver.record()[11])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == 4
+    stub_driver.rc.value = 700                       # CUDA_ERROR_ILLEGAL_ADDRESS
+    try:
+        from l2ir.runtime import LaunchError
+
+        with pytest.raises(LaunchError, match="CUresult 700 for m=1000 n=512 k=264"):
+            go(a, b, c, 0, s)
+    finally:
+        stub_driver.rc.value = 0
+
+
+def test_shim_launch_passes_pointers_sizes_and_stream(stub_driver):
+    from l2ir.runtime import LaunchError
+
+    shim = dispatch.ShimLaunch(stub_driver.path)
+    go, ws = shim.bind(100, 200, 300)
+    assert ws == 100 * 4096
+    go(0x7F00_0000_0100, 0x7F00_0000_0200, 0x7F00_0000_0300, 0x7F00_0000_0400, 0x7F00_0000_0500)
+    assert stub_driver.record()[20:29] == [0x7F00_0000_0100, 0x7F00_0000_0200, 0x7F00_0000_0300, 100, 200, 300,
+                                           0x7F00_0000_0400, 100 * 4096, 0x7F00_0000_0500]
+    stub_driver.rc.value = 102
+    try:
+        with pytest.raises(LaunchError, match=r"l2ir_run returned 102 \(shape violates pad=divisible\)"):
+            go(16, 32, 48, 0, 0)
+    finally:
+        stub_driver.rc.value = 0
+
+
+def test_a_route_is_decided_once_and_bound_once(disp):
+    a, w = rand(64, 256), rand(512, 256)
+    for _ in range(3):
+        check(l2ir.matmul(a, w.t()), a, w.t())
+    assert list(disp._fast) == [dispatch.fast_key(a, w.t())]       # the inline key of Dispatcher.eager
+    (state,) = disp._devices.values()
+    (runner,) = state["runners"].values()
+    assert runner.binds == [(64, 512, 256)] and runner.calls == 3
+    # Another tensor of the same shapes, strides, dtype and device takes the same route; a new layout does not.
+    a2 = rand(64, 256)
+    check(l2ir.matmul(a2, w.t()), a2, w.t())
+    check(l2ir.matmul(a2, w.t().contiguous()), a2, w.t())           # b row-major: 64x512x256 is untuned there
+    assert len(disp._fast) == 2 and runner.binds == [(64, 512, 256)]
+    assert disp.lookup(a, w.t()).reason == "l2ir"
+    row_reason = disp.package.resolve(64, 512, 256, CLS_ROW)[1]
+    assert row_reason != "l2ir" and disp.lookup(a2, w.t().contiguous()).reason == row_reason
+    assert disp.stats == {"l2ir": 4, row_reason: 1}
+
+
+def test_misaligned_call_on_a_served_route_falls_back_per_call(disp):
+    a, w = rand(64, 256), rand(512, 256)
+    check(l2ir.matmul(a, w.t()), a, w.t())
+    mis = _misaligned(64, 256)
+    mis.copy_(a)
+    assert dispatch.fast_key(mis, w.t()) == dispatch.fast_key(a, w.t())  # same route: the pointer decides
+    torch.testing.assert_close(l2ir.matmul(mis, w.t()), torch.matmul(mis, w.t()))
+    check(l2ir.matmul(a, w.t()), a, w.t())
+    assert disp.stats == {"l2ir": 2, "misaligned": 1}
+
+
+def test_fallback_calls_torch_mm_for_2d_operands(disp, monkeypatch):
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: calls.append(a.shape) or real_mm(a, b, **kw))
+    a, b = rand(16, 16), rand(16, 16).t()
+    torch.testing.assert_close(l2ir.matmul(a, b), a @ b)
+    assert calls == [(16, 16)] and disp.stats == {"untuned": 1}
+    a3 = rand(2, 16, 16)
+    torch.testing.assert_close(l2ir.matmul(a3, b), torch.matmul(a3, b))    # batched A: torch.matmul folds it
+    assert calls == [(16, 16)]
+
+
+def test_counts_from_many_threads_add_up(disp):
+    a, b = rand(16, 16), rand(16, 16).t()
+    a_served, w = rand(64, 256), rand(512, 256)
+
+    def work():
+        for _ in range(200):
+            l2ir.matmul(a, b)
+            l2ir.matmul(a_served, w.t())
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert disp.stats == {"untuned": 1200, "l2ir": 1200} and dispatch.dispatch_stats() == dict(disp.stats)
+
+
+def test_fast_cache_is_bounded(disp, monkeypatch):
+    monkeypatch.setattr(dispatch, "_FAST_MAX", 4)
+    for m in range(1, 10):
+        a, b = rand(m, 8), rand(8, 8)
+        torch.testing.assert_close(l2ir.matmul(a, b), a @ b)
+    assert 0 < len(disp._fast) <= 4 and sum(disp.stats.values()) == 9
