@@ -260,14 +260,21 @@ def test_cuda_ptx_small_shape_families_pass_every_gate(evaluator, tmp_path_facto
 
 PTX_SM80_FAMILIES = {
     "decode_16x128x64_w1x4_s6_splitk8": (
-        sm80((16, 128, 64), (1, 4), 6, swizzle=(3, 3, 3), splitk=(8, "workspace"), epilogue=("direct", 2)),
+        sm80((16, 128, 64), (1, 4), 6, swizzle=(3, 3, 3), raster="along_m", splitk=(8, "workspace"),
+             epilogue=("direct", 2)),
         [(16, 4096, 4096), (64, 1024, 16384), (13, 3000, 4104)]),
     "decode_32x128x64_w1x4_s6_splitk4": (
-        sm80((32, 128, 64), (1, 4), 6, swizzle=(3, 3, 3), splitk=(4, "workspace")),
+        sm80((32, 128, 64), (1, 4), 6, swizzle=(3, 3, 3), raster="along_m", splitk=(4, "workspace")),
         [(64, 1024, 16384), (100, 3000, 4104)]),
+    "decode_64x128x64_w2x4_s4_splitk16": (
+        sm80((64, 128, 64), (2, 4), 4, swizzle=(3, 3, 3), raster="along_m", splitk=(16, "workspace")),
+        [(64, 1024, 16384), (50, 1000, 10000)]),
     "skinny_n_128x32x64_w4x1_s6_splitk4": (
-        sm80((128, 32, 64), (4, 1), 6, swizzle=(3, 3, 3), raster="along_m", splitk=(4, "workspace")),
+        sm80((128, 32, 64), (4, 1), 6, swizzle=(3, 3, 3), splitk=(4, "workspace")),
         [(12288, 64, 12288), (3000, 104, 4104)]),
+    "skinny_n_128x64x64_w4x1_s4_splitk2": (
+        sm80((128, 64, 64), (4, 1), 4, swizzle=(3, 3, 3), splitk=(2, "workspace")),
+        [(12288, 64, 12288), (3000, 56, 4104)]),
     "small_64x64x64_w1x2_s8_splitk2": (
         sm80((64, 64, 64), (1, 2), 8, swizzle=(3, 3, 3), splitk=(2, "workspace")),
         [(1024, 768, 512), (100, 3000, 4104)]),
