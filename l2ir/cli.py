@@ -377,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .export import add_parser as add_export  # export: the dispatch package for l2ir.matmul (l2ir/export.py)
 
     add_export(sub)
+    from l2ir.policy.train import add_parser as add_train   # train-policy: RL fine-tuning of the local LLM policy
+
+    add_train(sub)
     return p
 
 

