@@ -361,7 +361,6 @@ class Trainer:
         self.be, self.rewarder, self.config, self.db = backend, rewarder, config, db
         self.log = log or (lambda msg: None)
         self.rng = np.random.default_rng(config.seed)
-        self.gen = torch.Generator(device="cpu").manual_seed(config.seed)
         params = [p for p in self.be.lm.parameters() if p.requires_grad]
         if not params:
             raise TrainError("the model has no trainable (LoRA) parameters")

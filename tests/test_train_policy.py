@@ -55,8 +55,14 @@ def _args(tmp_path, model, **over):
     add_arguments(p)
     argv = ["--db", str(tmp_path / "r.db"), "--model", str(model), "--standin", "--steps", "2", "--group", "4",
             "--batch", "1", "--train-shapes", "1024x1024x1024", "--held-shapes", "2048x2048x2048"]
+    if over.pop("standin", True) is False:
+        argv.remove("--standin")
     for k, v in over.items():
-        argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)] if not isinstance(v, list) else v)
+        flag = f"--{k.replace('_', '-')}"
+        if flag in argv:          # replace a default above (a list value: nargs="+")
+            i = argv.index(flag)
+            del argv[i:i + 2]
+        argv += [flag] + ([] if v is True else [str(v)] if not isinstance(v, list) else v)
     return p.parse_args(argv)
 
 
@@ -198,3 +204,46 @@ def test_without_a_gpu_and_no_standin_it_says_what_to_do(tiny_model, tmp_path, c
                "--train-shapes", "1024x1024x1024"])
     err = capsys.readouterr().err.strip()
     assert rc == 1 and "--standin" in err and len(err.splitlines()) == 1, err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On the GPU: measured rewards through the pipeline (raw-PTX backends), repeats answered by the records DB.
+# About a minute on an H200 (a dozen nvcc builds in parallel, then ~1 s of gates and timing per kernel):
+#     python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_train_policy.py
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _gpu_skip():
+    from test_evaluator_gpu import SKIP
+
+    return SKIP
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_rewards_are_measured_and_repeats_cost_no_gpu_time(tiny_model, tmp_path):
+    if _gpu_skip():
+        pytest.skip(_gpu_skip())
+    from l2ir.policy.train import Rewarder, make_rewarder, options, parse_shapes, run_training, start_kernel
+    from l2ir.search.db import RecordsDB
+
+    summary = run_training(_args(tmp_path, tiny_model, standin=False, device="cuda", steps=1, group=4,
+                                 train_shapes=["1024x1024x1024"], held_shapes=["2048x2048x1024"]),
+                           log=print)
+    before = summary["before"]
+    assert summary["rewards"] == "measured on the GPU" and before["valid_rate"] == 1.0
+    assert before["measured_proposals"] > 0 and 0.05 < before["geomean_speedup"] < 20, before
+    db = RecordsDB(tmp_path / "r.db")
+    outcomes = [o for c in db.llm_calls() for o in c["outcomes"]]
+    assert any(o["verdict"] == "measured" and o["speedup"] > 0 for o in outcomes)
+    assert summary["rewarder"]["evaluated"] >= 1 and summary["rewarder"]["gpu_s"] > 0
+    # A fresh rewarder on the same DB answers every kernel measured above from the records: no GPU time.
+    problem, = parse_shapes(["2048x2048x1024"], "test")
+    parent, backend = start_kernel(problem, "sm90a")
+    children = [(parent, backend)]
+    rewarder, ev = make_rewarder(False, db, 0, -1.0)
+    try:
+        first = rewarder(problem, children)
+        assert rewarder.evaluated == 0 and rewarder.reused == 1 and first[0].verdict in ("measured", "failed")
+        assert isinstance(rewarder, Rewarder) and options(parent, problem, "sm90a", backend)
+    finally:
+        ev.close()
