@@ -20,7 +20,7 @@ class within `max_distance` in log2 space of (M, N, K), nearest first; the first
 cuBLAS, the first whose kernel admits the shape (the verifier's problem rules: divisibility, alignment, split-K
 slices, Source grid limits) decides that kernel; none within reach: cuBLAS.
 
-Export is a build tool: it reads the records DB and rebuilds binaries from the IR through backends/compile.py (the
+Export is a build tool: it reads the records DB (opened read-only: it never migrates or writes it) and rebuilds binaries from the IR through backends/compile.py (the
 compile cache serves them when it has them). The package it writes needs none of that to load.
 """
 
@@ -66,6 +66,38 @@ class Choice:
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
+
+
+def open_readonly(path: str | Path):
+    """The records DB at `path` for reading: SQLite opens the file with mode=ro, so nothing here can migrate or
+    write it (a DB of an older schema is copied into memory and migrated there). Raises DBError."""
+    import sqlite3
+
+    from l2ir.search.db import SCHEMA_VERSION, DBError, RecordsDB
+
+    path = Path(path)
+    if not path.is_file():
+        raise DBError(f"{path}: no such file")
+    try:
+        conn = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, isolation_level=None)
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.DatabaseError as e:
+        raise DBError(f"{path}: not a records DB ({e})") from None
+    if version > SCHEMA_VERSION:
+        conn.close()
+        raise DBError(f"{path}: schema version {version} is newer than this L2IR's ({SCHEMA_VERSION}); "
+                      "upgrade L2IR to read it")
+    if version < SCHEMA_VERSION:
+        memory = sqlite3.connect(":memory:", isolation_level=None)
+        conn.backup(memory)
+        conn.close()
+        conn = memory
+    db = RecordsDB.__new__(RecordsDB)          # RecordsDB's queries over this connection, without its opening
+    db.path, db.conn, db._depth = path, conn, 0
+    if version < SCHEMA_VERSION:
+        db._migrate()
+    return db
 
 
 def choose_environment(db, env: str | None) -> str:
@@ -267,7 +299,7 @@ def export(db, out: str | Path, scenario: str = "offline", env: str | None = Non
 
 def cmd_export(args) -> int:
     """`l2ir export`: the CLI entry (registered in l2ir/cli.py)."""
-    from l2ir.search.db import DBError, RecordsDB
+    from l2ir.search.db import DBError
 
     if not Path(args.db).is_file():
         print(f"error: --db {args.db}: no such file", file=sys.stderr)
@@ -283,7 +315,7 @@ def cmd_export(args) -> int:
             arch = m.group(1) if m else "?"
             return None if arch in targets else f"target {arch} not in --target {','.join(sorted(targets))}"
     try:
-        with RecordsDB(args.db) as db:
+        with open_readonly(args.db) as db:
             export(db, args.out, args.scenario, args.env, args.cache_dir, args.max_distance, accept)
     except (ExportError, DBError) as e:
         print(f"error: {e}", file=sys.stderr)

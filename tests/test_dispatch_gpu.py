@@ -252,3 +252,99 @@ def test_eager_host_cost_is_reported(pkg):
         torch.cuda.synchronize()
         print(f"{fn.__module__}.{fn.__name__}: {host:.2f} us per eager call (64x64x64)")
         assert math.isfinite(host)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host-shim kernels (form="host_shim") through l2ir.matmul: a CUTLASS 3.x sm90 kernel and a cuda_ptx sm90a kernel
+# from the shipped sweeps, in a package of their own (installed for these tests only, then the shared one again).
+# ---------------------------------------------------------------------------------------------------------------
+
+KS, KP = "f1" * 32, "f2" * 32
+SHIM_SHAPES = {  # kernel -> (tuned shapes, shapes served by the neighbour rule: ragged M, other N and K)
+    KS: (((1024, 1024, 1024), (256, 4096, 1024)), ((1001, 1024, 1016), (192, 4096, 1000), (1024, 1152, 1024))),
+    KP: (((512, 2048, 4096), (2048, 512, 4096)), ((500, 2048, 4096), (512, 2304, 3584), (1999, 512, 4096))),
+}
+
+
+@pytest.fixture(scope="module")
+def shim_dispatcher(tmp_path_factory):
+    import torch
+
+    from l2ir import dispatch, export
+    from l2ir.search.evaluator import environment
+    from l2ir.search.sweeps import load_sweep
+
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("sm90a kernels need a Hopper GPU (capability 9.0)")
+    tmp = tmp_path_factory.mktemp("dispatch_shim")
+    env = environment(0)
+    note = "hand-written GPU test record (not a timing)"
+    rows = [record(key, s, 1.2, env=env, origin=note) for key, (tuned, _) in SHIM_SHAPES.items() for s in tuned]
+    irs = {KS: load_sweep("sm90a")["pingpong_128x128x64_c1x1"].text(),
+           KP: load_sweep("cuda_ptx")["ptx_coop_128x128x64"].text()}
+    with make_db(tmp / "r.db", rows, irs) as db:
+        db.add_kernel(KS, backend="cutlass_sm90")
+        db.add_kernel(KP, backend="cuda_ptx")
+        export.export(db, tmp / "pkg", cache_dir=str(ROOT / ".l2ir-cache"), log=print)
+    package = dispatch.read_package(tmp / "pkg")
+    forms = {spec.hash: spec.plan["form"] for spec in package.kernels.values()}
+    assert forms == {KS: "host_shim", KP: "host_shim"}, f"both kernels built as host shims: {forms}"
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    prev = dispatch._STATE["dispatcher"]
+    d = dispatch.Dispatcher(package)
+    dispatch._reset(d)
+    yield d
+    dispatch._reset(prev)
+
+
+@pytest.mark.parametrize("kernel", ["cutlass_sm90", "cuda_ptx"])
+def test_host_shim_kernels_eager_against_fp64(shim_dispatcher, kernel):
+    import l2ir
+    from l2ir import dispatch
+
+    d = shim_dispatcher
+    key = KS if kernel == "cutlass_sm90" else KP
+    tuned, near = SHIM_SHAPES[key]
+    for i, (m, n, k) in enumerate(tuned + near):
+        a, b = _inputs(m, n, k, CLS_COL, seed=i)
+        spec_key, reason = d.package.resolve(m, n, k, CLS_COL)
+        assert reason == "l2ir" and d.package.kernels[spec_key].hash == key, f"{m}x{n}x{k}: {reason} {spec_key}"
+        before = d.stats["l2ir"]
+        for _ in range(2):                            # first call binds the route, the second takes it
+            c = l2ir.matmul(a, b)
+            _check(c, a, b)
+        assert d.stats["l2ir"] == before + 2
+        assert d.lookup(a, b).reason == "l2ir"
+        assert isinstance(d._devices[0]["runners"][spec_key]._fast, dispatch.ShimLaunch)
+
+
+def test_host_shim_kernels_under_cuda_graph_capture(shim_dispatcher):
+    import torch
+
+    import l2ir
+
+    d = shim_dispatcher
+    cases = [SHIM_SHAPES[KS][0][0], SHIM_SHAPES[KS][1][0], SHIM_SHAPES[KP][0][0], SHIM_SHAPES[KP][1][0]]
+    ins = [_inputs(m, n, k, CLS_COL, seed=7) for m, n, k in cases]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for a, b in ins:
+            l2ir.matmul(a, b)                         # warm-up on a side stream: libraries loaded, routes bound
+    torch.cuda.current_stream().wait_stream(s)
+    before = d.stats["l2ir"]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [l2ir.matmul(a, b) for a, b in ins]
+    assert d.stats["l2ir"] == before + len(cases)
+    for trial in range(3):
+        for (a, b), (m, n, k) in zip(ins, cases):
+            na, nb = _inputs(m, n, k, CLS_COL, seed=200 + trial)
+            a.copy_(na)
+            b.copy_(nb)
+        for o in outs:
+            o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for (a, b), o in zip(ins, outs):
+            _check(o, a, b)

@@ -255,3 +255,61 @@ def test_scenario_and_target_filter(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["export", "--db", str(tmp_path / "r.db"), "--out", str(tmp_path / "bad"), "--scenario", "x"])
     assert exc.value.code == 2 and "invalid choice: 'x'" in capsys.readouterr().err
+
+
+def test_export_opens_the_db_read_only(tmp_path, capsys):
+    """A DB file the user cannot write (0444), in rollback-journal mode (opening it as a RecordsDB would switch it
+    to WAL, a write): it exports, and its bytes and mtime are unchanged afterwards."""
+    import os
+    import sqlite3
+
+    with standard_db(tmp_path / "r.db"):
+        pass
+    with sqlite3.connect(tmp_path / "r.db") as c:
+        assert c.execute("PRAGMA journal_mode=DELETE").fetchone()[0] == "delete"
+    db_file = tmp_path / "r.db"
+    before, mtime = db_file.read_bytes(), db_file.stat().st_mtime_ns
+    db_file.chmod(0o444)
+    try:
+        # The command (no kernel of target sm90a in this DB: nothing to compile, every shape to cuBLAS).
+        assert main(["export", "--db", str(db_file), "--out", str(tmp_path / "pkg"), "--cache",
+                     str(tmp_path / "c"), "--target", "sm90a"]) == 0
+        assert "0 served by L2IR kernels" in capsys.readouterr().out
+        with export.open_readonly(db_file) as db:
+            man = export.export(db, tmp_path / "pkg2", cache_dir=str(tmp_path / "c"), build=fake_build,
+                                log=lambda s: None)
+            with pytest.raises(sqlite3.OperationalError, match="readonly"):
+                db.conn.execute("DELETE FROM measurements")
+        assert db_file.read_bytes() == before and db_file.stat().st_mtime_ns == mtime
+        assert os.stat(db_file).st_mode & 0o777 == 0o444
+    finally:
+        db_file.chmod(0o644)
+    got, _ = entries(tmp_path / "pkg2")
+    assert got[(256, 256, 256, CLS_COL)]["kernel"] == K1 and man["content_hash"]
+
+
+def test_export_reads_an_older_schema_without_migrating_it(tmp_path):
+    import sqlite3
+
+    with standard_db(tmp_path / "r.db"):
+        pass
+    with sqlite3.connect(tmp_path / "r.db") as c:
+        c.execute("PRAGMA journal_mode=DELETE")
+        c.execute("DROP INDEX llm_calls_run")             # back to schema v2: v3 is migrated again, in memory
+        for col in ("problem", "parent", "cost", "verdict", "errors", "proposals", "outcomes"):
+            c.execute(f"ALTER TABLE llm_calls DROP COLUMN {col}")
+        c.execute("PRAGMA user_version = 2")
+    before = (tmp_path / "r.db").read_bytes()
+    with export.open_readonly(tmp_path / "r.db") as db:
+        assert db.version == len(__import__("l2ir.search.db", fromlist=["MIGRATIONS"]).MIGRATIONS)
+        export.export(db, tmp_path / "pkg", cache_dir=str(tmp_path / "c"), build=fake_build, log=lambda s: None)
+    assert (tmp_path / "r.db").read_bytes() == before
+    got, _ = entries(tmp_path / "pkg")
+    assert got[(256, 256, 256, CLS_COL)]["kernel"] == K1
+
+
+def test_export_refuses_a_file_that_is_not_a_db(tmp_path, capsys):
+    (tmp_path / "x.db").write_text("not sqlite")
+    assert main(["export", "--db", str(tmp_path / "x.db"), "--out", str(tmp_path / "p")]) == 1
+    err = capsys.readouterr().err
+    assert "not a records DB" in err and len(err.strip().splitlines()) == 1
