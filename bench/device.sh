@@ -19,6 +19,12 @@ mkdir -p "$OUT" bench/results
 SM90_SHAPES="--shapes 14 --min-gflop 100 --shape 4096x4096x4096 --shape 8192x8192x8192 --shape 16384x16384x256
   --shape 16384x16384x512 --shape 8192x8192x512 --shape 12288x12288x256 --shape 16384x8192x512 --shape 8192x16384x256"
 
+# Shapes with a dimension that is not a multiple of 8 (decode M=1, odd vocab N, odd K, all odd) for issue 11's
+# unaligned target, beside the grid's 48 shapes below 100 GFLOP.
+UNALIGNED_SHAPES="--shape 1x4096x4096 --shape 127x4096x4096 --shape 333x555x777 --shape 1023x1025x1027
+  --shape 4096x1001x4096 --shape 512x50257x768 --shape 1024x1024x999 --shape 4096x4096x1001 --shape 512x512x4097
+  --shape 2000x3000x777 --shape 17x9999x3333 --shape 100x3000x4104"
+
 # name | default timeout (s) | command
 recipes() {
   cat <<'EOF'
@@ -32,6 +38,7 @@ bench-sm90-torchdefault|300|python3 -m l2ir.cli bench --target sm90a $SM90_SHAPE
 bench-sm90-1tflop|470|python3 -m l2ir.cli bench --target sm90a --shapes 20 --min-gflop 1000 --sweep pingpong_128x128x64_c1x1 pingpong_128x128x64_c1x2 pingpong_64x256x64_c1x1 pingpong_64x256x64_c2x1 coop_128x256x64_c1x1 --out bench/results/sm90_1tflop_h200
 bench-cuda-ptx|200|python3 -m l2ir.cli bench --target sm90a --backend cuda_ptx --shapes 0 --shape 4096x4096x4096 --shape 8192x8192x8192 --shape 8192x8192x512 --shape 16384x16384x512 --shape 1000x1000x1000 --shape 256x256x256 --out bench/results/cuda_ptx_h200
 bench-cuda-ptx-sm80|300|python3 -m l2ir.cli bench --target sm80 --backend cuda_ptx_sm80 --shapes 0 --shape 4096x4096x4096 --shape 1000x1000x1000 --shape 127x136x72 --shape 64x64x64 --shape 8192x8192x512 --out bench/results/cuda_ptx_sm80_h200
+families-small|590|python3 -m l2ir.cli bench --target sm90a --shapes 48 --max-gflop 100 $UNALIGNED_SHAPES --family cuda_ptx=cuda_ptx --family cuda_ptx_sm80=cuda_ptx_sm80 --family cute_sm80=sm80 --family cutlass_sm90=sm90a:pingpong_64x256x64_c1x1,pingpong_128x128x64_c1x1,coop_128x256x64_c1x1,coop_128x256x64_c2x1_streamk --out bench/results/families_small_h200
 torch-baseline|300|python3 bench/torch_baseline_probe.py --out bench/results/torch_baseline_probe_h200.json
 server-check|570|python3 bench/server_check.py --out bench/results/server_check_h200.json
 tune-grid|590|bash bench/tune_grid.sh
