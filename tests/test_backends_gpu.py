@@ -223,7 +223,9 @@ def _cuda_ptx_small_families() -> dict[str, Kernel]:
 
 
 CUDA_PTX_SMALL = _cuda_ptx_small_families()
-CUDA_PTX_SMALL_SHAPES = ((64, 1024, 16384), (100, 3000, 4104), (64, 64, 64), (128, 16384, 4096))
+# Skinny DRAM-bound, ragged (M, N and K tails), tiny, and a few-tiles shape; 100x1000x16392 is the ragged shape that
+# 16 K slices admit (every slice owns a k tile).
+CUDA_PTX_SMALL_SHAPES = ((64, 1024, 16384), (100, 3000, 4104), (64, 64, 64), (128, 16384, 4096), (100, 1000, 16392))
 
 
 @pytest.mark.gpu
@@ -232,6 +234,7 @@ CUDA_PTX_SMALL_SHAPES = ((64, 1024, 16384), (100, 3000, 4104), (64, 64, 64), (12
 def test_cuda_ptx_small_shape_families_pass_every_gate(evaluator, tmp_path_factory, name):
     import torch
 
+    from l2ir.runtime import load
     from l2ir.search.gates import admits
 
     major, minor = torch.cuda.get_device_capability(0)
@@ -243,13 +246,39 @@ def test_cuda_ptx_small_shape_families_pass_every_gate(evaluator, tmp_path_facto
     (art,) = compile_many([plan], options)
     assert art.ok, f"compile {art.reason}: {art.log[-3000:]}\nreproduce: {art.repro}"
     shapes = [s for s in CUDA_PTX_SMALL_SHAPES if admits(kernel, F16.with_shape(*s))[0]]
-    assert len(shapes) >= 3, [admits(kernel, F16.with_shape(*s))[1] for s in CUDA_PTX_SMALL_SHAPES]
+    ragged = [any(d % t for d, t in zip(s, kernel.tile.block)) for s in shapes]
+    assert any(ragged) and not all(ragged), (shapes, [admits(kernel, F16.with_shape(*s))[1]
+                                                      for s in CUDA_PTX_SMALL_SHAPES])
     for shape in shapes:
         (m,) = evaluator.evaluate(kernel, F16.with_shape(*shape), plan, art)
         failed = [f"{v.name}: {v.detail}" for v in m.verdicts if not v.passed]
         assert m.passed and not m.errors, f"{name} at {shape}: errors {m.errors}; failed gates {failed}"
         ran = {v.name for v in m.verdicts if not v.skipped}
         assert {"accuracy", "ulp", "all_written", "guard_bands", "ragged_shapes"} <= ran, (shape, ran)
+    if kernel.splitk is None:
+        return
+    # Split-K: one workspace zeroed once and three launches: the same bits each time (the slices are summed in slice
+    # order whichever block arrives last) and every tile counter back at zero after each launch.
+    mm, nn, kk = shapes[0]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    a = torch.randn((mm, kk), generator=gen, device="cuda").half()
+    b = torch.randn((nn, kk), generator=gen, device="cuda").half()          # B col: stored N x K, K contiguous
+    ws_bytes = plan.workspace_for(mm, nn, kk)
+    ws = torch.zeros(ws_bytes, dtype=torch.uint8, device="cuda")
+    tiles = -(-mm // kernel.tile.bm) * -(-nn // kernel.tile.bn)
+    counters = ws[ws_bytes - 4 * tiles:]
+    launcher = load(plan, art.binary)
+    outs = []
+    for _ in range(3):
+        c = torch.full((mm, nn), float("nan"), dtype=torch.half, device="cuda")
+        launcher(a.data_ptr(), b.data_ptr(), c.data_ptr(), mm, nn, kk, ws.data_ptr(), ws_bytes)
+        torch.cuda.synchronize()
+        assert int(counters.count_nonzero()) == 0, "split-K left tile counters non-zero"
+        outs.append(c)
+    ref = a.double() @ b.double().t()
+    assert (outs[0].double() - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
+    for c in outs[1:]:
+        assert torch.equal(c.view(torch.int16), outs[0].view(torch.int16)), "split-K output differs run to run"
 
 
 # ---------------------------------------------------------------------------------------------------------------

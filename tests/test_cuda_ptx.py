@@ -67,6 +67,9 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
     "w4x1_64x128x64_direct": (lat(), PROBLEM),
     "w4x1_64x256x64_smem8_bf16": (lat((64, 256, 64), epilogue=Epilogue("smem", 8)),
                                   Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col"), c=("bf16", "row"))),
+    "w4x1_64x128x64_splitk8": (lat(splitk=SplitK("split_k", 8)), PROBLEM),
+    "coop_128x128x64_splitk3_persistent_smem8": (
+        coop((128, 128, 64), splitk=SplitK("split_k", 3), epilogue=Epilogue("smem", 8)), PROBLEM),
 }
 
 
@@ -180,6 +183,47 @@ def test_short_prologue(name):
     assert host.index("if (!cache.valid ||") < host.index("encode_operand(encode, &cache.tmap_a")
 
 
+def test_splitk_renders_counter_and_fixed_order_reduction():
+    """split_k reduce=workspace: slice ranges from l2ir.indexing.splitk_range, a partial store, a release fence, the
+    tile counter (reset by the last arrival), a reduction over slices 0..S-1; the workspace is tiles x (slices x BM x BN
+    fp32 + one counter), zeroed once. Without splitk none of it is rendered and no workspace is asked for."""
+    from l2ir.indexing import splitk_range
+
+    plan = lower(lat(splitk=SplitK("split_k", 8)), PROBLEM)
+    src = plan.source
+    begin, end = splitk_range(8)
+    assert f"const int kt_begin = {begin.to_cpp()};" in src and f"const int kt_end = {end.to_cpp()};" in src
+    assert "for (int kt = kt_begin; kt < kt_end; ++kt) {" in src
+    assert "(kt > kt_begin || kk > 0) ? 1u : 0u" in src
+    assert "constexpr int SLICES = 8;" in src and "const int grid = int(num_units);" in src
+    kernel_src = src[src.index("__launch_bounds__"):src.index("// ---- trusted host code")]
+    order = ["__stcg(mine", "__threadfence();", "atomicAdd(counters + pid, 1u)", "if (last) counters[pid] = 0u;",
+             "if (*reduce_flag == 0u) continue;", "for (int s = 0; s < SLICES; ++s) {", "__ldcg(src"]
+    positions = [kernel_src.index(x) for x in order]
+    assert positions == sorted(positions), dict(zip(order, positions))
+    assert plan.zero_workspace
+    for m, n, k in ((64, 1024, 16384), (100, 3000, 4104), (1, 1, 8)):
+        tiles = -(-m // 64) * -(-n // 128)
+        assert plan.workspace_for(m, n, k) == tiles * (8 * 64 * 128 * 4 + 4)
+    plain = lower(lat(), PROBLEM)
+    assert not plain.zero_workspace and plain.workspace_for(64, 1024, 16384) == 0
+    assert "atomicAdd" not in plain.source and "kt_begin" not in plain.source
+    # Persistent split-K walks (tile, slice) units over a grid of at most NUM_SMS blocks.
+    coop_src = lower(coop(splitk=SplitK("split_k", 3)), PROBLEM).source
+    assert "for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {" in coop_src
+    assert "const int grid = num_units < NUM_SMS ? int(num_units) : NUM_SMS;" in coop_src
+
+
+def test_splitk_family_computes_matmul_in_the_interpreter():
+    """The reference interpreter runs the split-K schedule (partials per slice, fixed-order reduction, each C element
+    written once) and equals A @ B, at an aligned and a ragged shape."""
+    from l2ir.testing import assert_computes_matmul
+
+    for problem in (Problem(m=64, n=256, k=1024), Problem(m=100, n=296, k=1000)):
+        assert_computes_matmul(lat(splitk=SplitK("split_k", 4)), problem)
+        assert_computes_matmul(lat((64, 64, 64)), problem)
+
+
 def test_grid_is_explicit_sm_count():
     assert "constexpr int NUM_SMS = 132;" in lower(coop(), PROBLEM).source
     assert "constexpr int NUM_SMS = 114;" in lower(coop(), PROBLEM, num_sms=114).source
@@ -192,7 +236,7 @@ def test_grid_is_explicit_sm_count():
 REFUSALS = [
     ("tile.cluster", coop(tile=Tile((128, 256, 64), (8, 1), (2, 1))), PROBLEM),
     ("splitk", coop(splitk=SplitK("stream_k")), PROBLEM),
-    ("splitk", coop(splitk=SplitK("split_k", 2)), PROBLEM),
+    ("splitk", coop(splitk=SplitK("split_k", 2, "atomic")), PROBLEM),
     ("pipeline.schedule", coop((128, 128, 64), tile=Tile((128, 128, 64), (4, 1), (1, 1)),
                                pipeline=Pipeline("tma_ws", "auto", "pingpong", persistent=True)), PROBLEM),
     ("epilogue.path", coop(epilogue=Epilogue("tma", 8)), PROBLEM),
@@ -245,7 +289,7 @@ def test_illegal_ir_raises_verify_error():
 # ---------------------------------------------------------------------------------------------------------------
 
 NVCC_CASES = ["coop_128x256x64_direct", "coop_256x128x64_smem8_along_m8", "w4x1_64x128x64_direct",
-              "w4x1_64x256x64_smem8_bf16"]
+              "w4x1_64x256x64_smem8_bf16", "w4x1_64x128x64_splitk8", "coop_128x128x64_splitk3_persistent_smem8"]
 
 
 @pytest.fixture(scope="module")
@@ -300,6 +344,22 @@ def test_host_shim_refuses_without_gpu(builds):
     assert so.l2ir_run(16, 16, 16, 64, 64, 60, None, 0, None) == STATUS_MISALIGNED     # K % 8 != 0
     assert so.l2ir_run(16, 16, 18, 64, 64, 64, None, 0, None) == STATUS_MISALIGNED     # C not 4-byte aligned
     assert so.l2ir_workspace_size(4096, 4096, 4096) == 0
+
+
+@pytest.mark.nvcc
+def test_splitk_shim_workspace_contract(builds):
+    """The library's workspace size is the plan's expression, and l2ir_run refuses a short, missing or misaligned
+    workspace before any CUDA call."""
+    from l2ir.runtime import STATUS_WORKSPACE_TOO_SMALL
+
+    plan = lower(*CASES["w4x1_64x128x64_splitk8"])
+    so = shim_library(built(builds["w4x1_64x128x64_splitk8"]).binary)
+    for m, n, k in ((64, 1024, 16384), (100, 3000, 4104), (64, 64, 64), (128, 16384, 4096), (1, 1, 8)):
+        assert so.l2ir_workspace_size(m, n, k) == plan.workspace_for(m, n, k), (m, n, k)
+    need = plan.workspace_for(64, 1024, 16384)
+    assert so.l2ir_run(16, 16, 16, 64, 1024, 16384, 256, need - 1, None) == STATUS_WORKSPACE_TOO_SMALL
+    assert so.l2ir_run(16, 16, 16, 64, 1024, 16384, None, need, None) == STATUS_WORKSPACE_TOO_SMALL
+    assert so.l2ir_run(16, 16, 16, 64, 1024, 16384, 264, need, None) == STATUS_MISALIGNED
 
 
 if __name__ == "__main__":

@@ -9,31 +9,41 @@ Why a host shim. TMA copies name their global tensor through a 128-byte CUtensor
 (cuTensorMapEncodeTiled, a driver API call), and the harness launches "kernels" plans with the fixed L2IR ABI, which has
 no place for it. So the backend emits, beside the kernel, a small trusted host function (generated here, never written
 by a candidate) that exports the host_shim ABI of l2ir/runtime.py:
-    size_t l2ir_workspace_size(int M, int N, int K);            // always 0: no workspace
+    size_t l2ir_workspace_size(int M, int N, int K);            // 0, or split-K's partials and tile counters
     int    l2ir_run(A, B, C, M, N, K, workspace, workspace_bytes, stream);
-l2ir_run checks the shape, encodes one tensor map per operand, and launches the kernel with the maps as
+l2ir_run checks the shape, encodes one tensor map per operand (or re-uses the maps of the thread's previous call on
+the same operands and sizes: encoding is a driver call), and launches the kernel with the maps as
 `const __grid_constant__ CUtensorMap` parameters (they live in the kernel's parameter space, where TMA reads them).
 The driver entry point is fetched through the runtime (cudaGetDriverEntryPointByVersion), so the library needs no
 -lcuda at link time; the evaluator loads it like the CUTLASS shims. Return codes: l2ir.runtime.STATUS_*.
 
-The kernel (cooperative schedule: 3 warpgroups, 384 threads):
+The kernel (a producer warpgroup and one or two consumer warpgroups):
+  prologue     thread 0 prefetches both tensor maps, initializes the mbarriers; one __syncthreads.
   warpgroup 0  producer: setmaxnreg.dec to 40 registers; one thread issues, per stage, the TMA box copies of the A and
                B tiles into the stage's buffers and arms the stage's `full` mbarrier with the byte count.
-  warpgroups 1, 2  consumers: setmaxnreg.inc to 232; each owns BM/2 rows of the tile (BM/128 wgmma m64 slabs), waits on
-               `full`, issues BK/16 x slabs wgmma m64nBNk16 from shared-memory descriptors, keeps one k-tile's wgmma
-               group in flight (wait_group 1), and releases the previous stage through its `empty` mbarrier.
+  consumers    cooperative (tile.warps=8x1, 384 threads): warpgroups 1, 2 setmaxnreg.inc to 232, each owns BM/2 rows.
+               latency-bound (tile.warps=4x1, schedule=pingpong, persistent=false; 256 threads): warpgroup 1 owns the
+               whole tile, one tile per block; it keeps the launch's per-thread maximum (REG_BUDGET).
+               Each waits on `full`, issues BK/16 x slabs wgmma m64nBNk16 from shared-memory descriptors, keeps one
+               k-tile's wgmma group in flight (wait_group 1), and releases the previous stage through its `empty`
+               mbarrier.
+  split-K      (splitk mode=split_k reduce=workspace) work units are (tile, slice); a unit accumulates the slice's k
+               tiles (l2ir.indexing.splitk_range), stores its fp32 partial to the workspace, fences and counts itself
+               in on the tile's counter; the last arrival sums the slices in order 0..S-1 (bit-identical run to run),
+               zeroes the counter for the next launch and runs the epilogue. No block waits for another.
   epilogue     registers -> global (path=direct) or registers -> swizzled shared memory -> 16-byte global stores
                (path=smem), predicated on M and N. K tails need nothing: TMA fills out-of-bounds boxes with zeros.
 
 Field -> code map (the generated lines name their field in a comment):
   target.arch=sm90a, mma.op=wgmma, pipeline.mode=tma_ws      the only combination lowered here
   tile.block BMxBNxBK      tile constants, TMA box sizes, wgmma N (= BN), slabs per warpgroup, K steps per stage
-  tile.warps               8x1: two consumer warpgroups split BM (cooperative)
+  tile.warps               8x1: two consumer warpgroups split BM (cooperative); 4x1: one consumer warpgroup (pingpong)
   tile.cluster             1x1 only (no multicast yet): anything else raises
   mma.shape                64xBNx16: the wgmma instruction emitted
-  pipeline.schedule        cooperative; pingpong raises
+  pipeline.schedule        cooperative; pingpong only with persistent=false (one tile per block, nothing to alternate)
   pipeline.stages          ring depth; auto resolved by l2ir.verify.resolved_stages
-  pipeline.persistent      grid = min(tiles, NUM_SMS) with a pid += gridDim.x loop, or one tile per block
+  pipeline.persistent      grid = min(units, NUM_SMS) with a += gridDim.x loop, or one unit (tile, or tile x slice)
+                           per block
   swizzle.smem             TMA swizzle + wgmma descriptor layout: <3,3,3> 128B, <2,3,3> 64B, <1,3,3> 32B;
                            none = the widest whose row divides BK (the builder's choice, as in cutlass_sm90)
   swizzle.raster / group   l2ir.indexing.rasterize rendered to C++
@@ -41,7 +51,9 @@ Field -> code map (the generated lines name their field in a comment):
                            and the epilogue drops that predicate
   pad.k                    zero_fill: TMA zero-fills the K tail; divisible: l2ir_run refuses K % BK != 0
   pad.align                8 (16-byte TMA strides); l2ir_run refuses K % 8 != 0
-  splitk                   raises (not implemented)
+  splitk                   split_k reduce=workspace: grid x slices, in-kernel fixed-order reduction; workspace =
+                           tiles x (slices x BM x BN fp32 + a 4-byte counter), zeroed once (plan.zero_workspace),
+                           left zero by every launch; reduce=atomic and stream_k raise
   epilogue.path            direct | smem; tma raises (not implemented)
   epilogue.vector          elements per global store (direct: 1 or 2, the accumulator fragment's adjacent pair)
   problem                  a row (K-major), b col (K-major), f16 or bf16 in, f16 or bf16 out, acc f32
@@ -52,7 +64,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from l2ir.errors import ResourceError
-from l2ir.indexing import Const, rasterize
+from l2ir.indexing import Const, Expr, Var, cdiv, rasterize, splitk_range
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.text import print_problem_class
 from l2ir.target import (CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, H200_SMS,
@@ -99,6 +111,19 @@ class PtxConfig:
     divisible: tuple[bool, bool, bool]
     epilogue: str             # "direct" | "smem"
     vector: int
+    slices: int = 1           # splitk mode=split_k slices (1: no split)
+
+    @property
+    def split(self) -> bool:
+        return self.slices > 1
+
+    @property
+    def k_first(self) -> str:
+        return "kt_begin" if self.split else "0"
+
+    @property
+    def k_last(self) -> str:
+        return "kt_end" if self.split else "k_tiles"
 
     @property
     def schedule_text(self) -> str:
@@ -164,8 +189,14 @@ class PtxConfig:
         b = a + self.stages * self.a_stage_bytes
         c = b + self.stages * self.b_stage_bytes
         bars = _round_up(c + self.c_stage_bytes, 8)
-        total = bars + 2 * self.stages * 8
-        return {"a": a, "b": b, "c": c, "bars": bars, "total": total}
+        flag = bars + 2 * self.stages * 8                 # split-K: "this block reduces the tile" broadcast
+        total = flag + (8 if self.split else 0)
+        return {"a": a, "b": b, "c": c, "bars": bars, "flag": flag, "total": total}
+
+    @property
+    def partial_floats(self) -> int:
+        """fp32 values of one slice's partial tile in the workspace (BM x BN, in the accumulator fragment order)."""
+        return self.bm * self.bn
 
 
 def _round_up(x: int, m: int) -> int:
@@ -224,8 +255,16 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
     if tile.cluster != (1, 1):
         raise UnsupportedLowering("tile.cluster", f"{tile.cluster[0]}x{tile.cluster[1]}: TMA multicast across a "
                                   "cluster is not generated; use 1x1")
+    slices = 1
     if kernel.splitk is not None:
-        raise UnsupportedLowering("splitk", f"mode={kernel.splitk.mode}: split-K / stream-K are not generated")
+        sk = kernel.splitk
+        if sk.mode != "split_k":
+            raise UnsupportedLowering("splitk", f"mode={sk.mode}: stream-K is not generated; split_k is (slices "
+                                      "reduced in the kernel through the workspace)")
+        if sk.reduce != "workspace":
+            raise UnsupportedLowering("splitk", f"reduce={sk.reduce}: fp32 atomics into C are not generated (and "
+                                      "not deterministic); reduce=workspace sums the slices in a fixed order")
+        slices = sk.slices
 
     # Problem class: K-major A and B are wgmma's native (non-transposed) descriptor layout.
     check_problem_class(problem)
@@ -265,7 +304,7 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
         persistent=pipe.persistent, num_sms=num_sms, raster=swz.raster, group=swz.group,
         swizzle_bits=bits, swizzle_field=swizzle_field,
         divisible=(pad.m == "divisible", pad.n == "divisible", pad.k == "divisible"),
-        epilogue=epi.path, vector=epi.vector,
+        epilogue=epi.path, vector=epi.vector, slices=slices,
     )
     total, limit = cfg.layout["total"], SMEM_LIMIT["sm90a"]
     if total > limit:
@@ -315,8 +354,28 @@ def _wgmma_function(cfg: PtxConfig) -> list[str]:
 
 
 def _tile_loop(cfg: PtxConfig, indent: str) -> list[str]:
-    """The tile loop header and the rasterized tile coordinates (l2ir.indexing.rasterize, rendered)."""
+    """The tile loop header, the rasterized tile coordinates (l2ir.indexing.rasterize, rendered) and, with split-K,
+    the slice's k-tile range (l2ir.indexing.splitk_range, rendered: the interpreter's and the verifier's partition)."""
     tile_m, tile_n = rasterize(cfg.raster, cfg.group)
+    if cfg.split:
+        begin, end = splitk_range(cfg.slices)
+        step = "gridDim.x" if cfg.persistent else "num_units"
+        return [
+            f"{indent}// splitk mode=split_k slices={cfg.slices}: work unit = slice * num_tiles + tile, so blocks that run",
+            f"{indent}// together cover the tiles of one K range and share its A slice in L2.",
+            f"{indent}// " + ("pipeline.persistent=true: grid = min(units, NUM_SMS); each block walks units unit, "
+                              "unit + gridDim.x, ..." if cfg.persistent else
+                              "pipeline.persistent=false: one block per (tile, slice) unit."),
+            f"{indent}for (int unit = blockIdx.x; unit < num_units; unit += {step}) {{",
+            f"{indent}  const int pid = unit % num_tiles;",
+            f"{indent}  const int slice = unit / num_tiles;",
+            f"{indent}  // k tiles [kt_begin, kt_end) of this slice (l2ir.indexing.splitk_range)",
+            f"{indent}  const int kt_begin = {begin.to_cpp()};",
+            f"{indent}  const int kt_end = {end.to_cpp()};",
+            f"{indent}  // swizzle.raster={cfg.raster} group={cfg.group} (l2ir.indexing.rasterize)",
+            f"{indent}  const int tile_m = {tile_m.to_cpp()};",
+            f"{indent}  const int tile_n = {tile_n.to_cpp()};",
+        ]
     if cfg.persistent:
         head = [f"{indent}// pipeline.persistent=true: grid = min(tiles, NUM_SMS); each block walks tiles pid, "
                 "pid + gridDim.x, ...",
@@ -328,6 +387,75 @@ def _tile_loop(cfg: PtxConfig, indent: str) -> list[str]:
         f"{indent}  // swizzle.raster={cfg.raster} group={cfg.group} (l2ir.indexing.rasterize)",
         f"{indent}  const int tile_m = {tile_m.to_cpp()};",
         f"{indent}  const int tile_n = {tile_n.to_cpp()};",
+    ]
+
+
+def _splitk_reduce(cfg: PtxConfig) -> list[str]:
+    """split-K, reduce=workspace: every slice stores its fp32 partial and counts itself in on the tile's counter; the
+    block that arrives last sums the slices in slice order 0..S-1 (the same order whichever block is last, so C is
+    bit-identical run to run; the order of l2ir.interp's split-K reduction), resets the counter to zero and runs the
+    epilogue. No block ever waits for another, so no schedule of the grid can deadlock."""
+    nr = cfg.bn // 2
+    return [
+        "      // ---- splitk reduce=workspace: partial out, arrival counted, the last arrival reduces ----",
+        "      const int ct = threadIdx.x - 128;   // consumer thread 0 .. CONSUMER_THREADS - 1",
+        "      if (kt_begin == kt_end) {   // an empty K range (the verifier admits none) contributes zeros",
+        "#pragma unroll",
+        "        for (int j = 0; j < SLABS; ++j)",
+        "#pragma unroll",
+        f"          for (int i = 0; i < {nr}; ++i) acc[j][i] = 0.f;",
+        "      }",
+        "      // The partial keeps the accumulator fragment order, float4 q of every consumer thread side by side:",
+        "      // each warp stores 512 contiguous bytes, and the reducing block reads them back in the same order.",
+        "      {",
+        "        float4* mine = reinterpret_cast<float4*>(ws + ((size_t)pid * SLICES + slice) * PARTIAL_FLOATS) + ct;",
+        "#pragma unroll",
+        "        for (int j = 0; j < SLABS; ++j)",
+        "#pragma unroll",
+        "          for (int q = 0; q < WGMMA_N / 8; ++q)   // float4 u = j * (WGMMA_N / 8) + q of this thread",
+        "            __stcg(mine + (j * (WGMMA_N / 8) + q) * CONSUMER_THREADS,   // L2 only: another SM reads it",
+        "                   make_float4(acc[j][4 * q], acc[j][4 * q + 1], acc[j][4 * q + 2], acc[j][4 * q + 3]));",
+        "      }",
+        "      // Release: this thread's partial is visible device-wide before the arrival that announces it.",
+        "      __threadfence();",
+        "      // Named barrier 3 (1 and 2 belong to the warpgroups' epilogues): the consumer threads only.",
+        '      asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");',
+        "      volatile uint32_t* reduce_flag = reinterpret_cast<volatile uint32_t*>(smem + SMEM_FLAG);",
+        "      if (ct == 0) {",
+        "        const unsigned arrived = atomicAdd(counters + pid, 1u);",
+        "        const bool last = arrived == SLICES - 1;",
+        "        // Self-cleaning: every slice of this tile has arrived, so nothing reads the counter again in this",
+        "        // launch; zero it for the next one (the workspace is zeroed once, before the first launch).",
+        "        if (last) counters[pid] = 0u;",
+        "        *reduce_flag = last ? 1u : 0u;",
+        "      }",
+        '      asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");',
+        "      if (*reduce_flag == 0u) continue;   // another slice's block finishes this tile",
+        "      // Acquire: the other slices' partials, announced before their arrivals, are visible from here on.",
+        "      __threadfence();",
+        "      // Slice order: ((p0 + p1) + p2) + ... in fp32, whichever slice's block is last. The block's own slice is",
+        "      // read back too (from L2), so its registers take no special place in the sum. The float4s go in chunks of",
+        "      // at most 16 per slice: 16 loads in flight per thread keep the SM's L2 reads busy, while a whole BN=256",
+        "      // slab (32 float4 = 128 registers on top of the 128 accumulators) would spill.",
+        "      constexpr int VECS = SLABS * WGMMA_N / 8;   // float4s per consumer thread",
+        "      constexpr int CHUNK = VECS < 16 ? VECS : 16;",
+        "#pragma unroll",
+        "      for (int u0 = 0; u0 < VECS; u0 += CHUNK) {",
+        "#pragma unroll 1",
+        "        for (int s = 0; s < SLICES; ++s) {",
+        "          const float4* src = reinterpret_cast<const float4*>(ws + ((size_t)pid * SLICES + s) * PARTIAL_FLOATS) + ct;",
+        "#pragma unroll",
+        "          for (int u = u0; u < u0 + CHUNK; ++u) {",
+        "            const int j = u / (WGMMA_N / 8), q = u % (WGMMA_N / 8);",
+        "            const float4 v = __ldcg(src + u * CONSUMER_THREADS);",
+        "            if (s == 0) {",
+        "              acc[j][4 * q] = v.x; acc[j][4 * q + 1] = v.y; acc[j][4 * q + 2] = v.z; acc[j][4 * q + 3] = v.w;",
+        "            } else {",
+        "              acc[j][4 * q] += v.x; acc[j][4 * q + 1] += v.y; acc[j][4 * q + 2] += v.z; acc[j][4 * q + 3] += v.w;",
+        "            }",
+        "          }",
+        "        }",
+        "      }",
     ]
 
 
@@ -465,7 +593,7 @@ def _config(cfg: PtxConfig) -> list[str]:
         "namespace {",
         "",
         *status_constants_cpp("MISALIGNED", *(["NOT_DIVISIBLE"] if any(cfg.divisible) else []), "BAD_ARGUMENT",
-                              "CUDA_ERROR", "TENSOR_MAP"),
+                              "CUDA_ERROR", "TENSOR_MAP", *(["WORKSPACE_TOO_SMALL"] if cfg.split else [])),
         "",
         f"using InT = {in_t};     // problem a/b",
         f"using OutT = {out_t};   // problem c",
@@ -479,6 +607,10 @@ def _config(cfg: PtxConfig) -> list[str]:
         "constexpr int SLABS = WG_M / 64;          // wgmma m64 slabs per consumer warpgroup",
         f"constexpr int WGMMA_N = {cfg.bn};            // mma.shape=64x{cfg.bn}x16: one instruction spans BN",
         "constexpr int THREADS = 128 * (1 + CONSUMER_WGS);   // producer warpgroup + consumers",
+        *([f"constexpr int CONSUMER_THREADS = 128 * CONSUMER_WGS;",
+           f"constexpr int SLICES = {cfg.slices};   // splitk mode=split_k slices={cfg.slices} reduce=workspace",
+           "constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile in the workspace"]
+          if cfg.split else []),
         *([f"constexpr int NUM_SMS = {cfg.num_sms};            // persistent grid size (H200: 132 SMs)"]
           if cfg.persistent else []),
         "",
@@ -499,6 +631,8 @@ def _config(cfg: PtxConfig) -> list[str]:
         *([f"constexpr int SMEM_C = {lay['c']};   // epilogue.path=smem: the C staging tile",
            f"constexpr int C_SWZ_MASK = {_c_swz_mask(cfg.bn)};   // XOR of the 16-byte chunk index with the row"]
           if cfg.epilogue == "smem" else []),
+        *([f"constexpr int SMEM_FLAG = {lay['flag']};   // split-K: the block reduces its tile (1) or not (0)"]
+          if cfg.split else []),
         f"constexpr int SMEM_BYTES = {lay['total']};",
         "",
         "// wgmma shared-memory matrix descriptor (PTX ISA, matrix descriptor format):",
@@ -604,7 +738,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "// setmaxnreg redistributes the register file between the warpgroups.",
         f'extern "C" __global__ void __launch_bounds__(THREADS, 1)',
         f"{ENTRY}(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,",
-        "        OutT* __restrict__ C, int M, int N, int K) {",
+        ("        OutT* __restrict__ C, int M, int N, int K, float* __restrict__ ws, unsigned* __restrict__ counters) {"
+         if cfg.split else "        OutT* __restrict__ C, int M, int N, int K) {"),
         "  // 1024-byte alignment: the 128-byte swizzle pattern repeats every 8 rows x 128 B, and TMA and wgmma both",
         "  // compute it from the absolute shared-memory address.",
         "  extern __shared__ __align__(1024) uint8_t smem[];",
@@ -616,6 +751,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "  const int tiles_m = (M + BM - 1) / BM;",
         "  const int tiles_n = (N + BN - 1) / BN;",
         "  const int num_tiles = tiles_m * tiles_n;",
+        *(["  const int num_units = num_tiles * SLICES;   // (tile, slice) work units; l2ir_run checked the product"]
+          if cfg.split else []),
         "  const int k_tiles = (K + BK - 1) / BK;   // the K tail is a zero-filled box (pad.k)",
         "  const int wg = threadIdx.x / 128;",
         "",
@@ -643,7 +780,7 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "      int stage = 0;",
         "      uint32_t phase = 0;",
         *_tile_loop(cfg, "      "),
-        "        for (int kt = 0; kt < k_tiles; ++kt) {",
+        f"        for (int kt = {cfg.k_first}; kt < {cfg.k_last}; ++kt) {{",
         "          // Wait until the consumers released this stage. On the first pass (phase 0) parity 1 refers to the",
         "          // phase before initialization, which counts as complete, so the ring fills without waiting.",
         "          mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);",
@@ -677,7 +814,7 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "    uint32_t phase = 0;",
         *_tile_loop(cfg, "    "),
         "      int prev = -1;",
-        "      for (int kt = 0; kt < k_tiles; ++kt) {",
+        f"      for (int kt = {cfg.k_first}; kt < {cfg.k_last}; ++kt) {{",
         "        mbar_wait(bars + 8 * stage, phase);",
         "#pragma unroll",
         "        for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
@@ -694,7 +831,7 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "#pragma unroll",
         "          for (int j = 0; j < SLABS; ++j) {",
         "            const uint64_t da = smem_desc(a_stage + kb * A_KBLOCK_BYTES + j * 64 * ROW_BYTES + koff);",
-        f"            wgmma_m64n{cfg.bn}k16(acc[j], da, db, (kt > 0 || kk > 0) ? 1u : 0u);",
+        f"            wgmma_m64n{cfg.bn}k16(acc[j], da, db, (kt > {cfg.k_first} || kk > 0) ? 1u : 0u);",
         "          }",
         "        }",
         "        wgmma_commit();",
@@ -710,8 +847,10 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "      wgmma_wait<0>();",
         "#pragma unroll",
         "      for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
-        "      if (lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));",
+        *(["      if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));"] if cfg.split else
+          ["      if (lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));"]),
         "",
+        *(_splitk_reduce(cfg) if cfg.split else []),
         *(_epilogue_direct(cfg) if cfg.epilogue == "direct" else _epilogue_smem(cfg)),
         "    }",
         "  }",
@@ -724,8 +863,11 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
     """Trusted host code: tensor-map encoding, argument checks (pad, align), the launch."""
     dm, dn, dk = cfg.divisible
     store_bytes = cfg.vector * DTYPE_BYTES[cfg.out_dtype]
+    units = "num_units" if cfg.split else "num_tiles"
     if cfg.persistent:
-        grid_line = "  const int grid = num_tiles < NUM_SMS ? int(num_tiles) : NUM_SMS;   // pipeline.persistent=true"
+        grid_line = f"  const int grid = {units} < NUM_SMS ? int({units}) : NUM_SMS;   // pipeline.persistent=true"
+    elif cfg.split:
+        grid_line = "  const int grid = int(num_units);   // pipeline.persistent=false: one block per (tile, slice)"
     else:
         grid_line = "  const int grid = int(num_tiles);   // pipeline.persistent=false: one block per tile"
     L: list[str] = [
@@ -790,14 +932,15 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "",
         "}  // namespace",
         "",
-        'extern "C" size_t l2ir_workspace_size(int M, int N, int K) {',
-        "  (void)M; (void)N; (void)K;",
-        "  return 0;",
-        "}",
+        *(_workspace_size_split() if cfg.split else [
+            'extern "C" size_t l2ir_workspace_size(int M, int N, int K) {',
+            "  (void)M; (void)N; (void)K;",
+            "  return 0;",
+            "}"]),
         "",
         'extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,',
         "                        void* workspace, size_t workspace_bytes, void* stream) {",
-        "  (void)workspace; (void)workspace_bytes;",
+        *([] if cfg.split else ["  (void)workspace; (void)workspace_bytes;"]),
         "  if (A == nullptr || B == nullptr || C == nullptr || M <= 0 || N <= 0 || K <= 0) return L2IR_STATUS_BAD_ARGUMENT;",
     ]
     for flag, var, size, fld in ((dm, "M", "BM", "pad.m"), (dn, "N", "BN", "pad.n"), (dk, "K", "BK", "pad.k")):
@@ -813,6 +956,17 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "return L2IR_STATUS_MISALIGNED;",
         "  const long long num_tiles = (long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN);",
         "  if (num_tiles > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
+        *([] if not cfg.split else [
+            "  const long long num_units = num_tiles * SLICES;",
+            "  if (num_units > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
+            "  // splitk: the partials, then one arrival counter per tile (zero before the first launch:",
+            "  // plan.zero_workspace; every launch leaves them zero). float4 partial stores need 16-byte alignment.",
+            "  if (workspace == nullptr || workspace_bytes < l2ir_workspace_size(M, N, K)) {",
+            "    return L2IR_STATUS_WORKSPACE_TOO_SMALL;",
+            "  }",
+            "  if (reinterpret_cast<uintptr_t>(workspace) % 16 != 0) return L2IR_STATUS_MISALIGNED;",
+            "  float* ws = static_cast<float*>(workspace);",
+            "  unsigned* counters = reinterpret_cast<unsigned*>(ws + num_tiles * SLICES * PARTIAL_FLOATS);"]),
         "  // Encoding a tensor map is a driver call; a repeated call on the same operands (a layer's weights, a",
         "  // benchmark loop) re-uses the maps of this thread's previous call. The maps hold only addresses and",
         "  // sizes, so (A, B, M, N, K) decides them (the device is implied by the unified address of A and B).",
@@ -830,12 +984,33 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "  if (!configure_kernel()) return L2IR_STATUS_CUDA_ERROR;",
         grid_line,
         f"  {ENTRY}<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(",
-        "      cache.tmap_a, cache.tmap_b, static_cast<OutT*>(C), M, N, K);",
+        ("      cache.tmap_a, cache.tmap_b, static_cast<OutT*>(C), M, N, K, ws, counters);" if cfg.split else
+         "      cache.tmap_a, cache.tmap_b, static_cast<OutT*>(C), M, N, K);"),
         "  return cudaGetLastError() == cudaSuccess ? 0 : L2IR_STATUS_CUDA_ERROR;",
         "}",
         "",
     ]
     return L
+
+
+def _workspace_size_split() -> list[str]:
+    return [
+        "// splitk: every (tile, slice)'s fp32 partial, then one 4-byte arrival counter per tile. The same number as",
+        "// LaunchPlan.workspace_bytes (workspace_bytes() in sm90a.py).",
+        'extern "C" size_t l2ir_workspace_size(int M, int N, int K) {',
+        "  (void)K;",
+        "  const size_t tiles = (size_t)((M + BM - 1) / BM) * (size_t)((N + BN - 1) / BN);",
+        "  return tiles * ((size_t)SLICES * PARTIAL_FLOATS * sizeof(float) + sizeof(unsigned));",
+        "}",
+    ]
+
+
+def workspace_bytes(cfg: PtxConfig) -> Expr:
+    """Workspace as an expression of m, n, k: split-K's partials and tile counters (l2ir_workspace_size's number)."""
+    if not cfg.split:
+        return Const(0)
+    tiles = cdiv(Var("m"), cfg.bm) * cdiv(Var("n"), cfg.bn)
+    return tiles * Const(cfg.slices * cfg.partial_floats * 4 + 4)
 
 
 def render(cfg: PtxConfig) -> str:
@@ -856,8 +1031,11 @@ def lower(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> LaunchPl
         source=render(cfg),
         arch="sm_90a",
         form="host_shim",
-        workspace_bytes=Const(0),
-        zero_workspace=False,
+        workspace_bytes=workspace_bytes(cfg),
+        # split-K's tile counters must be zero before the first launch; every launch leaves them zero (the last
+        # arrival resets its tile's counter), so one zeroing at allocation serves every later call. The partials
+        # are always written before they are read.
+        zero_workspace=cfg.split,
         needs_cutlass=False,
     )
 
