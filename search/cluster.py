@@ -113,7 +113,9 @@ class Cluster:
         scheduler = {"cls": distributed.Scheduler, "options": {
             "host": "127.0.0.1", "dashboard": False, "allowed_failures": kills_allowed}}
         try:
-            spec = distributed.SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR,
+            # The scheduler runs in this process: a worker lost mid-task is logged there as an error, and is
+            # expected (the task runs again); what the run cannot survive it raises as a ClusterError.
+            spec = distributed.SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.CRITICAL,
                                            name="l2ir")
         except Exception as e:  # noqa: BLE001 - a worker that cannot start: say which, in one line
             raise ClusterError(f"--cluster local: the local Dask cluster did not start: {_first_line(e)}") from None
@@ -188,13 +190,25 @@ def open_cluster(spec: str, mode: str, devices: Sequence[int] = (), compile_thre
         return Cluster.local(gpus=devices if mode == "gpu" else (), fake_gpus=len(devices) if mode == "standin"
                              else 0, cpu_threads=threads)
     cluster = Cluster.connect(spec)
-    if mode != "compile_only":
-        try:
+    try:
+        if mode != "compile_only":
             cluster.wait_for_gpu_workers(1)
-        except ClusterError:
-            cluster.close()
-            raise
+        if mode == "gpu":
+            daemonic = [a for a, d in cluster.client.run(_daemonic, workers=cluster.gpu_workers()).items() if d]
+            if daemonic:
+                raise ClusterError(f"--cluster {spec}: GPU worker(s) {', '.join(daemonic)} run as daemonic "
+                                   "processes, which cannot start the evaluator's GPU process: start them with "
+                                   "DASK_DISTRIBUTED__WORKER__DAEMON=False")
+    except ClusterError:
+        cluster.close()
+        raise
     return cluster
+
+
+def _daemonic() -> bool:
+    import multiprocessing
+
+    return bool(multiprocessing.current_process().daemon)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -404,6 +418,7 @@ class ClusterEvaluator:
         self.evaluated_by: list[str] = []
         self.jobs_per_worker: dict[str, int] = {}
         self.crashes = 0                             # candidates recorded as crashed (they killed workers)
+        self.wall_s = 0.0                            # wall seconds spent in evaluate_many (throughput measures)
 
     # -- the evaluator interface --------------------------------------------------------------------------------
 
@@ -447,6 +462,7 @@ class ClusterEvaluator:
         finished: queue.Queue = queue.Queue()        # futures as they finish (Dask calls back from its thread)
         idle_since = None
         client = self.cluster.client
+        t0 = time.perf_counter()
         try:
             while todo or flying:
                 room = max(1, self.size) - len(flying)
@@ -502,6 +518,7 @@ class ClusterEvaluator:
         finally:
             for fut, _ in flying.values():
                 fut.cancel()
+            self.wall_s += time.perf_counter() - t0
         self.last_costs_s, self.evaluated_by = costs, by
         self.last_cost_s = sum(costs)
         return results
