@@ -179,8 +179,10 @@ def test_short_prologue(name):
     assert kernel_src.count("prefetch.tensormap") == 2
     assert kernel_src.index("prefetch.tensormap") < kernel_src.index("mbar_init(")
     host = src[src.index('extern "C" int l2ir_run'):]
-    assert "thread_local MapCache cache;" in host
-    assert host.index("if (!cache.valid ||") < host.index("encode_operand(encode, &cache.tmap_a")
+    assert "thread_local MapCache cache_a, cache_b;" in host and "encode_operand" not in host
+    assert "operand_map(cache_a, A, M, K, BM)" in host and "operand_map(cache_b, B, N, K, BN)" in host
+    helper = src[src.index("const CUtensorMap* operand_map("):src.index('extern "C" int l2ir_run')]
+    assert helper.index("return &cache.map;") < helper.index("encode_operand(")   # the hit returns before encoding
 
 
 def test_splitk_renders_counter_and_fixed_order_reduction():
