@@ -215,6 +215,14 @@ class Rewarder:
                 self._memo[key] = self._verdict(o)
         return [self._memo[key] for key in keys]
 
+    def prebuild(self, problem: Problem, children: Sequence[tuple[Kernel, str]]) -> None:
+        """Compile `children` now, as one parallel batch: kernels take M, N, K at run time, so one build serves
+        every shape of the problem class, and a batch keeps all the cores busy where a group of G would not."""
+        from l2ir.search.pipeline import Candidate
+
+        self.pipeline.prepare([Candidate(f"llm-train {k.content_hash()[:12]}", k, "llm-train", b)
+                               for k, b in children], problem)
+
     def _verdict(self, o) -> Verdict:
         if o is None:
             return Verdict("failed", self.fail_reward, "no evaluator and nothing stored")
@@ -377,6 +385,20 @@ class Trainer:
         v, = self.rewarder(problem, [(parent, backend)])
         st.reward = v.reward if v.verdict == "measured" else None
         return st
+
+    def prebuild(self, shapes: list[Problem]) -> int:
+        """Build the seed kernel and every option of it for `shapes` in one parallel compile (a rewarder without
+        `prebuild`, a function, skips this). Returns how many distinct kernels were asked for."""
+        if not callable(getattr(self.rewarder, "prebuild", None)) or not shapes:
+            return 0
+        kernels: dict[tuple, tuple[Kernel, str]] = {}
+        for p in shapes:
+            parent, backend = start_kernel(p, self.config.arch)
+            kernels[(parent.content_hash(), backend)] = (parent, backend)
+            for o in options(parent, p, self.config.arch, backend):
+                kernels[(o.child.content_hash(), o.backend)] = (o.child, o.backend)
+        self.rewarder.prebuild(shapes[0], list(kernels.values()))
+        return len(kernels)
 
     def messages(self, st: ShapeState) -> list[dict]:
         m = math.exp(st.reward) if st.reward is not None else None
@@ -692,6 +714,11 @@ def run_training(args, log=print) -> dict:
         trainer = Trainer(be, rewarder, cfg, db, log)
         command = "l2ir train-policy " + " ".join(sys.argv[1:])
         runs = {}
+        t0 = time.monotonic()
+        built = trainer.prebuild(train + held)
+        summary["prebuild"] = {"kernels": built, "seconds": time.monotonic() - t0}
+        if built:
+            log(f"built {built} kernels (seeds and their options) in {summary['prebuild']['seconds']:.1f} s")
         if held:
             runs["before"] = db.start_run(command + " [held-out, before]", summary, cfg.seed, "llm-train", {})
             t0 = time.monotonic()
