@@ -11,6 +11,13 @@ layout):
   device_us   median over trials of a CUDA graph of --reps back-to-back calls, per call (inputs fixed)
   eager_us    median over trials of the wall time of --calls back-to-back eager calls, per call, synchronized at the
               end: the host cost wherever it exceeds the device time (small shapes)
+  host_us     median over trials of the time to issue --calls back-to-back calls (the synchronize left out): the
+              host cost alone, the number the issue's "eager call no slower than torch.matmul" is about
+  parts_us    l2ir.matmul's host time split in its steps, each timed alone over --calls calls (issue time):
+              entry (the wrapper's checks: grad, compile, tensor types = host - eager), route (key + dict lookup),
+              and for a served route alloc (the output's new_empty), stream (the current stream's raw handle),
+              launch (the bound launch: argument block, cuCtxSetCurrent, cuLaunchKernel or l2ir_run), or for a
+              fallback torch (the torch.mm / torch.matmul it calls); other = eager - the parts (counter, closure)
   served      "l2ir" or the fallback reason of the dispatcher for that shape
 torch.matmul runs with fp16 reduced-precision reductions off (fp32 accumulation, the contract both are held to).
 """
@@ -19,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -38,8 +44,7 @@ def build_package(db_path: Path, work: Path, cache: str, targets: tuple[str, ...
     from l2ir.search.evaluator import environment
 
     here = environment(0)
-    shutil.copyfile(db_path, work / "source.db")         # opening a DB may migrate it: never touch the original
-    src = RecordsDB(work / "source.db")
+    src = export.open_readonly(db_path)                  # read-only: the committed DB is never migrated or written
     eid = export.choose_environment(src, None)
     measured_on = src.environment(eid)
     dst = RecordsDB(work / "bench.db")
@@ -108,6 +113,40 @@ def eager_us(fn, calls: int, trials: int) -> float:
     return statistics.median(times)
 
 
+def issue_us(fn, calls: int, trials: int) -> float:
+    """Median per-call host time to issue `calls` back-to-back calls (no synchronize inside the timed region)."""
+    import torch
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t) * 1e6 / calls)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def parts_us(d, a, b, host: float, eager: float, calls: int, trials: int) -> dict:
+    """l2ir.matmul's host time by step (see the module doc); the steps are the route's own bound objects."""
+    entry = d.lookup(a, b)
+    parts = {"entry": host - eager, "route": issue_us(lambda: d.lookup(a, b), calls, trials)}
+    if entry.reason == "l2ir":
+        c = a.new_empty(entry.shape)
+        pa, pb, pc, index, go = a.data_ptr(), b.data_ptr(), c.data_ptr(), entry.index, entry.go
+        stream = d._stream_of(index)
+        parts["alloc"] = issue_us(lambda: a.new_empty(entry.shape), calls, trials)
+        parts["stream"] = issue_us(lambda: d._stream_of(index), calls, trials)
+        parts["launch"] = issue_us(lambda: go(pa, pb, pc, 0, stream), calls, trials)
+    else:
+        parts["torch"] = issue_us(lambda: entry.fn(a, b), calls, trials)
+    parts["other"] = eager - sum(v for k, v in parts.items() if k != "entry")
+    return {k: round(v, 3) for k, v in parts.items()}
+
+
 def near_shapes(shape):
     m, n, k = shape
     out = []
@@ -174,12 +213,24 @@ def main(argv=None) -> int:
                "l2ir_device_us": device_us(lambda: l2ir.matmul(a, b), args.reps, args.trials),
                "torch_device_us": device_us(lambda: torch.matmul(a, b), args.reps, args.trials),
                "l2ir_eager_us": eager_us(lambda: l2ir.matmul(a, b), args.calls, args.trials),
-               "torch_eager_us": eager_us(lambda: torch.matmul(a, b), args.calls, args.trials)}
+               "torch_eager_us": eager_us(lambda: torch.matmul(a, b), args.calls, args.trials),
+               "l2ir_host_us": issue_us(lambda: l2ir.matmul(a, b), args.calls, args.trials),
+               "torch_host_us": issue_us(lambda: torch.matmul(a, b), args.calls, args.trials)}
         row["device_speedup"] = row["torch_device_us"] / row["l2ir_device_us"]
         row["eager_speedup"] = row["torch_eager_us"] / row["l2ir_eager_us"]
+        row["host_speedup"] = row["torch_host_us"] / row["l2ir_host_us"]
+        row["parts_us"] = parts_us(d, a, b, row["l2ir_host_us"], issue_us(lambda: d.eager(a, b), args.calls,
+                                                                          args.trials), args.calls, args.trials)
         rows.append(row)
         print(f"{m:>6}x{n:<6}x{k:<6} {kind:<28} {served:<12} device {row['l2ir_device_us']:8.2f} vs "
-              f"{row['torch_device_us']:8.2f} us  eager {row['l2ir_eager_us']:7.2f} vs {row['torch_eager_us']:7.2f} us")
+              f"{row['torch_device_us']:8.2f} us  eager {row['l2ir_eager_us']:7.2f} vs {row['torch_eager_us']:7.2f} us"
+              f"  host {row['l2ir_host_us']:6.2f} vs {row['torch_host_us']:6.2f} us  "
+              + " ".join(f"{p} {v:.2f}" for p, v in row["parts_us"].items()), flush=True)
+
+    def median_parts(rs):
+        names = {p for r in rs for p in r["parts_us"]}
+        return {p: round(statistics.median(r["parts_us"][p] for r in rs if p in r["parts_us"]), 3)
+                for p in sorted(names)}
 
     def gmean(xs):
         xs = list(xs)
@@ -193,8 +244,14 @@ def main(argv=None) -> int:
         "geomean_device_speedup_where_served": gmean(r["device_speedup"] for r in by_l2ir),
         "geomean_eager_speedup_where_served": gmean(r["eager_speedup"] for r in by_l2ir),
         "geomean_eager_speedup_on_fallback": gmean(r["eager_speedup"] for r in rows if r["served"] != "l2ir"),
+        "geomean_host_speedup_where_served": gmean(r["host_speedup"] for r in by_l2ir),
+        "geomean_host_speedup_on_fallback": gmean(r["host_speedup"] for r in rows if r["served"] != "l2ir"),
         "eager_no_slower_than_torch_where_served": all(r["l2ir_eager_us"] <= r["torch_eager_us"] * 1.02
                                                        for r in by_l2ir),
+        "host_no_slower_than_torch_where_served": all(r["l2ir_host_us"] <= r["torch_host_us"] * 1.02
+                                                      for r in by_l2ir),
+        "median_parts_us_where_served": median_parts(by_l2ir),
+        "median_parts_us_on_fallback": median_parts([r for r in rows if r["served"] != "l2ir"]),
     }
     result = {"command": "python bench/dispatch_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "environment": environment(0),

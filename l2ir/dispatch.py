@@ -572,7 +572,7 @@ class Dispatcher:
             mine[reason] += 1
             return fn(a, b) if out is None else fn(a, b, out=out)
 
-        fallback.reason = reason
+        fallback.reason, fallback.fn = reason, fn          # what it is, for bench/dispatch_bench.py's parts
         return fallback
 
     def _served(self, runner, kkey: str, m: int, n: int, k: int, index: int, shape: tuple, fn):
@@ -607,7 +607,7 @@ class Dispatcher:
             mine["l2ir"] += 1
             return c
 
-        serve.reason = "l2ir"
+        serve.reason, serve.go, serve.shape, serve.index = "l2ir", go, shape, index
         return serve
 
     def _launch_failed(self, kkey: str, index: int, err: Exception) -> None:
