@@ -226,6 +226,82 @@ def test_splitk_family_computes_matmul_in_the_interpreter():
         assert_computes_matmul(lat((64, 64, 64)), problem)
 
 
+def test_generated_wgmma_kernels_lower_or_name_the_field():
+    """Every legal wgmma kernel Hypothesis draws (l2ir.testing) either lowers here or is refused with the
+    UnsupportedLowering of the field it does not implement: never another error."""
+    from hypothesis import given, settings
+
+    from l2ir.testing import wgmma_kernels
+
+    @settings(max_examples=200, database=None, derandomize=True)
+    @given(wgmma_kernels())
+    def check(kernel):
+        try:
+            lower(kernel, PROBLEM)
+        except UnsupportedLowering as e:
+            assert e.field and e.field in str(e)
+
+    check()
+
+
+def _family_kernels():
+    """The space of the two families this rule generates: 8x1 cooperative and 4x1 one-warpgroup tiles, BN 64..256,
+    BK 64/128, any swizzle that fits, persistent or not (4x1: not), split-K 2..16 or none, both epilogues, every pad."""
+    from hypothesis import assume, strategies as st
+
+    from l2ir.verify import verify
+
+    @st.composite
+    def draw(d):
+        wgs = d(st.sampled_from([1, 2]))
+        bm = d(st.sampled_from([64 * wgs, 128 * wgs] if wgs == 1 else [128, 256]))
+        bn = d(st.sampled_from([64, 96, 128, 192, 256]))
+        bk = d(st.sampled_from([64, 128]))
+        epi = d(st.sampled_from([("direct", 1), ("direct", 2), ("smem", 8), ("smem", 4)]))
+        splitk = d(st.one_of(st.none(), st.integers(2, 16).map(lambda s: SplitK("split_k", s))))
+        pad = d(st.sampled_from(["zero_fill", "divisible"]))
+        kernel = Kernel(
+            target=Target("sm90a"), tile=Tile((bm, bn, bk), (4 * wgs, 1), (1, 1)), mma=Mma("wgmma", (64, bn, 16)),
+            pipeline=Pipeline("tma_ws", d(st.sampled_from(["auto", 2, 3])), "cooperative" if wgs == 2 else "pingpong",
+                              persistent=wgs == 2 and d(st.booleans())),
+            swizzle=Swizzle(d(st.sampled_from([(3, 3, 3), (2, 3, 3), None])), d(st.sampled_from(["along_n", "along_m"])),
+                            d(st.sampled_from([1, 2, 8]))),
+            pad=Pad(pad, d(st.sampled_from(["zero_fill", "divisible"])), "zero_fill", 8),
+            splitk=splitk, epilogue=Epilogue(*epi))
+        try:
+            return verify(kernel)
+        except L2IRError:
+            assume(False)
+
+    return draw()
+
+
+def test_every_legal_kernel_of_the_families_lowers():
+    """Hypothesis over the families' space: every legal kernel lowers (no refusal), deterministically, with one or
+    two consumer warpgroups as tile.warps says, a workspace exactly when split-K needs one (zeroed once), the
+    runtime's status codes, and a layout that fits shared memory."""
+    from hypothesis import given, settings
+
+    from l2ir import runtime
+
+    @settings(max_examples=120, database=None, derandomize=True)
+    @given(_family_kernels())
+    def check(kernel):
+        plan = lower(kernel, PROBLEM)
+        assert plan.source == lower(kernel, PROBLEM).source and plan.ir_text == kernel.text()
+        for name, code in re.findall(r"constexpr int L2IR_STATUS_(\w+) = (\d+);", plan.source):
+            assert int(code) == getattr(runtime, f"STATUS_{name}"), name
+        cfg = sm90a.canonicalize(kernel, PROBLEM)
+        assert cfg.consumer_wgs == kernel.tile.warps[0] // 4 and cfg.threads == 128 * (1 + cfg.consumer_wgs)
+        assert f"constexpr int CONSUMER_WGS = {cfg.consumer_wgs};" in plan.source
+        split = kernel.splitk is not None
+        assert plan.zero_workspace == split == (plan.workspace_for(1000, 1000, 1000) > 0)
+        assert ("atomicAdd(counters + pid, 1u)" in plan.source) == split
+        assert cfg.layout["total"] <= SMEM_LIMIT["sm90a"]
+
+    check()
+
+
 def test_grid_is_explicit_sm_count():
     assert "constexpr int NUM_SMS = 132;" in lower(coop(), PROBLEM).source
     assert "constexpr int NUM_SMS = 114;" in lower(coop(), PROBLEM, num_sms=114).source

@@ -424,6 +424,7 @@ def _splitk_reduce(cfg: PtxConfig) -> list[str]:
         "      if (ct == 0) {",
         "        const unsigned arrived = atomicAdd(counters + pid, 1u);",
         "        const bool last = arrived == SLICES - 1;",
+        "        if (last) __threadfence();   // acquire before the barrier hands the decision to the other threads",
         "        // Self-cleaning: every slice of this tile has arrived, so nothing reads the counter again in this",
         "        // launch; zero it for the next one (the workspace is zeroed once, before the first launch).",
         "        if (last) counters[pid] = 0u;",

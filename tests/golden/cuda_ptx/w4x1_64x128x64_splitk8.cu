@@ -328,6 +328,7 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
       if (ct == 0) {
         const unsigned arrived = atomicAdd(counters + pid, 1u);
         const bool last = arrived == SLICES - 1;
+        if (last) __threadfence();   // acquire before the barrier hands the decision to the other threads
         // Self-cleaning: every slice of this tile has arrived, so nothing reads the counter again in this
         // launch; zero it for the next one (the workspace is zeroed once, before the first launch).
         if (last) counters[pid] = 0u;
