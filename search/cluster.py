@@ -278,7 +278,11 @@ def _unpack(packed: dict, key: str, options: CompileOptions) -> CompileResult:
     if not (entry / "result.json").is_file():
         tmp = entry.parent.parent / ".tmp" / f"{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
+        worker_entry = str(art.dir).encode()
         for name, blob in packed["files"].items():
+            if name in ("command.sh", "result.json"):
+                # The reproducing command runs in the entry: this one, not the worker's.
+                blob = blob.replace(worker_entry, str(entry).encode())
             (tmp / Path(name).name).write_bytes(blob)
         try:
             entry.parent.mkdir(parents=True, exist_ok=True)
@@ -490,31 +494,34 @@ class ClusterEvaluator:
                     if fut.key not in flying:
                         continue
                     fut, i = flying.pop(fut.key)
-                    if fut.status == "finished":
+                    status = fut.status
+                    if status == "cancelled":       # the scheduler forgot it (lost, restarted)
+                        raise ClusterError(f"the Dask scheduler at {self.cluster.address} dropped an evaluation")
+                    try:
+                        # A result whose worker died before it was fetched is computed again: this waits for it.
                         ms, costs[i], by[i], _ = fut.result()
-                        results[i] = ms
+                    except KilledWorker as e:
+                        self.crashes += 1
+                        why = (f"crash: the evaluation killed every Dask worker it ran on (the scheduler's "
+                               f"allowed-failures is {getattr(e, 'allowed_failures', '?')}); not retried")
+                        self._log(f"l2ir: {jobs[i].kernel.content_hash()[:12]} on {jobs[i].problem.shape}: {why}")
+                        ms = _error_measurements(jobs[i], why, self.environment, self.config)
+                    except Exception as e:  # noqa: BLE001 - the task's own error fails the job; a lost link stops
+                        if status != "error":
+                            raise
+                        ms = _error_measurements(jobs[i], f"the evaluation task failed: [{type(e).__name__}] "
+                                                          f"{_first_line(e)}", self.environment, self.config)
+                    else:
                         self.jobs_per_worker[by[i]] = self.jobs_per_worker.get(by[i], 0) + 1
                         if not self.environment and ms and ms[0].environment:
                             self.environment = dict(ms[0].environment)
-                    elif fut.status == "error":
-                        e = fut.exception()
-                        if isinstance(e, KilledWorker):
-                            self.crashes += 1
-                            why = (f"crash: the evaluation killed every Dask worker it ran on (the scheduler's "
-                                   f"allowed-failures is {getattr(e, 'allowed_failures', '?')}); not retried")
-                            self._log(f"l2ir: {jobs[i].kernel.content_hash()[:12]} on "
-                                      f"{jobs[i].problem.shape}: {why}")
-                        else:
-                            why = f"the evaluation task failed: [{type(e).__name__}] {_first_line(e)}"
-                        results[i] = _error_measurements(jobs[i], why, self.environment, self.config)
-                    else:           # cancelled: the scheduler forgot it (lost, restarted)
-                        raise ClusterError(f"the Dask scheduler at {self.cluster.address} dropped an evaluation "
-                                           f"({fut.status})")
+                    results[i] = ms
                     fut.release()
         except ClusterError:
             raise
-        except (OSError, RuntimeError) as e:     # the connection to the scheduler is gone
-            raise ClusterError(f"lost the Dask scheduler at {self.cluster.address}: {_first_line(e)}") from e
+        except Exception as e:  # noqa: BLE001 - the connection to the scheduler is gone: stop, resumable
+            raise ClusterError(f"lost the Dask scheduler at {self.cluster.address}: [{type(e).__name__}] "
+                               f"{_first_line(e)}") from e
         finally:
             for fut, _ in flying.values():
                 fut.cancel()

@@ -235,6 +235,9 @@ def cmd_tune(args) -> int:
                                    else ())
         except ClusterError as e:
             raise TuneError(str(e)) from None
+        print(f"l2ir tune: Dask cluster {cluster.address}"
+              + ("" if spec == args.cluster else " ($DASK_SCHEDULER_ADDRESS)")
+              + f": {len(cluster.gpu_workers())} GPU worker(s), {len(cluster.workers())} in all", file=sys.stderr)
     db = _open(args.db)
     make = (lambda m, seed: _cluster_evaluators(cluster, m, seed)) if cluster else (
         lambda m, seed: _evaluators(m, seed, args.gpus))

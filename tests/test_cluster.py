@@ -275,6 +275,7 @@ def test_compiles_run_on_workers_once_per_key_into_the_drivers_cache(tmp_path, c
         assert Path(a.binary).is_file() and str(a.binary).startswith(str(tmp_path / "cache"))
         assert {"kernel.cu", "kernel.l2", "compile.log", "resources.json", "result.json"} <= \
             {p.name for p in Path(a.dir).iterdir()}
+        assert a.command.startswith(f"cd {a.dir} && ")         # the repro command runs in the driver's entry
     again = compile_on_cluster(cluster, plans, opts)
     assert all(a.cached for a in again) and [a.key for a in again] == [out[0].key, out[1].key]
     # The search's pipeline with its compile step on the cluster (a fresh driver cache): the kernels of one batch
