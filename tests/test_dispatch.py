@@ -378,7 +378,8 @@ def _python(code, env=None):
     full = dict(os.environ)
     full.pop(dispatch.ENV_VAR, None)
     full.update(env or {})
-    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=full, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=full,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
 
