@@ -68,6 +68,7 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
     "w4x1_64x256x64_smem8_bf16": (lat((64, 256, 64), epilogue=Epilogue("smem", 8)),
                                   Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col"), c=("bf16", "row"))),
     "w4x1_64x128x64_splitk8": (lat(splitk=SplitK("split_k", 8)), PROBLEM),
+    "w4x1_64x128x64_s4_two_per_sm": (lat(pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False)), PROBLEM),
     "coop_128x128x64_splitk3_persistent_smem8": (
         coop((128, 128, 64), splitk=SplitK("split_k", 3), epilogue=Epilogue("smem", 8)), PROBLEM),
 }
@@ -167,6 +168,28 @@ def test_one_consumer_warpgroup_family():
     assert "pid += num_tiles" in src1 and "const int grid = int(num_tiles);" in src1
     # BM=128 on one warpgroup: two 64-row slabs.
     assert sm90a.canonicalize(lat((128, 128, 64)), PROBLEM).slabs == 2
+    assert "__launch_bounds__(THREADS, 1)" in src1 and one.blocks_per_sm == 1   # stages=auto fills the SM
+
+
+def test_two_blocks_per_sm_when_the_ring_leaves_room():
+    """A 4x1 ring of at most half the SM's shared memory (explicit stages) promises two blocks per SM: launch bounds
+    (THREADS, 2) and the 40/216 register split of a 32K-register pool; BN > 128 (one wgmma's 128 accumulators do not
+    fit the 128-register cap) and the cooperative kernel stay at one."""
+    def cfg(kernel):
+        return sm90a.canonicalize(kernel, PROBLEM)
+
+    def staged(block, stages, **kw):
+        return lat(block, pipeline=Pipeline("tma_ws", stages, "pingpong", persistent=False), **kw)
+
+    two = cfg(staged((64, 128, 64), 4))
+    assert two.blocks_per_sm == 2 and two.regs == (40, 216)
+    assert 2 * (two.layout["total"] + 1024) <= SMEM_LIMIT["sm90a"] + 1024
+    src = sm90a.render(two)
+    assert "__launch_bounds__(THREADS, 2)" in src and "setmaxnreg.inc.sync.aligned.u32 216;" in src
+    assert cfg(staged((64, 128, 64), 5)).blocks_per_sm == 1          # 5 x 24 KB: no room for a second ring
+    assert cfg(staged((64, 256, 64), 2)).blocks_per_sm == 1          # BN = 256
+    assert cfg(coop(pipeline=Pipeline("tma_ws", 2, "cooperative", persistent=True))).blocks_per_sm == 1
+    assert cfg(staged((64, 128, 64), 4, splitk=SplitK("split_k", 4))).reduce_chunk == 8
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -367,7 +390,8 @@ def test_illegal_ir_raises_verify_error():
 # ---------------------------------------------------------------------------------------------------------------
 
 NVCC_CASES = ["coop_128x256x64_direct", "coop_256x128x64_smem8_along_m8", "w4x1_64x128x64_direct",
-              "w4x1_64x256x64_smem8_bf16", "w4x1_64x128x64_splitk8", "coop_128x128x64_splitk3_persistent_smem8"]
+              "w4x1_64x256x64_smem8_bf16", "w4x1_64x128x64_splitk8", "coop_128x128x64_splitk3_persistent_smem8",
+              "w4x1_64x128x64_s4_two_per_sm"]
 
 
 @pytest.fixture(scope="module")
@@ -385,12 +409,13 @@ def test_nvcc_builds_without_spills(builds, name):
     assert "warning" not in b.log.lower(), b.log
     cfg = sm90a.canonicalize(*CASES[name])
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", b.log)]
-    # The launch-bound cap sm90a.REG_BUDGET's arithmetic assumes: 65536 / threads rounded down to 8, at most 255.
-    cap = min(255, 65536 // cfg.threads // 8 * 8)
+    # The launch-bound cap sm90a.REG_BUDGET's arithmetic assumes: 65536 / (threads x blocks per SM) rounded down
+    # to 8, at most 255.
+    cap = min(255, 65536 // (cfg.threads * cfg.blocks_per_sm) // 8 * 8)
     assert regs and max(regs) <= cap, (regs, cap)
     ptx = b.ptx()
     assert f"wgmma.mma_async.sync.aligned.m64n{cfg.bn}k16.f32.{cfg.in_dtype}.{cfg.in_dtype}" in ptx
-    producer, consumer = sm90a.REG_BUDGET[cfg.consumer_wgs]
+    producer, consumer = cfg.regs
     for instr in ("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes",
                   f"setmaxnreg.dec.sync.aligned.u32 {producer}", "prefetch.tensormap",
                   "mbarrier.try_wait.parity.shared::cta.b64", "wgmma.wait_group.sync.aligned 1"):

@@ -23,7 +23,10 @@ The kernel (a producer warpgroup and one or two consumer warpgroups):
                B tiles into the stage's buffers and arms the stage's `full` mbarrier with the byte count.
   consumers    cooperative (tile.warps=8x1, 384 threads): warpgroups 1, 2 setmaxnreg.inc to 232, each owns BM/2 rows.
                latency-bound (tile.warps=4x1, schedule=pingpong, persistent=false; 256 threads): warpgroup 1 owns the
-               whole tile, one tile per block; it keeps the launch's per-thread maximum (REG_BUDGET).
+               whole tile, one tile per block. With a ring that leaves room for a second block (explicit stages,
+               at most half the SM's shared memory) the launch bounds promise two blocks per SM and setmaxnreg hands
+               the consumer 216 registers; otherwise one block, whose consumer keeps the per-thread maximum
+               (REG_BUDGET).
                Each waits on `full`, issues BK/16 x slabs wgmma m64nBNk16 from shared-memory descriptors, keeps one
                k-tile's wgmma group in flight (wait_group 1), and releases the previous stage through its `empty`
                mbarrier.
@@ -67,7 +70,7 @@ from l2ir.errors import ResourceError
 from l2ir.indexing import Const, Expr, Var, cdiv, rasterize, splitk_range
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.text import print_problem_class
-from l2ir.target import (CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, H200_SMS,
+from l2ir.target import (KB, CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, H200_SMS,
                          SMEM_LIMIT, TMA_BOX_MAX, TMA_DTYPE)
 from l2ir.analysis import resolved_stages
 from l2ir.verify import verify, verify_problem
@@ -76,14 +79,19 @@ from l2ir.runtime import LaunchPlan, status_constants_cpp
 from .common import UnsupportedLowering, check_problem_class
 
 ENTRY = "l2ir_cuda_ptx_sm90a_gemm"
-# setmaxnreg targets (producer, consumer) by consumer warpgroups. setmaxnreg moves registers only inside the block's
-# own pool, which is fixed at launch: threads x the count ptxas compiled for, and with __launch_bounds__(THREADS, 1)
-# and setmaxnreg in the kernel ptxas compiles for the bound's cap, 65536 / THREADS rounded down to 8.
-#   8x1, 384 threads: cap 168, pool 384 x 168 = 64,512; producer 128 x 40 + consumers 256 x 232 = 64,512.
-#   4x1, 256 threads: cap 255 (the per-thread maximum), pool 256 x 256 = 65,536 (whole-warp allocation rounds the
-#   255 up to 256); the one consumer warpgroup already has the per-thread maximum, so there is nothing to move:
-#   the producer releases its registers (40) and the consumer keeps what it has.
-REG_BUDGET = {2: (40, 232), 1: (40, None)}
+# setmaxnreg targets (producer, consumer) by (consumer warpgroups, blocks per SM). setmaxnreg moves registers only
+# inside the block's own pool, which is fixed at launch: threads x the count ptxas compiled for, and with
+# __launch_bounds__(THREADS, BLOCKS) and setmaxnreg in the kernel ptxas compiles for the bound's cap,
+# 65536 / (THREADS x BLOCKS) rounded down to 8 (at most 255).
+#   8x1, 384 threads, 1 block: cap 168, pool 384 x 168 = 64,512; producer 128 x 40 + consumers 256 x 232 = 64,512.
+#   4x1, 256 threads, 1 block: cap 255 (the per-thread maximum), pool 256 x 256 = 65,536 (whole-warp allocation
+#   rounds the 255 up to 256); the one consumer warpgroup already has the per-thread maximum, so there is nothing to
+#   move: the producer releases its registers (40) and the consumer keeps what it has.
+#   4x1, 256 threads, 2 blocks: cap 128, pool 256 x 128 = 32,768; producer 128 x 40 + consumer 128 x 216 = 32,768.
+REG_BUDGET = {(2, 1): (40, 232), (1, 1): (40, None), (1, 2): (40, 216)}
+# Shared memory of one SM: the per-block opt-in limit plus the 1 KB the hardware reserves per resident block
+# (l2ir/target.py, SMEM_LIMIT). A second block fits when 2 x (its dynamic shared memory + 1 KB) fits in it.
+SM_SMEM = SMEM_LIMIT["sm90a"] + KB
 # wgmma swizzle modes in the descriptor's bits 62-63, by swizzle bits B of <B,3,3>.
 DESC_SWIZZLE_MODE = {3: 1, 2: 2, 1: 3}      # 128B, 64B, 32B
 TMA_SWIZZLE = {3: "CU_TENSOR_MAP_SWIZZLE_128B", 2: "CU_TENSOR_MAP_SWIZZLE_64B", 1: "CU_TENSOR_MAP_SWIZZLE_32B"}
@@ -130,6 +138,26 @@ class PtxConfig:
         if self.consumer_wgs == 2:
             return f"cooperative (2 consumer warpgroups of {self.wg_m} rows)"
         return "one consumer warpgroup (pingpong, one tile per block)"
+
+    @property
+    def blocks_per_sm(self) -> int:
+        """Resident blocks per SM the launch bounds promise: two one-warpgroup blocks when their ring leaves room for
+        a second (explicit stages; `auto` fills the SM), so one block's prologue, TMA waits and epilogue overlap the
+        other's wgmma. The cooperative kernel keeps one (its consumers need 232 registers). So does BN > 128: ptxas
+        must fit one wgmma's operands (BN/2 accumulators, the descriptors) under the launch bounds' 128-register cap,
+        whatever setmaxnreg grants later (C7602 "insufficient registers" for m64n256k16)."""
+        if self.consumer_wgs == 1 and self.bn <= 128 and 2 * (self.layout["total"] + KB) <= SM_SMEM:
+            return 2
+        return 1
+
+    @property
+    def reduce_chunk(self) -> int:
+        """float4 loads in flight per thread and slice in the split-K reduction (fit the consumer's registers)."""
+        return 16 if self.blocks_per_sm == 1 else 8
+
+    @property
+    def regs(self) -> tuple[int, int | None]:
+        return REG_BUDGET[(self.consumer_wgs, self.blocks_per_sm)]
 
     @property
     def wg_m(self) -> int:
@@ -436,10 +464,10 @@ def _splitk_reduce(cfg: PtxConfig) -> list[str]:
         "      __threadfence();",
         "      // Slice order: ((p0 + p1) + p2) + ... in fp32, whichever slice's block is last. The block's own slice is",
         "      // read back too (from L2), so its registers take no special place in the sum. The float4s go in chunks of",
-        "      // at most 16 per slice: 16 loads in flight per thread keep the SM's L2 reads busy, while a whole BN=256",
-        "      // slab (32 float4 = 128 registers on top of the 128 accumulators) would spill.",
+        "      // at most 16 per slice (8 with two blocks per SM): 16 loads in flight per thread keep the SM's L2 reads",
+        "      // busy, while a whole BN=256 slab (32 float4 = 128 registers on top of the 128 accumulators) would spill.",
         "      constexpr int VECS = SLABS * WGMMA_N / 8;   // float4s per consumer thread",
-        "      constexpr int CHUNK = VECS < 16 ? VECS : 16;",
+        f"      constexpr int CHUNK = VECS < {cfg.reduce_chunk} ? VECS : {cfg.reduce_chunk};",
         "#pragma unroll",
         "      for (int u0 = 0; u0 < VECS; u0 += CHUNK) {",
         "#pragma unroll 1",
@@ -735,9 +763,11 @@ def _kernel(cfg: PtxConfig) -> list[str]:
     nr = cfg.bn // 2
     return [
         "// ---- the kernel ----",
-        "// One block per SM (__launch_bounds__(THREADS, 1)): the stage ring takes nearly all shared memory, and",
-        "// setmaxnreg redistributes the register file between the warpgroups.",
-        f'extern "C" __global__ void __launch_bounds__(THREADS, 1)',
+        *(["// One block per SM (__launch_bounds__(THREADS, 1)): the stage ring takes nearly all shared memory, and",
+           "// setmaxnreg redistributes the register file between the warpgroups."] if cfg.blocks_per_sm == 1 else
+          ["// Two blocks per SM (__launch_bounds__(THREADS, 2)): each ring takes at most half of the SM's shared memory,",
+           "// and each block's pool is half the register file, which setmaxnreg hands from producer to consumer."]),
+        f'extern "C" __global__ void __launch_bounds__(THREADS, {cfg.blocks_per_sm})',
         f"{ENTRY}(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,",
         ("        OutT* __restrict__ C, int M, int N, int K, float* __restrict__ ws, unsigned* __restrict__ counters) {"
          if cfg.split else "        OutT* __restrict__ C, int M, int N, int K) {"),
@@ -776,7 +806,7 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "",
         "  if (wg == 0) {",
         "    // ---- producer warpgroup: TMA only, so it releases its registers (REG_BUDGET) ----",
-        f'    asm volatile("setmaxnreg.dec.sync.aligned.u32 {REG_BUDGET[cfg.consumer_wgs][0]};" ::: "memory");',
+        f'    asm volatile("setmaxnreg.dec.sync.aligned.u32 {cfg.regs[0]};" ::: "memory");',
         "    if (threadIdx.x == 0) {",
         "      int stage = 0;",
         "      uint32_t phase = 0;",
@@ -801,8 +831,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "    }",
         "  } else {",
         "    // ---- consumer warpgroups: wgmma and the epilogue ----",
-        *([f'    asm volatile("setmaxnreg.inc.sync.aligned.u32 {REG_BUDGET[cfg.consumer_wgs][1]};" ::: "memory");']
-          if REG_BUDGET[cfg.consumer_wgs][1] else
+        *([f'    asm volatile("setmaxnreg.inc.sync.aligned.u32 {cfg.regs[1]};" ::: "memory");']
+          if cfg.regs[1] else
           ["    // 256 threads: the consumer already holds the per-thread maximum and keeps it (REG_BUDGET)."]),
         "    const int cw = wg - 1;   // consumer warpgroup: rows [cw * WG_M, (cw + 1) * WG_M) of the tile",
         "    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;",

@@ -340,8 +340,8 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
       __threadfence();
       // Slice order: ((p0 + p1) + p2) + ... in fp32, whichever slice's block is last. The block's own slice is
       // read back too (from L2), so its registers take no special place in the sum. The float4s go in chunks of
-      // at most 16 per slice: 16 loads in flight per thread keep the SM's L2 reads busy, while a whole BN=256
-      // slab (32 float4 = 128 registers on top of the 128 accumulators) would spill.
+      // at most 16 per slice (8 with two blocks per SM): 16 loads in flight per thread keep the SM's L2 reads
+      // busy, while a whole BN=256 slab (32 float4 = 128 registers on top of the 128 accumulators) would spill.
       constexpr int VECS = SLABS * WGMMA_N / 8;   // float4s per consumer thread
       constexpr int CHUNK = VECS < 16 ? VECS : 16;
 #pragma unroll
