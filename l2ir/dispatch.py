@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import warnings
 from collections import Counter, defaultdict
@@ -761,3 +762,11 @@ def patch_linear():
         yield
     finally:
         F.linear = original
+
+
+# `l2ir.matmul` goes through the package's module __getattr__ (lazy, so that `import l2ir` loads no torch), which
+# runs an import statement on every access (~2 us) until the attribute exists; once this module is loaded, the
+# entry points are bound on the package and the access is a dict lookup.
+_package = sys.modules[__package__]
+for _name in _package._DISPATCH:
+    setattr(_package, _name, globals()[_name])

@@ -616,3 +616,15 @@ def test_fast_cache_is_bounded(disp, monkeypatch):
         a, b = rand(m, 8), rand(8, 8)
         torch.testing.assert_close(l2ir.matmul(a, b), a @ b)
     assert 0 < len(disp._fast) <= 4 and sum(disp.stats.values()) == 9
+
+
+def test_entry_points_are_bound_on_the_package():
+    """`l2ir.matmul` must not go through the package's lazy module __getattr__ (an import statement per access)."""
+    code = """
+import l2ir
+before = 'matmul' in vars(l2ir)
+f = l2ir.matmul
+from l2ir import dispatch
+print(before, all(vars(l2ir)[n] is getattr(dispatch, n) for n in l2ir._DISPATCH))
+"""
+    assert _python(code) == "False True"
