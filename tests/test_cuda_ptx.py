@@ -186,6 +186,8 @@ def test_two_blocks_per_sm_when_the_ring_leaves_room():
     assert 2 * (two.layout["total"] + 1024) <= SMEM_LIMIT["sm90a"] + 1024
     src = sm90a.render(two)
     assert "__launch_bounds__(THREADS, 2)" in src and "setmaxnreg.inc.sync.aligned.u32 216;" in src
+    assert "cudaSharedmemCarveoutMaxShared" in src and "cudaSharedmemCarveoutMaxShared" not in sm90a.render(
+        cfg(staged((64, 128, 64), 5)))
     assert cfg(staged((64, 128, 64), 5)).blocks_per_sm == 1          # 5 x 24 KB: no room for a second ring
     assert cfg(staged((64, 256, 64), 2)).blocks_per_sm == 1          # BN = 256
     assert cfg(coop(pipeline=Pipeline("tma_ws", 2, "cooperative", persistent=True))).blocks_per_sm == 1

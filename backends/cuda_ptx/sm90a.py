@@ -967,6 +967,13 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         f"  if (cudaFuncSetAttribute({ENTRY}, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES) != cudaSuccess) {{",
         "    return false;",
         "  }",
+        *([] if cfg.blocks_per_sm == 1 else [
+            "  // Two blocks per SM need the whole 228 KB as shared memory: ask for the largest carve-out rather than",
+            "  // leave the L1/shared split to the driver's heuristic.",
+            f"  if (cudaFuncSetAttribute({ENTRY}, cudaFuncAttributePreferredSharedMemoryCarveout,",
+            "                           cudaSharedmemCarveoutMaxShared) != cudaSuccess) {",
+            "    return false;",
+            "  }"]),
         "  configured.fetch_or(bit, std::memory_order_release);",
         "  return true;",
         "}",

@@ -369,6 +369,12 @@ bool configure_kernel() {
   if (cudaFuncSetAttribute(l2ir_cuda_ptx_sm90a_gemm, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES) != cudaSuccess) {
     return false;
   }
+  // Two blocks per SM need the whole 228 KB as shared memory: ask for the largest carve-out rather than
+  // leave the L1/shared split to the driver's heuristic.
+  if (cudaFuncSetAttribute(l2ir_cuda_ptx_sm90a_gemm, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared) != cudaSuccess) {
+    return false;
+  }
   configured.fetch_or(bit, std::memory_order_release);
   return true;
 }
