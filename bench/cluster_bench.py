@@ -47,6 +47,9 @@ def ptx_search_class():
     from l2ir.search.loop import Search
 
     class PtxSearch(Search):
+        def _initial(self, st, neighbours=True):          # step 0, and the prebuild of every shape's step 0
+            return [p for p in super()._initial(st, neighbours) if p.backend in PTX]
+
         def _propose(self, st):
             made = super()._propose(st)
             if isinstance(made, str):
@@ -72,6 +75,11 @@ def run_once(name: str, gpus: int, args, out_dir: Path, kill_after: int | None =
     killed: dict = {}
     try:
         ev, rt = _cluster_evaluators(cluster, mode, args.seed)
+        # Every GPU worker's evaluators start now, together, so the throughput is that of evaluating, not of
+        # starting torch and a CUDA context (once per worker, seconds).
+        started = {**ev.warm(), **{f"{w} (re-timer)": why for w, why in rt.warm().items()}}
+        if any(started.values()):
+            raise SystemExit(f"cluster_bench: evaluators could not start: {started}")
         db = RecordsDB(db_path)
         cfg = TuneConfig(shapes=SHAPES[:args.shapes], policy=args.policy, seed=args.seed,
                          budget_candidates=args.budget, batch=args.batch, init_size=args.init_size, arch="sm90a",

@@ -352,14 +352,27 @@ class ClusterPipeline(Pipeline):
 _WORKER_EVALUATORS: dict[str, object] = {}     # on a worker: spec id -> its evaluator, kept for the worker's life
 
 
+def _worker_evaluator(spec_id: str, make: Callable):
+    ev = _WORKER_EVALUATORS.get(spec_id)
+    if ev is None:
+        ev = _WORKER_EVALUATORS[spec_id] = make()
+    return ev
+
+
+def _warm_task(spec_id: str, make: Callable):
+    """On a GPU worker: make this spec's evaluator and start its GPU process now. (why it cannot start, env)."""
+    ev = _worker_evaluator(spec_id, make)
+    ensure = getattr(ev, "_ensure_worker", None)
+    why = ensure() if callable(ensure) else None
+    return why, dict(getattr(ev, "environment", None) or {})
+
+
 def _evaluate_task(spec_id: str, make: Callable, job: Job, blob: bytes | None):
     """On a GPU worker: this spec's evaluator (made once per worker) evaluates one job. The evaluator's own failure
     is the candidate's (its measurements carry the error), as in the local pool."""
     from distributed import get_worker
 
-    ev = _WORKER_EVALUATORS.get(spec_id)
-    if ev is None:
-        ev = _WORKER_EVALUATORS[spec_id] = make()
+    ev = _worker_evaluator(spec_id, make)
     artifact = _local_artifact(job.artifact, blob)
     t0 = time.perf_counter()
     try:
@@ -447,6 +460,25 @@ class ClusterEvaluator:
 
     def close(self):
         pass                 # the workers' evaluators go with the workers (Cluster.close gives remote ones back)
+
+    def warm(self) -> dict[str, str | None]:
+        """Make and start this evaluator on every GPU worker at once (a GPU evaluator's process imports torch and
+        creates its context: seconds each), instead of on each worker's first job. Returns worker -> None, or why
+        its evaluator could not start; the environment is the first started one's."""
+        client = self.cluster.client
+        futures = {w: client.submit(_warm_task, self.spec_id, self.make, workers=[w], allow_other_workers=False,
+                                    resources={GPU: 1}, pure=False, key=f"l2ir-warm-{uuid.uuid4().hex}")
+                   for w in self.cluster.gpu_workers()}
+        out = {}
+        for w, fut in futures.items():
+            try:
+                why, env = fut.result()
+            except Exception as e:  # noqa: BLE001 - reported per worker, as the pool reports a device
+                why, env = f"[{type(e).__name__}] {_first_line(e)}", {}
+            out[w] = why
+            if why is None and env and not self.environment:
+                self.environment = env
+        return out
 
     def evaluate(self, kernel, problem, plan=None, artifact=None, time_kernel: bool = True, **options):
         out = self.evaluate_many([Job(kernel, problem, plan, artifact, time_kernel, options)])[0]
