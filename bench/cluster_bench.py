@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import signal
 import sys
@@ -129,7 +128,7 @@ def _kill_in_flight(cluster, ev, after: int, killed: dict):
             busy = {w: ks for w, ks in cluster.client.processing().items()
                     if any(str(k).startswith("l2ir-eval-") for k in ks)}
             if busy:
-                address = sorted(busy)[0]
+                address = min(busy)
                 pid = cluster.client.run(os.getpid, workers=[address])[address]
                 killed.update(worker=address, pid=pid, after_evaluations=sum(ev.jobs_per_worker.values()),
                               at=time.time())
@@ -162,7 +161,8 @@ def parse_args(argv=None):
     ap.add_argument("--cache-dir", default=".l2ir-cache")
     ap.add_argument("--runs", default="1gpu,2gpu,2gpu_killed")
     ap.add_argument("--standin", action="store_true",
-                    help="a dry run of this script on the CPU: fake GPU workers, the stand-in cost model (NOT measured)")
+                    help="a dry run of this script on the CPU: fake GPU workers, the stand-in cost model "
+                         "(NOT measured)")
     return ap.parse_args(argv)
 
 
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out_dir = out.with_suffix("")
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "command": " ".join([sys.executable.split("/")[-1]] + sys.argv),
               "scenario": "offline selection samples; winners re-timed offline and server",
               "config": {k: v for k, v in vars(args).items()}, "shapes": [list(s) for s in SHAPES[:args.shapes]],
@@ -199,7 +199,8 @@ def main(argv=None) -> int:
     R = report["runs"]
     summary = {}
     if "1gpu" in R and "2gpu" in R and R["1gpu"]["candidates_per_eval_minute"]:
-        summary["throughput_2_over_1"] = R["2gpu"]["candidates_per_eval_minute"] / R["1gpu"]["candidates_per_eval_minute"]
+        summary["throughput_2_over_1"] = (R["2gpu"]["candidates_per_eval_minute"]
+                                          / R["1gpu"]["candidates_per_eval_minute"])
         summary["wall_2_over_1"] = R["1gpu"]["wall_s"] / R["2gpu"]["wall_s"]
         summary["winners_1gpu_vs_2gpu"] = compare_winners(R["1gpu"], R["2gpu"])
     if "2gpu_killed" in R:

@@ -19,15 +19,16 @@ import pytest
 
 pytest.importorskip("distributed")
 
-from l2ir.cli import main
 from l2ir.search.cluster import Cluster, ClusterEvaluator, compile_on_cluster, distribute, standin_makers
 from l2ir.search.db import RecordsDB
 from l2ir.search.loop import DONE, Search, TuneConfig
-from l2ir.search.pool import EvaluatorPool, Job
+from l2ir.search.pool import Job
 from l2ir.search.standin import StandinConfig, StandinEvaluator
+from test_loop import SHAPES, trace
+
+from l2ir.cli import main
 from l2ir.seed import seed as rule_seed
 from l2ir.text import parse_problem
-from test_loop import SHAPES, trace
 
 PCLASS = parse_problem("gemm m=1 n=1 k=1 a=f16:row b=f16:col c=f16:row acc=f32")
 
@@ -116,7 +117,8 @@ def test_tune_on_a_local_cluster_makes_the_local_pools_run(tmp_path, capsys):
 
 def test_a_worker_killed_mid_evaluation_costs_nothing(tmp_path, cluster):
     ref = _search(RecordsDB(tmp_path / "ref.db"), *(StandinEvaluator(StandinConfig(s, 4)) for s in
-                                                     (("offline",), ("offline", "server"))), seed=4)
+                                                     (("offline",), ("offline", "server"))),
+                  seed=4, shapes=SHAPES[:2])
     marks = tmp_path / "marks"
     marks.mkdir()
     ev = ClusterEvaluator(cluster, lambda: Marking(StandinConfig(("offline",), 4), str(marks)))
@@ -144,7 +146,7 @@ def test_a_worker_killed_mid_evaluation_costs_nothing(tmp_path, cluster):
 
     killer = threading.Thread(target=kill_one_in_flight, daemon=True)
     killer.start()
-    s = _search(RecordsDB(tmp_path / "r.db"), ev, rt, cluster, seed=4)
+    s = _search(RecordsDB(tmp_path / "r.db"), ev, rt, cluster, seed=4, shapes=SHAPES[:2])
     killer.join()
     assert killed, "no evaluation was caught in flight"
     assert killed["pid"] in before and not _alive(killed["pid"])
@@ -191,7 +193,7 @@ DRIVER = textwrap.dedent("""
     if sys.argv[2] == "resume":
         s = Search.resume(db, 1, ev, rt, progress=progress)
     else:
-        s = Search(TuneConfig(shapes=shapes, mode="standin", budget_candidates=24, seed=7), db, ev, rt,
+        s = Search(TuneConfig(shapes=shapes, mode="standin", budget_candidates=16, seed=7), db, ev, rt,
                    progress=progress)
     distribute(s, cluster).run()
     cluster.close()
@@ -202,14 +204,14 @@ def test_a_driver_killed_with_sigkill_resumes_to_the_uninterrupted_run(tmp_path)
     shapes = SHAPES[:2]
     ref = _search(RecordsDB(tmp_path / "ref.db"), *(StandinEvaluator(StandinConfig(s, 7)) for s in
                                                      (("offline",), ("offline", "server"))),
-                  shapes=shapes, budget_candidates=24, seed=7)
+                  shapes=shapes, budget_candidates=16, seed=7)
     code = DRIVER.format(shapes=shapes)
     path = tmp_path / "r.db"
     proc = subprocess.Popen([sys.executable, "-c", code, str(path), "run"], stdout=subprocess.PIPE, text=True)
     workers = [int(p) for p in proc.stdout.readline().split()[1:]]
     try:
         assert len(workers) == 2
-        for _ in range(15):
+        for _ in range(10):
             proc.stdout.readline()
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
