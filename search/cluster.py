@@ -50,8 +50,16 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from l2ir.backends.compile import (Artifact, CompileFailure, CompileOptions, CompileResult, _entry_dir, _load_cached,
-                                   cache_key, compile_plan)
+from l2ir.backends.compile import (
+    Artifact,
+    CompileFailure,
+    CompileOptions,
+    CompileResult,
+    _entry_dir,
+    _load_cached,
+    cache_key,
+    compile_plan,
+)
 
 from .pipeline import Pipeline, Prepared, _class_of, _first_line
 from .pool import Job, _error_measurements
@@ -98,7 +106,9 @@ class Cluster:
         # Dask's worker processes are daemonic by default, and daemonic processes cannot have children. Read by
         # the nanny at every (re)start, so it stays set for this process.
         dask.config.set({"distributed.worker.daemon": False})
-        quiet = dict(silence_logs=logging.ERROR, host="127.0.0.1", memory_limit=0)
+        # Workers log a closing connection as an error when the cluster shuts down under them; their real
+        # failures reach the driver as task errors or as a cluster that does not start.
+        quiet = dict(silence_logs=logging.CRITICAL, host="127.0.0.1", memory_limit=0)
         workers = {}
         for d in gpus:
             workers[f"gpu-{d}"] = {"cls": distributed.Nanny, "options": {
