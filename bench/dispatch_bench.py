@@ -14,10 +14,11 @@ layout):
   host_us     median over trials of the time to issue --calls back-to-back calls (the synchronize left out): the
               host cost alone, the number the issue's "eager call no slower than torch.matmul" is about
   parts_us    l2ir.matmul's host time split in its steps, each timed alone over --calls calls (issue time):
-              entry (the wrapper's checks: grad, compile, tensor types = host - eager), route (key + dict lookup),
-              and for a served route alloc (the output's new_empty), stream (the current stream's raw handle),
-              launch (the bound launch: argument block, cuCtxSetCurrent, cuLaunchKernel or l2ir_run), or for a
-              fallback torch (the torch.mm / torch.matmul it calls); other = eager - the parts (counter, closure)
+              entry (the wrapper's checks: grad, compile, tensor types; = host - Dispatcher.eager's time),
+              route (key + dict lookup), then for a served route alloc (the output's new_empty), stream (the
+              current stream's raw handle), launch (the bound launch: workspace if any, argument block,
+              cuCtxSetCurrent, cuLaunchKernel or l2ir_run), and for a fallback torch (the torch.mm or
+              torch.matmul it calls); other = Dispatcher.eager's time - those parts (counter, closure calls)
   served      "l2ir" or the fallback reason of the dispatcher for that shape
 torch.matmul runs with fp16 reduced-precision reductions off (fp32 accumulation, the contract both are held to).
 """
@@ -132,6 +133,8 @@ def issue_us(fn, calls: int, trials: int) -> float:
 
 def parts_us(d, a, b, host: float, eager: float, calls: int, trials: int) -> dict:
     """l2ir.matmul's host time by step (see the module doc); the steps are the route's own bound objects."""
+    import torch
+
     entry = d.lookup(a, b)
     parts = {"entry": host - eager, "route": issue_us(lambda: d.lookup(a, b), calls, trials)}
     if entry.reason == "l2ir":
@@ -140,7 +143,14 @@ def parts_us(d, a, b, host: float, eager: float, calls: int, trials: int) -> dic
         stream = d._stream_of(index)
         parts["alloc"] = issue_us(lambda: a.new_empty(entry.shape), calls, trials)
         parts["stream"] = issue_us(lambda: d._stream_of(index), calls, trials)
-        parts["launch"] = issue_us(lambda: go(pa, pb, pc, 0, stream), calls, trials)
+        ws_bytes, zero_ws = entry.workspace
+
+        def launch():
+            # The workspace as the served call makes it (split-K partials; zeroed where the plan's reduction needs it).
+            w = (a.new_zeros if zero_ws else a.new_empty)(ws_bytes, dtype=torch.uint8) if ws_bytes else None
+            go(pa, pb, pc, w.data_ptr() if w is not None else 0, stream)
+
+        parts["launch"] = issue_us(launch, calls, trials)
     else:
         parts["torch"] = issue_us(lambda: entry.fn(a, b), calls, trials)
     parts["other"] = eager - sum(v for k, v in parts.items() if k != "entry")

@@ -609,7 +609,8 @@ class Dispatcher:
             mine["l2ir"] += 1
             return c
 
-        serve.reason, serve.go, serve.shape, serve.index = "l2ir", go, shape, index
+        serve.reason, serve.go, serve.shape, serve.index, serve.workspace = "l2ir", go, shape, index, (ws_bytes,
+                                                                                                      zero_ws)
         return serve
 
     def _launch_failed(self, kkey: str, index: int, err: Exception) -> None:
