@@ -60,7 +60,7 @@ REASONS = {
     "misaligned": "an operand's data pointer is not 16-byte aligned",
     "batch": "batch dimensions not covered (B batched, A batched but not contiguous, or a 1-D operand)",
     "empty": "a zero-sized dimension",
-    "out": "out= is not a contiguous, aligned tensor of the result's shape, dtype and device",
+    "out": "out= is not a contiguous, aligned tensor of the result's shape, dtype and device, or overlaps an operand",
     "autograd": "an input requires grad (torch.matmul keeps the graph)",
     "environment": "the GPU or driver differs from the package's manifest",
     "load_failed": "the kernel's binary failed to load on this device",
@@ -634,10 +634,17 @@ class Dispatcher:
             return self.eager(a, b)
         entry = self.lookup(a, b)
         if entry.reason == "l2ir" and (out.device != a.device or out.dtype != a.dtype or not out.is_contiguous()
-                                       or out.shape != a.shape[:-1] + b.shape[-1:] or out.data_ptr() & 15):
-            self._count("out", *a.shape[-2:], b.shape[-1])
-            return torch.matmul(a, b, out=out)
+                                       or out.shape != a.shape[:-1] + b.shape[-1:] or out.data_ptr() & 15
+                                       or _overlap(out, a) or _overlap(out, b)):
+            self._count("out", a.shape[-2], b.shape[-1], b.shape[0])
+            return torch.matmul(a, b, out=out)      # torch's own answer, or its own error (e.g. out aliases a)
         return entry(a, b, out)
+
+
+def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether the memory spans of two dense tensors intersect (a kernel writing C while reading A or B)."""
+    px, py = x.data_ptr(), y.data_ptr()
+    return px < py + y.numel() * y.element_size() and py < px + x.numel() * x.element_size()
 
 
 # ---------------------------------------------------------------------------------------------------------------
