@@ -326,6 +326,27 @@ def test_host_shim_kernels_eager_against_fp64(shim_dispatcher, kernel):
         assert d.stats["l2ir"] == before + 2
         assert d.lookup(a, b).reason == "l2ir"
         assert isinstance(d._devices[0]["runners"][spec_key]._fast, dispatch.ShimLaunch)
+    # The host time to issue a call (l2ir_run builds the TMA descriptors on every call), printed for the notes.
+    import time
+
+    import torch
+
+    a, b = _inputs(*tuned[0], CLS_COL)
+    route = d.lookup(a, b)
+    ws_bytes, _ = route.workspace
+    c, ws = l2ir.matmul(a, b), torch.zeros(max(ws_bytes, 1), dtype=torch.uint8, device="cuda")
+    for fn in (l2ir.matmul, torch.matmul, route.go):
+        args = (a, b) if fn is not route.go else (a.data_ptr(), b.data_ptr(), c.data_ptr(),
+                                                  ws.data_ptr() if ws_bytes else 0,
+                                                  torch.cuda.current_stream().cuda_stream)
+        fn(*args)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(200):
+            fn(*args)
+        host = (time.perf_counter() - t) / 200 * 1e6
+        torch.cuda.synchronize()
+        print(f"{kernel} {'x'.join(map(str, tuned[0]))}: {getattr(fn, '__qualname__', fn)} {host:.2f} us to issue")
 
 
 def test_host_shim_kernels_under_cuda_graph_capture(shim_dispatcher):
