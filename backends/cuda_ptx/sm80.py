@@ -24,7 +24,8 @@ Field -> code map (the generated lines name their field in a comment):
   target.arch          sm80/86/89/90/90a -> plan.arch sm_80/sm_86/sm_89/sm_90/sm_90a (the header names it too)
   tile.block           BM, BN, BK: stage sizes, copy passes, k-steps per tile
   tile.warps           WM x WN warps: threads, the warp tile (MI m16 x NI n8 fragments); BN/WN must be a multiple of 16
-                       (B fragments come in pairs from one ldmatrix.x4)
+                       (B fragments come in pairs from one ldmatrix.x4). Small tiles are legal: BM=16 with 1x4 warps
+                       (decode), BN=32 with 4x1 (skinny N)
   tile.cluster         1x1 only (clusters are sm90 TMA territory)
   mma.op / mma.shape   mma_sync 16x8x16 only
   pipeline.mode        multistage only; stages = ring depth (1 = load, wait, compute without overlap)
@@ -36,7 +37,9 @@ Field -> code map (the generated lines name their field in a comment):
   pad.k                zero_fill: every k-tile checks K; predicate: only the last k-tile checks (still zero-fills);
                        divisible: no check
   pad.align            8 / 4 / 2: cp.async of 16 / 8 / 4 bytes (K % align == 0, so a chunk is wholly in or out of
-                       K; C vectors are at most align wide, by verify); 1: plain predicated loads (any K)
+                       K; C vectors are at most align wide, by verify); 1: predicated 2-byte loads into registers, stored to
+                       shared memory after the current k-tile's MMAs (any K; the A and B tiles must split into
+                       whole passes of 8 elements per thread)
   splitk               split_k + reduce=workspace: grid.z = slices, l2ir.indexing.splitk_range, fp32 partials and
                        an in-kernel fixup by the last slice to arrive (workspace zeroed before the first launch
                        only: the kernel leaves its counters zero); reduce=atomic and stream_k raise
