@@ -84,7 +84,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     modes = [m for m in result["modes"] if "before" in result["modes"][m]]
-    metrics = [("valid_rate", "valid-reply rate"), ("mean_reward", "mean reward (log speedup; fail = -1)"),
+    metrics = [("valid_rate", "valid-reply rate"),
+               ("mean_reward", "mean reward of the samples (log speedup; fail = -1)"),
+               ("expected_reward", "expected reward over all options (constrained)"),
                ("geomean_speedup", "geomean speedup of measured proposals")]
     fig, axes = plt.subplots(1, len(metrics) + 1, figsize=(4.2 * (len(metrics) + 1), 3.8))
     width = 0.38
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--free-steps", type=int, default=6, help="free mode's training steps")
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--lora-r", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-seconds", type=float, default=120.0, help="cap on each mode's training")
@@ -169,7 +171,9 @@ def main(argv=None) -> int:
             fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
             print(f"{mode:12s} valid {fmt(b['valid_rate'])} -> {fmt(a['valid_rate'])}, mean reward "
                   f"{fmt(b['mean_reward'])} -> {fmt(a['mean_reward'])}, geomean speedup "
-                  f"{fmt(b['geomean_speedup'])} -> {fmt(a['geomean_speedup'])}")
+                  f"{fmt(b['geomean_speedup'])} -> {fmt(a['geomean_speedup'])}"
+                  + (f", expected reward over all options {fmt(b['expected_reward'])} -> "
+                     f"{fmt(a['expected_reward'])}" if "expected_reward" in b else ""))
     print(f"{args.out}.json, {args.out}.png ({result['seconds']:.0f} s)")
     return 0
 

@@ -71,7 +71,7 @@ class TrainConfig:
     steps: int = 8
     group: int = 8                   # G: replies sampled per prompt
     batch: int = 2                   # prompts (training shapes) per optimizer step
-    lr: float = 2e-4
+    lr: float = 5e-4
     lora_r: int = 8
     lora_alpha: int | None = None    # None: 2 * lora_r
     kl: float = 0.0                  # weight of the KL estimate to the frozen base
@@ -79,6 +79,9 @@ class TrainConfig:
     temperature: float = 1.0
     max_tokens: int = 48             # free mode: tokens per reply
     fail_reward: float = FAIL_REWARD
+    # Free mode: a proposal that parses but fails the verifier earns back this share of the penalty, so replies
+    # that follow the grammar are told apart from noise before any reply is legal (a 135M model starts there).
+    parse_credit: float = 0.5
     arch: str = "sm90a"
     seed: int = 0
     budget_s: float | None = None    # stop training (not the held-out scoring) after this many seconds
@@ -93,6 +96,8 @@ class TrainConfig:
             raise TrainError(f"--group must be >= 2 (advantages are normalised within a group), got {self.group}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise TrainError(f"--lr must be a positive number, got {self.lr}")
+        if not 0 <= self.parse_credit <= 1:
+            raise TrainError(f"parse_credit must be in [0, 1], got {self.parse_credit}")
         if self.temperature <= 0 or self.kl < 0:
             raise TrainError(f"--temperature must be > 0 and --kl >= 0, got {self.temperature}, {self.kl}")
 
@@ -290,46 +295,49 @@ def prompt_ids(be, messages):
 def sequence_logprobs(be, prompt: list[int], replies: list[list[int]], reference: bool = False):
     """log p(reply | prompt) summed over each reply's tokens, one value per reply, with gradients (or, with
     `reference`, of the frozen base model: the adapter switched off, no gradients). Also the per-token log-probs
-    (padded with 0) for the KL term."""
+    (padded with 0) and the mask of real tokens, for the KL term.
+
+    The prompt (the grammar, the kernel: ~1,200 tokens) runs once and its key/value cache is repeated over the
+    replies (10-120 tokens each), so a group costs one prompt plus G short continuations, not G prompts; the
+    gradient flows through the shared cache into the prompt's LoRA activations as it would through G copies."""
     import contextlib
 
     import torch
 
     lm, dev = be.lm, be.device
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm    # LoRA layers are injected in place
     pad = be.tok.pad_token_id if be.tok.pad_token_id is not None else (be.tok.eos_token_id or 0)
-    lmax = max(len(r) for r in replies)
-    ids = torch.full((len(replies), len(prompt) + lmax), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
+    b, lmax = len(replies), max(len(r) for r in replies)
+    ids = torch.full((b, lmax), pad, dtype=torch.long)
+    valid = torch.zeros((b, lmax), dtype=torch.float32)
     for i, r in enumerate(replies):
-        ids[i, :len(prompt) + len(r)] = torch.tensor(prompt + r)
-        mask[i, :len(prompt) + len(r)] = 1
-    ids, mask = ids.to(dev), mask.to(dev)
-    # Right padding keeps every reply at the same positions, so only the last lmax + 1 positions need logits: the
-    # prompt's logits (prompt length x a 49k vocabulary per reply) would be most of the memory.
-    kw = {"logits_to_keep": lmax + 1} if _takes_logits_to_keep(lm) else {}
-    ctx = (lm.disable_adapter() if hasattr(lm, "disable_adapter") else contextlib.nullcontext()) if reference \
-        else contextlib.nullcontext()
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        valid[i, :len(r)] = 1
+    ids, valid = ids.to(dev), valid.to(dev)
+    ctx = lm.disable_adapter() if reference and hasattr(lm, "disable_adapter") else contextlib.nullcontext()
     grad = torch.no_grad() if reference else contextlib.nullcontext()
     with ctx, grad:
-        logits = lm(input_ids=ids, attention_mask=mask, **kw).logits
-    logits = logits[:, -(lmax + 1):-1].float()
-    target = ids[:, len(prompt):]
-    tok_lp = torch.log_softmax(logits, -1).gather(2, target[..., None])[..., 0]
-    valid = torch.zeros_like(tok_lp)
-    for i, r in enumerate(replies):
-        valid[i, :len(r)] = 1
-    tok_lp = tok_lp * valid
+        out = base(input_ids=torch.tensor([prompt], device=dev), use_cache=True, **_keep_last(base))
+        logits = out.logits[:, -1:].float().expand(b, 1, -1)          # predicts each reply's first token
+        if lmax > 1:
+            cache = out.past_key_values
+            cache.batch_repeat_interleave(b)
+            # Right padding: a reply's tokens never attend to the padding after them (causal), so no mask is needed.
+            rest = base(input_ids=ids[:, :-1], use_cache=True, **{be._cache_kw: cache})
+            logits = torch.cat([logits, rest.logits.float()], 1)
+    tok_lp = torch.log_softmax(logits, -1).gather(2, ids[..., None])[..., 0] * valid
     return tok_lp.sum(1), tok_lp, valid
 
 
-def _takes_logits_to_keep(lm) -> bool:
+def _keep_last(model) -> dict:
+    """Ask for the last position's logits only, where the model's forward takes `logits_to_keep`: the prompt's
+    logits (prompt length x a 49k vocabulary) would be most of the memory."""
     import inspect
 
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     try:
-        return "logits_to_keep" in inspect.signature(base.forward).parameters
+        return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     except (TypeError, ValueError):
-        return False
+        return {}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -424,7 +432,7 @@ class Trainer:
         p = np.exp(z - z.max())
         return opts, p / p.sum()
 
-    def option_logprobs(self, messages, texts: list[str], chunk: int = 16):
+    def option_logprobs(self, messages, texts: list[str], chunk: int = 64):
         """log p(text | prompt) of each continuation, batched (LocalBackend.score runs them one at a time)."""
         import numpy as np
         import torch
@@ -499,12 +507,13 @@ class Trainer:
 
     def score_group(self, st: ShapeState, samples: list[Sample]) -> None:
         """Rewards: each legal proposal through the rewarder; a reply's reward is the mean over its proposals
-        (a proposal that failed the checks counts `fail_reward`); a reply with none gets `fail_reward`."""
+        (a proposal that parsed but failed the checks counts `fail_reward * (1 - parse_credit)`); a reply with no
+        proposal gets `fail_reward`."""
         fail = self.config.fail_reward
         flat = [(k, b) for s in samples for _, k, b in s.proposals]
         verdicts = iter(self.rewarder(st.problem, flat) if flat else [])
         for s in samples:
-            rewards = [fail for o in s.outcomes if o["verdict"] == "illegal"]
+            rewards = [fail * (1 - self.config.parse_credit) for o in s.outcomes if o["verdict"] == "illegal"]
             for text, k, b in s.proposals:
                 v = next(verdicts)
                 rewards.append(v.reward)
@@ -601,13 +610,21 @@ class Trainer:
         r = self.rewarder
         return {k: getattr(r, k) for k in ("evaluated", "reused", "cached", "gpu_s") if hasattr(r, k)}
 
-    def evaluate(self, shapes: list[Problem], run: int | None = None, group: int | None = None) -> dict:
+    def evaluate(self, shapes: list[Problem], run: int | None = None, group: int | None = None,
+                 exact: bool = True) -> dict:
         """The current policy on `shapes`, no update and no incumbent moves: `group` replies per shape from the
-        seed kernel, scored and recorded. Valid-reply rate, mean reward, geomean speedup of measured proposals."""
+        seed kernel (the same sampling seed every time, so before and after are paired), scored and recorded.
+        Valid-reply rate, mean reward, geomean speedup of the measured proposals.
+
+        Constrained mode with `exact`: also every option of the seed measured once (later calls answer from the
+        records), so the policy's expected reward sum_i p_i r_i and the probability it puts on options faster than
+        torch.matmul are exact for its distribution: no sampling noise between before and after."""
+        import numpy as np
+
         g = group or self.config.group
-        saved_rng, self.rng = self.rng, __import__("numpy").random.default_rng(self.config.seed + 7_000_003)
+        saved_rng, self.rng = self.rng, np.random.default_rng(self.config.seed + 7_000_003)
         self._advance = False
-        samples_all = []
+        samples_all, expected, faster, best = [], [], [], []
         try:
             for p in shapes:
                 st = self.state(p)
@@ -619,15 +636,26 @@ class Trainer:
                 self.score_group(st, samples)
                 self.record(run, st, messages, samples, parent, latency)
                 samples_all += samples
+                if exact and self.config.mode == "constrained":
+                    opts, probs = self.option_distribution(st, messages)
+                    vs = self.rewarder(st.problem, [(o.child, o.backend) for o in opts])
+                    r = np.array([v.reward for v in vs])
+                    expected.append(float(probs @ r))
+                    faster.append(float(sum(pi for pi, v in zip(probs, vs) if (v.speedup or 0) > 1)))
+                    best.append(max((v.speedup or 0) for v in vs))
         finally:
             self._advance = True
             self.rng = saved_rng
         speedups = [o["speedup"] for s in samples_all for o in s.outcomes if o.get("speedup")]
-        return {"replies": len(samples_all),
-                "valid_rate": _mean([s.verdict == "legal" for s in samples_all]),
-                "mean_reward": _mean([s.reward for s in samples_all]),
-                "measured_proposals": len(speedups),
-                "geomean_speedup": math.exp(_mean([math.log(x) for x in speedups])) if speedups else None}
+        out = {"replies": len(samples_all),
+               "valid_rate": _mean([s.verdict == "legal" for s in samples_all]),
+               "mean_reward": _mean([s.reward for s in samples_all]),
+               "measured_proposals": len(speedups),
+               "geomean_speedup": math.exp(_mean([math.log(x) for x in speedups])) if speedups else None}
+        if expected:
+            out.update(expected_reward=_mean(expected), p_faster_than_torch=_mean(faster),
+                       best_option_speedup=best)
+        return out
 
     def save(self, out: str | Path) -> Path:
         out = Path(out)
@@ -753,7 +781,9 @@ def run_training(args, log=print) -> dict:
 def _line(s: dict) -> str:
     g = s.get("geomean_speedup")
     return (f"{s['replies']} replies, valid {_fmt(s['valid_rate'])}, mean reward {_fmt(s['mean_reward'])}, "
-            f"geomean speedup of measured proposals {'-' if g is None else f'{g:.3f}x'}")
+            f"geomean speedup of measured proposals {'-' if g is None else f'{g:.3f}x'}"
+            + (f"; over all options: expected reward {_fmt(s['expected_reward'])}, p(faster than torch) "
+               f"{_fmt(s['p_faster_than_torch'])}" if "expected_reward" in s else ""))
 
 
 def add_arguments(s) -> None:
@@ -767,7 +797,7 @@ def add_arguments(s) -> None:
     s.add_argument("--steps", type=int, default=8)
     s.add_argument("--group", type=int, default=8, help="replies sampled per prompt (G)")
     s.add_argument("--batch", type=int, default=2, help="prompts (training shapes) per optimizer step")
-    s.add_argument("--lr", type=float, default=2e-4)
+    s.add_argument("--lr", type=float, default=5e-4)
     s.add_argument("--lora-r", type=int, default=8)
     s.add_argument("--kl", type=float, default=0.0, help="weight of the KL estimate to the frozen base model")
     s.add_argument("--temperature", type=float, default=1.0)

@@ -94,8 +94,12 @@ def test_a_tiny_constrained_run_on_the_standin_trains_records_and_saves(tiny_mod
     from l2ir.policy.llm import summarize_calls
 
     assert summarize_calls(train)["valid_rate"] == 1.0
-    # The repeats cost nothing: four samples of ~30 options repeat kernels, answered from memory or the DB.
-    assert summary["rewarder"]["evaluated"] < len(calls)
+    # The repeats cost nothing: every (kernel, shape) is evaluated once, a repeat is answered from memory or the DB.
+    n, distinct = db.conn.execute("SELECT COUNT(*), COUNT(DISTINCT kernel || problem) FROM measurements").fetchone()
+    assert n == distinct == summary["rewarder"]["evaluated"] and summary["rewarder"]["cached"] > 0
+    # Before and after, the policy's expected reward over every option of the seed (exact for its distribution).
+    for phase in ("before", "after"):
+        assert math.isfinite(summary[phase]["expected_reward"]) and 0 <= summary[phase]["p_faster_than_torch"] <= 1
     # The adapter and the curve are on disk, and the local backend loads the adapter (merged into the weights).
     assert (out / "adapter_config.json").is_file() and json.loads((out / "train_curve.json").read_text())["curve"]
     base = LocalBackend(str(tiny_model), adapter=False)
