@@ -172,7 +172,9 @@ def eval_configs(device: int):
 
 def _cluster_spec(args) -> str | None:
     """--cluster, else Dask's own DASK_SCHEDULER_ADDRESS; None: the local pool (search/pool.py)."""
-    return getattr(args, "cluster", None) or os.environ.get("DASK_SCHEDULER_ADDRESS") or None
+    from .cluster import ADDRESS_VARIABLE
+
+    return getattr(args, "cluster", None) or os.environ.get(ADDRESS_VARIABLE) or None
 
 
 def _cluster_mode(args) -> str:
