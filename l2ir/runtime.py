@@ -49,7 +49,10 @@ class LaunchPlan:
     form: str = "kernels"                         # "kernels" or "host_shim"
     launches: tuple[Launch, ...] = ()             # for form == "kernels"
     workspace_bytes: Expr = Const(0)              # expression of m, n, k
-    zero_workspace: bool = False                  # the harness memsets the workspace before the first launch
+    # The harness memsets the workspace once, before the first launch; every launch must leave it as it found it
+    # where that matters (split-K tile counters, atomic sums): the evaluator times and checks repeated launches on
+    # one workspace and l2ir.matmul reuses one per stream, so no per-call memset is paid or hidden.
+    zero_workspace: bool = False
     needs_cutlass: bool = False                   # add the CUTLASS/CuTe include path
     ir_text: str = ""                             # the kernel's IR text, kept beside the source in the cache
     problem_text: str = ""                        # the problem class (dtypes, layouts) the source was lowered for

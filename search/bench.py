@@ -110,7 +110,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     t_start = time.perf_counter()
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     store = JsonlStore(cfg.out.with_suffix(".jsonl"), resume=cfg.resume)
-    pcfg = PipelineConfig(backend=cfg.backend, any_binary=cfg.report_only,
+    # report_only rebuilds the tables from the records: nothing is compiled (a machine without nvcc can do it).
+    pcfg = PipelineConfig(backend=cfg.backend, any_binary=cfg.report_only, compile_kernels=not cfg.report_only,
                           compile=CompileOptions(cache_dir=cfg.cache_dir, jobs=cfg.compile_jobs, device_sm=cfg.device_sm))
     pipeline = Pipeline(pcfg, None, store, log=_log)
     # The winner's report timing: never answered from the selection records, only from earlier fresh ones.

@@ -445,12 +445,16 @@ def _timing(problem, plan, launcher, cfg: EvalConfig, gen, rng, dev, tile, send,
         cb = torch.empty((m, n), dtype=tc, device=dev)
         sets.append((a, b, c, cb))
     ws_bytes = launcher.workspace_bytes(m, n, k)
-    ws = torch.full((max(ws_bytes, 1),), 0xFF, dtype=torch.uint8, device=dev)   # NaN as fp32, as in Case.run
+    # zero_workspace means zeroed once, before the first launch (l2ir/runtime.py): a split-K kernel's tile counters
+    # must be left at zero by the kernel itself, so no memset is timed and none is paid by l2ir.matmul. A kernel that
+    # does not clean up computes wrong results on the later timed calls and fails the timed_outputs gate. Any other
+    # plan gets all-ones bytes (NaN as fp32), as in Case.run.
+    ws = (torch.zeros if plan.zero_workspace else torch.ones)((max(ws_bytes, 1),), dtype=torch.uint8, device=dev)
+    if not plan.zero_workspace:
+        ws.fill_(0xFF)
 
     def kernel_call(i: int):
         a, b, c, _ = sets[i]
-        if plan.zero_workspace and ws_bytes:
-            ws.zero_()
         launcher(a.data_ptr(), b.data_ptr(), c.data_ptr(), m, n, k, ws.data_ptr(), ws_bytes)
 
     same_dtype = ta == tb == tc

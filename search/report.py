@@ -233,8 +233,8 @@ def kernel_report(prepared) -> dict:
     report = {}
     for p in prepared:
         a = p.artifact
-        if a is None:
-            continue                    # never lowered: nothing was built
+        if a is None or a.key == "uncompiled":
+            continue                    # never lowered, or a report rebuilt without compiling: nothing was built
         entry = {"config": p.candidate.name, "kernel": p.candidate.kernel.text(), "compiled": a.ok,
                  "compile_seconds": round(a.compile_seconds, 1), "from_cache": bool(getattr(a, "cached", False))}
         if a.ok:

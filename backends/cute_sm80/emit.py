@@ -561,7 +561,8 @@ def emit_reduce_entry(w: Writer, p: Plan) -> None:
     with w.block(f"{name}({ABI})"):
         w("using namespace l2ir_cute_sm80;",
           "(void)A_; (void)B_; (void)K;",
-          "float const* ws = static_cast<float const*>(workspace_);",
+          ("float const* ws = static_cast<float const*>(workspace_);" if p.splitk == "workspace" else
+           "float* ws = static_cast<float*>(workspace_);   // cleared after reading (zero_workspace: zeroed once)"),
           "TC* C = static_cast<TC*>(C_);",
           "// C is row-major with leading dimension N, so the output is one contiguous run of M*N elements;",
           f"// each thread owns {v} consecutive ones (N is a multiple of {v} by pad.align).",
@@ -576,7 +577,9 @@ def emit_reduce_entry(w: Writer, p: Plan) -> None:
                 with w.block(f"for (int e = 0; e < {v}; ++e)", unroll=True):
                     w("sum.v[e] += part.v[e];")
         else:
-            w("// The atomics already summed the slices in fp32; round to C once.")
+            w("// The atomics already summed the slices in fp32; round to C once. Clear the sum behind us: the",
+              "// workspace is zeroed once, before the first launch (zero_workspace), so each launch leaves it zero.")
+            w(f"*reinterpret_cast<Vec<float, {v}>*>(ws + i) = Vec<float, {v}>{{}};")
         w(f"Vec<TC, {v}> out;")
         with w.block(f"for (int e = 0; e < {v}; ++e)", unroll=True):
             w("out.v[e] = TC(sum.v[e]);")

@@ -222,7 +222,7 @@ extern "C" __global__ void __launch_bounds__(256)
 l2ir_cute_sm80_splitk_convert(const void* A_, const void* B_, void* C_, int M, int N, int K, void* workspace_) {
   using namespace l2ir_cute_sm80;
   (void)A_; (void)B_; (void)K;
-  float const* ws = static_cast<float const*>(workspace_);
+  float* ws = static_cast<float*>(workspace_);   // cleared after reading (zero_workspace: zeroed once)
   TC* C = static_cast<TC*>(C_);
   // C is row-major with leading dimension N, so the output is one contiguous run of M*N elements;
   // each thread owns 1 consecutive ones (N is a multiple of 1 by pad.align).
@@ -230,7 +230,9 @@ l2ir_cute_sm80_splitk_convert(const void* A_, const void* B_, void* C_, int M, i
   const int64_t i = (int64_t(blockIdx.x) * 256 + threadIdx.x) * 1;
   if (i >= total) return;
   Vec<float, 1> sum = *reinterpret_cast<Vec<float, 1> const*>(ws + i);
-  // The atomics already summed the slices in fp32; round to C once.
+  // The atomics already summed the slices in fp32; round to C once. Clear the sum behind us: the
+  // workspace is zeroed once, before the first launch (zero_workspace), so each launch leaves it zero.
+  *reinterpret_cast<Vec<float, 1>*>(ws + i) = Vec<float, 1>{};
   Vec<TC, 1> out;
   CUTE_UNROLL
   for (int e = 0; e < 1; ++e) {
