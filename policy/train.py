@@ -36,6 +36,7 @@ valid-reply rate, mean reward and the geometric-mean speedup of the measured pro
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -750,7 +751,7 @@ def run_training(args, log=print) -> dict:
         if held:
             runs["before"] = db.start_run(command + " [held-out, before]", summary, cfg.seed, "llm-train", {})
             t0 = time.monotonic()
-            summary["before"] = trainer.evaluate(held, runs["before"])
+            summary["before"] = trainer.evaluate(held, runs["before"], exact=args.exact)
             summary["before"]["seconds"] = time.monotonic() - t0
             db.set_run_status(runs["before"], "done")
             log(f"held-out before: {_line(summary['before'])}")
@@ -762,7 +763,7 @@ def run_training(args, log=print) -> dict:
         if held:
             runs["after"] = db.start_run(command + " [held-out, after]", summary, cfg.seed, "llm-train", {})
             t0 = time.monotonic()
-            summary["after"] = trainer.evaluate(held, runs["after"])
+            summary["after"] = trainer.evaluate(held, runs["after"], exact=args.exact)
             summary["after"]["seconds"] = time.monotonic() - t0
             db.set_run_status(runs["after"], "done")
             log(f"held-out after:  {_line(summary['after'])}")
@@ -803,6 +804,9 @@ def add_arguments(s) -> None:
     s.add_argument("--temperature", type=float, default=1.0)
     s.add_argument("--max-tokens", type=int, default=48, help="free mode: tokens per reply")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
+                   help="constrained mode: score the held-out shapes' every option too, for the exact expected "
+                        "reward of the policy before and after (one evaluation per option and shape)")
     s.add_argument("--budget-seconds", type=float, default=None, help="stop training after this many seconds "
                    "(the held-out scoring still runs)")
     s.add_argument("--model", default=None, help="a transformers model directory or .gguf file (default: "
