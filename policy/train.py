@@ -534,8 +534,9 @@ class Trainer:
             return
         prompt = json.dumps(messages)
         model = Path(str(getattr(self.be, "model", "local"))).name
+        n_prompt = len(prompt_ids(self.be, messages))
         for s in samples:
-            cid = self.db.add_llm_call(run, prompt, s.text, model, len(prompt_ids(self.be, messages)), len(s.ids),
+            cid = self.db.add_llm_call(run, prompt, s.text, model, n_prompt, len(s.ids),
                                        latency_s / max(1, len(samples)), cost=0.0,
                                        problem=print_problem(st.problem), parent=parent_hash, verdict=s.verdict,
                                        errors=json.dumps(s.errors), proposals=json.dumps([t for t, _, _ in

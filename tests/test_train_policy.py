@@ -70,7 +70,7 @@ def _lora_weights(lm):
     return {n: p.detach().clone() for n, p in lm.named_parameters() if "lora_" in n}
 
 
-def test_a_tiny_constrained_run_on_the_standin_trains_records_and_saves(tiny_model, tmp_path):
+def test_a_tiny_constrained_run_on_the_standin_trains_records_and_saves(tiny_model, tmp_path, monkeypatch):
     from l2ir.policy.model_backends import LocalBackend
     from l2ir.policy.train import run_training
     from l2ir.search.db import RecordsDB
@@ -108,6 +108,14 @@ def test_a_tiny_constrained_run_on_the_standin_trains_records_and_saves(tiny_mod
     a, = base.score(msgs, ["set pipeline.stages = 4\n```"])
     b, = tuned.score(msgs, ["set pipeline.stages = 4\n```"])
     assert a != b
+    # `l2ir tune --policy llm` builds its backend from the environment: L2IR_LLM_ADAPTER names the adapter.
+    monkeypatch.setenv("L2IR_LLM_ADAPTER", str(out))
+    from_env = LocalBackend(str(tiny_model))
+    assert from_env.adapter == str(out) and from_env.score(msgs, ["set pipeline.stages = 4\n```"]) == [b]
+    from l2ir.policy.model_backends import BackendError
+
+    with pytest.raises(BackendError, match="no adapter_config.json"):
+        LocalBackend(str(tiny_model), adapter=str(tmp_path))
 
 
 def test_the_adapter_changes_and_a_favoured_operator_gains_probability(tiny_model):
