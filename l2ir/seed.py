@@ -12,12 +12,20 @@ from .target import H200_SMS
 from .verify import check_problem, leading_dims, verify_problem
 
 
+def _widest(sizes) -> int:
+    """The widest vector (elements, at most 16 bytes of a 16-bit type) that every size is a multiple of."""
+    return next(v for v in (8, 4, 2, 1) if all(size % v == 0 for size in sizes))
+
+
 def alignment(problem: Problem) -> int:
-    """The widest vector (elements, at most 16 bytes) that every leading dimension is a multiple of."""
-    for align in (8, 4, 2, 1):
-        if all(size % align == 0 for _, size in leading_dims(problem).values()):
-            return align
-    return 1
+    """pad.align: the widest load vector that the leading dimensions of A and B are multiples of."""
+    dims = leading_dims(problem)
+    return _widest([dims["A"][1], dims["B"][1]])
+
+
+def store_vector(problem: Problem) -> int:
+    """epilogue.vector: the widest store vector that C's leading dimension is a multiple of, at most pad.align."""
+    return min(alignment(problem), _widest([leading_dims(problem)["C"][1]]))
 
 
 def _split(problem: Problem, bm: int, bn: int, bk: int, num_sms: int) -> int:
@@ -65,7 +73,7 @@ def seed_sm80(problem: Problem, arch: str = "sm80", num_sms: int = H200_SMS) -> 
         swizzle=Swizzle(smem=smem, raster=raster.raster, group=raster.group),
         pad=Pad("predicate", "predicate", "zero_fill", align),
         splitk=SplitK("split_k", slices) if slices > 1 else None,
-        epilogue=Epilogue("smem", min(8, align)),
+        epilogue=Epilogue("smem", store_vector(problem)),
     )
     return check_problem(kernel, problem)
 
@@ -103,6 +111,7 @@ def seed(problem: Problem, arch: str, num_sms: int = H200_SMS) -> Kernel:
     if arch not in ARCHS:
         raise ValueError(f"unknown target '{arch}' (targets: {', '.join(ARCHS)})")
     verify_problem(problem)
-    if arch == "sm90a" and alignment(problem) == 8:
+    # The sm90a seed ends in a TMA store, which needs C's rows 16-byte aligned as well.
+    if arch == "sm90a" and store_vector(problem) == 8:
         return seed_sm90a(problem, num_sms)
     return seed_sm80(problem, arch, num_sms)

@@ -503,13 +503,15 @@ def leading_dims(p: Problem) -> dict[str, tuple[str, int]]:
 
 @rule("pad", "alignment", PadError, problem=True)
 def _alignment(k: Kernel, p: Problem):
-    """Vector copies of `align` elements need every row of A, B and C to start on such a boundary."""
-    align = k.pad.align
+    """Loads of `pad.align` elements need every row of A and B to start on such a boundary; stores of
+    `epilogue.vector` elements need every row of C to. The two are separate because an odd N (a vocabulary of
+    50257) leaves A and B rows 16-byte aligned when B is K-major: only C's stores narrow, the loads stay wide."""
+    layouts = {"A": p.a[1], "B": p.b[1], "C": p.c[1]}
     for op, (dim, size) in leading_dims(p).items():
-        if size % align:
-            layout = {"A": p.a[1], "B": p.b[1], "C": p.c[1]}[op]
-            return (f"pad.align={align} assumes {align * elem_bytes(p)}-byte aligned rows: {op} is {layout}-major, "
-                    f"so {dim} must be a multiple of {align}, got {dim}={size}")
+        field, width = ("epilogue.vector", k.epilogue.vector) if op == "C" else ("pad.align", k.pad.align)
+        if size % width:
+            return (f"{field}={width} assumes {width * elem_bytes(p)}-byte aligned rows: {op} is {layouts[op]}-major, "
+                    f"so {dim} must be a multiple of {width}, got {dim}={size}")
 
 
 @rule("splitk", "slices_vs_k", SplitKError, problem=True)

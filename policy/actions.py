@@ -23,7 +23,7 @@ from l2ir.edits import Edit, InsertNode, RemoveNode, ReplaceNode, SetField
 from l2ir.errors import L2IRError
 from l2ir.nodes import (KERNEL_ORDER, Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target,
                         Tile)
-from l2ir.seed import alignment
+from l2ir.seed import alignment, store_vector
 from l2ir.verify import violations
 
 HOPPER = ("sm90", "sm90a")
@@ -131,7 +131,7 @@ def to_sm80(k: Kernel, problem: Problem) -> Kernel:
         swizzle=Swizzle(smem=sw.smem if sw.smem is not None else (3, 3, 3), raster=sw.raster, group=sw.group),
         pad=Pad("predicate", "predicate", "zero_fill", align),
         splitk=sk,
-        epilogue=Epilogue("smem", min(8, align)),
+        epilogue=Epilogue("smem", store_vector(problem)),
     )
     return refit(out)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from l2ir.indexing import ceil_div
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
-from l2ir.seed import alignment
+from l2ir.seed import alignment, store_vector
 
 from .actions import diff_edits, normal_backend
 from .base import Context, Dedupe, Proposal, StatelessPolicy, try_legalize
@@ -101,7 +101,7 @@ def sm80_kernel(problem: Problem, block, warps, stages: int, slices: int = 1, ra
         swizzle=Swizzle(smem=(3, 3, 3) if bk >= 64 else (2, 3, 3), raster=sw.raster, group=sw.group),
         pad=Pad("predicate", "predicate", "zero_fill", align),
         splitk=SplitK("split_k", slices) if slices > 1 else None,
-        epilogue=Epilogue(epilogue, min(8, align)),
+        epilogue=Epilogue(epilogue, store_vector(problem)),
     )
 
 
@@ -124,7 +124,7 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
     """Every rule's candidate for this problem, with its priority and reason."""
     m, n, k = problem.shape
     flops = problem.flops
-    hopper = arch == "sm90a" and alignment(problem) == 8
+    hopper = arch == "sm90a" and store_vector(problem) == 8      # TMA loads and the TMA store
     out: list[Candidate] = []
     tiny = flops < TINY_FLOPS
     small = m * n <= SMALL_OUTPUT

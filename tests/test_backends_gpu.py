@@ -371,3 +371,50 @@ def test_cuda_ptx_sm80_families_pass_every_gate(evaluator, tmp_path, name):
         assert torch.equal(c.view(torch.int16), outs[0].view(torch.int16)), "split-K output differs run to run"
     tiles = -(-mm // kernel.tile.bm) * -(-nn // kernel.tile.bn)
     assert int(ws[ws_bytes - 4 * tiles:].count_nonzero()) == 0, "tile counters not reset to zero"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# An odd N with wide loads: B is K-major, so its rows stay 16-byte aligned (pad.align=8); only C's rows are odd, and
+# the stores narrow to epilogue.vector=1 (verify's alignment rule keeps the two apart). One kernel per backend.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _odd_n_kernels() -> dict[str, tuple[str, Kernel]]:
+    narrow = lambda k, path: k.replace(epilogue=Epilogue(path, 1))  # noqa: E731
+    return {
+        "cuda_ptx_sm80": ("cuda_ptx_sm80", narrow(load_sweep("cuda_ptx_sm80")["ptx_sm80_128x128x32_w2x2_s4"], "smem")),
+        "cute_sm80": ("cute_sm80", narrow(load_sweep("sm80")["128x128x32_w2x2_s4"], "smem")),
+        "cuda_ptx": ("cuda_ptx", narrow(load_sweep("cuda_ptx")["ptx_w4x1_64x128x64"], "direct")),
+        "cutlass_sm90": ("cutlass_sm90", narrow(load_sweep("sm90a")["pingpong_128x128x64_c1x1"], "direct")),
+        "seed": (None, seed(F16.with_shape(4096, 1001, 4096), "sm90a")),
+    }
+
+
+ODD_N = _odd_n_kernels()
+
+
+def test_odd_n_kernels_keep_wide_loads():
+    for name, (_, kernel) in ODD_N.items():
+        assert kernel.pad.align == 8 and kernel.epilogue.vector == 1, name
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", list(ODD_N))
+def test_odd_n_with_wide_loads_passes_every_gate(evaluator, tmp_path, name):
+    import torch
+
+    from l2ir.search.gates import admits
+
+    backend, kernel = ODD_N[name]
+    plan = lower(kernel, F16, backend)
+    major, minor = torch.cuda.get_device_capability(0)
+    (art,) = compile_many([plan], CompileOptions(cache_dir=str(tmp_path), device_sm=f"sm_{major}{minor}"))
+    assert art.ok, f"compile {art.reason}: {art.summary()}\nreproduce: {art.repro}"
+    for shape in ((256, 1001, 512), (100, 50257, 64), (333, 999, 1000)):
+        problem = F16.with_shape(*shape)
+        ok, why = admits(kernel, problem)
+        assert ok, f"{name} at {shape}: {why}"
+        (m,) = evaluator.evaluate(kernel, problem, plan, art)
+        failed = [f"{v.name}: {v.detail}" for v in m.verdicts if not v.passed]
+        assert m.passed and not m.errors, f"{name} at {shape}: errors {m.errors}; failed gates {failed}"

@@ -180,3 +180,29 @@ def test_smem_accounting():
     assert smem_bytes(SM80) == 4 * 256 * 32 * 2
     # auto stages fill 227 KB after the 32 KB TMA-epilogue buffer: (227-32) KB / (48 KB + 16 B) = 4 stages.
     assert smem_bytes(SM90) == 4 * (384 * 64 * 2 + 16) + 32 * 1024
+
+
+def test_alignment_rule_keeps_loads_and_stores_apart():
+    """pad.align bounds A's and B's rows, epilogue.vector C's: an odd N narrows only the stores when B is K-major,
+    an odd K narrows the loads, and a vector wider than C's rows allow is refused naming epilogue.vector."""
+    from l2ir.nodes import Epilogue
+    from l2ir.seed import alignment, seed, store_vector
+
+    base = seed(Problem(256, 256, 256), "sm80")
+    narrow = base.replace(epilogue=Epilogue("smem", 1))
+    assert narrow.pad.align == 8
+    check_problem(narrow, Problem(256, 1001, 512))                 # odd N: C's rows only
+    with pytest.raises(PadError, match=r"epilogue.vector=8 .* N must be a multiple of 8, got N=1001"):
+        check_problem(base.replace(epilogue=Epilogue("smem", 8)), Problem(256, 1001, 512))
+    with pytest.raises(PadError, match=r"pad.align=8 .* K must be a multiple of 8, got K=999"):
+        check_problem(narrow, Problem(256, 1000, 999))              # odd K: A's and B's rows
+    # b=row stores B K x N, N contiguous: an odd N now narrows B's loads as well
+    row_b = Problem(256, 1001, 512, b=("f16", "row"))
+    with pytest.raises(PadError, match=r"pad.align=8 .* B is row-major, so N must be a multiple of 8"):
+        check_problem(narrow, row_b)
+    assert (alignment(Problem(64, 1001, 64)), store_vector(Problem(64, 1001, 64))) == (8, 1)
+    assert (alignment(row_b), store_vector(row_b)) == (1, 1)
+    assert (alignment(Problem(64, 1002, 999)), store_vector(Problem(64, 1002, 999))) == (1, 1)
+    assert (alignment(Problem(64, 1002, 1000)), store_vector(Problem(64, 1002, 1000))) == (8, 2)
+    odd_n = seed(Problem(4096, 1001, 4096), "sm90a")
+    assert (odd_n.pad.align, odd_n.epilogue.vector, odd_n.mma.op) == (8, 1, "mma_sync")

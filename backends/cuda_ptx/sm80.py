@@ -517,7 +517,7 @@ def _guarded(cond: str | None, stmt: str, indent: str) -> str:
 def _epilogue(cfg: Sm80Config) -> list[str]:
     i = "  "
     bounds_note = ("pad.m/n=divisible: whole tiles, no bounds checks" if _bounds(cfg, "m", "n") is None else
-                   f"N % {cfg.align} == 0 (pad.align={cfg.align}) and the vector divides it, so a vector is wholly "
+                   f"N % {cfg.vector} == 0 (epilogue.vector={cfg.vector}, by verify), so a vector is wholly "
                    "inside or wholly outside the matrix")
     if cfg.epilogue == "direct":
         dst = "C + (long long)m * N + n"

@@ -241,7 +241,7 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
         const int m = tile_m * BM + warp_m * WARP_M + mi * 16 + (lane >> 2) + 8 * h;
         const int n = tile_n * BN + warp_n * WARP_N + ni * 8 + (lane & 3) * 2;
         {
-          // epilogue.vector=2: one store of the packed pair (4 bytes); N % 8 == 0 (pad.align=8) and the vector divides it, so a vector is wholly inside or wholly outside the matrix.
+          // epilogue.vector=2: one store of the packed pair (4 bytes); N % 2 == 0 (epilogue.vector=2, by verify), so a vector is wholly inside or wholly outside the matrix.
           if (m < M && n < N) *reinterpret_cast<Out2T*>(C + (long long)m * N + n) = pack2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
         }
       }

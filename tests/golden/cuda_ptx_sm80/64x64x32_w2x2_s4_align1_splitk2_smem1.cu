@@ -358,7 +358,7 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
     const int cv = (idx % (BN / VEC)) * VEC;
     const int m = tile_m * BM + r;
     const int n = tile_n * BN + cv;
-    // N % 1 == 0 (pad.align=1) and the vector divides it, so a vector is wholly inside or wholly outside the matrix.
+    // N % 1 == 0 (epilogue.vector=1, by verify), so a vector is wholly inside or wholly outside the matrix.
     if (m < M && n < N) *reinterpret_cast<Vec<OutT, VEC>*>(C + (long long)m * N + n) = *reinterpret_cast<const Vec<OutT, VEC>*>(&c_tile[r * C_PITCH + cv]);
   }
 }
