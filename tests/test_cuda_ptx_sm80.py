@@ -68,6 +68,12 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
     "64x64x32_w2x2_s4_align1_splitk2_smem1": (
         ms((64, 64, 32), stages=4, pad=Pad("predicate", "zero_fill", "zero_fill", 1), splitk=SplitK("split_k", 2),
            epilogue=Epilogue("smem", 1)), PROBLEM),
+    # Odd K at large tiles: realigned 16-byte loads feed 128x128 tiles; every check off (no masks rendered).
+    # (2x4 warps: with 2x2 the 128 accumulators, double-buffered fragments and staged chunks pass 255 registers.)
+    "128x128x32_w2x4_s4_align1_smem1": (
+        ms(warps=(2, 4), pad=Pad("predicate", "predicate", "zero_fill", 1), epilogue=Epilogue("smem", 1)), PROBLEM),
+    "64x128x32_w2x2_s4_align1_divisible_direct1": (
+        ms((64, 128, 32), pad=Pad("divisible", "divisible", "divisible", 1), epilogue=Epilogue("direct", 1)), PROBLEM),
 }
 
 
@@ -194,7 +200,7 @@ FIELD_CASES = [
     ("pad.align=2", ms(pad=Pad("predicate", "predicate", "zero_fill", 2), epilogue=Epilogue("smem", 2)), PROBLEM,
      'asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\\n"'),
     ("pad.align=1", ms(pad=Pad("predicate", "predicate", "zero_fill", 1), epilogue=Epilogue("smem", 1)), PROBLEM,
-     "h[e] = (grow < M && (!check_k || k + e < K)) ? __ldg(src + e) : (unsigned short)0;"),
+     "const int n = (grow < M) ? (check_k ? max(0, min(8, K - k)) : 8) : 0;"),
     ("tile.warps=1x4", ms((16, 128, 64), (1, 4)), PROBLEM, "constexpr int WM = 1, WN = 4;"),
     ("epilogue.path", ms(epilogue=Epilogue("direct", 2)), PROBLEM, "// epilogue.path=direct"),
     ("epilogue.vector", ms(epilogue=Epilogue("smem", 4)), PROBLEM, "constexpr int VEC = 4;"),
@@ -238,6 +244,30 @@ def test_align1_loads_are_in_flight_during_the_mmas(prefetch):
     assert gather < mma
 
 
+ALIGN1 = [name for name in CASES if "align1" in name]
+
+
+@pytest.mark.parametrize("name", ALIGN1)
+def test_align1_realigns_16_byte_loads(name):
+    """pad.align=1 reads whole aligned 16-byte blocks (one, or two when the chunk straddles) and shifts the chunk out
+    with register selects and a funnel shift: no 2-byte global load and no dynamically indexed register array
+    remain, and a block is read only when it holds a valid element."""
+    kernel, problem = CASES[name]
+    src = lower(kernel, problem).source
+    gather = src[src.index("__device__ __forceinline__ void gather_a("):src.index("__device__ __forceinline__ void store_a(")]
+    assert "const uint4* q = reinterpret_cast<const uint4*>(p & ~15ull);" in gather
+    assert "if (s + n > 8) hi = __ldg(q + 1);" in gather
+    assert "__funnelshift_r(v[j], v[j + 1], (s & 1) * 16)" in gather
+    for two_byte in ("unsigned short h[", "__ldg(src + e)", "ld.global.u16", "ld.global.nc.u16"):
+        assert two_byte not in src, two_byte
+    # Only compile-time indices into w/u/v (unrolled loops over constant bounds), never the runtime offset s.
+    assert not re.search(r"\b[wuv]\[[^\]]*\bs\b", gather), "register array indexed by s"
+    checked = kernel.pad.m != "divisible" or kernel.pad.k != "divisible"
+    assert ("if (n > 0) lo = __ldg(q);" in gather) == checked
+    assert ("r[it][j] = x & keep;" in gather) == checked
+    assert ("lo = __ldg(q);" in gather) and ("const int n = 8;" in gather) != checked
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Refusals: every field this rule does not implement raises, naming the field.
 # ---------------------------------------------------------------------------------------------------------------
@@ -278,7 +308,8 @@ def test_illegal_ir_raises_verify_error():
 
 NVCC_CASES = ["128x128x32_w2x2_s4_prefetch_smem8", "64x64x32_w2x2_s3_splitk4_smem8",
               "16x128x64_w1x4_s6_splitk8_direct2_decode", "64x128x32_w2x2_s4_align4_smem4",
-              "64x64x32_w2x2_s4_align1_splitk2_smem1"]
+              "64x64x32_w2x2_s4_align1_splitk2_smem1", "128x128x32_w2x4_s4_align1_smem1",
+              "64x128x32_w2x2_s4_align1_divisible_direct1"]
 
 
 # The new families also as sm90a targets (native sm_90a code, what the search uses on an H200).
@@ -302,6 +333,14 @@ def test_nvcc_builds_without_spills(builds, name):
     assert "warning" not in b.log.lower(), b.log
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", b.log)]
     assert regs and max(regs) <= 255, regs
+    if "align1" in name:
+        # pad.align=1 reads global memory only in aligned 16-byte blocks: the 8x instruction count of 2-byte loads
+        # is what made odd-K GEMMs slow.
+        ptx = b.ptx()
+        assert ptx, "no PTX kept"
+        assert not re.search(r"ld\.global(\.nc)?\.(u|b|s)16", ptx), "2-byte global loads remain"
+        assert re.search(r"ld\.global\.nc\.v4\.(u|b|s)32", ptx), "no 16-byte global loads"
+        assert "local" not in "".join(re.findall(r"(?:ld|st)\.local", ptx)), "local-memory array"
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ so there is no host code at all.
 The GEMM kernel (one block per output tile, WM x WN warps, each warp owns a (BM/WM) x (BN/WN) block of C):
   global -> shared   cp.async copies of pad.align elements (cg 16 bytes; ca 8 or 4 bytes) into a ring of `stages`
                      buffers; the src-size operand (full or 0) zero-fills chunks past M / N / K without reading
-                     them. pad.align=1: predicated 2-byte loads, 8 per 16-byte shared store.
+                     them. pad.align=1: one or two aligned 16-byte loads per 8 elements, realigned in registers,
+                     one 16-byte shared store.
   shared -> regs     ldmatrix.x4: a 16x16 A fragment (m16n8k16's a0..a3) or two 8x16 B fragments (b0,b1 of two n8
                      blocks) per instruction, from the swizzled K-major tiles.
   math               mma.sync.aligned.m16n8k16.row.col.f32.{f16|bf16}.{f16|bf16}.f32, fp32 accumulators in registers.
@@ -37,7 +38,7 @@ Field -> code map (the generated lines name their field in a comment):
   pad.k                zero_fill: every k-tile checks K; predicate: only the last k-tile checks (still zero-fills);
                        divisible: no check
   pad.align            8 / 4 / 2: cp.async of 16 / 8 / 4 bytes (K % align == 0, so a chunk is wholly in or out of
-                       K; C vectors are at most align wide, by verify); 1: predicated 2-byte loads into registers, stored to
+                       K; C vectors are at most align wide, by verify); 1: aligned 16-byte loads realigned in registers, stored to
                        shared memory after the current k-tile's MMAs (any K; the A and B tiles must split into
                        whole passes of 8 elements per thread)
   splitk               split_k + reduce=workspace: grid.z = slices, l2ir.indexing.splitk_range, fp32 partials and
@@ -121,7 +122,7 @@ class Sm80Config:
 
     @property
     def chunk_note(self) -> str:
-        return ("pad.align=1: 8 predicated 2-byte loads, one 16-byte shared store" if self.align == 1 else
+        return ("pad.align=1: one or two aligned 16-byte loads realigned in registers, one 16-byte shared store" if self.align == 1 else
                 f"pad.align={self.align}: one {2 * self.align}-byte cp.async")
 
     @property
@@ -243,8 +244,8 @@ def _load_tile(cfg: Sm80Config, op: str) -> list[str]:
     """The copies of one k-tile of A or B (`op`) into stage `stage`: CHUNKS_<op> chunks of CHUNK elements over the
     block, thread tid taking chunks tid, tid + THREADS, ... Rows follow pad.m / pad.n; K follows pad.k.
     pad.align 8 / 4 / 2: one cp.async of 16 / 8 / 4 bytes per chunk. pad.align 1: no cp.async copies 2 bytes and an
-    odd K leaves rows 2-byte aligned, so 8 predicated 2-byte loads fill a register chunk that one 16-byte shared
-    store writes."""
+    odd K leaves rows 2-byte aligned, so one or two aligned 16-byte loads, realigned in registers, fill a chunk
+    that one 16-byte shared store writes."""
     rows, dim, pad_rows = ("BM", "M", cfg.pad_m) if op == "A" else ("BN", "N", cfg.pad_n)
     fld = "pad.m" if op == "A" else "pad.n"
     ptr, base = ("A", "a_rows") if op == "A" else ("B", "b_rows")
@@ -295,19 +296,18 @@ def _load_tile(cfg: Sm80Config, op: str) -> list[str]:
 
 def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
     """pad.align=1: k-tile `kt` of A or B in two halves, so the global loads of a tile STAGES-1 ahead are in flight
-    while the current tile's MMAs run: gather_<op> loads 8-element chunks into registers (predicated 2-byte loads:
-    no cp.async form copies 2 bytes, and an odd K leaves rows 2-byte aligned), store_<op> writes each chunk with one
-    16-byte shared store. load_<op> does both at once (prologue, stages=1)."""
+    while the current tile's MMAs run: gather_<op> loads 8-element chunks into registers (no cp.async form copies
+    2 bytes, and an odd K leaves rows 2-byte aligned, so each chunk is shifted out of the one or two aligned 16-byte
+    blocks around it), store_<op> writes each chunk with one 16-byte shared store. load_<op> does both at once (prologue, stages=1)."""
     rows, dim, pad_rows = ("BM", "M", cfg.pad_m) if op == "A" else ("BN", "N", cfg.pad_n)
     fld = "pad.m" if op == "A" else "pad.n"
     ptr, base = ("A", "a_rows") if op == "A" else ("B", "b_rows")
     smem_off = "SMEM_A + stage * A_STAGE" if op == "A" else "SMEM_B + stage * B_STAGE"
     o = op.lower()
-    conds = [] if pad_rows == "divisible" else [f"grow < {dim}"]
-    if cfg.pad_k != "divisible":
-        conds.append("(!check_k || k + e < K)")
-    load = "__ldg(src + e)"
-    elem = f"({' && '.join(conds)}) ? {load} : (unsigned short)0" if conds else load
+    # n: how many of the chunk's 8 elements exist (row inside M/N, K not passed); with neither check it is all 8.
+    k_left = "(check_k ? max(0, min(8, K - k)) : 8)" if cfg.pad_k != "divisible" else "8"
+    n_expr = k_left if pad_rows == "divisible" else f"(grow < {dim}) ? {k_left} : 0"
+    checked = n_expr != "8"
     regs = f"unsigned (&r)[CHUNKS_{op} / THREADS][4]"
     return [
         f"// k-tile `kt` of {op} ({rows} x BK, K contiguous) into registers: chunk `it` of this thread in r[it].",
@@ -321,14 +321,34 @@ def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
         "    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk",
         "    const int k = kt * BK + kc;",
         f"    const int grow = {base} + r_;",
-        f"    const unsigned short* src = reinterpret_cast<const unsigned short*>({ptr}) + (long long)grow * K + k;",
-        f"    // pad.align=1: each element checks its row ({fld}={pad_rows}) and K; elements outside are zeros, so they",
-        "    // add 0 to every dot product.",
-        "    unsigned short h[8];",
+        f"    // Elements of the chunk inside {dim} ({fld}={pad_rows}) and K; the rest become zeros, which add 0 to "
+        "every dot product.",
+        f"    const int n = {n_expr};",
+        "    // pad.align=1: an odd K starts rows on any 2-byte boundary. Rather than 8 2-byte loads, load the aligned",
+        "    // 16-byte blocks q and q+16 around the chunk (its first element is at byte p, q = p & ~15) and shift the 8",
+        "    // elements out of the 32 bytes. A 16-byte-aligned block never crosses a page (nor a cache line), so",
+        "    // reading all of a block that holds a valid element cannot fault; a block holding none is not read.",
+        f"    const unsigned long long p = reinterpret_cast<unsigned long long>({ptr} + (long long)grow * K + k);",
+        "    const uint4* q = reinterpret_cast<const uint4*>(p & ~15ull);",
+        "    const int s = int(p & 15ull) >> 1;             // element offset of the chunk inside block q",
+        "    uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = make_uint4(0u, 0u, 0u, 0u);",
+        *(["    if (n > 0) lo = __ldg(q);"] if checked else ["    lo = __ldg(q);"]),
+        "    if (s + n > 8) hi = __ldg(q + 1);              // the chunk runs into the next block (never when p is aligned)",
+        "    // Element offset s = 4*s4 + 2*s2 + s1: whole-register selects for s4 and s2 (no dynamically indexed",
+        "    // array: that would live in local memory), then one funnel shift by 16 bits for s1.",
+        "    const unsigned w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};",
+        "    unsigned u[6], v[5];",
         "#pragma unroll",
-        f"    for (int e = 0; e < 8; ++e) h[e] = {elem};",
+        "    for (int j = 0; j < 6; ++j) u[j] = (s & 4) ? w[j + 2] : w[j];",
         "#pragma unroll",
-        "    for (int w = 0; w < 4; ++w) r[it][w] = unsigned(h[2 * w]) | (unsigned(h[2 * w + 1]) << 16);",
+        "    for (int j = 0; j < 5; ++j) v[j] = (s & 2) ? u[j + 1] : u[j];",
+        "#pragma unroll",
+        "    for (int j = 0; j < 4; ++j) {",
+        "      const unsigned x = __funnelshift_r(v[j], v[j + 1], (s & 1) * 16);",
+        *(["      // The bytes of a read block past the chunk's valid elements are other rows' (or nothing's): zero them.",
+           "      const unsigned keep = (2 * j + 1 < n) ? 0xffffffffu : (2 * j < n) ? 0x0000ffffu : 0u;",
+           "      r[it][j] = x & keep;"] if checked else ["      r[it][j] = x;"]),
+        "    }",
         "  }",
         "}",
         f"// The registers of gather_{o} into ring stage `stage`.",
@@ -640,7 +660,7 @@ def _copy_functions(cfg: Sm80Config) -> list[str]:
     """The global -> shared copy primitives pad.align allows."""
     if cfg.align == 1:
         return [
-            "// pad.align=1: rows may start on any 2-byte boundary, which no cp.async form copies; 8 loaded elements",
+            "// pad.align=1: rows may start on any 2-byte boundary, which no cp.async form copies; 8 realigned elements",
             "// are written with one 16-byte shared store (the swizzle keeps 8-element chunks whole and aligned).",
             "__device__ __forceinline__ void st_shared_16(unsigned dst, const unsigned (&w)[4]) {",
             '  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\\n" :: "r"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]),',

@@ -31,7 +31,7 @@ constexpr int KSTEPS = BK / 16;                     // m16n8k16 k-steps per k-ti
 constexpr int STAGES = 4;                       // pipeline.stages
 constexpr int A_STAGE = BM * BK, B_STAGE = BN * BK;  // elements per ring stage
 constexpr int SMEM_A = 0, SMEM_B = STAGES * A_STAGE;  // element offsets of the two rings
-constexpr int CHUNK = 8;   // elements per global -> shared copy (pad.align=1: 8 predicated 2-byte loads, one 16-byte shared store)
+constexpr int CHUNK = 8;   // elements per global -> shared copy (pad.align=1: one or two aligned 16-byte loads realigned in registers, one 16-byte shared store)
 constexpr int CHUNKS_A = BM * BK / CHUNK, CHUNKS_B = BN * BK / CHUNK;   // copies per tile
 static_assert(CHUNKS_A % THREADS == 0 && CHUNKS_B % THREADS == 0, "whole copy passes");
 static_assert(NI % 2 == 0, "B fragments come in pairs from one ldmatrix.x4");
@@ -48,7 +48,7 @@ struct alignas(sizeof(T) * V) Vec { T v[V]; };
 __device__ __forceinline__ Out2T pack2(float a, float b) { return __floats2half2_rn(a, b); }
 __device__ __forceinline__ OutT to_out(float a) { return __float2half_rn(a); }
 
-// pad.align=1: rows may start on any 2-byte boundary, which no cp.async form copies; 8 loaded elements
+// pad.align=1: rows may start on any 2-byte boundary, which no cp.async form copies; 8 realigned elements
 // are written with one 16-byte shared store (the swizzle keeps 8-element chunks whole and aligned).
 __device__ __forceinline__ void st_shared_16(unsigned dst, const unsigned (&w)[4]) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]),
@@ -119,14 +119,33 @@ __device__ __forceinline__ void gather_a(unsigned (&r)[CHUNKS_A / THREADS][4], c
     const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk
     const int k = kt * BK + kc;
     const int grow = a_rows + r_;
-    const unsigned short* src = reinterpret_cast<const unsigned short*>(A) + (long long)grow * K + k;
-    // pad.align=1: each element checks its row (pad.m=predicate) and K; elements outside are zeros, so they
-    // add 0 to every dot product.
-    unsigned short h[8];
+    // Elements of the chunk inside M (pad.m=predicate) and K; the rest become zeros, which add 0 to every dot product.
+    const int n = (grow < M) ? (check_k ? max(0, min(8, K - k)) : 8) : 0;
+    // pad.align=1: an odd K starts rows on any 2-byte boundary. Rather than 8 2-byte loads, load the aligned
+    // 16-byte blocks q and q+16 around the chunk (its first element is at byte p, q = p & ~15) and shift the 8
+    // elements out of the 32 bytes. A 16-byte-aligned block never crosses a page (nor a cache line), so
+    // reading all of a block that holds a valid element cannot fault; a block holding none is not read.
+    const unsigned long long p = reinterpret_cast<unsigned long long>(A + (long long)grow * K + k);
+    const uint4* q = reinterpret_cast<const uint4*>(p & ~15ull);
+    const int s = int(p & 15ull) >> 1;             // element offset of the chunk inside block q
+    uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = make_uint4(0u, 0u, 0u, 0u);
+    if (n > 0) lo = __ldg(q);
+    if (s + n > 8) hi = __ldg(q + 1);              // the chunk runs into the next block (never when p is aligned)
+    // Element offset s = 4*s4 + 2*s2 + s1: whole-register selects for s4 and s2 (no dynamically indexed
+    // array: that would live in local memory), then one funnel shift by 16 bits for s1.
+    const unsigned w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    unsigned u[6], v[5];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) h[e] = (grow < M && (!check_k || k + e < K)) ? __ldg(src + e) : (unsigned short)0;
+    for (int j = 0; j < 6; ++j) u[j] = (s & 4) ? w[j + 2] : w[j];
 #pragma unroll
-    for (int w = 0; w < 4; ++w) r[it][w] = unsigned(h[2 * w]) | (unsigned(h[2 * w + 1]) << 16);
+    for (int j = 0; j < 5; ++j) v[j] = (s & 2) ? u[j + 1] : u[j];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const unsigned x = __funnelshift_r(v[j], v[j + 1], (s & 1) * 16);
+      // The bytes of a read block past the chunk's valid elements are other rows' (or nothing's): zero them.
+      const unsigned keep = (2 * j + 1 < n) ? 0xffffffffu : (2 * j < n) ? 0x0000ffffu : 0u;
+      r[it][j] = x & keep;
+    }
   }
 }
 // The registers of gather_a into ring stage `stage`.
@@ -155,14 +174,33 @@ __device__ __forceinline__ void gather_b(unsigned (&r)[CHUNKS_B / THREADS][4], c
     const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk
     const int k = kt * BK + kc;
     const int grow = b_rows + r_;
-    const unsigned short* src = reinterpret_cast<const unsigned short*>(B) + (long long)grow * K + k;
-    // pad.align=1: each element checks its row (pad.n=zero_fill) and K; elements outside are zeros, so they
-    // add 0 to every dot product.
-    unsigned short h[8];
+    // Elements of the chunk inside N (pad.n=zero_fill) and K; the rest become zeros, which add 0 to every dot product.
+    const int n = (grow < N) ? (check_k ? max(0, min(8, K - k)) : 8) : 0;
+    // pad.align=1: an odd K starts rows on any 2-byte boundary. Rather than 8 2-byte loads, load the aligned
+    // 16-byte blocks q and q+16 around the chunk (its first element is at byte p, q = p & ~15) and shift the 8
+    // elements out of the 32 bytes. A 16-byte-aligned block never crosses a page (nor a cache line), so
+    // reading all of a block that holds a valid element cannot fault; a block holding none is not read.
+    const unsigned long long p = reinterpret_cast<unsigned long long>(B + (long long)grow * K + k);
+    const uint4* q = reinterpret_cast<const uint4*>(p & ~15ull);
+    const int s = int(p & 15ull) >> 1;             // element offset of the chunk inside block q
+    uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = make_uint4(0u, 0u, 0u, 0u);
+    if (n > 0) lo = __ldg(q);
+    if (s + n > 8) hi = __ldg(q + 1);              // the chunk runs into the next block (never when p is aligned)
+    // Element offset s = 4*s4 + 2*s2 + s1: whole-register selects for s4 and s2 (no dynamically indexed
+    // array: that would live in local memory), then one funnel shift by 16 bits for s1.
+    const unsigned w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    unsigned u[6], v[5];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) h[e] = (grow < N && (!check_k || k + e < K)) ? __ldg(src + e) : (unsigned short)0;
+    for (int j = 0; j < 6; ++j) u[j] = (s & 4) ? w[j + 2] : w[j];
 #pragma unroll
-    for (int w = 0; w < 4; ++w) r[it][w] = unsigned(h[2 * w]) | (unsigned(h[2 * w + 1]) << 16);
+    for (int j = 0; j < 5; ++j) v[j] = (s & 2) ? u[j + 1] : u[j];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const unsigned x = __funnelshift_r(v[j], v[j + 1], (s & 1) * 16);
+      // The bytes of a read block past the chunk's valid elements are other rows' (or nothing's): zero them.
+      const unsigned keep = (2 * j + 1 < n) ? 0xffffffffu : (2 * j < n) ? 0x0000ffffu : 0u;
+      r[it][j] = x & keep;
+    }
   }
 }
 // The registers of gather_b into ring stage `stage`.
