@@ -268,6 +268,121 @@ def test_align1_realigns_16_byte_loads(name):
     assert ("lo = __ldg(q);" in gather) and ("const int n = 8;" in gather) != checked
 
 
+# The rendered gather_a / gather_b, compiled for the host with the two CUDA intrinsics they use modelled exactly
+# (__ldg of a 16-byte block, __funnelshift_r), run for every thread and k-tile over odd K, ragged M / N, every
+# 2-byte offset of the matrix base: each chunk must hold its 8 elements or zeros past M / N / K, and no 16-byte
+# block may be read unless it holds a valid element of a chunk being gathered (past the matrix it may be unmapped).
+GATHER_HARNESS = r"""
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+using std::max;
+using std::min;
+struct uint4 { unsigned x, y, z, w; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+struct { unsigned x; } threadIdx;
+// The bytes of the valid elements of the chunks the current call gathers: a block must overlap one of them.
+static std::vector<std::pair<const unsigned char*, const unsigned char*>> g_valid;
+static long g_bad_reads = 0, g_misaligned = 0;
+inline uint4 __ldg(const uint4* p) {
+  const unsigned char* b = reinterpret_cast<const unsigned char*>(p);
+  if (reinterpret_cast<uintptr_t>(b) % 16) ++g_misaligned;
+  bool holds_valid = false;
+  for (auto& [lo, hi] : g_valid) holds_valid = holds_valid || (b < hi && b + 16 > lo);
+  if (!holds_valid) ++g_bad_reads;
+  uint4 v; std::memcpy(&v, b, 16); return v;
+}
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
+  return unsigned(((uint64_t(hi) << 32) | lo) >> (shift & 31));
+}
+using InT = unsigned short;
+@CONSTANTS@
+@GATHERS@
+int main(int argc, char** argv) {
+  const int rows = atoi(argv[1]), K = atoi(argv[2]), base = atoi(argv[3]), is_b = atoi(argv[4]);
+  const int TILE_ROWS = is_b ? BN : BM, CH = is_b ? CHUNKS_B : CHUNKS_A;
+  // 64 guard bytes either side, the matrix `base` elements past a 16-byte boundary.
+  std::vector<unsigned char> buf(64 + 2 * base + 2 * size_t(rows) * K + 64 + 16);
+  unsigned char* aligned = buf.data() + (16 - reinterpret_cast<uintptr_t>(buf.data()) % 16) % 16;
+  unsigned short* X = reinterpret_cast<unsigned short*>(aligned + 64 + 2 * base);
+  std::memset(buf.data(), 0xEE, buf.size());
+  for (long i = 0; i < long(rows) * K; ++i) X[i] = (unsigned short)(1 + i % 65521);
+  const int k_tiles = (K + BK - 1) / BK;
+  long wrong = 0;
+  for (int row0 = 0; row0 < rows; row0 += TILE_ROWS)
+    for (int kt = 0; kt < k_tiles; ++kt)
+      for (unsigned t = 0; t < unsigned(THREADS); ++t) {
+        threadIdx.x = t;
+        g_valid.clear();
+        for (int it = 0; it < CH / THREADS; ++it) {
+          const int c = it * THREADS + int(t), row = row0 + c / (BK / CHUNK), k = kt * BK + (c % (BK / CHUNK)) * CHUNK;
+          const int n = row < rows ? max(0, min(8, K - k)) : 0;
+          const unsigned char* first = reinterpret_cast<unsigned char*>(X + long(row) * K + k);
+          if (n) g_valid.push_back({first, first + 2 * n});
+        }
+        unsigned ra[CHUNKS_A / THREADS][4], rb[CHUNKS_B / THREADS][4];
+        const bool check_k = kt == k_tiles - 1;   // pad.k=predicate's contract; zero_fill and divisible agree there
+        if (is_b) gather_b(rb, X, row0, 0, rows, K, kt, check_k);
+        else gather_a(ra, X, row0, rows, 0, K, kt, check_k);
+        unsigned (*r)[4] = is_b ? rb : ra;
+        for (int it = 0; it < CH / THREADS; ++it) {
+          const int c = it * THREADS + int(t), row = row0 + c / (BK / CHUNK), k = kt * BK + (c % (BK / CHUNK)) * CHUNK;
+          for (int e = 0; e < 8; ++e) {
+            const unsigned got = (r[it][e / 2] >> (16 * (e % 2))) & 0xffffu;
+            const unsigned want = (row < rows && k + e < K) ? X[long(row) * K + k + e] : 0u;
+            if (got != want && wrong++ < 5)
+              printf("row %d k %d e %d: got %u want %u\n", row, k, e, got, want);
+          }
+        }
+      }
+  printf("wrong %ld bad_reads %ld misaligned %ld\n", wrong, g_bad_reads, g_misaligned);
+  return wrong || g_bad_reads || g_misaligned;
+}
+"""
+
+
+def _function(src: str, name: str) -> str:
+    start = src.index(f"__device__ __forceinline__ void {name}(")
+    return src[start:src.index("\n}\n", start) + 3]
+
+
+@pytest.mark.parametrize("name", ALIGN1)
+def test_align1_gather_runs_right_on_the_host(tmp_path, name):
+    import shutil
+    import subprocess
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not on PATH")
+    kernel, problem = CASES[name]
+    src = lower(kernel, problem).source
+    constants = "\n".join(line for line in src.splitlines() if line.startswith(("constexpr int", "static_assert")))
+    cpp = tmp_path / "gather.cpp"
+    cpp.write_text(GATHER_HARNESS.replace("@CONSTANTS@", constants)
+                   .replace("@GATHERS@", _function(src, "gather_a") + _function(src, "gather_b")))
+    exe = tmp_path / "gather"
+    subprocess.run(["g++", "-O1", "-std=c++17", "-o", str(exe), str(cpp)], check=True, capture_output=True)
+    divisible = kernel.pad.k == "divisible"
+    shapes = ([(kernel.tile.bm * 2, kernel.tile.bk * 3)] if divisible else
+              [(67, 999), (129, 67), (5, 1001), (3, 17), (64, 8), (2, 1), (130, 4097)])
+    for rows, k in shapes:
+        for base in range(8):
+            for is_b in (0, 1):
+                tile_rows = kernel.tile.bn if is_b else kernel.tile.bm
+                if (kernel.pad.n if is_b else kernel.pad.m) == "divisible" and rows % tile_rows:
+                    rows_ = tile_rows * 2
+                else:
+                    rows_ = rows
+                run = subprocess.run([str(exe), str(rows_), str(k), str(base), str(is_b)], capture_output=True,
+                                     text=True)
+                assert run.returncode == 0, f"{'B' if is_b else 'A'} {rows_}x{k} base +{base}: {run.stdout}"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Refusals: every field this rule does not implement raises, naming the field.
 # ---------------------------------------------------------------------------------------------------------------
