@@ -321,7 +321,7 @@ def sequence_logprobs(be, prompt: list[int], replies: list[list[int]], reference
         out = base(input_ids=torch.tensor([prompt], device=dev), use_cache=True, **_keep_last(base))
         logits = out.logits[:, -1:].float().expand(b, 1, -1)          # predicts each reply's first token
         if lmax > 1:
-            cache = out.past_key_values
+            cache = out.get("cache") if out.get("cache") is not None else out.past_key_values   # renamed in v5
             cache.batch_repeat_interleave(b)
             # Right padding: a reply's tokens never attend to the padding after them (causal), so no mask is needed.
             rest = base(input_ids=ids[:, :-1], use_cache=True, **{be._cache_kw: cache})
