@@ -324,17 +324,19 @@ PTX_SM80_FAMILIES = {
     "align1_128x128x32_w2x4_s4": (
         sm80((128, 128, 32), (2, 4), 4, align=1, epilogue=("smem", 1)),
         [(4096, 4096, 1001), (1000, 1000, 999), (127, 129, 67)]),
-    "align1_128x64x32_w2x2_s4_kpredicate": (
-        sm80((128, 64, 32), (2, 2), 4, align=1, pad=("predicate", "predicate", "predicate"), epilogue=("smem", 1)),
-        [(1000, 1000, 999), (127, 129, 67)]),
+    "align1_128x64x32_w2x2_s4": (
+        sm80((128, 64, 32), (2, 2), 4, align=1, epilogue=("smem", 1)), [(1000, 1000, 999), (127, 129, 67)]),
+    "align1_128x128x32_w2x4_s4_kpredicate": (
+        sm80((128, 128, 32), (2, 4), 4, align=1, pad=("predicate", "predicate", "predicate"), epilogue=("smem", 1)),
+        [(1023, 1025, 1027), (127, 129, 67)]),
     "align1_64x128x32_w2x2_s4_noprefetch": (
         sm80((64, 128, 32), (2, 2), 4, prefetch=False, align=1, pad=("zero_fill", "predicate", "zero_fill"),
              epilogue=("direct", 1)), [(1000, 1000, 999), (127, 129, 67)]),
     "align1_64x64x64_w2x2_s4_splitk4": (
         sm80((64, 64, 64), (2, 2), 4, swizzle=(3, 3, 3), align=1, pad=("predicate", "zero_fill", "zero_fill"),
              splitk=(4, "workspace"), epilogue=("direct", 1)), [(1000, 1000, 999), (512, 512, 4097)]),
-    "align1_32x128x64_w1x4_s4_splitk4": (
-        sm80((32, 128, 64), (1, 4), 4, swizzle=(3, 3, 3), align=1, pad=("predicate", "zero_fill", "zero_fill"),
+    "align1_32x128x64_w2x4_s4_splitk4": (
+        sm80((32, 128, 64), (2, 4), 4, swizzle=(3, 3, 3), align=1, pad=("predicate", "zero_fill", "zero_fill"),
              splitk=(4, "workspace"), epilogue=("direct", 1)), [(127, 129, 1027), (33, 4096, 4097)]),
 }
 

@@ -200,7 +200,7 @@ FIELD_CASES = [
     ("pad.align=2", ms(pad=Pad("predicate", "predicate", "zero_fill", 2), epilogue=Epilogue("smem", 2)), PROBLEM,
      'asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\\n"'),
     ("pad.align=1", ms(pad=Pad("predicate", "predicate", "zero_fill", 1), epilogue=Epilogue("smem", 1)), PROBLEM,
-     "const int n = (grow < M) ? (check_k ? max(0, min(8, K - k)) : 8) : 0;"),
+     "r[it].n = (grow < M) ? (check_k ? max(0, min(8, K - k)) : 8) : 0;"),
     ("tile.warps=1x4", ms((16, 128, 64), (1, 4)), PROBLEM, "constexpr int WM = 1, WN = 4;"),
     ("epilogue.path", ms(epilogue=Epilogue("direct", 2)), PROBLEM, "// epilogue.path=direct"),
     ("epilogue.vector", ms(epilogue=Epilogue("smem", 4)), PROBLEM, "constexpr int VEC = 4;"),
@@ -249,26 +249,32 @@ ALIGN1 = [name for name in CASES if "align1" in name]
 
 @pytest.mark.parametrize("name", ALIGN1)
 def test_align1_realigns_16_byte_loads(name):
-    """pad.align=1 reads whole aligned 16-byte blocks (one, or two when the chunk straddles) and shifts the chunk out
-    with register selects and a funnel shift: no 2-byte global load and no dynamically indexed register array
-    remain, and a block is read only when it holds a valid element."""
+    """pad.align=1 reads whole aligned 16-byte blocks (one, or two when the chunk straddles), keeps them raw in
+    registers during the MMAs and shifts the chunk out when storing it, with register selects and a funnel shift: no
+    2-byte global load and no dynamically indexed register array remain, and a block is read only when it holds a
+    valid element."""
     kernel, problem = CASES[name]
     src = lower(kernel, problem).source
     gather = src[src.index("__device__ __forceinline__ void gather_a("):src.index("__device__ __forceinline__ void store_a(")]
-    assert "const uint4* q = reinterpret_cast<const uint4*>(p & ~15ull);" in gather
-    assert "if (s + n > 8) hi = __ldg(q + 1);" in gather
-    assert "__funnelshift_r(v[j], v[j + 1], (s & 1) * 16)" in gather
-    for two_byte in ("unsigned short h[", "__ldg(src + e)", "ld.global.u16", "ld.global.nc.u16"):
+    store = src[src.index("__device__ __forceinline__ void store_a("):src.index("__device__ __forceinline__ void load_a(")]
+    realign = src[src.index("__device__ __forceinline__ void realign("):]
+    realign = realign[:realign.index("\n}\n")]
+    assert "const uint4* q = reinterpret_cast<const uint4*>(p & ~15ull) + kt * (BK / 8);" in gather
+    assert "if (r[it].s + r[it].n > 8) r[it].hi = __ldg(q + 1);" in gather
+    assert "__funnelshift_r(v[j], v[j + 1], (c.s & 1) * 16)" in realign
+    assert "realign(" not in gather and "realign(r[it], w);" in store
+    for two_byte in ("unsigned short h[", "__ldg(src + e)", "unsigned short*"):
         assert two_byte not in src, two_byte
     # Only compile-time indices into w/u/v (unrolled loops over constant bounds), never the runtime offset s.
-    assert not re.search(r"\b[wuv]\[[^\]]*\bs\b", gather), "register array indexed by s"
+    assert not re.search(r"\b[wuv]\[[^\]]*\bs\b", realign), "register array indexed by s"
     checked = kernel.pad.m != "divisible" or kernel.pad.k != "divisible"
-    assert ("if (n > 0) lo = __ldg(q);" in gather) == checked
-    assert ("r[it][j] = x & keep;" in gather) == checked
-    assert ("lo = __ldg(q);" in gather) and ("const int n = 8;" in gather) != checked
+    assert ("if (r[it].n > 0) r[it].lo = __ldg(q);" in gather) == checked
+    assert ("r[it].n = 8;" in gather) != checked
+    # The raw blocks are what waits in registers across the MMAs.
+    assert "Raw ra[CHUNKS_A / THREADS], rb[CHUNKS_B / THREADS];" in src
 
 
-# The rendered gather_a / gather_b, compiled for the host with the two CUDA intrinsics they use modelled exactly
+# The rendered gather_a / gather_b and realign, compiled for the host with the two CUDA intrinsics they use modelled exactly
 # (__ldg of a 16-byte block, __funnelshift_r), run for every thread and k-tile over odd K, ragged M / N, every
 # 2-byte offset of the matrix base: each chunk must hold its 8 elements or zeros past M / N / K, and no 16-byte
 # block may be read unless it holds a valid element of a chunk being gathered (past the matrix it may be unmapped).
@@ -326,11 +332,12 @@ int main(int argc, char** argv) {
           const unsigned char* first = reinterpret_cast<unsigned char*>(X + long(row) * K + k);
           if (n) g_valid.push_back({first, first + 2 * n});
         }
-        unsigned ra[CHUNKS_A / THREADS][4], rb[CHUNKS_B / THREADS][4];
+        Raw ra[CHUNKS_A / THREADS], rb[CHUNKS_B / THREADS];
         const bool check_k = kt == k_tiles - 1;   // pad.k=predicate's contract; zero_fill and divisible agree there
         if (is_b) gather_b(rb, X, row0, 0, rows, K, kt, check_k);
         else gather_a(ra, X, row0, rows, 0, K, kt, check_k);
-        unsigned (*r)[4] = is_b ? rb : ra;
+        unsigned r[CH / THREADS][4];
+        for (int it = 0; it < CH / THREADS; ++it) realign(is_b ? rb[it] : ra[it], r[it]);
         for (int it = 0; it < CH / THREADS; ++it) {
           const int c = it * THREADS + int(t), row = row0 + c / (BK / CHUNK), k = kt * BK + (c % (BK / CHUNK)) * CHUNK;
           for (int e = 0; e < 8; ++e) {
@@ -363,8 +370,9 @@ def test_align1_gather_runs_right_on_the_host(tmp_path, name):
     src = lower(kernel, problem).source
     constants = "\n".join(line for line in src.splitlines() if line.startswith(("constexpr int", "static_assert")))
     cpp = tmp_path / "gather.cpp"
-    cpp.write_text(GATHER_HARNESS.replace("@CONSTANTS@", constants)
-                   .replace("@GATHERS@", _function(src, "gather_a") + _function(src, "gather_b")))
+    raw = next(line for line in src.splitlines() if line.startswith("struct Raw "))
+    cpp.write_text(GATHER_HARNESS.replace("@CONSTANTS@", constants).replace(
+        "@GATHERS@", "\n".join([raw, _function(src, "realign"), _function(src, "gather_a"), _function(src, "gather_b")])))
     exe = tmp_path / "gather"
     subprocess.run(["g++", "-O1", "-std=c++17", "-o", str(exe), str(cpp)], check=True, capture_output=True)
     divisible = kernel.pad.k == "divisible"
@@ -381,6 +389,25 @@ def test_align1_gather_runs_right_on_the_host(tmp_path, name):
                 run = subprocess.run([str(exe), str(rows_), str(k), str(base), str(is_b)], capture_output=True,
                                      text=True)
                 assert run.returncode == 0, f"{'B' if is_b else 'A'} {rows_}x{k} base +{base}: {run.stdout}"
+
+
+@pytest.fixture(scope="module")
+def align1_sweep_builds(tmp_path_factory):
+    from l2ir.search.sweeps import load_sweep
+    sweep = {name: k for name, k in load_sweep("cuda_ptx_sm80").items() if k.pad.align == 1}
+    assert len(sweep) >= 5
+    odd_k = Problem(m=4096, n=4096, k=4097)
+    return build_all({name: lower(k.replace(target=Target("sm90a")), odd_k) for name, k in sweep.items()},
+                     tmp_path_factory.mktemp("align1"))
+
+
+@pytest.mark.nvcc
+def test_align1_sweep_builds_without_spills(align1_sweep_builds):
+    """The odd-K sweep kernels keep two raw 16-byte blocks per staged chunk in registers: none may spill."""
+    for name, result in align1_sweep_builds.items():
+        b = built(result, name)
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", b.log)
+        assert spills and all(s == ("0", "0") for s in spills), f"{name}: register spills {spills}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

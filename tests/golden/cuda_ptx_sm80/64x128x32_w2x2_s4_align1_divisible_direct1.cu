@@ -52,6 +52,27 @@ __device__ __forceinline__ void st_shared_16(unsigned dst, const unsigned (&w)[4
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]),
                "r"(w[3]) : "memory");
 }
+// A chunk between its global load and its shared store: the aligned 16-byte blocks around it, the
+// element offset s of its first element inside lo, and how many of its 8 elements exist (n). Raw
+// blocks, not realigned words, wait in registers during the MMAs: realigning needs the loaded data, so
+// doing it at load time would stall the warp on global latency before its MMAs.
+struct Raw { uint4 lo, hi; int s, n; };
+// Elements s .. s+7 of lo:hi, elements n .. 7 zeroed (they are other rows' bytes, or bytes past K). The
+// offset s = 4*s4 + 2*s2 + s1 is applied with whole-register selects for s4 and s2 (a dynamically indexed
+// register array would live in local memory) and one funnel shift by 16 bits for s1.
+__device__ __forceinline__ void realign(const Raw& c, unsigned (&out)[4]) {
+  const unsigned w[8] = {c.lo.x, c.lo.y, c.lo.z, c.lo.w, c.hi.x, c.hi.y, c.hi.z, c.hi.w};
+  unsigned u[6], v[5];
+#pragma unroll
+  for (int j = 0; j < 6; ++j) u[j] = (c.s & 4) ? w[j + 2] : w[j];
+#pragma unroll
+  for (int j = 0; j < 5; ++j) v[j] = (c.s & 2) ? u[j + 1] : u[j];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const unsigned x = __funnelshift_r(v[j], v[j + 1], (c.s & 1) * 16);
+    out[j] = x & ((2 * j + 1 < c.n) ? 0xffffffffu : (2 * j < c.n) ? 0x0000ffffu : 0u);
+  }
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -108,107 +129,89 @@ __device__ __forceinline__ void mma_all(float (&acc)[MI][NI][4], const unsigned 
 }
 
 // k-tile `kt` of A (BM x BK, K contiguous) into registers: chunk `it` of this thread in r[it].
-__device__ __forceinline__ void gather_a(unsigned (&r)[CHUNKS_A / THREADS][4], const InT* __restrict__ A, int a_rows, int M, int N, int K, int kt, bool check_k) {
+__device__ __forceinline__ void gather_a(Raw (&r)[CHUNKS_A / THREADS], const InT* __restrict__ A, int a_rows, int M, int N, int K, int kt, bool check_k) {
   (void)M; (void)N; (void)check_k;
 #pragma unroll
   for (int it = 0; it < CHUNKS_A / THREADS; ++it) {
     const int c = it * THREADS + int(threadIdx.x);
     const int r_ = c / (BK / CHUNK);               // row of the tile
     const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk
-    const int k = kt * BK + kc;
     const int grow = a_rows + r_;
-    // Elements of the chunk inside M (pad.m=divisible) and K; the rest become zeros, which add 0 to every dot product.
-    const int n = 8;
+    // Elements of the chunk inside M (pad.m=divisible) and K; realign zeroes the rest, which then add 0 to every dot product.
+    r[it].n = 8;
     // pad.align=1: an odd K starts rows on any 2-byte boundary. Rather than 8 2-byte loads, load the aligned
-    // 16-byte blocks q and q+16 around the chunk (its first element is at byte p, q = p & ~15) and shift the 8
-    // elements out of the 32 bytes. A 16-byte-aligned block never crosses a page (nor a cache line), so
+    // 16-byte blocks q and q+16 around the chunk (its first element is at byte p, q = p & ~15); realign shifts
+    // the 8 elements out of the 32 bytes. A 16-byte-aligned block never crosses a page (nor a cache line), so
     // reading all of a block that holds a valid element cannot fault; a block holding none is not read.
-    const unsigned long long p = reinterpret_cast<unsigned long long>(A + (long long)grow * K + k);
-    const uint4* q = reinterpret_cast<const uint4*>(p & ~15ull);
-    const int s = int(p & 15ull) >> 1;             // element offset of the chunk inside block q
-    uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = make_uint4(0u, 0u, 0u, 0u);
-    lo = __ldg(q);
-    if (s + n > 8) hi = __ldg(q + 1);              // the chunk runs into the next block (never when p is aligned)
-    // Element offset s = 4*s4 + 2*s2 + s1: whole-register selects for s4 and s2 (no dynamically indexed
-    // array: that would live in local memory), then one funnel shift by 16 bits for s1.
-    const unsigned w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    unsigned u[6], v[5];
-#pragma unroll
-    for (int j = 0; j < 6; ++j) u[j] = (s & 4) ? w[j + 2] : w[j];
-#pragma unroll
-    for (int j = 0; j < 5; ++j) v[j] = (s & 2) ? u[j + 1] : u[j];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const unsigned x = __funnelshift_r(v[j], v[j + 1], (s & 1) * 16);
-      r[it][j] = x;
-    }
+    // A k-tile is BK * 2 bytes, a multiple of 16, so s and the block grid are the same for every k-tile: p
+    // leaves kt out, which lets the compiler keep s and the row's block address out of the k loop.
+    const unsigned long long p = reinterpret_cast<unsigned long long>(A + (long long)grow * K + kc);
+    const uint4* q = reinterpret_cast<const uint4*>(p & ~15ull) + kt * (BK / 8);
+    r[it].s = int(p & 15ull) >> 1;
+    r[it].lo = make_uint4(0u, 0u, 0u, 0u);
+    r[it].hi = make_uint4(0u, 0u, 0u, 0u);
+    r[it].lo = __ldg(q);
+    if (r[it].s + r[it].n > 8) r[it].hi = __ldg(q + 1);   // the chunk runs into the next block (never when p is aligned)
   }
 }
-// The registers of gather_a into ring stage `stage`.
-__device__ __forceinline__ void store_a(unsigned smem_base, const unsigned (&r)[CHUNKS_A / THREADS][4], int stage) {
+// The chunks gather_a loaded, realigned, into ring stage `stage`.
+__device__ __forceinline__ void store_a(unsigned smem_base, const Raw (&r)[CHUNKS_A / THREADS], int stage) {
 #pragma unroll
   for (int it = 0; it < CHUNKS_A / THREADS; ++it) {
     const int c = it * THREADS + int(threadIdx.x);
     const int r_ = c / (BK / CHUNK);
     const int kc = (c % (BK / CHUNK)) * CHUNK;
-    st_shared_16(smem_base + 2u * unsigned(SMEM_A + stage * A_STAGE + swz(r_ * BK + kc)), r[it]);
+    unsigned w[4];
+    realign(r[it], w);
+    st_shared_16(smem_base + 2u * unsigned(SMEM_A + stage * A_STAGE + swz(r_ * BK + kc)), w);
   }
 }
 __device__ __forceinline__ void load_a(unsigned smem_base, const InT* __restrict__ A, int a_rows, int M, int N, int K, int kt, int stage, bool check_k) {
-  unsigned r[CHUNKS_A / THREADS][4];
+  Raw r[CHUNKS_A / THREADS];
   gather_a(r, A, a_rows, M, N, K, kt, check_k);
   store_a(smem_base, r, stage);
 }
 
 // k-tile `kt` of B (BN x BK, K contiguous) into registers: chunk `it` of this thread in r[it].
-__device__ __forceinline__ void gather_b(unsigned (&r)[CHUNKS_B / THREADS][4], const InT* __restrict__ B, int b_rows, int M, int N, int K, int kt, bool check_k) {
+__device__ __forceinline__ void gather_b(Raw (&r)[CHUNKS_B / THREADS], const InT* __restrict__ B, int b_rows, int M, int N, int K, int kt, bool check_k) {
   (void)M; (void)N; (void)check_k;
 #pragma unroll
   for (int it = 0; it < CHUNKS_B / THREADS; ++it) {
     const int c = it * THREADS + int(threadIdx.x);
     const int r_ = c / (BK / CHUNK);               // row of the tile
     const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk
-    const int k = kt * BK + kc;
     const int grow = b_rows + r_;
-    // Elements of the chunk inside N (pad.n=divisible) and K; the rest become zeros, which add 0 to every dot product.
-    const int n = 8;
+    // Elements of the chunk inside N (pad.n=divisible) and K; realign zeroes the rest, which then add 0 to every dot product.
+    r[it].n = 8;
     // pad.align=1: an odd K starts rows on any 2-byte boundary. Rather than 8 2-byte loads, load the aligned
-    // 16-byte blocks q and q+16 around the chunk (its first element is at byte p, q = p & ~15) and shift the 8
-    // elements out of the 32 bytes. A 16-byte-aligned block never crosses a page (nor a cache line), so
+    // 16-byte blocks q and q+16 around the chunk (its first element is at byte p, q = p & ~15); realign shifts
+    // the 8 elements out of the 32 bytes. A 16-byte-aligned block never crosses a page (nor a cache line), so
     // reading all of a block that holds a valid element cannot fault; a block holding none is not read.
-    const unsigned long long p = reinterpret_cast<unsigned long long>(B + (long long)grow * K + k);
-    const uint4* q = reinterpret_cast<const uint4*>(p & ~15ull);
-    const int s = int(p & 15ull) >> 1;             // element offset of the chunk inside block q
-    uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = make_uint4(0u, 0u, 0u, 0u);
-    lo = __ldg(q);
-    if (s + n > 8) hi = __ldg(q + 1);              // the chunk runs into the next block (never when p is aligned)
-    // Element offset s = 4*s4 + 2*s2 + s1: whole-register selects for s4 and s2 (no dynamically indexed
-    // array: that would live in local memory), then one funnel shift by 16 bits for s1.
-    const unsigned w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    unsigned u[6], v[5];
-#pragma unroll
-    for (int j = 0; j < 6; ++j) u[j] = (s & 4) ? w[j + 2] : w[j];
-#pragma unroll
-    for (int j = 0; j < 5; ++j) v[j] = (s & 2) ? u[j + 1] : u[j];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const unsigned x = __funnelshift_r(v[j], v[j + 1], (s & 1) * 16);
-      r[it][j] = x;
-    }
+    // A k-tile is BK * 2 bytes, a multiple of 16, so s and the block grid are the same for every k-tile: p
+    // leaves kt out, which lets the compiler keep s and the row's block address out of the k loop.
+    const unsigned long long p = reinterpret_cast<unsigned long long>(B + (long long)grow * K + kc);
+    const uint4* q = reinterpret_cast<const uint4*>(p & ~15ull) + kt * (BK / 8);
+    r[it].s = int(p & 15ull) >> 1;
+    r[it].lo = make_uint4(0u, 0u, 0u, 0u);
+    r[it].hi = make_uint4(0u, 0u, 0u, 0u);
+    r[it].lo = __ldg(q);
+    if (r[it].s + r[it].n > 8) r[it].hi = __ldg(q + 1);   // the chunk runs into the next block (never when p is aligned)
   }
 }
-// The registers of gather_b into ring stage `stage`.
-__device__ __forceinline__ void store_b(unsigned smem_base, const unsigned (&r)[CHUNKS_B / THREADS][4], int stage) {
+// The chunks gather_b loaded, realigned, into ring stage `stage`.
+__device__ __forceinline__ void store_b(unsigned smem_base, const Raw (&r)[CHUNKS_B / THREADS], int stage) {
 #pragma unroll
   for (int it = 0; it < CHUNKS_B / THREADS; ++it) {
     const int c = it * THREADS + int(threadIdx.x);
     const int r_ = c / (BK / CHUNK);
     const int kc = (c % (BK / CHUNK)) * CHUNK;
-    st_shared_16(smem_base + 2u * unsigned(SMEM_B + stage * B_STAGE + swz(r_ * BK + kc)), r[it]);
+    unsigned w[4];
+    realign(r[it], w);
+    st_shared_16(smem_base + 2u * unsigned(SMEM_B + stage * B_STAGE + swz(r_ * BK + kc)), w);
   }
 }
 __device__ __forceinline__ void load_b(unsigned smem_base, const InT* __restrict__ B, int b_rows, int M, int N, int K, int kt, int stage, bool check_k) {
-  unsigned r[CHUNKS_B / THREADS][4];
+  Raw r[CHUNKS_B / THREADS];
   gather_b(r, B, b_rows, M, N, K, kt, check_k);
   store_b(smem_base, r, stage);
 }
@@ -264,7 +267,7 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
   }
   int read_stage = 0;             // stage holding k-tile t
   int write_stage = STAGES - 1;   // stage k-tile t+STAGES-1 goes to: the one k-tile t-1 used
-  unsigned ra[CHUNKS_A / THREADS][4], rb[CHUNKS_B / THREADS][4];   // pad.align=1: k-tile t+STAGES-1 in flight
+  Raw ra[CHUNKS_A / THREADS], rb[CHUNKS_B / THREADS];   // pad.align=1: k-tile t+STAGES-1 in flight
   int fill_stage = 0;             // where ra/rb go
   // pipeline.prefetch=true: ldmatrix of k-step kk+1 (across the tile boundary too) is in flight while
   // k-step kk's MMAs run, so ldmatrix latency never stalls the tensor cores.
