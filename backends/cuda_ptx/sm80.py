@@ -296,9 +296,10 @@ def _load_tile(cfg: Sm80Config, op: str) -> list[str]:
 
 def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
     """pad.align=1: k-tile `kt` of A or B in two halves, so the global loads of a tile STAGES-1 ahead are in flight
-    while the current tile's MMAs run: gather_<op> loads 8-element chunks into registers (no cp.async form copies
-    2 bytes, and an odd K leaves rows 2-byte aligned, so each chunk is shifted out of the one or two aligned 16-byte
-    blocks around it), store_<op> writes each chunk with one 16-byte shared store. load_<op> does both at once (prologue, stages=1)."""
+    while the current tile's MMAs run: gather_<op> loads the one or two aligned 16-byte blocks around each 8-element
+    chunk into registers (no cp.async form copies 2 bytes, and an odd K leaves rows 2-byte aligned); store_<op>
+    realigns each chunk and writes it with one 16-byte shared store. load_<op> does both at once (prologue,
+    stages=1)."""
     rows, dim, pad_rows = ("BM", "M", cfg.pad_m) if op == "A" else ("BN", "N", cfg.pad_n)
     fld = "pad.m" if op == "A" else "pad.n"
     ptr, base = ("A", "a_rows") if op == "A" else ("B", "b_rows")
@@ -321,13 +322,14 @@ def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
         "    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk",
         *(["    const int k = kt * BK + kc;"] if cfg.pad_k != "divisible" else []),
         f"    const int grow = {base} + r_;",
-        f"    // Elements of the chunk inside {dim} ({fld}={pad_rows}) and K; realign zeroes the rest, which then add 0 "
-        "to every dot product.",
+        f"    // Elements of the chunk inside {dim} ({fld}={pad_rows}) and K; realign zeroes the rest, which then add",
+        "    // 0 to every dot product.",
         f"    r[it].n = {n_expr};",
-        "    // pad.align=1: an odd K starts rows on any 2-byte boundary. Rather than 8 2-byte loads, load the aligned",
-        "    // 16-byte blocks q and q+16 around the chunk (its first element is at byte p, q = p & ~15); realign shifts",
-        "    // the 8 elements out of the 32 bytes. A 16-byte-aligned block never crosses a page (nor a cache line), so",
-        "    // reading all of a block that holds a valid element cannot fault; a block holding none is not read.",
+        "    // pad.align=1: an odd K starts rows on any 2-byte boundary. Rather than 8 2-byte loads, load the",
+        "    // aligned 16-byte blocks q and q+16 around the chunk (its first element is at byte p, q = p & ~15);",
+        "    // realign shifts the 8 elements out of the 32 bytes. A 16-byte-aligned block never crosses a page (nor a",
+        "    // cache line), so reading all of a block that holds a valid element cannot fault; a block holding none",
+        "    // is not read.",
         "    // A k-tile is BK * 2 bytes, a multiple of 16, so s and the block grid are the same for every k-tile: p",
         "    // leaves kt out, which lets the compiler keep s and the row's block address out of the k loop.",
         f"    const unsigned long long p = reinterpret_cast<unsigned long long>({ptr} + (long long)grow * K + kc);",
@@ -336,8 +338,8 @@ def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
         "    r[it].lo = make_uint4(0u, 0u, 0u, 0u);",
         "    r[it].hi = make_uint4(0u, 0u, 0u, 0u);",
         *(["    if (r[it].n > 0) r[it].lo = __ldg(q);"] if checked else ["    r[it].lo = __ldg(q);"]),
-        "    if (r[it].s + r[it].n > 8) r[it].hi = __ldg(q + 1);   // the chunk runs into the next block (never when p is "
-        "aligned)",
+        "    // The chunk runs into the next block (never when p is 16-byte aligned).",
+        "    if (r[it].s + r[it].n > 8) r[it].hi = __ldg(q + 1);",
         "  }",
         "}",
         f"// The chunks gather_{o} loaded, realigned, into ring stage `stage`.",

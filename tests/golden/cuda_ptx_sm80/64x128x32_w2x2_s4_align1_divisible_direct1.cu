@@ -137,12 +137,14 @@ __device__ __forceinline__ void gather_a(Raw (&r)[CHUNKS_A / THREADS], const InT
     const int r_ = c / (BK / CHUNK);               // row of the tile
     const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk
     const int grow = a_rows + r_;
-    // Elements of the chunk inside M (pad.m=divisible) and K; realign zeroes the rest, which then add 0 to every dot product.
+    // Elements of the chunk inside M (pad.m=divisible) and K; realign zeroes the rest, which then add
+    // 0 to every dot product.
     r[it].n = 8;
-    // pad.align=1: an odd K starts rows on any 2-byte boundary. Rather than 8 2-byte loads, load the aligned
-    // 16-byte blocks q and q+16 around the chunk (its first element is at byte p, q = p & ~15); realign shifts
-    // the 8 elements out of the 32 bytes. A 16-byte-aligned block never crosses a page (nor a cache line), so
-    // reading all of a block that holds a valid element cannot fault; a block holding none is not read.
+    // pad.align=1: an odd K starts rows on any 2-byte boundary. Rather than 8 2-byte loads, load the
+    // aligned 16-byte blocks q and q+16 around the chunk (its first element is at byte p, q = p & ~15);
+    // realign shifts the 8 elements out of the 32 bytes. A 16-byte-aligned block never crosses a page (nor a
+    // cache line), so reading all of a block that holds a valid element cannot fault; a block holding none
+    // is not read.
     // A k-tile is BK * 2 bytes, a multiple of 16, so s and the block grid are the same for every k-tile: p
     // leaves kt out, which lets the compiler keep s and the row's block address out of the k loop.
     const unsigned long long p = reinterpret_cast<unsigned long long>(A + (long long)grow * K + kc);
@@ -151,7 +153,8 @@ __device__ __forceinline__ void gather_a(Raw (&r)[CHUNKS_A / THREADS], const InT
     r[it].lo = make_uint4(0u, 0u, 0u, 0u);
     r[it].hi = make_uint4(0u, 0u, 0u, 0u);
     r[it].lo = __ldg(q);
-    if (r[it].s + r[it].n > 8) r[it].hi = __ldg(q + 1);   // the chunk runs into the next block (never when p is aligned)
+    // The chunk runs into the next block (never when p is 16-byte aligned).
+    if (r[it].s + r[it].n > 8) r[it].hi = __ldg(q + 1);
   }
 }
 // The chunks gather_a loaded, realigned, into ring stage `stage`.
@@ -181,12 +184,14 @@ __device__ __forceinline__ void gather_b(Raw (&r)[CHUNKS_B / THREADS], const InT
     const int r_ = c / (BK / CHUNK);               // row of the tile
     const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk
     const int grow = b_rows + r_;
-    // Elements of the chunk inside N (pad.n=divisible) and K; realign zeroes the rest, which then add 0 to every dot product.
+    // Elements of the chunk inside N (pad.n=divisible) and K; realign zeroes the rest, which then add
+    // 0 to every dot product.
     r[it].n = 8;
-    // pad.align=1: an odd K starts rows on any 2-byte boundary. Rather than 8 2-byte loads, load the aligned
-    // 16-byte blocks q and q+16 around the chunk (its first element is at byte p, q = p & ~15); realign shifts
-    // the 8 elements out of the 32 bytes. A 16-byte-aligned block never crosses a page (nor a cache line), so
-    // reading all of a block that holds a valid element cannot fault; a block holding none is not read.
+    // pad.align=1: an odd K starts rows on any 2-byte boundary. Rather than 8 2-byte loads, load the
+    // aligned 16-byte blocks q and q+16 around the chunk (its first element is at byte p, q = p & ~15);
+    // realign shifts the 8 elements out of the 32 bytes. A 16-byte-aligned block never crosses a page (nor a
+    // cache line), so reading all of a block that holds a valid element cannot fault; a block holding none
+    // is not read.
     // A k-tile is BK * 2 bytes, a multiple of 16, so s and the block grid are the same for every k-tile: p
     // leaves kt out, which lets the compiler keep s and the row's block address out of the k loop.
     const unsigned long long p = reinterpret_cast<unsigned long long>(B + (long long)grow * K + kc);
@@ -195,7 +200,8 @@ __device__ __forceinline__ void gather_b(Raw (&r)[CHUNKS_B / THREADS], const InT
     r[it].lo = make_uint4(0u, 0u, 0u, 0u);
     r[it].hi = make_uint4(0u, 0u, 0u, 0u);
     r[it].lo = __ldg(q);
-    if (r[it].s + r[it].n > 8) r[it].hi = __ldg(q + 1);   // the chunk runs into the next block (never when p is aligned)
+    // The chunk runs into the next block (never when p is 16-byte aligned).
+    if (r[it].s + r[it].n > 8) r[it].hi = __ldg(q + 1);
   }
 }
 // The chunks gather_b loaded, realigned, into ring stage `stage`.
