@@ -372,6 +372,9 @@ def fast_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
 
 
 _FAST_MAX = 1 << 14          # routes kept per process; dynamic shapes beyond that start the cache over
+# Zeroed workspaces kept per route and stream (split-K tile counters that each launch leaves at zero, so the
+# memset is paid once); past this many bytes per process a route zeroes a fresh one per call instead.
+_ZEROED_WORKSPACE_BUDGET = 256 << 20
 
 
 class _Counts:
@@ -417,6 +420,7 @@ class Dispatcher:
         self._lock = threading.RLock()
         self._routes: dict[tuple, tuple] = {}
         self._fast: dict[tuple, object] = {}
+        self._zeroed_bytes = 0                          # bytes held by routes' kept zeroed workspaces
         self._devices: dict[int, dict] = {}            # index -> {"ok": bool, "runners": {key: Runner|Exception}}
         self._classes: dict[tuple, str] = {}
         for dt, name in _DTYPES.items():
@@ -582,6 +586,20 @@ class Dispatcher:
         zero_ws = bool(getattr(runner, "zero_workspace", False))
         tls, mine_slow, stream_of = self._counts.tls, self._counts.mine, self._stream_of
         u8 = torch.uint8
+        # A zero_workspace kernel leaves its workspace as it needs it (l2ir/runtime.py), so this route keeps one
+        # zeroed workspace per stream (launches on one stream never overlap) and pays the memset once. Per route,
+        # not shared: another kernel or shape puts its counters where this one keeps partial sums.
+        kept: dict = {}
+
+        def keep(a, st):
+            w = a.new_zeros(ws_bytes, dtype=u8)
+            if a.is_cuda and torch.cuda.is_current_stream_capturing():
+                return w            # allocated and zeroed inside the graph: the replay zeroes it each time
+            with self._lock:
+                if self._zeroed_bytes + ws_bytes <= _ZEROED_WORKSPACE_BUDGET:
+                    self._zeroed_bytes += ws_bytes
+                    kept[st] = w
+            return w
 
         def serve(a, b, out=None):
             pa = a.data_ptr()
@@ -595,13 +613,16 @@ class Dispatcher:
                 mine["misaligned"] += 1
                 return fn(a, b) if out is None else fn(a, b, out=out)
             c = a.new_empty(shape) if out is None else out
+            st = stream_of(index)
             if ws_bytes:
-                w = (a.new_zeros if zero_ws else a.new_empty)(ws_bytes, dtype=u8)   # freed after us, stream-ordered
+                w = kept.get(st)
+                if w is None:
+                    w = keep(a, st) if zero_ws else a.new_empty(ws_bytes, dtype=u8)   # freed after us, stream-ordered
                 ws = w.data_ptr()
             else:
                 ws = 0
             try:
-                go(pa, pb, c.data_ptr(), ws, stream_of(index))
+                go(pa, pb, c.data_ptr(), ws, st)
             except Exception as e:  # noqa: BLE001 - a refused launch is answered by torch, and remembered
                 self._launch_failed(kkey, index, e)
                 mine["launch_failed"] += 1

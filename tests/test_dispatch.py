@@ -645,3 +645,45 @@ from l2ir import dispatch
 print(before, all(vars(l2ir)[n] is getattr(dispatch, n) for n in l2ir._DISPATCH))
 """
     assert _python(code) == "False True"
+
+
+class SplitKRunner(HostRunner):
+    """A split-K-like kernel: asks for a zeroed workspace, relies on its first 4 bytes being zero on entry (its
+    tile counter) and leaves them zero; the bytes after are scratch it overwrites."""
+
+    zero_workspace = True
+
+    def bind(self, m, n, k):
+        def go(a, b, c, ws, stream):
+            counter = _array(ws, 8)                   # float16 view of the first 16 bytes
+            assert (counter[:2] == 0).all(), "tile counter not zero on entry"
+            counter[2:] = 7.0                          # partial sums: scratch, never cleared
+            self(a, b, c, m, n, k)
+            self.workspaces.append(ws)
+        return go, 64
+
+    workspaces: list = []
+
+
+def test_zeroed_workspace_is_kept_per_route_and_stream(pkg_dir, monkeypatch):
+    """The memset of a zero_workspace kernel is paid once per route and stream, not per call; another route gets
+    its own (its counters may sit where this one keeps partial sums); past the budget every call zeroes a new one."""
+    SplitKRunner.workspaces = []
+    d = CpuDispatcher(dispatch.read_package(pkg_dir), runner=SplitKRunner)
+    dispatch._reset(d)
+    try:
+        w = rand(256, 256)
+        routes = [(rand(m, 256), w.t()) for m in (256, 248, 240)]       # b = W.t(): the b=f16:col class
+        assert all(d.lookup(a, b).reason == "l2ir" for a, b in routes)
+        (a, b), (a2, b2), (a3, b3) = routes
+        for _ in range(3):
+            check(d.eager(a, b), a, b)
+        assert len(set(SplitKRunner.workspaces)) == 1 and d._zeroed_bytes == 64
+        check(d.eager(a2, b2), a2, b2)
+        assert len(set(SplitKRunner.workspaces)) == 2 and d._zeroed_bytes == 128
+        monkeypatch.setattr(dispatch, "_ZEROED_WORKSPACE_BUDGET", 128)
+        for _ in range(2):                          # past the budget: a fresh zeroed workspace per call
+            check(d.eager(a3, b3), a3, b3)
+        assert d._zeroed_bytes == 128 and d.stats == {"l2ir": 6}
+    finally:
+        dispatch._reset()
