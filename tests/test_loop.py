@@ -266,8 +266,14 @@ def test_winners_are_retimed_on_fresh_samples_in_both_scenarios(tmp_path):
     s = tune(RecordsDB(tmp_path / "r.db"), seed=1)
     for st in s.states:
         w = st.done["winner"]
-        rows = s.db.measurements(problem=st.ptext, kernel=w["kernel"], run=s.run_id, purpose="retime")
+        rows = s.db.measurements(problem=st.ptext, kernel=w["kernel"], run=s.run_id, purpose="finalist")
         assert {r.scenario for r in rows} == {"offline", "server"}
+        # One "retime" record per scenario: its winner's median round (what export and `l2ir best` rank).
+        chosen = s.db.measurements(problem=st.ptext, run=s.run_id, purpose="retime")
+        assert sorted(r.scenario for r in chosen) == ["offline", "server"]
+        assert {r.scenario: r.kernel for r in chosen} == {"offline": w["kernel"],
+                                                          "server": st.done["server_winner"]["kernel"]}
+        rows = [r for r in chosen if r.kernel == w["kernel"]]
         search_rows = s.db.measurements(problem=st.ptext, kernel=w["kernel"], run=s.run_id, purpose="search")
         assert w["selected_speedup"] == pytest.approx(search_rows[0].speedup)
         off = next(r for r in rows if r.scenario == "offline")

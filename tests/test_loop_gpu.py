@@ -51,10 +51,13 @@ def test_the_loop_on_the_gpu(tmp_path, cache):
     for st in s.states:
         w = st.done["winner"]
         assert w is not None, st.done
-        retimed = db.measurements(problem=st.ptext, kernel=w["kernel"], run=s.run_id, purpose="retime")
+        retimed = db.measurements(problem=st.ptext, kernel=w["kernel"], run=s.run_id, purpose="finalist")
         assert {r.scenario for r in retimed} == {"offline", "server"}
+        chosen = db.measurements(problem=st.ptext, run=s.run_id, purpose="retime")
+        assert {r.scenario: r.kernel for r in chosen} == {"offline": w["kernel"],
+                                                          "server": st.done["server_winner"]["kernel"]}
         assert all(r.passed and r.environment == eid for r in retimed)
-        assert w["offline_speedup"] == pytest.approx(next(r.speedup for r in retimed if r.scenario == "offline"))
+        assert w["offline_speedup"] == pytest.approx(next(r.speedup for r in chosen if r.scenario == "offline"))
         assert db.ranking(st.ptext, eid)                                 # gate-clean timed candidates exist
         measured = [e for e in db.edits(s.run_id, st.ptext) if e["verdict"] == "measured"]
         assert measured and all(e["gpu_seconds"] > 0 for e in measured)
