@@ -48,6 +48,10 @@ class StandinConfig:
     offline_samples: int = 7
     server_samples: int = 15
     fail_one_in: int = 13         # kernels whose hash is 0 mod this fail the ragged-shapes gate
+    # Relative sigma of one evaluation's offset, shared by all its samples (a GPU's clocks, L2 state and placement
+    # move a whole trial, so a median does not average it out). Above 0 every evaluation of a kernel on a problem
+    # draws afresh (the n-th one from its own seed), as on a GPU; 0 gives every evaluation the same samples.
+    eval_noise: float = 0.0
 
 
 def _efficiency(kernel: Kernel) -> float:
@@ -121,6 +125,7 @@ class StandinEvaluator:
         self.environment = dict(STANDIN_ENV)
         self.last_cost_s = 0.0
         self.calls = 0
+        self._evaluations: dict[tuple[str, str], int] = {}
 
     def __enter__(self):
         return self
@@ -153,13 +158,18 @@ class StandinEvaluator:
                     artifact_key="standin", compile_seconds=0.0, baseline="torch.matmul (stand-in model)")
         out = []
         timed = time_kernel and all(v.passed for v in verdicts)
+        nth = self._evaluations.get((h, ptext), 0)
+        self._evaluations[(h, ptext)] = nth + 1
+        fresh = (nth,) if cfg.eval_noise > 0 else ()
         for s in scenarios:
             if not timed or s == "gates":
                 out.append(Measurement(scenario=s, **base))
                 continue
-            rng = np.random.default_rng(_seed_of(cfg.seed, h, ptext, s, ",".join(scenarios)))
+            rng = np.random.default_rng(_seed_of(cfg.seed, h, ptext, s, ",".join(scenarios), *fresh))
             count = cfg.offline_samples if s == "offline" else cfg.server_samples
             kt, bt = kernel_time_us(kernel, problem), baseline_time_us(problem)
+            if cfg.eval_noise > 0:
+                kt *= math.exp(rng.normal(0, cfg.eval_noise))
             if s == "server":
                 kt, bt = kt * 1.08 + 4.0, bt * 1.06 + 4.0             # cold L2 and a launch from idle
             ks = list(kt * np.exp(rng.normal(0, cfg.noise, count)))
