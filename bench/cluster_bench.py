@@ -83,7 +83,7 @@ def run_once(name: str, gpus: int, args, out_dir: Path, kill_after: int | None =
         cfg = TuneConfig(shapes=SHAPES[:args.shapes], policy=args.policy, seed=args.seed,
                          budget_candidates=args.budget, batch=args.batch, init_size=args.init_size, arch="sm90a",
                          mode=mode, interleave=True, cache_dir=args.cache_dir, device_sm="sm_90",
-                         budget_wall_s=args.budget_seconds)
+                         budget_wall_s=args.budget_seconds, finalists=args.finalists)
         search = distribute(ptx_search_class()(cfg, db, ev, rt, command=" ".join(sys.argv)), cluster)
         killer = None
         if kill_after is not None:
@@ -156,6 +156,8 @@ def parse_args(argv=None):
     ap.add_argument("--init-size", type=int, default=4)
     ap.add_argument("--policy", default="random")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--finalists", type=int, default=3,
+                    help="candidates per shape re-timed in rounds before the winner is chosen (1: the incumbent only)")
     ap.add_argument("--kill-after", type=int, default=12, help="evaluations before a GPU worker is killed")
     ap.add_argument("--budget-seconds", type=float, default=140.0, help="wall seconds per run (3 runs fit 590 s)")
     ap.add_argument("--cache-dir", default=".l2ir-cache")

@@ -13,6 +13,7 @@ shown and never rank against a GPU's.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -265,7 +266,7 @@ def cmd_tune(args) -> int:
                              budget_candidates=args.budget_candidates, budget_gpu_s=args.budget_gpu_seconds,
                              budget_wall_s=args.budget_seconds, batch=args.batch, arch=args.target, mode=mode,
                              cache_dir=args.cache_dir, device_sm=args.device_sm, interleave=args.interleave,
-                             init_size=args.init_size)
+                             init_size=args.init_size, finalists=args.finalists)
             try:
                 search = Search(cfg, db, ev, rt, progress=view.update, command=command)
             except ValueError as e:
@@ -724,6 +725,16 @@ def _plots(db, eid: str, rows: list[dict], out: Path, label: str, only_run: int 
     return paths
 
 
+def _finalists(text: str) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"--finalists {text}: expected a whole number of at least 1")
+    return k
+
+
 def add_parsers(sub, shape_type) -> None:
     """Register tune, runs, best, report and db on the `l2ir` parser."""
     s = sub.add_parser("tune", help="search kernels for shapes (GPU; --compile-only or --standin without one)")
@@ -742,6 +753,9 @@ def add_parsers(sub, shape_type) -> None:
                    help="step 0's candidates per shape: seeds, nearby shapes' winners, sweeps (default 6)")
     s.add_argument("--interleave", action="store_true",
                    help="step all shapes in rounds, each round's kernels compiled together (many shapes)")
+    s.add_argument("--finalists", type=_finalists, default=3,
+                   help="the best candidates per shape re-timed in interleaved rounds; each scenario's winner is "
+                        "the best median fresh speedup (default 3; 1: the incumbent alone, timed once)")
     s.add_argument("--seed", type=int, default=0, help="the same seed makes the same proposals")
     s.add_argument("--target", default="sm90a", help="the GPU's target (proposals use any rule it runs)")
     s.add_argument("--problem", help="problem class 'gemm m=1 n=1 k=1 a=f16:row ...' (sizes come from shapes)")

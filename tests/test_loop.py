@@ -740,3 +740,27 @@ def test_a_kill_during_the_finalist_rounds_keeps_the_finished_rounds(tmp_path):
     for st in resumed.states:
         chosen = db.measurements(problem=st.ptext, run=s.run_id, purpose="retime")
         assert sorted(r.scenario for r in chosen) == ["offline", "server"]
+
+
+def test_export_picks_each_scenarios_winner_from_the_records(tmp_path):
+    from l2ir.export import choose
+
+    db = RecordsDB(tmp_path / "r.db")
+    cfg = TuneConfig(shapes=CLOSE_SHAPES[:4], mode="standin", budget_candidates=10, init_size=10, neighbours=0,
+                     seed=0)
+    ev, rt = (StandinEvaluator(StandinConfig(sc, 2, noise=0.005, eval_noise=0.03))
+              for sc in (("offline",), ("offline", "server")))
+    s = Search(cfg, db, ev, rt)
+    s.run()
+    eid = environment_id(ev.environment)
+    differ = 0
+    for scenario, key in (("offline", "winner"), ("server", "server_winner")):
+        picked = {(c.m, c.n, c.k): c for c in choose(db, eid, scenario)}
+        for st in s.states:
+            w = st.done[key]
+            assert scenario in w["chosen_for"]
+            c = picked[st.shape]
+            assert (c.kernel, c.purpose) == (w["kernel"], "retime"), (scenario, st.shape, c.reason)
+        differ += scenario == "server" and sum(st.done["winner"]["kernel"] != st.done[key]["kernel"]
+                                               for st in s.states)
+    assert differ                  # at least one shape's scenarios chose different kernels, and export kept both
