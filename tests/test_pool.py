@@ -301,3 +301,33 @@ def test_real_evaluators_that_cannot_start_say_so_once_each_and_fail_the_jobs():
     assert all("no evaluator could start" in ms[0].errors[0] for ms in out)
     assert sorted(s.split(" could not")[0] for s in said) == ["l2ir: GPU 0", "l2ir: GPU 1"]
     assert pool.size == 0 and pool.jobs_per_worker == [0, 0]
+
+
+def test_a_pooled_retimer_times_a_round_of_finalists_at_once_and_resumes_after_a_kill(tmp_path):
+    cfg = TuneConfig(shapes=SHAPES[:2], mode="standin", budget_candidates=8, init_size=4, seed=3)
+    ref = Search(cfg, RecordsDB(tmp_path / "ref.db"), StandinEvaluator(StandinConfig(("offline",), 3)), retimer(3))
+    ref.run()
+
+    def pooled_retimer(batches):
+        pool = EvaluatorPool([StandinEvaluator(StandinConfig(("offline", "server"), 3)) for _ in range(3)])
+        real = pool.evaluate_many
+        pool.evaluate_many = lambda jobs: batches.append(len(jobs)) or real(jobs)
+        return pool
+
+    batches: list[int] = []
+    db = RecordsDB(tmp_path / "r.db")
+    # Killed writing the first shape's second round (the 5th finalist record): its first round stays.
+    search_rows = len([e for e in ref.db.edits(ref.run_id, ref.states[0].ptext) if e["verdict"] in ("measured",
+                                                                                                     "failed")])
+    s = killed_run(db, cfg, "add_many", search_rows + 5, (pool_of(2, 3), pooled_retimer(batches)))
+    assert batches == [3, 3]                        # each round's three finalists as one batch
+    assert len(db.measurements(run=s.run_id, purpose="finalist")) == 3 * 2
+    batches.clear()
+    resumed = Search.resume(db, s.run_id, pool_of(2, 3), pooled_retimer(batches))
+    resumed.run()
+    assert batches == [3] * 5                       # the first shape's rounds 1-2, the second's 0-2
+    assert trace(db, s.run_id) == trace(ref.db, ref.run_id)
+    assert [x.done for x in resumed.states] == [x.done for x in ref.states]
+    ours = [(r.kernel, r.scenario, r.purpose, r.speedup) for r in db.measurements(run=s.run_id)]
+    theirs = [(r.kernel, r.scenario, r.purpose, r.speedup) for r in ref.db.measurements(run=ref.run_id)]
+    assert sorted(ours, key=str) == sorted(theirs, key=str)
