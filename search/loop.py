@@ -1,6 +1,6 @@
 """The search loop: per problem, a population of kernels grows by policy proposals until a budget is spent; the
-incumbent changes only on a win larger than the measured noise, and the final winner is timed again on fresh
-samples before it is reported.
+incumbent changes only on a win larger than the measured noise, and the best few are timed again on fresh samples
+before a winner is chosen and reported.
 
     for each shape:
         step 0   the initial population: the rule-based seeds (l2ir/seed.py), the best kernels of the nearest solved
@@ -10,8 +10,9 @@ samples before it is reported.
                  crash) -> dedupe (content hash + backend) -> lower + compile the batch in parallel (each kernel once
                  per problem class, cached on disk) -> evaluate (the batch at once on a pool of GPUs, search/pool.py)
                  -> record, in proposal order -> policy.update(Feedback)
-        end      re-time the incumbent (fresh samples, offline and server, interleaved with torch.matmul); those are
-                 the reported numbers, never the sample it was selected on
+        end      re-time the top `finalists` members (the incumbent first) in rounds, round-robin, on fresh samples
+                 (offline and server, interleaved with torch.matmul); each scenario's winner is the best median
+                 fresh speedup, and those are the reported numbers, never the sample it was selected on
     budgets: candidates per shape, GPU-seconds per run (shared fairly among the shapes left), wall seconds.
 Lowering, compiling and evaluating go through the one candidate pipeline (search/pipeline.py); the loop legalizes
 and dedupes per shape (a duplicate is a recorded verdict) and writes the records.
