@@ -370,15 +370,19 @@ def print_results(search, states, console) -> None:
     for st in states:
         d = st.done or {}
         w = d.get("winner") or {}
+        sw = d.get("server_winner") or w
         f = lambda x: f"{x:.3f}" if isinstance(x, (int, float)) else "-"  # noqa: E731
+        server = f(sw.get("server_speedup")) + ("" if sw.get("kernel") == w.get("kernel") else
+                                                 f" ({sw['kernel'][:8]})")
         t.add_row("x".join(map(str, st.shape)), f"{2 * math.prod(st.shape) / 1e9:.2f}",
-                  (w.get("kernel") or "-")[:12], f(w.get("offline_speedup")), f(w.get("server_speedup")),
+                  (w.get("kernel") or "-")[:12], f(w.get("offline_speedup")), server,
                   f(w.get("selected_speedup")), str(st.candidates), str(st.failures), f"{st.gpu_s:.1f}",
                   str(d.get("stopped_by", "not started")))
     console.print(t)
     if mode == "gpu":
-        console.print("offline x / server x: the winner re-timed on fresh samples, interleaved with torch.matmul "
-                      "(not the samples it was selected on)")
+        console.print("offline x / server x: each scenario's winner among the finalists, its median over rounds "
+                      "re-timed on fresh samples, interleaved with torch.matmul (not the samples it was selected on); "
+                      "the server winner's kernel in brackets where it is another one")
     elif mode == "standin":
         console.print(f"[red]{STANDIN_LABEL}[/red]: a model of tiles, waves and stages, for testing the search")
     console.print(f"records: {search.db.path} (l2ir best --shape MxNxK, l2ir report, l2ir tune --resume "
