@@ -896,7 +896,7 @@ class Search:
         hashes = {m.kernel.content_hash() for m in wave}
         rows = [r for r in self._finalist_rows(st) if r[1] in hashes]
         done = 1 + max((r[5] for r in rows), default=-1)
-        out_of = {r[1] for r in rows if not r[3]}
+        out_of = {r[1] for r in rows if not r[3]} | _missed_a_round(rows, hashes, done)
         for m in wave:
             if m.kernel.content_hash() in out_of:
                 continue
@@ -932,12 +932,15 @@ class Search:
     def _choose(self, st: ShapeState, wave: list[Member]) -> dict:
         """Per scenario, the finalist of the wave with the best median fresh speedup (the lower median: a real
         round's record), among those that passed every round: {scenario: (member, record id, speedups)}."""
-        rows = self._finalist_rows(st)
+        hashes = {m.kernel.content_hash() for m in wave}
+        rows = [r for r in self._finalist_rows(st) if r[1] in hashes]
+        # An evaluation that ended in an error left no record: that finalist is out as if it had failed a gate.
+        missed = _missed_a_round(rows, hashes, 1 + max((r[5] for r in rows), default=-1))
         best: dict = {}
         for m in wave:
             h = m.kernel.content_hash()
             mine = [r for r in rows if r[1] == h]
-            if not mine or not all(r[3] and r[4] for r in mine):
+            if not mine or h in missed or not all(r[3] and r[4] for r in mine):
                 continue
             for scenario in sorted({r[2] for r in mine}):
                 got = sorted((r for r in mine if r[2] == scenario), key=lambda r: (r[4], r[0]))
@@ -970,6 +973,11 @@ class Search:
                 "server_us": num("server", 1), "server_torch_us": num("server", 2),
                 "offline_rounds": [float(r[4]) for r in rows if r[2] == "offline"],
                 "chosen_for": sorted(sc for sc, v in chosen.items() if v[0] is m)}
+
+
+def _missed_a_round(rows: list[tuple], hashes: set[str], rounds: int) -> set[str]:
+    """The finalists (of `hashes`) without a record in one of the first `rounds` rounds."""
+    return {h for h in hashes if {r[5] for r in rows if r[1] == h} != set(range(rounds))}
 
 
 def _feedback(ctx, p, verdict: str, reward: float | None, detail: str, child: Kernel | None):

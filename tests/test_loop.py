@@ -764,3 +764,26 @@ def test_export_picks_each_scenarios_winner_from_the_records(tmp_path):
         differ += scenario == "server" and sum(st.done["winner"]["kernel"] != st.done[key]["kernel"]
                                                for st in s.states)
     assert differ                  # at least one shape's scenarios chose different kernels, and export kept both
+
+
+class RaisingRetimer(FlakyRetimer):
+    """Raises on one kernel's `nth` evaluation (a worker that died): no record of that round."""
+
+    def evaluate(self, kernel, problem, plan=None, artifact=None, time_kernel=True, skip_gates=()):
+        if kernel.content_hash() == self.bad and self.seen + 1 == self.nth:
+            self.seen += 1
+            raise RuntimeError("worker lost")
+        return super().evaluate(kernel, problem, plan, artifact, time_kernel, skip_gates)
+
+
+def test_a_finalist_whose_round_ended_in_an_error_is_not_chosen(tmp_path):
+    ref = tune(RecordsDB(tmp_path / "ref.db"), shapes=SHAPES[:1], seed=1)
+    bad = ref.states[0].done["winner"]["kernel"]
+    db = RecordsDB(tmp_path / "r.db")
+    cfg = TuneConfig(shapes=SHAPES[:1], mode="standin", budget_candidates=12, seed=1)
+    s = Search(cfg, db, StandinEvaluator(StandinConfig(("offline",), 1)), RaisingRetimer(bad, nth=2))
+    s.run()
+    done = s.states[0].done
+    assert done["winner"] is not None and bad not in (done["winner"]["kernel"], done["server_winner"]["kernel"])
+    rows = db.measurements(problem=s.states[0].ptext, kernel=bad, run=s.run_id, purpose="finalist")
+    assert len([r for r in rows if r.scenario == "offline"]) == 1 and all(r.passed for r in rows)
