@@ -14,7 +14,8 @@ seconds, a CUTLASS one in a minute), and the compile cache is warmed by the firs
 evaluation. Throughput: candidates evaluated per minute of evaluation wall time (the time the search waited on its
 GPU workers), and per GPU-minute (that times the GPUs). Winners: per shape, the re-timed winner of each run; two
 runs agree when they pick the same kernel, and where they do not the JSON gives both re-timed speedups (the search
-selects on noisy samples: a different winner within the measured spread is a tie, not an error).
+chooses among its --finalists best, default 3, by their median over re-timed rounds; 1 is the single re-timed
+incumbent: a different winner within the measured spread is a tie, not an error).
 
 The JSON (--out) holds the environment (GPU, driver, CUDA, torch, from the evaluator's own record), the date, the
 command, the configuration, per run its numbers, and the summary: speedup of 2 GPU workers over 1 (issue target
