@@ -13,8 +13,9 @@ the project's grammar and checked as strictly as any other proposal.
 
 Constrained decoding (`constrained=True`, L2IR_LLM_CONSTRAINED=1; backends that score continuations: the local
 model): instead of free text, the model ranks the legal children of the edit operators (policy.actions) by the
-log-probability of their edit lines as its reply, and the step draws from that distribution. Every proposal parses
-and verifies by construction, and log p(edit | prompt) is the explicit policy a policy-gradient update trains.
+log-probability of their edit lines as its reply (per token by default: LocalBackend's `scoring`), and the step
+draws from that distribution. Every proposal parses and verifies by construction, and the softmax over the options'
+scores is the explicit policy a policy-gradient update trains.
 
 Host code is never run: a CUDA block with a host main(), a <<<...>>> launch, a CUDA runtime call (cudaMalloc,
 cudaMemcpy, ...) or a process/file call is refused whole, with the reason and its line, rather than cut down to its
@@ -400,10 +401,13 @@ class LLMPolicy:
         self.stats["legal"] += len(good)
         reply = Reply(reply_text, getattr(self.backend, "model", "?"), 0, 0, latency, 0.0)
         call = self._record(ctx, json.dumps(messages), reply, "legal", [], good)
+        scoring = getattr(self.backend, "scoring", None)     # mean: per token; sum: the edit's whole log-prob
+        label = f"{scoring} " if isinstance(scoring, str) else ""
         out = []
         for (p, where), i in zip(good, picked):
             tagged = Proposal(edits=p.edits, backend=p.backend,
-                              note=f"{p.note} (log p {scores[i]:.2f}" + (f", llm call {call.id})" if call.id else ")"))
+                              note=f"{p.note} ({label}log p {scores[i]:.2f}"
+                              + (f", llm call {call.id})" if call.id else ")"))
             self._pending[id(tagged)] = call
             out.append(tagged)
         return out

@@ -19,12 +19,15 @@ import:
     L2IR_LLM_CONCURRENCY  requests in flight at once (4) L2IR_LLM_PRICE        "IN,OUT" dollars per 1M tokens
     L2IR_LLM_DEVICE       the local model's torch device (cpu; cuda on a GPU machine)
     L2IR_LLM_ADAPTER      a LoRA adapter directory for the local model (what `l2ir train-policy --out` writes)
+    L2IR_LLM_SCORING      how the local model scores a constrained option: mean (log-prob per token, the default)
+                          or sum (the whole edit's log-prob); default: what the adapter was trained with
     (the policy's own: L2IR_LLM_MAX_TOKENS per reply (768), L2IR_LLM_REPAIRS per step (1), L2IR_LLM_TEMPERATURE)
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import threading
 import time
@@ -39,6 +42,29 @@ Message = dict   # {"role": "system" | "user" | "assistant", "content": str}
 
 class BackendError(L2IRError):
     """A backend that cannot be built (a missing package, a model file that is not there, a bad setting)."""
+
+
+# How a continuation (a constrained option's edit lines) is scored: "sum" of its tokens' log-probs, the sequence
+# log-probability, which puts nearly all the mass on the shortest edits whatever they say (every token adds a
+# negative term); or "mean", the log-prob per token, which ranks edits of any length on the same scale.
+SCORINGS = ("mean", "sum")
+# An adapter whose train_curve.json names no scoring was trained before the option existed: with "sum".
+LEGACY_SCORING = "sum"
+# "mean" is the per-token log-prob times this many tokens (the shortest one-line edits' length in SmolLM2's
+# tokenizer): a 10-token edit scores the same under both, so a temperature means the same under both. A bare
+# per-token mean moves ~10x less per update than a sum: at temperature 1 the softmax stays near uniform and a
+# policy gradient barely moves it (a random 2-layer model, a reward on 5 of 39 edits: 0.14 -> 0.15 of the mass
+# in 8 steps at any learning rate tried, against 0.17 -> 0.78 in 6 with the scale).
+MEAN_TOKENS = 10
+
+
+def option_score(sum_logp, n_tokens, scoring: str):
+    """The score of a continuation from its summed token log-prob and its token count (floats or torch tensors)."""
+    if scoring == "sum":
+        return sum_logp
+    if scoring == "mean":
+        return sum_logp * (MEAN_TOKENS / n_tokens)
+    raise BackendError(f"scoring {scoring!r}: expected one of {', '.join(SCORINGS)}")
 
 
 @dataclass(frozen=True)
@@ -202,11 +228,12 @@ class LocalBackend:
     `prefill` starts the assistant's reply (a small model told to write an edit block follows an opened ```l2ir
     block far more often than it opens one); it is part of the returned text. `adapter` is a LoRA adapter directory
     (peft format, what `l2ir train-policy` writes) merged into the weights; None: L2IR_LLM_ADAPTER if set; False:
-    none."""
+    none. `scoring` (SCORINGS) is how `score` ranks continuations; None: L2IR_LLM_SCORING if set, else the one the
+    adapter was trained with (its train_curve.json), else "mean"."""
 
     def __init__(self, model: str | os.PathLike | None = None, device: str | None = None,
                  prefill: str = "```l2ir\n", threads: int | None = None,
-                 adapter: str | os.PathLike | None | bool = None):
+                 adapter: str | os.PathLike | None | bool = None, scoring: str | None = None):
         try:
             import torch
             import transformers
@@ -239,6 +266,10 @@ class LocalBackend:
         self.adapter = str(adapter) if adapter else None
         if adapter:
             self.lm = _merged_adapter(self.lm, Path(adapter))
+        self.scoring = scoring or _env("L2IR_LLM_SCORING") or (adapter and _adapter_scoring(Path(adapter))) or "mean"
+        if self.scoring not in SCORINGS:
+            raise BackendError(f"{'L2IR_LLM_SCORING' if not scoring else 'scoring'}={self.scoring!r}: expected one "
+                               f"of {', '.join(SCORINGS)}")
         self.lm.to(self.device).eval()
         # transformers renamed the forward's cache argument (past_key_values -> cache); use what this version takes.
         import inspect
@@ -270,11 +301,14 @@ class LocalBackend:
                          f"generation failed: {_short(str(e))}")
 
 
-    def score(self, messages: Sequence[Message], continuations: Sequence[str]) -> list[float]:
-        """The log-probability of each continuation as the start of the reply (after the prefill): what the
-        constrained mode of the LLM policy ranks legal edits by. The prompt is run once; each continuation reuses
-        its key/value cache, cut back to the prompt afterwards."""
+    def score(self, messages: Sequence[Message], continuations: Sequence[str],
+              scoring: str | None = None) -> list[float]:
+        """The score of each continuation as the start of the reply (after the prefill): its log-probability, per
+        token or summed (`scoring`, default self.scoring); what the constrained mode of the LLM policy ranks legal
+        edits by. The prompt is run once; each continuation reuses its key/value cache, cut back to the prompt
+        afterwards."""
         torch = self.torch
+        scoring = scoring or self.scoring
         prompt = self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         enc = self.tok(prompt + self.prefill, return_tensors="pt", add_special_tokens=False).to(self.device)
         n = enc["input_ids"].shape[1]
@@ -291,8 +325,18 @@ class LocalBackend:
                     logp = torch.log_softmax(o.logits[0].float(), -1)
                     lp = lp + logp.gather(1, ids[0, 1:, None]).sum()
                     cache.crop(-(cache.get_seq_length() - n))   # negative: tokens to drop (old and new API)
-                scores.append(float(lp))
+                scores.append(float(option_score(lp, ids.shape[1], scoring)))
         return scores
+
+
+def _adapter_scoring(adapter: Path) -> str | None:
+    """The scoring an adapter was trained with, from the train_curve.json `l2ir train-policy --out` writes next to
+    it (LEGACY_SCORING when the file predates the option; None when there is no such file)."""
+    try:
+        config = json.loads((adapter / "train_curve.json").read_text()).get("config") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    return config.get("scoring", LEGACY_SCORING)
 
 
 def _merged_adapter(lm, adapter: Path):

@@ -1,8 +1,8 @@
 """`l2ir train-policy`: reinforcement learning of the local LLM policy on measured rewards (GRPO-style, LoRA).
 
     l2ir train-policy --db DB --train-shapes 1024x1024x1024 2048x1024x2048 --held-shapes 2048x2048x2048
-                      [--mode constrained|free] [--steps 8] [--group 8] [--lr 2e-4] [--lora-r 8] [--out DIR]
-                      [--standin]
+                      [--mode constrained|free] [--scoring mean|sum] [--steps 8] [--group 8] [--lr 2e-4]
+                      [--lora-r 8] [--out DIR] [--standin]
 
 One step, for each of `batch` training shapes (taken in turn):
 1. prompt: the LLM policy's own (policy/prompts.py: the problem, the shape's current kernel with its measured
@@ -10,8 +10,11 @@ One step, for each of `batch` training shapes (taken in turn):
    backend at first, then the best child measured so far (as the search's state moves on).
 2. a group of G replies from the current model:
    - constrained: the model's distribution over the legal children of the edit operators (policy.actions): the
-     softmax of log p(edit lines | prompt) over the options, at the temperature. Every reply verifies, so what
-     training moves is the reward.
+     softmax over the options of their scores, at the temperature. `--scoring mean` (the default): an option's
+     score is log p(edit lines | prompt) per token (times MEAN_TOKENS = 10, so a 10-token edit scores the same
+     under both and the temperature keeps its meaning); `sum`: the whole log p, which gives the shortest edits
+     nearly all the mass whatever they say (runs recorded before the option existed used `sum`; the run's config
+     in the records DB and train_curve.json name it). Every reply verifies, so what training moves is the reward.
    - free: G sampled completions of the reply (after the ```l2ir prefill), parsed back with the project's grammar;
      what training moves first is the valid-reply rate.
 3. rewards: the natural log of the measured speedup over torch.matmul, through search/pipeline.py (legalize, lower,
@@ -21,10 +24,10 @@ One step, for each of `batch` training shapes (taken in turn):
    minute, and the compile, not the GPU, is what a training step waits for. A kernel measured before (in this run
    or an earlier one on the same DB) is answered by the records DB: no GPU time for repeats.
 4. advantages normalised within the group, A = (r - mean) / (std + eps); loss = -mean(A * log p(reply | prompt))
-   (+ `kl` times a k3 estimate of KL to the frozen base model: the adapter switched off). For the constrained mode
-   log p is the sequence log-probability of the edit lines: the advantages sum to zero within a group, so the
-   softmax normaliser over the options drops out of the gradient and this is the exact policy gradient of the
-   options' distribution.
+   (+ `kl` times KL to the frozen base model: the adapter switched off). Constrained mode: log p(reply) is the
+   log-probability of the chosen option under the softmax over every option's score, the very distribution it
+   was drawn from (one forward of the options, with gradients, serves both), and the KL is exact over the
+   options. Free mode: log p is the sampled reply's sequence log-probability, the KL a k3 estimate.
 
 Every reply is a trajectory in the records DB's llm_calls table (prompt, reply, parse verdict, errors, the outcome
 and reward of each proposal), under a run of its own (`l2ir runs`); `--out` gets the LoRA adapter (peft format)
@@ -52,7 +55,7 @@ from l2ir.text import parse_problem, print_problem
 from .actions import diff_edits, fit_backend, legal_children, to_sm80
 from .base import Context, Dedupe, Measured, try_legalize
 from .llm import LLMPolicy, parse_reply, verifier_error
-from .model_backends import Reply
+from .model_backends import SCORINGS, Reply, option_score
 from .prompts import system_prompt, user_prompt
 
 # The loop's worth of a failed or illegal candidate (search/loop.py FAIL_REWARD), on the log-speedup scale.
@@ -77,6 +80,7 @@ class TrainConfig:
     lora_alpha: int | None = None    # None: 2 * lora_r
     kl: float = 0.0                  # weight of the KL estimate to the frozen base
     mode: str = "constrained"
+    scoring: str = "mean"            # constrained mode: an option's score, log p per token (mean) or summed (sum)
     temperature: float = 1.0
     max_tokens: int = 48             # free mode: tokens per reply
     fail_reward: float = FAIL_REWARD
@@ -90,6 +94,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise TrainError(f"--mode {self.mode!r}: expected one of {', '.join(MODES)}")
+        if self.scoring not in SCORINGS:
+            raise TrainError(f"--scoring {self.scoring!r}: expected one of {', '.join(SCORINGS)}")
         for name in ("steps", "group", "batch", "lora_r", "max_tokens"):
             if getattr(self, name) < 1:
                 raise TrainError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -357,6 +363,17 @@ class Sample:
     proposals: list[tuple[str, Kernel, str]] = field(default_factory=list)   # (edit text, child, backend)
     outcomes: list[dict] = field(default_factory=list)
     reward: float = 0.0
+    draw: OptionDraw | None = None                 # constrained mode: the distribution it was drawn from
+    option: int = -1                               # constrained mode: its index in draw
+
+
+@dataclass
+class OptionDraw:
+    """A constrained group's distribution: log-softmax of the options' scores at the temperature (a torch vector,
+    with gradients while training), and the continuations scored (for the KL to the base)."""
+
+    logp: object
+    texts: list[str]
 
 
 @dataclass
@@ -422,42 +439,46 @@ class Trainer:
         return self._sample_free(st, messages, g)
 
     def option_distribution(self, st: ShapeState, messages: list[dict]):
-        """The constrained policy: the options and their probabilities (softmax of log p(edits) / temperature)."""
+        """The constrained policy: the options and their probabilities (softmax of their scores / temperature)."""
         import numpy as np
+        import torch
 
         opts = options(st.parent, st.problem, self.config.arch, st.backend)
         if not opts:
             return [], np.zeros(0)
-        scores = self.option_logprobs(messages, [o.text + "```" for o in opts])
-        z = scores / self.config.temperature
-        p = np.exp(z - z.max())
-        return opts, p / p.sum()
+        with torch.no_grad():
+            logp = self.option_policy(messages, [o.text + "```" for o in opts])
+        return opts, _probabilities(logp)
 
-    def option_logprobs(self, messages, texts: list[str], chunk: int = 64):
-        """log p(text | prompt) of each continuation, batched (LocalBackend.score runs them one at a time)."""
-        import numpy as np
+    def option_policy(self, messages, texts: list[str], reference: bool = False, chunk: int = 64):
+        """log-softmax over the continuations `texts` of their scores (config.scoring) / temperature: a torch
+        vector, with gradients unless under no_grad or `reference` (the frozen base). Batched, `chunk` at a time
+        (LocalBackend.score runs them one at a time)."""
         import torch
 
         prompt = prompt_ids(self.be, messages)
         ids = [self.be.tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-        out = []
-        with torch.no_grad():
-            for i in range(0, len(ids), chunk):
-                lp, _, _ = sequence_logprobs(self.be, prompt, ids[i:i + chunk])
-                out += lp.double().cpu().tolist()
-        return np.array(out)
+        scores = []
+        for i in range(0, len(ids), chunk):
+            lp, _, valid = sequence_logprobs(self.be, prompt, ids[i:i + chunk], reference=reference)
+            scores.append(option_score(lp, valid.sum(1), self.config.scoring))
+        return torch.log_softmax(torch.cat(scores).double() / self.config.temperature, 0)
 
     def _sample_options(self, st, messages, g) -> list[Sample]:
-        opts, probs = self.option_distribution(st, messages)
+        opts = options(st.parent, st.problem, self.config.arch, st.backend)
         if not opts:
             return []
-        picks = self.rng.choice(len(opts), size=g, p=probs)
+        texts = [o.text + "```" for o in opts]
+        # One forward of every option: its detached softmax is what is sampled, and the same tensor (with
+        # gradients while training) is what the loss differentiates, so the update is for the sampling policy.
+        draw = OptionDraw(self.option_policy(messages, texts), texts)
+        picks = self.rng.choice(len(opts), size=g, p=_probabilities(draw.logp))
         out = []
         for i in picks:
-            o = opts[int(i)]
-            body = o.text + "```"
+            o, body = opts[int(i)], texts[int(i)]
             ids = self.be.tok(body, add_special_tokens=False)["input_ids"]
-            out.append(Sample(self.be.prefill + body + "\n", ids, "legal", [], [(o.text.strip(), o.child, o.backend)]))
+            out.append(Sample(self.be.prefill + body + "\n", ids, "legal", [], [(o.text.strip(), o.child, o.backend)],
+                              draw=draw, option=int(i)))
         return out
 
     def _sample_free(self, st, messages, g) -> list[Sample]:
@@ -553,6 +574,8 @@ class Trainer:
         if float(r.std()) < 1e-8:
             return None, 0.0
         adv = ((r - r.mean()) / (r.std() + 1e-6)).to(self.be.device)
+        if samples[0].draw is not None:
+            return self._option_loss(messages, samples, adv)
         keep = [i for i, s in enumerate(samples) if s.ids]
         prompt = prompt_ids(self.be, messages)
         lp, tok_lp, valid = sequence_logprobs(self.be, prompt, [samples[i].ids for i in keep])
@@ -567,6 +590,22 @@ class Trainer:
             loss = loss + self.config.kl * kl_t
             kl = float(kl_t)
         return loss, kl
+
+    def _option_loss(self, messages, samples: list[Sample], adv):
+        """Constrained mode: -mean(A * log pi(option)) under the distribution the group was drawn from, plus the
+        exact KL(pi || base) over the options."""
+        draw = samples[0].draw
+        if draw.logp.grad_fn is None:
+            raise TrainError("the group was drawn without gradients (under torch.no_grad): nothing to train")
+        lp = draw.logp[[s.option for s in samples]]
+        loss = -(adv.double() * lp).mean()
+        kl = 0.0
+        if self.config.kl > 0:
+            ref = self.option_policy(messages, draw.texts, reference=True)
+            kl_t = (draw.logp.exp() * (draw.logp - ref)).sum()
+            loss = loss + self.config.kl * kl_t
+            kl = float(kl_t)
+        return loss.float(), kl
 
     def train(self, train_shapes: list[Problem], run: int | None = None) -> list[dict]:
         cfg = self.config
@@ -622,6 +661,7 @@ class Trainer:
         records), so the policy's expected reward sum_i p_i r_i and the probability it puts on options faster than
         torch.matmul are exact for its distribution: no sampling noise between before and after."""
         import numpy as np
+        import torch
 
         g = group or self.config.group
         saved_rng, self.rng = self.rng, np.random.default_rng(self.config.seed + 7_000_003)
@@ -633,7 +673,8 @@ class Trainer:
                 messages = self.messages(st)
                 parent = st.parent.content_hash()
                 ts = time.monotonic()
-                samples = self.sample_group(st, messages, g)
+                with torch.no_grad():
+                    samples = self.sample_group(st, messages, g)
                 latency = time.monotonic() - ts
                 self.score_group(st, samples)
                 self.record(run, st, messages, samples, parent, latency)
@@ -675,6 +716,12 @@ class _NoModel:
 
     def complete(self, messages, max_tokens=768, temperature=0.7, seed=None) -> Reply:
         return Reply("", "none", error="not used")
+
+
+def _probabilities(logp):
+    """A log-softmax tensor as numpy probabilities that sum to 1 in float64 (what numpy's choice checks)."""
+    p = logp.detach().double().exp().cpu().numpy()
+    return p / p.sum()
 
 
 def _mean(xs) -> float | None:
@@ -722,8 +769,8 @@ def run_training(args, log=print) -> dict:
     if clash:
         raise TrainError(f"--held-shapes: {sorted(clash)[0].split(' a=')[0]} is also a training shape")
     cfg = TrainConfig(steps=args.steps, group=args.group, batch=args.batch, lr=args.lr, lora_r=args.lora_r,
-                      kl=args.kl, mode=args.mode, temperature=args.temperature, max_tokens=args.max_tokens,
-                      seed=args.seed, budget_s=args.budget_seconds)
+                      kl=args.kl, mode=args.mode, scoring=args.scoring, temperature=args.temperature,
+                      max_tokens=args.max_tokens, seed=args.seed, budget_s=args.budget_seconds)
     try:
         db = open_db(args.db)
     except DBError as e:
@@ -796,6 +843,9 @@ def add_arguments(s) -> None:
                    "trained on")
     s.add_argument("--mode", default="constrained", choices=MODES, help="constrained: the model ranks the legal "
                    "edit operators; free: sampled free-text replies, parsed back")
+    s.add_argument("--scoring", default="mean", help="constrained mode: an option's score is its log-prob per "
+                   "token (mean; scaled to a 10-token edit) or summed (sum: the shortest edits get nearly all the "
+                   "mass)")
     s.add_argument("--steps", type=int, default=8)
     s.add_argument("--group", type=int, default=8, help="replies sampled per prompt (G)")
     s.add_argument("--batch", type=int, default=2, help="prompts (training shapes) per optimizer step")

@@ -116,11 +116,25 @@ def test_a_tiny_constrained_run_on_the_standin_trains_records_and_saves(tiny_mod
 
     with pytest.raises(BackendError, match="no adapter_config.json"):
         LocalBackend(str(tiny_model), adapter=str(tmp_path))
+    # The scoring the adapter was trained with is in its train_curve.json, and the backend ranks with it; an
+    # adapter from before the option was trained with `sum`.
+    assert summary["config"]["scoring"] == "mean" and from_env.scoring == "mean"
+    assert json.loads(db.conn.execute("SELECT config FROM runs WHERE id=?", (summary["runs"]["train"],))
+                      .fetchone()[0])["config"]["scoring"] == "mean"
+    curve = json.loads((out / "train_curve.json").read_text())
+    del curve["config"]["scoring"]
+    (out / "train_curve.json").write_text(json.dumps(curve))
+    assert LocalBackend(str(tiny_model), adapter=str(out)).scoring == "sum"
+    assert LocalBackend(str(tiny_model), adapter=str(out), scoring="mean").scoring == "mean"
+    monkeypatch.setenv("L2IR_LLM_SCORING", "median")
+    with pytest.raises(BackendError, match="L2IR_LLM_SCORING='median': expected one of mean, sum"):
+        LocalBackend(str(tiny_model), adapter=False)
 
 
 def test_the_adapter_changes_and_a_favoured_operator_gains_probability(tiny_model):
     """A reward that favours one edit operator (and no other signal): after a few steps the model puts more
-    probability on it. Fails if the sign of the update, the advantages or the log-probs are wrong."""
+    probability on it. Fails if the sign of the update, the advantages or the log-probs are wrong. Under `sum`
+    scoring (the runs before `mean`), where this short edit has a fair share of the mass to start from."""
     import numpy as np
 
     from l2ir.policy.train import ShapeState, TrainConfig, Trainer, function_rewarder, load_model, parse_shapes, \
@@ -132,7 +146,8 @@ def test_the_adapter_changes_and_a_favoured_operator_gains_probability(tiny_mode
     # Dropping the shared-memory swizzle: neither the likeliest option of the random model nor a rare one.
     target = "set swizzle.smem = none"
     reward = function_rewarder(lambda p, k, b: 1.0 if k.swizzle is None or k.swizzle.smem is None else 0.0)
-    tr = Trainer(be, reward, TrainConfig(steps=6, group=8, batch=1, lr=0.05, lora_r=4, seed=1))
+    tr = Trainer(be, reward, TrainConfig(steps=6, group=8, batch=1, lr=0.05, lora_r=4, seed=1,
+                                                scoring="sum"))
     st = ShapeState(problem, parent, backend, 0.0)
     tr._advance = False
     before_w = _lora_weights(be.lm)
@@ -158,6 +173,69 @@ def test_the_adapter_changes_and_a_favoured_operator_gains_probability(tiny_mode
     after_w = _lora_weights(be.lm)
     assert any(not np.allclose(before_w[k].numpy(), after_w[k].numpy()) for k in before_w)
     assert p1 > 2 * p0, (p0, p1)
+
+
+def test_mean_scoring_ranks_edits_of_any_length_and_a_long_favoured_edit_gains(tiny_model):
+    """Options of 9 to 120+ tokens. Summed log-probs give the shortest edits nearly all the mass whatever they say
+    (every token adds a negative term); per-token means put long and short edits on one scale, so a reward that
+    favours long edits (the split-K inserts, ~30 tokens) is sampled, and training under `mean` raises their
+    probability. Fails if the scoring is not length-normalised, or the update is not for the sampling policy."""
+    import torch
+
+    from l2ir.policy.model_backends import MEAN_TOKENS
+    from l2ir.policy.train import ShapeState, TrainConfig, Trainer, function_rewarder, load_model, parse_shapes, \
+        start_kernel
+
+    problem, = parse_shapes(["1024x1024x1024"], "test")
+    be = load_model(str(tiny_model), "cpu", 4, None, 0)
+    parent, backend = start_kernel(problem, "sm90a")
+    st = ShapeState(problem, parent, backend, 0.0)
+    trainers = {s: Trainer(be, None, TrainConfig(group=8, batch=1, lr=0.02, lora_r=4, seed=1, scoring=s))
+                for s in ("sum", "mean")}
+    dist = {s: tr.option_distribution(st, tr.messages(st)) for s, tr in trainers.items()}
+    opts = dist["sum"][0]
+    assert [o.text for o in dist["mean"][0]] == [o.text for o in opts]
+    n_tok = [len(be.tok(o.text + "```", add_special_tokens=False)["input_ids"]) for o in opts]
+    assert max(n_tok) > 3 * min(n_tok), n_tok
+    short = [i for i, n in enumerate(n_tok) if n == min(n_tok)]
+    p_sum, p_mean = dist["sum"][1][short].sum(), dist["mean"][1][short].sum()
+    assert p_sum > 0.5 and p_sum > 3 * p_mean, (p_sum, p_mean)
+    # The scores are the local backend's too: the summed log-prob per token (times MEAN_TOKENS).
+    msgs = trainers["mean"].messages(st)
+    text = opts[n_tok.index(max(n_tok))].text + "```"
+    total, = be.score(msgs, [text], scoring="sum")
+    mean, = be.score(msgs, [text], scoring="mean")
+    assert mean == pytest.approx(total * MEAN_TOKENS / max(n_tok), rel=1e-5)
+
+    # Train under `mean` on a reward for the long split-K edits (the options most unlike the shortest ones).
+    favoured = {o.child.content_hash() for o in opts if o.text.startswith("insert splitk")}
+    idx = [i for i, o in enumerate(opts) if o.child.content_hash() in favoured]
+    assert idx and min(n_tok[i] for i in idx) > 2 * min(n_tok)
+    assert dist["sum"][1][idx].sum() < 1e-3          # under `sum` they would (almost) never be sampled
+    tr = trainers["mean"]
+    tr.rewarder = function_rewarder(lambda p, k, b: 1.0 if k.content_hash() in favoured else 0.0)
+    tr._advance = False
+    p0 = dist["mean"][1][idx].sum()
+    signals = 0
+    for _ in range(6):
+        samples = tr.sample_group(st, msgs, 8)
+        assert all(s.draw is samples[0].draw and s.draw.logp.requires_grad for s in samples)
+        tr.score_group(st, samples)
+        tr.opt.zero_grad()
+        loss, _ = tr.loss(msgs, samples)
+        if loss is not None:
+            loss.backward()
+            tr.opt.step()
+            signals += 1
+    _, p1 = tr.option_distribution(st, msgs)
+    assert signals >= 2 and p1[idx].sum() > 2 * p0, (p0, p1[idx].sum(), signals)
+    # Without gradients (the held-out scoring) a group cannot be trained on: said, not silently ignored.
+    with torch.no_grad():
+        samples = tr.sample_group(st, msgs, 8)
+    tr.score_group(st, samples)
+    if len({s.reward for s in samples}) > 1:
+        with pytest.raises(Exception, match="without gradients"):
+            tr.loss(msgs, samples)
 
 
 def test_free_text_mode_records_unparsed_replies_and_trains(tiny_model, tmp_path):
@@ -196,6 +274,7 @@ def test_the_trainer_takes_a_kl_penalty_to_the_base(tiny_model):
     (["--train-shapes", "1024x1024"], "--train-shapes: expected MxNxK"),
     (["--train-shapes", "1024x1024x1024", "--held-shapes", "1024x1024x1024"], "also a training shape"),
     (["--train-shapes", "1024x1024x1024", "--group", "1"], "--group must be >= 2"),
+    (["--train-shapes", "1024x1024x1024", "--scoring", "median"], "--scoring 'median': expected one of mean, sum"),
     (["--train-shapes", "1024x1024x1024", "--model", "/nonexistent/model.gguf"], "no such file"),
 ])
 def test_bad_input_is_one_line_and_exit_1(argv, message, tmp_path, capsys):
