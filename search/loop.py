@@ -863,14 +863,15 @@ class Search:
                 rec = json.loads(self.db.conn.execute("SELECT record FROM measurements WHERE id=?",
                                                       (row_id,)).fetchone()[0])
                 rec.pop("round", None)
-                # The finalist rounds' GPU time is carried here once (the budgets count "retime" records).
+                # The finalist rounds' GPU time is carried here once (the budgets count "retime" records; with
+                # no winner, the shape's last edit carries it).
                 rec["gpu_seconds"] = cost / len(copies)
                 rec["chosen_for"] = scenario
                 rec["finalist_record"] = row_id
                 self.db.add_many([rec], run=self.run_id, purpose="retime", backend=m.backend,
                                  measured=cfg.mode == "gpu")
             edit_id = self.db.add_edit(self.run_id, st.ptext, st.last_step + 1, None, None, "loop", "end of shape",
-                                       DONE, json.dumps(summary), gpu_seconds=0.0)
+                                       DONE, json.dumps(summary), gpu_seconds=0.0 if copies else cost)
             # Once per shape: the state for --resume (every feedback so far) and the next run's starting point.
             self._save_run_state(state, edit_id, 0)
             self._save_policy(state)

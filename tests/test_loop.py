@@ -787,3 +787,20 @@ def test_a_finalist_whose_round_ended_in_an_error_is_not_chosen(tmp_path):
     assert done["winner"] is not None and bad not in (done["winner"]["kernel"], done["server_winner"]["kernel"])
     rows = db.measurements(problem=s.states[0].ptext, kernel=bad, run=s.run_id, purpose="finalist")
     assert len([r for r in rows if r.scenario == "offline"]) == 1 and all(r.passed for r in rows)
+
+
+@pytest.mark.parametrize("fail_all", [False, True])
+def test_the_finalist_rounds_are_counted_once_in_the_gpu_seconds(tmp_path, fail_all):
+    db = RecordsDB(tmp_path / "r.db")
+    cfg = TuneConfig(shapes=SHAPES[:1], mode="standin", budget_candidates=8, init_size=4, seed=1)
+    rt = FlakyRetimer("", 1)
+    if fail_all:                                     # every re-check fails: no winner, the rounds still cost
+        rt.evaluate = lambda *a, **k: [m for m in StandinEvaluator.evaluate(rt, *a, **k) if not m.errors.append("x")]
+    s = Search(cfg, db, StandinEvaluator(StandinConfig(("offline",), 1)), rt)
+    s.run()
+    done = s.states[0].done
+    assert (done["winner"] is None) == fail_all
+    rounds = sum(r[6] for r in s._finalist_rows(s.states[0]))
+    assert rounds > 0 and done["retime_gpu_seconds"] == pytest.approx(rounds)
+    search = sum(e["gpu_seconds"] for e in db.edits(s.run_id) if e["verdict"] != DONE)
+    assert db.run_totals(s.run_id)["gpu_seconds"] == pytest.approx(search + rounds)
