@@ -17,10 +17,15 @@ before/after numbers (valid-reply rate, mean reward, geomean speedup of the meas
 curve and how many GPU evaluations it took. OUT.png: the before/after bars and the training curves. The adapters go
 to .l2ir/train_policy_<mode>/ (not committed: ~10 MB each).
 
-Device budget (one H200, estimated, not yet measured): ~20 s to load the model per mode; ~30 s to build the 76
-distinct kernels (the seeds of the 7 shapes and every option of them) in one parallel nvcc batch; ~0.5-1 s of GPU
-per new (kernel, shape): ~114 for the exact held-out scoring (3 shapes x 38 options), up to --budget-seconds
-(default 90) of training per mode; the free mode costs almost no GPU (its replies rarely parse). About 5 minutes.
+Device budget (one H200; the run of 2026-12-01, bench/results/train_policy_h200.json, measured 170 s with 10
+constrained and 4 free steps): ~20 s to load the model per mode; ~15 s to build the 76 distinct kernels (the seeds
+of the 7 shapes and every option of them) in one parallel nvcc batch; ~30 s for the exact held-out scoring before
+(3 shapes x 38 options, one evaluation each; the scoring after is answered by the records DB). A constrained step
+took ~0.4 s once its kernels were built (a step that moves an incumbent compiles that parent's sampled options
+first, a few seconds), so the constrained mode now takes 60 steps, capped by --budget-seconds (90) of training:
+~160 s in all. The free mode costs ~6 s a step and learns nothing a 135M model can use (0 of 24 replies parsed,
+before and after), so it takes 2 steps: ~50 s. About 3.5 minutes, within 5. Constrained options are scored per
+token (`--scoring mean`, policy/train.py); the run's config in OUT.json records it.
 """
 
 from __future__ import annotations
@@ -127,8 +132,8 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=["constrained", "free"], choices=["constrained", "free"])
     ap.add_argument("--train-shapes", nargs="+", default=TRAIN)
     ap.add_argument("--held-shapes", nargs="+", default=HELD)
-    ap.add_argument("--steps", type=int, default=10, help="constrained mode's training steps")
-    ap.add_argument("--free-steps", type=int, default=4, help="free mode's training steps")
+    ap.add_argument("--steps", type=int, default=60, help="constrained mode's training steps")
+    ap.add_argument("--free-steps", type=int, default=2, help="free mode's training steps")
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-3)
