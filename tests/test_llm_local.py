@@ -20,7 +20,7 @@ import pytest
 
 from l2ir.policy.base import Context
 from l2ir.policy.llm import LLMPolicy, parse_reply
-from l2ir.policy.model_backends import packaged_gguf
+from l2ir.policy.model_backends import MEAN_TOKENS, packaged_gguf
 from l2ir.policy.prompts import system_prompt, user_prompt
 from l2ir.seed import seed
 from l2ir.text import parse_problem
@@ -73,9 +73,14 @@ def test_the_local_model_generates_and_its_reply_is_parsed(local, tmp_path):
 def test_constrained_decoding_with_the_local_model_gives_only_legal_edits(local):
     ctx = Context(problem=PROBLEM, parent=seed(PROBLEM, "sm90a"), count=3, seed=5)
     messages = [{"role": "system", "content": "Reply with one L2IR edit."}, {"role": "user", "content": "Faster?"}]
-    # The scores are log-probabilities: a continuation is less likely than its own prefix.
-    short, long = local.score(messages, ["set pipeline", "set pipeline.stages = 4\n```"])
+    # Summed, the scores are log-probabilities: a continuation is less likely than its own prefix. Per token (the
+    # default), the same numbers over the token counts, on one scale (MEAN_TOKENS tokens).
+    texts = ["set pipeline", "set pipeline.stages = 4\n```"]
+    short, long = local.score(messages, texts, scoring="sum")
     assert long < short < 0
+    n = [len(local.tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    assert local.scoring == "mean" and local.score(messages, texts) == pytest.approx(
+        [short * MEAN_TOKENS / n[0], long * MEAN_TOKENS / n[1]], rel=1e-5)
     pol = LLMPolicy(local, temperature=1.0, constrained=True)
     t0 = time.monotonic()
     props = pol.propose(ctx)
