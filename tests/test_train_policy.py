@@ -322,6 +322,7 @@ def test_on_the_gpu_rewards_are_measured_and_repeats_cost_no_gpu_time(tiny_model
                            log=print)
     before = summary["before"]
     assert summary["rewards"] == "measured on the GPU" and before["valid_rate"] == 1.0
+    assert summary["config"]["scoring"] == "mean"     # the default, recorded with the run
     assert before["measured_proposals"] > 0 and 0.05 < before["geomean_speedup"] < 20, before
     db = RecordsDB(tmp_path / "r.db")
     outcomes = [o for c in db.llm_calls() for o in c["outcomes"]]
