@@ -188,6 +188,67 @@ def evaluator():
         yield ev
 
 
+def _build_for_this_gpu(plan, cache_dir):
+    """The plan compiled for the GPU the tests run on; a compile failure fails the test with its reproducer."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(0)
+    (art,) = compile_many([plan], CompileOptions(cache_dir=str(cache_dir), device_sm=f"sm_{major}{minor}"))
+    assert art.ok, f"compile {art.reason}: {art.summary()}\nreproduce: {art.repro}"
+    return art
+
+
+def _assert_passes_every_gate(evaluator, kernel, problem_cls, plan, art, shapes, label, must_run=frozenset()):
+    """Each shape is admitted by the kernel's rules and passes every gate of the evaluator, which ran at least the
+    gates named in `must_run`."""
+    from l2ir.search.gates import admits
+
+    for shape in shapes:
+        problem = problem_cls.with_shape(*shape)
+        ok, why = admits(kernel, problem)
+        assert ok, f"{label} at {shape}: {why}"
+        (m,) = evaluator.evaluate(kernel, problem, plan, art)
+        failed = [f"{v.name}: {v.detail}" for v in m.verdicts if not v.passed]
+        assert m.passed and not m.errors, f"{label} at {shape}: errors {m.errors}; failed gates {failed}"
+        ran = {v.name for v in m.verdicts if not v.skipped}
+        assert set(must_run) <= ran, (shape, ran)
+
+
+def _assert_splitk_repeatable(kernel, plan, art, shape, seed):
+    """Split-K reduced in the kernel: one workspace zeroed once and three launches. Every tile counter is back at
+    zero after each launch (the next launch needs no memset), C has the same bits each time (the slices are summed
+    in slice order whichever block arrives last) and is within fp32-accumulation error of fp64."""
+    import torch
+
+    from l2ir.runtime import load
+    from l2ir.search.gates import relative_error, tolerance
+
+    mm, nn, kk = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn((mm, kk), generator=gen, device="cuda").half()
+    b = torch.randn((nn, kk), generator=gen, device="cuda").half()          # B col: stored N x K, K contiguous
+    ws_bytes = plan.workspace_for(mm, nn, kk)
+    ws = torch.zeros(ws_bytes, dtype=torch.uint8, device="cuda")
+    tiles = -(-mm // kernel.tile.bm) * -(-nn // kernel.tile.bn)
+    counters = ws[ws_bytes - 4 * tiles:]
+    launcher = load(plan, art.binary)
+    try:
+        outs = []
+        for _ in range(3):
+            c = torch.full((mm, nn), float("nan"), dtype=torch.half, device="cuda")
+            launcher(a.data_ptr(), b.data_ptr(), c.data_ptr(), mm, nn, kk, ws.data_ptr(), ws_bytes)
+            torch.cuda.synchronize()
+            assert int(counters.count_nonzero()) == 0, "split-K left tile counters non-zero"
+            outs.append(c)
+    finally:
+        launcher.close()
+    ref = a.double() @ b.double().t()
+    assert relative_error(outs[0], ref) <= tolerance(kk, "f32", "f16")
+    assert (outs[0].double() - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
+    for c in outs[1:]:
+        assert torch.equal(c.view(torch.int16), outs[0].view(torch.int16)), "split-K output differs run to run"
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("key", list(CASES), ids=[f"{b}-{n}" for b, n in CASES])
@@ -199,13 +260,8 @@ def test_generated_kernel_passes_every_gate(built, evaluator, key):
     assert art.ok, f"compile {art.reason}: {art.summary()}\nreproduce: {art.repro}"
     shapes = [s for s in (ALIGNED, RAGGED, ODD) if admits(kernel, problem_cls.with_shape(*s))[0]]
     assert ALIGNED in shapes, admits(kernel, problem_cls.with_shape(*ALIGNED))[1]
-    for shape in shapes:
-        problem = problem_cls.with_shape(*shape)
-        (m,) = evaluator.evaluate(kernel, problem, plan, art)
-        failed = [f"{v.name}: {v.detail}" for v in m.verdicts if not v.passed]
-        assert m.passed and not m.errors, f"{key} at {shape}: errors {m.errors}; failed gates {failed}"
-        ran = {v.name for v in m.verdicts if not v.skipped}
-        assert {"accuracy", "all_written", "guard_bands"} <= ran, (shape, ran)
+    _assert_passes_every_gate(evaluator, kernel, problem_cls, plan, art, shapes, key,
+                              {"accuracy", "all_written", "guard_bands"})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -234,7 +290,6 @@ CUDA_PTX_SMALL_SHAPES = ((64, 1024, 16384), (100, 3000, 4104), (64, 64, 64), (12
 def test_cuda_ptx_small_shape_families_pass_every_gate(evaluator, tmp_path_factory, name):
     import torch
 
-    from l2ir.runtime import load
     from l2ir.search.gates import admits
 
     major, minor = torch.cuda.get_device_capability(0)
@@ -242,43 +297,15 @@ def test_cuda_ptx_small_shape_families_pass_every_gate(evaluator, tmp_path_facto
         pytest.skip(f"the sm90a kernels need a Hopper GPU; this one is sm_{major}{minor}")
     kernel = CUDA_PTX_SMALL[name]
     plan = lower(kernel, F16, "cuda_ptx")
-    options = CompileOptions(cache_dir=str(tmp_path_factory.mktemp("cuda_ptx_small")), device_sm=f"sm_{major}{minor}")
-    (art,) = compile_many([plan], options)
-    assert art.ok, f"compile {art.reason}: {art.log[-3000:]}\nreproduce: {art.repro}"
+    art = _build_for_this_gpu(plan, tmp_path_factory.mktemp("cuda_ptx_small"))
     shapes = [s for s in CUDA_PTX_SMALL_SHAPES if admits(kernel, F16.with_shape(*s))[0]]
     ragged = [any(d % t for d, t in zip(s, kernel.tile.block)) for s in shapes]
     assert any(ragged) and not all(ragged), (shapes, [admits(kernel, F16.with_shape(*s))[1]
                                                       for s in CUDA_PTX_SMALL_SHAPES])
-    for shape in shapes:
-        (m,) = evaluator.evaluate(kernel, F16.with_shape(*shape), plan, art)
-        failed = [f"{v.name}: {v.detail}" for v in m.verdicts if not v.passed]
-        assert m.passed and not m.errors, f"{name} at {shape}: errors {m.errors}; failed gates {failed}"
-        ran = {v.name for v in m.verdicts if not v.skipped}
-        assert {"accuracy", "ulp", "all_written", "guard_bands", "ragged_shapes"} <= ran, (shape, ran)
-    if kernel.splitk is None:
-        return
-    # Split-K: one workspace zeroed once and three launches: the same bits each time (the slices are summed in slice
-    # order whichever block arrives last) and every tile counter back at zero after each launch.
-    mm, nn, kk = shapes[0]
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    a = torch.randn((mm, kk), generator=gen, device="cuda").half()
-    b = torch.randn((nn, kk), generator=gen, device="cuda").half()          # B col: stored N x K, K contiguous
-    ws_bytes = plan.workspace_for(mm, nn, kk)
-    ws = torch.zeros(ws_bytes, dtype=torch.uint8, device="cuda")
-    tiles = -(-mm // kernel.tile.bm) * -(-nn // kernel.tile.bn)
-    counters = ws[ws_bytes - 4 * tiles:]
-    launcher = load(plan, art.binary)
-    outs = []
-    for _ in range(3):
-        c = torch.full((mm, nn), float("nan"), dtype=torch.half, device="cuda")
-        launcher(a.data_ptr(), b.data_ptr(), c.data_ptr(), mm, nn, kk, ws.data_ptr(), ws_bytes)
-        torch.cuda.synchronize()
-        assert int(counters.count_nonzero()) == 0, "split-K left tile counters non-zero"
-        outs.append(c)
-    ref = a.double() @ b.double().t()
-    assert (outs[0].double() - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
-    for c in outs[1:]:
-        assert torch.equal(c.view(torch.int16), outs[0].view(torch.int16)), "split-K output differs run to run"
+    _assert_passes_every_gate(evaluator, kernel, F16, plan, art, shapes, name,
+                              {"accuracy", "ulp", "all_written", "guard_bands", "ragged_shapes"})
+    if kernel.splitk is not None:
+        _assert_splitk_repeatable(kernel, plan, art, shapes[0], seed=7)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -345,51 +372,13 @@ PTX_SM80_FAMILIES = {
 @gpu
 @pytest.mark.parametrize("name", list(PTX_SM80_FAMILIES))
 def test_cuda_ptx_sm80_families_pass_every_gate(evaluator, tmp_path, name):
-    import torch
-
-    from l2ir.runtime import load
-    from l2ir.search.gates import admits, relative_error, tolerance
-
     kernel, shapes = PTX_SM80_FAMILIES[name]
     plan = lower(kernel, F16, "cuda_ptx_sm80")
-    major, minor = torch.cuda.get_device_capability(0)
-    (art,) = compile_many([plan], CompileOptions(cache_dir=str(tmp_path), device_sm=f"sm_{major}{minor}"))
-    assert art.ok, f"compile {art.reason}: {art.summary()}\nreproduce: {art.repro}"
-    for shape in shapes:
-        problem = F16.with_shape(*shape)
-        ok, why = admits(kernel, problem)
-        assert ok, f"{name} at {shape}: {why}"
-        (m,) = evaluator.evaluate(kernel, problem, plan, art)
-        failed = [f"{v.name}: {v.detail}" for v in m.verdicts if not v.passed]
-        assert m.passed and not m.errors, f"{name} at {shape}: errors {m.errors}; failed gates {failed}"
-        ran = {v.name for v in m.verdicts if not v.skipped}
-        assert {"accuracy", "all_written", "guard_bands"} <= ran, (shape, ran)
-    if kernel.splitk is None:
-        return
-    # One workspace, zeroed once: the kernel must leave its tile counters zero, and the fixed slice order must give
-    # the same bits whichever slice arrives last.
-    mm, nn, kk = shapes[-1]
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    a = torch.randn((mm, kk), generator=gen, device="cuda").half()
-    b = torch.randn((nn, kk), generator=gen, device="cuda").half()          # B col: stored N x K, K contiguous
-    ws_bytes = plan.workspace_for(mm, nn, kk)
-    ws = torch.zeros(ws_bytes, dtype=torch.uint8, device="cuda")
-    launcher = load(plan, art.binary)
-    try:
-        outs = []
-        for _ in range(3):
-            c = torch.full((mm, nn), float("nan"), dtype=torch.half, device="cuda")
-            launcher(a.data_ptr(), b.data_ptr(), c.data_ptr(), mm, nn, kk, ws.data_ptr(), ws_bytes)
-            torch.cuda.synchronize()
-            outs.append(c)
-    finally:
-        launcher.close()
-    ref = a.double() @ b.double().t()
-    assert relative_error(outs[0], ref) <= tolerance(kk, "f32", "f16")
-    for c in outs[1:]:
-        assert torch.equal(c.view(torch.int16), outs[0].view(torch.int16)), "split-K output differs run to run"
-    tiles = -(-mm // kernel.tile.bm) * -(-nn // kernel.tile.bn)
-    assert int(ws[ws_bytes - 4 * tiles:].count_nonzero()) == 0, "tile counters not reset to zero"
+    art = _build_for_this_gpu(plan, tmp_path)
+    _assert_passes_every_gate(evaluator, kernel, F16, plan, art, shapes, name,
+                              {"accuracy", "all_written", "guard_bands"})
+    if kernel.splitk is not None:
+        _assert_splitk_repeatable(kernel, plan, art, shapes[-1], seed=11)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -421,19 +410,8 @@ def test_odd_n_kernels_keep_wide_loads():
 @gpu
 @pytest.mark.parametrize("name", list(ODD_N))
 def test_odd_n_with_wide_loads_passes_every_gate(evaluator, tmp_path, name):
-    import torch
-
-    from l2ir.search.gates import admits
-
     backend, kernel = ODD_N[name]
     plan = lower(kernel, F16, backend)
-    major, minor = torch.cuda.get_device_capability(0)
-    (art,) = compile_many([plan], CompileOptions(cache_dir=str(tmp_path), device_sm=f"sm_{major}{minor}"))
-    assert art.ok, f"compile {art.reason}: {art.summary()}\nreproduce: {art.repro}"
-    for shape in ((256, 1001, 512), (100, 50257, 64), (333, 999, 1000)):
-        problem = F16.with_shape(*shape)
-        ok, why = admits(kernel, problem)
-        assert ok, f"{name} at {shape}: {why}"
-        (m,) = evaluator.evaluate(kernel, problem, plan, art)
-        failed = [f"{v.name}: {v.detail}" for v in m.verdicts if not v.passed]
-        assert m.passed and not m.errors, f"{name} at {shape}: errors {m.errors}; failed gates {failed}"
+    art = _build_for_this_gpu(plan, tmp_path)
+    _assert_passes_every_gate(evaluator, kernel, F16, plan, art, ((256, 1001, 512), (100, 50257, 64), (333, 999, 1000)),
+                              name)
