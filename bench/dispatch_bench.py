@@ -98,7 +98,10 @@ def device_us(fn, reps: int, trials: int) -> float:
     return statistics.median(times)
 
 
-def eager_us(fn, calls: int, trials: int) -> float:
+def host_loop_us(fn, calls: int, trials: int, wait: bool) -> float:
+    """Median per-call time of `calls` back-to-back calls: with `wait`, until the GPU has finished them (eager time:
+    device throughput for long kernels, host cost for short ones); without, only the host time to issue them (the
+    synchronize comes after the timed region)."""
     import torch
 
     for _ in range(20):
@@ -109,26 +112,21 @@ def eager_us(fn, calls: int, trials: int) -> float:
         t = time.perf_counter()
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
+        if wait:
+            torch.cuda.synchronize()
         times.append((time.perf_counter() - t) * 1e6 / calls)
+        if not wait:
+            torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def eager_us(fn, calls: int, trials: int) -> float:
+    return host_loop_us(fn, calls, trials, wait=True)
 
 
 def issue_us(fn, calls: int, trials: int) -> float:
     """Median per-call host time to issue `calls` back-to-back calls (no synchronize inside the timed region)."""
-    import torch
-
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t) * 1e6 / calls)
-        torch.cuda.synchronize()
-    return statistics.median(times)
+    return host_loop_us(fn, calls, trials, wait=False)
 
 
 def parts_us(d, a, b, host: float, eager: float, calls: int, trials: int) -> dict:

@@ -235,7 +235,6 @@ def cmd_compile(args) -> int:
 def _bench_family(spec: str):
     """--family BACKEND=SWEEP[:CONFIG,CONFIG...] -> (backend, sweep, ((config, kernel), ...))."""
     from l2ir.backends.registry import BACKENDS
-    from l2ir.search.sweeps import load_sweep
 
     backend, eq, rest = spec.partition("=")
     sweep, _, picks = rest.partition(":")
@@ -243,13 +242,20 @@ def _bench_family(spec: str):
         raise CliError(f"--family {spec!r}: expected BACKEND=SWEEP[:CONFIG,...], e.g. cuda_ptx=cuda_ptx")
     if backend not in BACKENDS:
         raise CliError(f"--family {spec!r}: unknown backend '{backend}' (backends: {', '.join(BACKENDS)})")
+    configs = _sweep_configs(sweep, [n for n in picks.split(",") if n] or None, f"--family {spec!r}: ")
+    return backend, sweep, tuple(configs.items())
+
+
+def _sweep_configs(sweep: str, names: list[str] | None, where: str = "") -> dict:
+    """The named configurations of a sweep (all of them for None), or a CliError naming the unknown ones."""
+    from l2ir.search.sweeps import load_sweep
+
     known = load_sweep(sweep)
-    names = [n for n in picks.split(",") if n] or list(known)
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names or () if n not in known]
     if unknown:
-        raise CliError(f"--family {spec!r}: unknown config(s) {', '.join(unknown)} in sweep '{sweep}' "
+        raise CliError(f"{where}unknown config(s) {', '.join(unknown)} in sweep '{sweep}' "
                        f"(known: {', '.join(known)})")
-    return backend, sweep, tuple((n, known[n]) for n in names)
+    return known if names is None else {n: known[n] for n in names}
 
 
 def cmd_bench(args) -> int:
@@ -259,21 +265,13 @@ def cmd_bench(args) -> int:
     from l2ir.search.bench import BenchConfig, default_sweep, grid_shapes, run_bench
     from l2ir.search.preflight import PreflightError, require
     from l2ir.search.report import print_summary
-    from l2ir.search.sweeps import load_sweep
 
     problem = parse_problem(args.problem, "--problem") if args.problem else Problem(1, 1, 1)
     families = tuple(_bench_family(spec) for spec in (args.family or []))
     if families and (args.sweep is not None or args.backend):
         raise CliError("--family names its backend and sweep; drop --sweep/--backend")
     sweep_name = default_sweep(args.target, args.backend)
-    known = load_sweep(sweep_name)
-    sweep = known
-    if args.sweep is not None:
-        unknown = [n for n in args.sweep if n not in known]
-        if unknown:
-            raise CliError(f"unknown sweep config(s) {', '.join(unknown)} in sweep '{sweep_name}' "
-                           f"(known: {', '.join(known)})")
-        sweep = {n: known[n] for n in args.sweep}
+    sweep = _sweep_configs(sweep_name, args.sweep)
     shapes = list(args.shape or [])
     if args.shapes:
         shapes += [s for s in grid_shapes(args.shapes, args.min_gflop, args.max_gflop) if s not in shapes]

@@ -796,25 +796,24 @@ def run_training(args, log=print) -> dict:
         summary["prebuild"] = {"kernels": built, "seconds": time.monotonic() - t0}
         if built:
             log(f"built {built} kernels (seeds and their options) in {summary['prebuild']['seconds']:.1f} s")
-        if held:
-            runs["before"] = db.start_run(command + " [held-out, before]", summary, cfg.seed, "llm-train", {})
+
+        def score_held_out(when: str) -> None:
+            runs[when] = db.start_run(command + f" [held-out, {when}]", summary, cfg.seed, "llm-train", {})
             t0 = time.monotonic()
-            summary["before"] = trainer.evaluate(held, runs["before"], exact=args.exact)
-            summary["before"]["seconds"] = time.monotonic() - t0
-            db.set_run_status(runs["before"], "done")
-            log(f"held-out before: {_line(summary['before'])}")
+            summary[when] = trainer.evaluate(held, runs[when], exact=args.exact)
+            summary[when]["seconds"] = time.monotonic() - t0
+            db.set_run_status(runs[when], "done")
+            log(f"held-out {when + ':':7s} {_line(summary[when])}")
+
+        if held:
+            score_held_out("before")
         runs["train"] = db.start_run(command, summary, cfg.seed, "llm-train", {"steps": cfg.steps})
         t0 = time.monotonic()
         summary["curve"] = trainer.train(train, runs["train"])
         summary["train_seconds"] = time.monotonic() - t0
         db.set_run_status(runs["train"], "done")
         if held:
-            runs["after"] = db.start_run(command + " [held-out, after]", summary, cfg.seed, "llm-train", {})
-            t0 = time.monotonic()
-            summary["after"] = trainer.evaluate(held, runs["after"], exact=args.exact)
-            summary["after"]["seconds"] = time.monotonic() - t0
-            db.set_run_status(runs["after"], "done")
-            log(f"held-out after:  {_line(summary['after'])}")
+            score_held_out("after")
         summary["runs"] = runs
         summary["rewarder"] = trainer._counts()
         if args.out:

@@ -9,6 +9,7 @@ import datetime as dt
 import hashlib
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,16 +183,15 @@ def fresh_summary(results: list[ShapeResult], problem_class: str, environment: d
     where, and the repeat check: torch.matmul timed in the selection run and again in the fresh run, the same
     kernel twice (an A/A check of the method), beside the winner's own selection-to-fresh ratio."""
     ceilings = ceilings_for(environment)
-    speed = lambda r: r.fresh.get("speedup")  # noqa: E731
-    by_regime = {}
-    for lo, hi, label in REGIMES:
-        rows = [r for r in results if lo <= gflop(r.shape) * 1e9 < hi]
-        by_regime[label] = {"shapes": len(rows), "fresh_geomean_speedup": geomean([speed(r) for r in rows]),
-                            "fresh_min_speedup": min((speed(r) for r in rows if speed(r)), default=None)}
-    groups = {}
-    unaligned = [r for r in results if is_unaligned(r.shape)]
-    groups["unaligned"] = {"shapes": len(unaligned), "fresh_geomean_speedup": geomean([speed(r) for r in unaligned]),
-                           "fresh_min_speedup": min((speed(r) for r in unaligned if speed(r)), default=None)}
+
+    def fresh_speeds(rows: list[ShapeResult]) -> dict:
+        speeds = [r.fresh.get("speedup") for r in rows]
+        return {"shapes": len(rows), "fresh_geomean_speedup": geomean(speeds),
+                "fresh_min_speedup": min((x for x in speeds if x), default=None)}
+
+    by_regime = {label: fresh_speeds([r for r in results if lo <= gflop(r.shape) * 1e9 < hi])
+                 for lo, hi, label in REGIMES}
+    groups = {"unaligned": fresh_speeds([r for r in results if is_unaligned(r.shape)])}
     if ceilings is not None:
         dram = []
         for r in results:
@@ -203,19 +203,16 @@ def fresh_summary(results: list[ShapeResult], problem_class: str, environment: d
         groups["dram_bound"] = {"shapes": len(dram), "rule": "memory-bound on the roofline and at least 1 GFLOP",
                                 "median_kernel_share": median([d["kernel_share"] for d in dram]),
                                 "median_torch_share": median([d["torch_share"] for d in dram]), "rows": dram}
-    wins: dict[str, int] = {}
-    for r in results:
-        if r.best_name is not None:
-            fam = family_of(r.best_name)
-            wins[fam] = wins.get(fam, 0) + 1
-    torch_aa = [r.fresh["torch_us"] / r.offline["torch_us"] for r in results
-                if r.fresh.get("torch_us") and r.offline.get("torch_us")]
-    winner_repeat = [r.fresh["kernel_us"] / r.offline["kernel_us"] for r in results
-                     if r.fresh.get("kernel_us") and r.offline.get("kernel_us")]
-    return {"overall_fresh_geomean_speedup": geomean([speed(r) for r in results]),
+    wins = dict(Counter(family_of(r.best_name) for r in results if r.best_name is not None))
+
+    def fresh_over_selection(side: str) -> dict:
+        return _ratio_stats([r.fresh[side] / r.offline[side] for r in results
+                             if r.fresh.get(side) and r.offline.get(side)])
+
+    return {"overall_fresh_geomean_speedup": fresh_speeds(results)["fresh_geomean_speedup"],
             "fresh_by_regime": by_regime, "groups": groups, "wins_by_family": wins,
-            "repeat_check": {"torch_fresh_over_selection": _ratio_stats(torch_aa),
-                             "winner_fresh_over_selection": _ratio_stats(winner_repeat)}}
+            "repeat_check": {"torch_fresh_over_selection": fresh_over_selection("torch_us"),
+                             "winner_fresh_over_selection": fresh_over_selection("kernel_us")}}
 
 
 def short_symbol(symbol: str, limit: int = 72) -> str:
