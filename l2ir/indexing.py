@@ -297,6 +297,114 @@ def splitk_range(slices: int) -> tuple[Expr, Expr]:
     return begin, end
 
 
+LEVEL, BASE = Var("level"), Var("base")
+
+
+@dataclass(frozen=True)
+class TreeStep:
+    """One pairing on a block's way up the split-K tree: at `level` its subtree (slot `base`) meets the sibling
+    subtree at slot `sibling` on counter `counter`; the sum belongs to the merged subtree, slot `merged`."""
+
+    level: int
+    base: int
+    sibling: int
+    counter: int
+    merged: int
+
+
+@dataclass(frozen=True)
+class SplitKTree:
+    """The deterministic pairwise reduction tree of `slices` split-K partials of one output tile.
+
+    At level L the subtree whose lowest slice is `base` (a multiple of 2^L) pairs with its sibling subtree
+    `base ^ (1 << L)`; the pair's sum is the subtree `base - (base & (1 << L))` at level L + 1 (the lower of the
+    two bases). A subtree whose sibling does not exist (sibling >= slices, only for non-power-of-two counts) goes
+    up a level unchanged. After `levels` = ceil(log2(slices)) levels one subtree, the root (base 0), holds the sum.
+
+    Protocol (every backend that reduces in the kernel, and l2ir.interp's `_split_k`, which is its reference):
+    a block starts with its slice's partial in registers, base = slice; at each level whose sibling exists it stores
+    the registers to workspace slot `base`, fences (release) and counts itself in on the pair's counter (atomic
+    add of 1). The first of the two arrivals is done with the tile; the second fences (acquire), adds slot
+    `sibling` to its registers, resets the counter to 0 (self-cleaning: the next launch finds it zero) and goes on
+    with base = `merged`. The block that finishes the last level runs the epilogue. fp32 addition is commutative,
+    so every pair's sum has the same bits whichever of its two blocks arrives last: C is bit-identical run to run.
+    No block ever waits for another; the critical path reads `levels` partials instead of `slices`.
+
+    Counters: a pair node is named by its upper subtree's base h = merged + (1 << L), which is one of 1..slices-1
+    exactly once (its lowest set bit is L), so counter = h - 1 numbers the slices - 1 nodes 0..slices-2.
+
+    The expressions are of `level` and `base` (both ints, non-negative): the backends render them to C++, the
+    interpreter and `steps()` evaluate the same trees.
+    """
+
+    slices: int
+
+    def __post_init__(self):
+        if self.slices < 2:
+            raise ExprError(f"split-K tree of {self.slices} slice(s): a tree reduces at least 2")
+
+    @property
+    def levels(self) -> int:
+        """ceil(log2(slices)): the pairings on the root's way up, the partial reads on the critical path."""
+        return (self.slices - 1).bit_length()
+
+    @property
+    def counters(self) -> int:
+        """Arrival counters per output tile: one per pair node, slices - 1."""
+        return self.slices - 1
+
+    @property
+    def sibling(self) -> Expr:
+        return BASE ^ (Const(1) << LEVEL)
+
+    @property
+    def merged(self) -> Expr:
+        """The base (and workspace slot) of the pair's sum: the lower of the two subtrees' bases."""
+        return BASE - (BASE & (Const(1) << LEVEL))
+
+    @property
+    def counter(self) -> Expr:
+        """The pair node's counter among the tile's `counters` ones."""
+        return self.merged + (Const(1) << LEVEL) - 1
+
+    def steps(self, slice_: int) -> tuple[TreeStep, ...]:
+        """The pairings a block that starts at `slice_` takes part in, in order, if it arrives second at each (it
+        stops at the first pair where it arrives first). Evaluates the same expressions the backends render."""
+        if not 0 <= slice_ < self.slices:
+            raise ExprError(f"slice {slice_} outside 0..{self.slices - 1}")
+        out, base = [], slice_
+        for level in range(self.levels):
+            env = {"level": level, "base": base}
+            sibling = int(self.sibling.eval(env))
+            if sibling >= self.slices:
+                continue
+            merged = int(self.merged.eval(env))
+            out.append(TreeStep(level, base, sibling, int(self.counter.eval(env)), merged))
+            base = merged
+        return tuple(out)
+
+    def slot_writes(self) -> tuple[int, ...]:
+        """Times one launch writes each workspace slot of a tile, from the tree's shape alone (not from `steps`, so
+        a checker can hold the protocol to it): subtree (L, s) is stored to slot s once when its sibling exists.
+        Slot 0 is rewritten with every lower subtree's sum up to the root's children; odd slots are written once."""
+        return tuple(sum(1 for level in range(self.levels)
+                         if s % (1 << level) == 0 and (s ^ (1 << level)) < self.slices)
+                     for s in range(self.slices))
+
+    def reduce(self, partials):
+        """The tree's sum of `partials[0..slices-1]` (numpy arrays or floats), pair by pair in the order above: the
+        reference for the bits a backend's reduction produces."""
+        if len(partials) != self.slices:
+            raise ExprError(f"{len(partials)} partials for a tree of {self.slices} slices")
+        subtree = list(partials)          # subtree[b]: the sum of the subtree based at b, at the current level
+        for level in range(self.levels):
+            for base in range(0, self.slices, 2 << level):
+                upper = base + (1 << level)
+                if upper < self.slices:
+                    subtree[base] = subtree[base] + subtree[upper]
+        return subtree[0]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Launch-geometry expressions of m, n, k (Source kernels, launch plans).
 # ---------------------------------------------------------------------------------------------------------------

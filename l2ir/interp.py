@@ -4,9 +4,10 @@ It follows the schedule, not just the math: blocks in rasterized launch order (t
 backends render to C++), the K loop through a ring of `stages` shared-memory slots stored through the swizzle
 permutation, each dimension's padding mode (zero-filled loads, or predicated loads that leave poison in shared
 memory and are masked out of the MMA and the store), accumulation in the accumulator dtype at the MMA's K step,
-split-K partials through a workspace and their reduction, stream-K segments and their fix-up, and an epilogue that
-rounds to the output dtype and stores in vectors. It counts every write of C (and of the workspace) and raises
-InterpError unless each element is written exactly once.
+split-K partials through a workspace and their pairwise-tree reduction (l2ir.indexing.SplitKTree), stream-K segments
+and their fix-up, and an epilogue that rounds to the output dtype and stores in vectors. It counts every write of C
+and of the workspace and raises InterpError unless each element of C is written exactly once and each workspace slot
+as often as the split-K tree says.
 
 For fp32 accumulation one k tile is one float32 matmul (fp16 x fp16 products are exact in fp32, so only the
 summation order differs from the MMA's). For fp16 accumulation every MMA instruction rounds its sum to fp16, as the
@@ -21,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from .errors import InterpError
-from .indexing import ceil_div, rasterize, smem_swizzle, splitk_range
+from .indexing import SplitKTree, ceil_div, rasterize, smem_swizzle, splitk_range
 from .nodes import Kernel, Problem
 from .analysis import resolved_stages
 from .target import H200_SMS, UNIT_ROUNDOFF
@@ -212,7 +213,7 @@ class _Schedule:
                 self.store(c, writes, tm, tn, self.mainloop(tm, tn, 0, self.k_tiles))
                 k_cover[(tm, tn)] = [(0, self.k_tiles)]
         elif sk.mode == "split_k":
-            ws_writes = self._split_k(c, writes, order, sk.slices, k_cover)
+            ws_writes, ws_expected = self._split_k(c, writes, order, sk.slices, k_cover)
         else:
             self._stream_k(c, writes, order, workers, k_cover)
         for (tm, tn), ranges in k_cover.items():
@@ -227,38 +228,57 @@ class _Schedule:
                 raise InterpError(f"tile ({tm}, {tn}): k tiles [{pos}, {self.k_tiles}) never accumulated")
         _check_once(writes, "C")
         if ws_writes is not None:
-            _check_once(ws_writes, "the split-K workspace")
+            _check_once(ws_writes, "the split-K workspace", ws_expected)
         return InterpResult(c, order, writes, ws_writes, k_cover)
 
     def _split_k(self, c, writes, order, slices, k_cover):
-        """Each slice writes an fp32 partial to its workspace plane; a reduction pass sums the planes in slice order
-        and writes C once."""
+        """Split-K as the backends run it (l2ir.indexing.SplitKTree): each (tile, slice) block accumulates its slice's
+        k tiles, then climbs the tile's pairwise tree: at each pair it stores its registers to workspace slot
+        `base` and counts itself in on the pair's counter; the first arrival is done, the second adds the sibling
+        slot, resets the counter and climbs on; the block that finishes the root stores C. Blocks run one after the
+        other in `_splitk_arrivals` order, one legal interleaving of the kernel (every order gives the same bits).
+        Returns the workspace write counts; every counter must be back at zero (the next launch relies on it)."""
         p = self.problem
+        tree = SplitKTree(slices)
         ws = np.full((slices, p.m, p.n), np.nan, dtype=np.float32)
         ws_writes = np.zeros((slices, p.m, p.n), dtype=np.int32)
+        counters = {tile: np.zeros(tree.counters, dtype=np.int64) for tile in order}
         eb, ee = splitk_range(slices)
-        for s in range(slices):
+        for unit in _splitk_arrivals(len(order) * slices):
+            s, (tm, tn) = unit // len(order), order[unit % len(order)]   # unit = slice * num_tiles + tile
             env = {"slice": s, "k_tiles": self.k_tiles}
             kb, ke = int(eb.eval(env)), int(ee.eval(env))
-            for tm, tn in order:
-                part = self.mainloop(tm, tn, kb, ke).astype(np.float32)
-                r0, c0 = tm * self.bm, tn * self.bn
-                vr, vc = min(self.bm, p.m - r0), min(self.bn, p.n - c0)
-                ws[s, r0:r0 + vr, c0:c0 + vc] = part[:vr, :vc]
-                ws_writes[s, r0:r0 + vr, c0:c0 + vc] += 1
-                if ke > kb:
-                    k_cover.setdefault((tm, tn), []).append((kb, ke))
-        total = ws[0].copy()
-        for s in range(1, slices):
-            total += ws[s]
-        # The reduction pass writes C tile by tile through the same vector stores as the epilogue.
-        for tm, tn in order:
+            acc = self.mainloop(tm, tn, kb, ke).astype(np.float32)
+            if ke > kb:
+                k_cover.setdefault((tm, tn), []).append((kb, ke))
             r0, c0 = tm * self.bm, tn * self.bn
-            tile = np.zeros((self.bm, self.bn), dtype=np.float32)
-            part = total[r0:r0 + self.bm, c0:c0 + self.bn]
-            tile[:part.shape[0], :part.shape[1]] = part
-            self.store(c, writes, tm, tn, tile)
-        return ws_writes
+            vr, vc = min(self.bm, p.m - r0), min(self.bn, p.n - c0)
+            root = True
+            for step in tree.steps(s):
+                ws[step.base, r0:r0 + vr, c0:c0 + vc] = acc[:vr, :vc]
+                ws_writes[step.base, r0:r0 + vr, c0:c0 + vc] += 1
+                node = counters[(tm, tn)]
+                node[step.counter] += 1
+                if node[step.counter] == 1:
+                    root = False          # first of the pair: the sibling's block carries the sum on
+                    break
+                if node[step.counter] != 2:
+                    raise InterpError(f"tile ({tm}, {tn}): split-K counter {step.counter} counted "
+                                      f"{int(node[step.counter])} arrivals; a pair node takes two")
+                node[step.counter] = 0
+                acc[:vr, :vc] = acc[:vr, :vc] + ws[step.sibling, r0:r0 + vr, c0:c0 + vc]
+            if root:
+                # The reduction's root block writes C through the same vector stores as the epilogue.
+                tile = np.zeros((self.bm, self.bn), dtype=np.float32)
+                tile[:vr, :vc] = acc[:vr, :vc]
+                self.store(c, writes, tm, tn, tile)
+        for (tm, tn), node in counters.items():
+            if node.any():
+                raise InterpError(f"tile ({tm}, {tn}): split-K counters {np.flatnonzero(node).tolist()} left "
+                                  "non-zero after the launch (the next launch would miscount)")
+        expected = np.zeros_like(ws_writes)
+        expected[...] = np.array(tree.slot_writes(), dtype=np.int32)[:, None, None]
+        return ws_writes, expected
 
     def _stream_k(self, c, writes, order, workers, k_cover):
         """A persistent grid of `workers` blocks splits tiles*k_tiles MAC iterations evenly; each tile's segments are
@@ -283,12 +303,21 @@ class _Schedule:
             self.store(c, writes, tm, tn, acc)
 
 
-def _check_once(writes: np.ndarray, what: str) -> None:
-    bad = np.argwhere(writes != 1)
+def _splitk_arrivals(units: int) -> range:
+    """The order the interpreter runs split-K's (tile, slice) blocks in: launch order. The kernel's result does not
+    depend on it (tests run other orders and compare bits)."""
+    return range(units)
+
+
+def _check_once(writes: np.ndarray, what: str, expected: np.ndarray | int = 1) -> None:
+    """Every element written exactly `expected` times: once for C; for the split-K workspace, the tree's count per
+    slot (SplitKTree.slot_writes: a slot is rewritten with each subtree sum it is the base of)."""
+    bad = np.argwhere(writes != expected)
     if len(bad):
         idx = tuple(int(i) for i in bad[0])
+        want = int(np.broadcast_to(expected, writes.shape)[idx])
         raise InterpError(f"{len(bad)} element(s) of {what} written a wrong number of times; first {idx} "
-                          f"written {int(writes[idx])} times")
+                          f"written {int(writes[idx])} times, expected {want}")
 
 
 def interpret(kernel: Kernel, problem: Problem, a: np.ndarray, b: np.ndarray,

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from l2ir.errors import ExprError
-from l2ir.indexing import Var, cdiv, eval_launch_expr, rasterize, smem_swizzle, splitk_range
+from l2ir.indexing import SplitKTree, Var, cdiv, eval_launch_expr, rasterize, smem_swizzle, splitk_range
 
 
 @given(st.integers(1, 70), st.integers(1, 70), st.sampled_from(["along_m", "along_n"]), st.integers(1, 40))
@@ -60,6 +60,95 @@ def test_splitk_ranges_tile_the_k_loop(k_tiles, slices):
     assert covered == list(range(k_tiles))
 
 
+def _run_tree(tree: SplitKTree, partials, arrivals):
+    """The split-K tree protocol on one tile, blocks run one after another in `arrivals` order (a legal
+    interleaving): returns the root's sum, the slot write counts, the counters after the launch, the root block."""
+    slots = [None] * tree.slices
+    writes = [0] * tree.slices
+    counters = [0] * tree.counters
+    root = None
+    for s in arrivals:
+        acc = partials[s]
+        for step in tree.steps(s):
+            slots[step.base] = acc
+            writes[step.base] += 1
+            counters[step.counter] += 1
+            assert counters[step.counter] <= 2, ("three arrivals on one pair node", step)
+            if counters[step.counter] == 1:
+                break
+            counters[step.counter] = 0
+            acc = acc + slots[step.sibling]
+        else:
+            assert root is None, "two blocks finished the root"
+            root = (s, acc)
+    assert root is not None, "no block finished the root"
+    return root[1], writes, counters, root[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 70), st.randoms(use_true_random=False))
+def test_splitk_tree_pairs_every_slice_once(slices, rnd):
+    """The tree's pair nodes are numbered 0..slices-2, each met by exactly two subtrees; every slice's path ends at
+    the root (base 0) within ceil(log2 slices) levels; in any arrival order exactly one block reaches the root, every
+    counter ends at zero and each slot is written slot_writes() times."""
+    tree = SplitKTree(slices)
+    assert tree.levels == (slices - 1).bit_length() and 2 ** tree.levels >= slices > 2 ** (tree.levels - 1)
+    meetings: dict[int, set] = {}
+    for s in range(slices):
+        path = tree.steps(s)
+        assert path and path[-1].merged == 0 and len(path) <= tree.levels
+        assert path[0].base == s and all(a.merged == b.base for a, b in zip(path, path[1:]))
+        for step in path:
+            assert {step.base, step.sibling} == {step.merged, step.merged + (1 << step.level)}
+            assert step.base % (1 << step.level) == 0 and step.sibling < slices
+            meetings.setdefault(step.counter, set()).add((step.level, step.base))
+    assert sorted(meetings) == list(range(tree.counters))
+    assert all(len(v) == 2 and len({lv for lv, _ in v}) == 1 for v in meetings.values()), meetings
+    if slices & (slices - 1) == 0:
+        assert all(len(tree.steps(s)) == tree.levels for s in range(slices))
+    order = list(range(slices))
+    rnd.shuffle(order)
+    _, writes, counters, _ = _run_tree(tree, [float(s) for s in range(slices)], order)
+    assert tuple(writes) == tree.slot_writes() and not any(counters)
+    assert sum(tree.slot_writes()) == tree.counters + slices - 1   # each pair: two stores, less the root's
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([2, 3, 5, 6, 7, 8, 13, 16, 32]), st.randoms(use_true_random=False))
+def test_splitk_tree_sum_has_the_same_bits_in_every_arrival_order(slices, rnd):
+    """fp32 partials of very different magnitudes (the order of additions shows in the bits): every arrival order
+    gives SplitKTree.reduce's bits, whichever block ends at the root."""
+    tree = SplitKTree(slices)
+    gen = np.random.default_rng(rnd.randrange(2 ** 32))
+    partials = [(gen.standard_normal(64) * 10.0 ** gen.integers(-6, 6, 64)).astype(np.float32)
+                for _ in range(slices)]
+    want = tree.reduce(partials)
+    assert want.dtype == np.float32
+    roots = set()
+    for _ in range(6):
+        order = list(range(slices))
+        rnd.shuffle(order)
+        got, _, _, root = _run_tree(tree, partials, order)
+        roots.add(root)
+        assert got.tobytes() == want.tobytes()
+    exact = np.sum(np.array(partials, dtype=np.float64), axis=0)
+    assert np.all(np.abs(want - exact) <= slices * 2.0 ** -24 * np.sum(np.abs(partials), axis=0) + 1e-30)
+
+
+def test_splitk_tree_shapes():
+    """S=5: slices 0..3 form a full 4-leaf subtree, slice 4 waits at no level until it meets it at the root."""
+    tree = SplitKTree(5)
+    assert tree.levels == 3 and tree.counters == 4
+    assert [(t.level, t.base, t.sibling, t.counter, t.merged) for t in tree.steps(4)] == [(2, 4, 0, 3, 0)]
+    assert [(t.level, t.sibling) for t in tree.steps(3)] == [(0, 2), (1, 0), (2, 4)]
+    assert tree.slot_writes() == (3, 1, 2, 1, 1)
+    assert tree.reduce([1, 2, 4, 8, 16]) == 31
+    with pytest.raises(ExprError, match="at least 2"):
+        SplitKTree(1)
+    with pytest.raises(ExprError, match="outside"):
+        tree.steps(5)
+
+
 def test_launch_expressions():
     assert eval_launch_expr("cdiv(n, 128) * 2 + min(m, 3)", 7, 300, 1) == 9
     assert eval_launch_expr(cdiv(Var("m"), 64), 65, 1, 1) == 2
@@ -77,6 +166,7 @@ def test_cpp_rendering_matches_python(tmp_path_factory, order, group, b, slices)
     em, en = rasterize(order, group)
     sw = smem_swizzle(b, 3, 3)
     kb, ke = splitk_range(slices)
+    tree = SplitKTree(max(slices, 2))
     src = f"""#include <algorithm>
 #include <cstdio>
 using std::min;
@@ -86,6 +176,8 @@ int main() {{
   for (int offset = 0; offset < 4096; ++offset) printf("%d\\n", {sw.to_cpp()});
   for (int k_tiles = 1; k_tiles <= 100; ++k_tiles) for (int slice = 0; slice < {slices}; ++slice)
     printf("%d %d\\n", {kb.to_cpp()}, {ke.to_cpp()});
+  for (int level = 0; level < {tree.levels}; ++level) for (int base = 0; base < {tree.slices}; ++base)
+    printf("%d %d %d\\n", {tree.sibling.to_cpp()}, {tree.merged.to_cpp()}, {tree.counter.to_cpp()});
 }}
 """
     d = tmp_path_factory.mktemp("cpp")
@@ -103,4 +195,8 @@ int main() {{
         for s in range(slices):
             env = {"slice": s, "k_tiles": k_tiles}
             want.append(f"{kb.eval(env)} {ke.eval(env)}")
+    for level in range(tree.levels):
+        for base in range(tree.slices):
+            env = {"level": level, "base": base}
+            want.append(f"{tree.sibling.eval(env)} {tree.merged.eval(env)} {tree.counter.eval(env)}")
     assert got[:-1] == want

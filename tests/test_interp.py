@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import l2ir.interp as interp_mod
 from l2ir.errors import InterpError, PadError
 from l2ir.interp import error_bound, interpret, random_inputs, reference
+from l2ir.indexing import BASE, LEVEL, Const, Var
 from l2ir.nodes import Problem, SplitK
 from l2ir.testing import kernel_problem_pairs
 from l2ir.text import parse_kernel
@@ -93,7 +94,7 @@ def test_predicate_padding_masks_poison():
 
 def test_broken_rasterization_is_caught(monkeypatch):
     """A rasterization that sends two blocks to one tile leaves another unwritten: the interpreter says so."""
-    from l2ir.indexing import Var
+    from l2ir.indexing import BASE, LEVEL, Const, Var
 
     monkeypatch.setattr(interp_mod, "rasterize", lambda order, group: (Var("pid") // Var("tiles_n") // 2 * 2,
                                                                        Var("pid") % Var("tiles_n")))
@@ -116,7 +117,7 @@ def test_broken_splitk_partition_is_caught(monkeypatch):
 
 
 def test_non_bijective_swizzle_is_caught(monkeypatch):
-    from l2ir.indexing import Var
+    from l2ir.indexing import BASE, LEVEL, Const, Var
 
     monkeypatch.setattr(interp_mod, "smem_swizzle", lambda b, m, s: Var("offset") // 2)
     kernel = SM80.replace(swizzle=dataclasses.replace(SM80.swizzle or __import__("l2ir.nodes").nodes.Swizzle(),
@@ -150,3 +151,83 @@ def test_broken_stage_ring_gives_a_wrong_product(monkeypatch):
 def test_every_stage_count_is_exact(stages):
     kernel = SM80.replace(pipeline=dataclasses.replace(SM80.pipeline, stages=stages))
     _check(kernel, Problem(96, 72, 200), 5, integers=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Split-K: the pairwise tree (l2ir.indexing.SplitKTree) the backends reduce with, its write pattern and its bits.
+# ---------------------------------------------------------------------------------------------------------------
+
+SPLITK_SM90 = SM90.replace(splitk=SplitK("split_k", 2))
+
+
+@pytest.mark.parametrize("slices", [2, 3, 5, 8, 16])
+def test_splitk_tree_is_exact_and_writes_the_tree_pattern(slices):
+    """Ragged M and N, every slice count the sm90a sweep uses (and the non-powers of two): exact on small integers,
+    C written once, each workspace slot exactly SplitKTree.slot_writes() times, counters left at zero."""
+    from l2ir.indexing import SplitKTree
+
+    kernel = SPLITK_SM90.replace(splitk=SplitK("split_k", slices))
+    problem = Problem(130, 264, 64 * (2 * slices - 1) - 24)    # 2S - 1 k tiles, the last one ragged
+    result = _check(kernel, problem, slices, integers=True)
+    want = SplitKTree(slices).slot_writes()
+    for s in range(slices):
+        assert (result.workspace_writes[s] == want[s]).all(), s
+
+
+def test_splitk_tree_gives_the_same_bits_in_any_arrival_order(monkeypatch):
+    """Whichever block of a pair arrives last, fp32 addition commutes: C has the same bits in launch order, reversed
+    and shuffled, and they are the bits of the tree's sum of the slices' partials, not of their serial sum. Each
+    slice's block of A and B is scaled by its own power of two, so every partial is exact in fp32 (small integers
+    times 2^e) while their sum rounds, and the order of the additions shows in the fp32 output."""
+    from l2ir.indexing import SplitKTree
+
+    slices, bk = 5, 64
+    problem = Problem(100, 136, bk * slices, c=("f32", "row"))
+    kernel = SPLITK_SM90.replace(splitk=SplitK("split_k", slices),
+                                 epilogue=dataclasses.replace(SM90.epilogue, path="direct", vector=2))
+    a, b = random_inputs(problem, np.random.default_rng(4), integers=True)
+    scale = np.repeat(2.0 ** np.array([12, -12, 0, 6, -6]), bk)
+    a = (a.astype(np.float64) * scale[None, :]).astype(a.dtype)
+    b = (b.astype(np.float64) * scale[:, None]).astype(b.dtype)
+    first = interpret(kernel, problem, a, b)
+    parts = [(a[:, bk * s:bk * (s + 1)].astype(np.float64) @ b[bk * s:bk * (s + 1)].astype(np.float64))
+             .astype(np.float32) for s in range(slices)]
+    tree = SplitKTree(slices).reduce(parts)
+    serial = parts[0]
+    for part in parts[1:]:
+        serial = serial + part
+    assert first.c.tobytes() == tree.tobytes()
+    assert not np.array_equal(tree, serial)    # the scales make the order show
+    for order in (lambda n: range(n - 1, -1, -1), lambda n: np.random.default_rng(9).permutation(n).tolist()):
+        monkeypatch.setattr(interp_mod, "_splitk_arrivals", order)
+        again = interpret(kernel, problem, a, b)
+        assert again.c.tobytes() == first.c.tobytes()
+        np.testing.assert_array_equal(again.workspace_writes, first.workspace_writes)
+
+
+def _broken_tree(**exprs):
+    from l2ir.indexing import SplitKTree
+
+    return type("BrokenTree", (SplitKTree,), {name: property(lambda self, e=e: e) for name, e in exprs.items()})
+
+
+@pytest.mark.parametrize("broken,match", [
+    # The last arrival keeps its own slot for the pair's sum (merged = base) instead of the lower subtree's: the
+    # right blocks still meet on the right counters, but the sums land in and are read from the wrong slots.
+    ({"merged": lambda bit, base: base,
+      "counter": lambda bit, base: ((base >> (LEVEL + 1)) << (LEVEL + 1)) + bit - 1},
+     "workspace written a wrong number of times"),
+    # One counter per level: two pairs of a level share a node, so a block takes another pair's arrival for its
+    # sibling's (the interleaved arrival order below shows it) and a counter is left behind.
+    ({"counter": lambda bit, base: Var("level")}, "left non-zero|written a wrong number of times"),
+], ids=["sum_kept_in_own_slot", "counter_per_level"])
+def test_broken_splitk_tree_is_caught(monkeypatch, broken, match):
+    """A tree protocol that writes the workspace in another pattern than SplitKTree.slot_writes, or leaves a counter
+    behind, fails the interpreter's checks."""
+    bit = Const(1) << LEVEL
+    monkeypatch.setattr(interp_mod, "SplitKTree", _broken_tree(**{k: f(bit, BASE) for k, f in broken.items()}))
+    monkeypatch.setattr(interp_mod, "_splitk_arrivals", lambda n: [0, 2, 1, 3])
+    kernel = SPLITK_SM90.replace(splitk=SplitK("split_k", 4))
+    p = Problem(128, 256, 256)     # one output tile: the units are the four slices
+    with pytest.raises(InterpError, match=match):
+        interpret(kernel, p, *random_inputs(p, np.random.default_rng(0), integers=True))
