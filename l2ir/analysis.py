@@ -71,11 +71,26 @@ def resolved_stages(kernel: Kernel, ebytes: int = 2) -> int:
     return max(0, free // stage_bytes(kernel, ebytes))
 
 
+def realigned_buffers(stages: int) -> int:
+    """pad.align=1 on a cp.async ring: realigned tiles the MMAs read. With 3 or more stages the next k-tile is
+    realigned while this one is multiplied (two buffers); with fewer there is no staged tile to spare (one)."""
+    return 2 if stages >= 3 else 1
+
+
+def realigned_ring_bytes(bm: int, bn: int, bk: int, stages: int, ebytes: int = 2) -> int:
+    """pad.align=1 on a cp.async ring: rows start on any 2-byte boundary, which no cp.async form copies, so each
+    stage holds the raw aligned 16-byte blocks covering every row's k-tile (BK/8 + 1 blocks: one more when the row
+    does not start on a block), and the MMAs read realigned_buffers(stages) swizzled tiles."""
+    return (stages * (bk + 8) + realigned_buffers(stages) * bk) * (bm + bn) * ebytes
+
+
 def smem_bytes(kernel: Kernel, ebytes: int = 2) -> int:
     """Dynamic shared memory per block."""
     if kernel.is_source:
         return kernel.source.smem
     ring = resolved_stages(kernel, ebytes) * stage_bytes(kernel, ebytes)
+    if kernel.pipeline.mode == "multistage" and kernel.pad.align == 1:
+        ring = realigned_ring_bytes(*kernel.tile.block, resolved_stages(kernel, ebytes), ebytes)
     epi = epilogue_smem_bytes(kernel)
     if kernel.pipeline.mode == "multistage" and kernel.epilogue.path == "smem":
         # After the main loop the ring is drained, so the C tile reuses its buffers.

@@ -341,24 +341,48 @@ PTX_SM80_FAMILIES = {
     "align2_64x64x64_w2x2_s4": (
         sm80((64, 64, 64), (2, 2), 4, swizzle=(3, 3, 3), align=2, pad=("zero_fill", "predicate", "predicate"),
              epilogue=("direct", 2)), [(512, 512, 1002), (1000, 1000, 998)]),
+    # Odd K through 16-byte blocks staged by cp.async and realigned in shared memory: rows start on every 2-byte
+    # offset, chunks straddle two blocks, the last k-tile and the rows past M / N are masked; tiny K (1, 7, 9) leaves
+    # a single partial k-tile.
     "align1_64x64x32_w2x2_s4": (
-        sm80((64, 64, 32), (2, 2), 4, align=1, epilogue=("smem", 1)), [(1000, 1000, 999), (127, 129, 67)]),
+        sm80((64, 64, 32), (2, 2), 4, align=1, epilogue=("smem", 1)),
+        [(1000, 1000, 999), (127, 129, 67), (333, 555, 777), (5, 7, 1), (33, 17, 7), (65, 63, 9)]),
     "align1_16x128x64_w1x4_s4_splitk4": (
         sm80((16, 128, 64), (1, 4), 4, swizzle=(3, 3, 3), align=1, pad=("predicate", "zero_fill", "zero_fill"),
-             splitk=(4, "workspace"), epilogue=("direct", 1)), [(16, 4096, 4097), (100, 3000, 999)]),
-    # Odd K through realigned 16-byte loads: rows start on every 2-byte offset, chunks straddle two blocks, the last
-    # k-tile and the rows past M / N are masked. 128x128 tiles (8 warps: registers), K checked only on the last tile.
+             splitk=(4, "workspace"), epilogue=("direct", 1)), [(16, 4096, 4097), (100, 3000, 999), (17, 9999, 3333)]),
+    "align1_16x128x64_w1x4_s3_splitk4": (
+        sm80((16, 128, 64), (1, 4), 3, swizzle=(3, 3, 3), align=1, pad=("predicate", "zero_fill", "zero_fill"),
+             splitk=(4, "workspace"), epilogue=("direct", 1)), [(1, 777, 1001), (17, 9999, 3333)]),
     "align1_128x128x32_w2x4_s4": (
         sm80((128, 128, 32), (2, 4), 4, align=1, epilogue=("smem", 1)),
-        [(4096, 4096, 1001), (1000, 1000, 999), (127, 129, 67)]),
+        [(4096, 4096, 1001), (1000, 1000, 999), (127, 129, 67), (3, 5, 9)]),
+    "align1_128x128x32_w2x2_s4": (
+        sm80((128, 128, 32), (2, 2), 4, align=1, epilogue=("smem", 1)), [(1024, 1024, 999), (333, 555, 777), (7, 9, 7)]),
+    # 128x128x64 with 3 and 4 stages of staged blocks: 172 / 208 KB of shared memory, an sm90-class carve-out.
+    "align1_128x128x64_w2x4_s4_sm90a": (
+        sm80((128, 128, 64), (2, 4), 4, swizzle=(3, 3, 3), align=1, epilogue=("smem", 1)).replace(
+            target=Target("sm90a")), [(4096, 4096, 1001), (333, 555, 777), (1023, 1025, 1027), (3, 5, 1)]),
+    "align1_128x128x64_w2x4_s3_sm90a": (
+        sm80((128, 128, 64), (2, 4), 3, swizzle=(3, 3, 3), align=1, epilogue=("smem", 1)).replace(
+            target=Target("sm90a")), [(2000, 3000, 777), (512, 512, 4097), (9, 9, 9)]),
+    # Fewer than 3 stages: one realigned tile, realigned just before its MMAs behind a second barrier.
+    "align1_64x128x64_w2x2_s2": (
+        sm80((64, 128, 64), (2, 2), 2, swizzle=(3, 3, 3), align=1, epilogue=("smem", 1)),
+        [(333, 555, 777), (127, 129, 1)]),
+    "align1_64x64x32_w2x2_s1": (
+        sm80((64, 64, 32), (2, 2), 1, align=1, pad=("zero_fill",) * 3, epilogue=("direct", 1)),
+        [(333, 555, 777), (100, 100, 7)]),
     "align1_128x64x32_w2x2_s4": (
         sm80((128, 64, 32), (2, 2), 4, align=1, epilogue=("smem", 1)), [(1000, 1000, 999), (127, 129, 67)]),
     "align1_128x128x32_w2x4_s4_kpredicate": (
         sm80((128, 128, 32), (2, 4), 4, align=1, pad=("predicate", "predicate", "predicate"), epilogue=("smem", 1)),
-        [(1023, 1025, 1027), (127, 129, 67)]),
+        [(1023, 1025, 1027), (127, 129, 67), (333, 555, 777)]),
     "align1_64x128x32_w2x2_s4_noprefetch": (
         sm80((64, 128, 32), (2, 2), 4, prefetch=False, align=1, pad=("zero_fill", "predicate", "zero_fill"),
-             epilogue=("direct", 1)), [(1000, 1000, 999), (127, 129, 67)]),
+             epilogue=("direct", 1)), [(1000, 1000, 999), (127, 129, 67), (31, 33, 7)]),
+    "align1_64x128x32_w2x2_s2_noprefetch": (
+        sm80((64, 128, 32), (2, 2), 2, prefetch=False, align=1, pad=("zero_fill", "predicate", "predicate"),
+             epilogue=("direct", 1)), [(333, 555, 777), (127, 129, 9)]),
     "align1_64x64x64_w2x2_s4_splitk4": (
         sm80((64, 64, 64), (2, 2), 4, swizzle=(3, 3, 3), align=1, pad=("predicate", "zero_fill", "zero_fill"),
              splitk=(4, "workspace"), epilogue=("direct", 1)), [(1000, 1000, 999), (512, 512, 4097)]),

@@ -11,8 +11,8 @@ so there is no host code at all.
 The GEMM kernel (one block per output tile, WM x WN warps, each warp owns a (BM/WM) x (BN/WN) block of C):
   global -> shared   cp.async copies of pad.align elements (cg 16 bytes; ca 8 or 4 bytes) into a ring of `stages`
                      buffers; the src-size operand (full or 0) zero-fills chunks past M / N / K without reading
-                     them. pad.align=1: one or two aligned 16-byte loads per 8 elements, realigned in registers,
-                     one 16-byte shared store.
+                     them. pad.align=1: 16-byte cp.async of the aligned blocks covering each row into a staging
+                     ring of `stages`, then a realign pass (shared -> shared) into the swizzled tiles ldmatrix reads.
   shared -> regs     ldmatrix.x4: a 16x16 A fragment (m16n8k16's a0..a3) or two 8x16 B fragments (b0,b1 of two n8
                      blocks) per instruction, from the swizzled K-major tiles.
   math               mma.sync.aligned.m16n8k16.row.col.f32.{f16|bf16}.{f16|bf16}.f32, fp32 accumulators in registers.
@@ -38,9 +38,14 @@ Field -> code map (the generated lines name their field in a comment):
   pad.k                zero_fill: every k-tile checks K; predicate: only the last k-tile checks (still zero-fills);
                        divisible: no check
   pad.align            8 / 4 / 2: cp.async of 16 / 8 / 4 bytes (K % align == 0, so a chunk is wholly in or out of
-                       K; C vectors are at most align wide, by verify); 1: aligned 16-byte loads realigned in registers, stored to
-                       shared memory after the current k-tile's MMAs (any K; the A and B tiles must split into
-                       whole passes of 8 elements per thread)
+                       K; C vectors are at most align wide, by verify); 1 (any K): each row's k-tile is staged raw
+                       as the BK/8 + 1 aligned 16-byte blocks that cover it (row start aligned down; a block holding
+                       no element of the k-tile is zero-filled, not read), in a cp.async ring of `stages`; a realign
+                       pass shifts each 8-element chunk out of two staged blocks (ld.shared, selects, a funnel
+                       shift), zeroes elements past K and stores it to a swizzled tile. stages >= 3: tile t+1 is
+                       realigned while tile t is multiplied (two realigned tiles, one barrier per k-tile); stages
+                       1-2: one realigned tile, a second barrier (l2ir.analysis.realigned_ring_bytes). The A and B
+                       tiles must split into whole passes of 8 elements per thread
   splitk               split_k + reduce=workspace: grid.z = slices, l2ir.indexing.splitk_range, fp32 partials and
                        an in-kernel fixup by the last slice to arrive (workspace zeroed before the first launch
                        only: the kernel leaves its counters zero); reduce=atomic and stream_k raise
@@ -53,7 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from l2ir.analysis import C_ROW_PAD
+from l2ir.analysis import C_ROW_PAD, realigned_buffers, realigned_ring_bytes
 from l2ir.indexing import Const, Var, cdiv, rasterize, smem_swizzle, splitk_range
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.target import (CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, NVCC_ARCH,
@@ -112,18 +117,38 @@ class Sm80Config:
         return self.slices > 1
 
     @property
+    def staged(self) -> bool:
+        """pad.align=1: raw 16-byte blocks are staged in shared memory by cp.async and realigned there."""
+        return self.align == 1
+
+    @property
+    def bufs(self) -> int:
+        """Buffers ldmatrix reads: the cp.async ring itself, or (pad.align=1) the realigned tiles."""
+        return realigned_buffers(self.stages) if self.staged else self.stages
+
+    @property
+    def lookahead(self) -> int:
+        """pad.align=1: how many k-tiles ahead of the MMAs the realign pass runs. 1 (two realigned buffers) realigns
+        tile t+1 while tile t is multiplied, with one barrier per k-tile; 0 (one buffer) realigns the tile about to
+        be multiplied, behind a second barrier."""
+        return realigned_buffers(self.stages) - 1
+
+    @property
     def ring_bytes(self) -> int:
-        return self.stages * (self.bm + self.bn) * self.bk * DTYPE_BYTES[self.in_dtype]
+        e = DTYPE_BYTES[self.in_dtype]
+        if self.staged:
+            return realigned_ring_bytes(self.bm, self.bn, self.bk, self.stages, e)
+        return self.stages * (self.bm + self.bn) * self.bk * e
 
     @property
     def chunk(self) -> int:
-        """Elements per global -> shared copy: one cp.async of pad.align elements, or 8 loaded ones for align 1."""
+        """Elements per global -> shared copy: one cp.async of pad.align elements, or (align 1) per realigned chunk."""
         return 8 if self.align == 1 else self.align
 
     @property
     def chunk_note(self) -> str:
-        return ("pad.align=1: one or two aligned 16-byte loads realigned in registers, one 16-byte shared store" if self.align == 1 else
-                f"pad.align={self.align}: one {2 * self.align}-byte cp.async")
+        return ("pad.align=1: 16-byte cp.async of the aligned blocks covering each row, realigned in shared memory "
+                "8 elements at a time" if self.align == 1 else f"pad.align={self.align}: one {2 * self.align}-byte cp.async")
 
     @property
     def epilogue_bytes(self) -> int:
@@ -183,8 +208,8 @@ def canonicalize(kernel: Kernel, problem: Problem) -> Sm80Config:
         raise UnsupportedLowering("tile.warps", f"{wm}x{wn}: each warp's N extent BN/WN={bn // wn} must be a "
                                   "multiple of 16 (one ldmatrix.x4 yields the B fragments of two n8 blocks)")
     if pad.align == 1 and ((bm * bk) % (8 * 32 * wm * wn) or (bn * bk) % (8 * 32 * wm * wn)):
-        raise UnsupportedLowering("pad.align", f"1 with block {bm}x{bn}x{bk} and {32 * wm * wn} threads: align 1 loads "
-                                  "8-element register chunks, so each A and B tile must split into whole passes of "
+        raise UnsupportedLowering("pad.align", f"1 with block {bm}x{bn}x{bk} and {32 * wm * wn} threads: align 1 realigns "
+                                  "8-element chunks, each thread the same number, so each A and B tile must split into whole passes of "
                                   "8 * threads elements")
 
     smem = swz.smem
@@ -243,9 +268,8 @@ def _describe(kernel_text: str) -> list[str]:
 def _load_tile(cfg: Sm80Config, op: str) -> list[str]:
     """The copies of one k-tile of A or B (`op`) into stage `stage`: CHUNKS_<op> chunks of CHUNK elements over the
     block, thread tid taking chunks tid, tid + THREADS, ... Rows follow pad.m / pad.n; K follows pad.k.
-    pad.align 8 / 4 / 2: one cp.async of 16 / 8 / 4 bytes per chunk. pad.align 1: no cp.async copies 2 bytes and an
-    odd K leaves rows 2-byte aligned, so one or two aligned 16-byte loads, realigned in registers, fill a chunk
-    that one 16-byte shared store writes."""
+    pad.align 8 / 4 / 2: one cp.async of 16 / 8 / 4 bytes per chunk. pad.align 1: staged and realigned in shared memory
+    (_load_tile_align1)."""
     rows, dim, pad_rows = ("BM", "M", cfg.pad_m) if op == "A" else ("BN", "N", cfg.pad_n)
     fld = "pad.m" if op == "A" else "pad.n"
     ptr, base = ("A", "a_rows") if op == "A" else ("B", "b_rows")
@@ -295,70 +319,95 @@ def _load_tile(cfg: Sm80Config, op: str) -> list[str]:
 
 
 def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
-    """pad.align=1: k-tile `kt` of A or B in two halves, so the global loads of a tile STAGES-1 ahead are in flight
-    while the current tile's MMAs run: gather_<op> loads the one or two aligned 16-byte blocks around each 8-element
-    chunk into registers (no cp.async form copies 2 bytes, and an odd K leaves rows 2-byte aligned); store_<op>
-    realigns each chunk and writes it with one 16-byte shared store. load_<op> does both at once (prologue,
-    stages=1)."""
+    """pad.align=1: no cp.async form copies 2 bytes, and an odd K leaves rows 2-byte aligned. copy_<op> stages the
+    aligned 16-byte blocks that cover each row's k-tile with 16-byte cp.async (the row start aligned down, one more
+    block when the row does not start on a block; a block holding no element of the row's k-tile is not read but
+    zero-filled); realign_<op> moves each row's 8-element chunks out of the staged blocks (two 16-byte shared loads,
+    register selects and a funnel shift) into the swizzled tile that ldmatrix reads, zeroing elements past K. Nothing
+    waits in registers across the pipeline: the cp.async ring keeps its depth."""
     rows, dim, pad_rows = ("BM", "M", cfg.pad_m) if op == "A" else ("BN", "N", cfg.pad_n)
     fld = "pad.m" if op == "A" else "pad.n"
     ptr, base = ("A", "a_rows") if op == "A" else ("B", "b_rows")
-    smem_off = "SMEM_A + stage * A_STAGE" if op == "A" else "SMEM_B + stage * B_STAGE"
     o = op.lower()
-    # n: how many of the chunk's 8 elements exist (row inside M/N, K not passed); with neither check it is all 8.
-    k_left = "(check_k ? max(0, min(8, K - k)) : 8)" if cfg.pad_k != "divisible" else "8"
-    n_expr = k_left if pad_rows == "divisible" else f"(grow < {dim}) ? {k_left} : 0"
-    checked = n_expr != "8"
-    regs = f"Raw (&r)[CHUNKS_{op} / THREADS]"
+    raw_off = "SMEM_RAW + stage * RAW_STAGE" + ("" if op == "A" else " + RAW_A")
+    buf_off = "SMEM_A + buf * A_STAGE" if op == "A" else "SMEM_B + buf * B_STAGE"
+    n_k = "(check_k ? min(BK, K - kt * BK) : BK)" if cfg.pad_k != "divisible" else "BK"
+    need = "kc < s + n"
+    # The extra block is zero-filled only where the row's elements are staged as zeros too; with s == 0 realign
+    # never uses it, so a row that needs none leaves it as it was.
+    two = [f"    if (kc == BK - CHUNK) {{",
+           f"      const bool ok2 = @ROW@BK < s + n;",
+           f"      cp_async_zfill(dst + 16u, ok2 ? src + CHUNK : {ptr}, ok2);",
+           "    }"]
+    if pad_rows == "divisible":
+        copy = [f"    // {fld}=divisible: every row of the tile exists.",
+                f"    const bool ok = {need};",
+                f"    cp_async_zfill(dst, ok ? src : {ptr}, ok);",
+                *[line.replace("@ROW@", "") for line in two]]
+    elif pad_rows == "predicate":
+        copy = [f"    // {fld}=predicate: a row past {dim} is not staged; its stale shared memory only reaches outputs",
+                "    // that are never stored.",
+                f"    if (grow < {dim}) {{",
+                f"      const bool ok = {need};",
+                f"      cp_async_zfill(dst, ok ? src : {ptr}, ok);",
+                *["  " + line.replace("@ROW@", "") for line in two],
+                "    }"]
+    else:
+        copy = [f"    // {fld}=zero_fill: a row past {dim} is staged as zeros (src-size 0 reads nothing).",
+                f"    const bool ok = grow < {dim} && {need};",
+                f"    cp_async_zfill(dst, ok ? src : {ptr}, ok);",
+                *[line.replace("@ROW@", f"grow < {dim} && ") for line in two]]
+    n_chunk = "(check_k ? max(0, min(8, K - k)) : 8)" if cfg.pad_k != "divisible" else "8"
     return [
-        f"// k-tile `kt` of {op} ({rows} x BK, K contiguous) into registers: chunk `it` of this thread in r[it].",
-        f"__device__ __forceinline__ void gather_{o}({regs}, const InT* __restrict__ {ptr}, int {base}, int M, int N, "
-        "int K, int kt, bool check_k) {",
-        "  (void)M; (void)N; (void)check_k;",
-        "#pragma unroll",
-        f"  for (int it = 0; it < CHUNKS_{op} / THREADS; ++it) {{",
-        "    const int c = it * THREADS + int(threadIdx.x);",
-        "    const int r_ = c / (BK / CHUNK);               // row of the tile",
-        "    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk",
-        *(["    const int k = kt * BK + kc;"] if cfg.pad_k != "divisible" else []),
-        f"    const int grow = {base} + r_;",
-        f"    // Elements of the chunk inside {dim} ({fld}={pad_rows}) and K; realign zeroes the rest, which then add",
-        "    // 0 to every dot product.",
-        f"    r[it].n = {n_expr};",
-        "    // pad.align=1: an odd K starts rows on any 2-byte boundary. Rather than 8 2-byte loads, load the",
-        "    // aligned 16-byte blocks q and q+16 around the chunk (its first element is at byte p, q = p & ~15);",
-        "    // realign shifts the 8 elements out of the 32 bytes. A 16-byte-aligned block never crosses a page (nor a",
-        "    // cache line), so reading all of a block that holds a valid element cannot fault; a block holding none",
-        "    // is not read.",
-        "    // A k-tile is BK * 2 bytes, a multiple of 16, so s and the block grid are the same for every k-tile: p",
-        "    // leaves kt out, which lets the compiler keep s and the row's block address out of the k loop.",
-        f"    const unsigned long long p = reinterpret_cast<unsigned long long>({ptr} + (long long)grow * K + kc);",
-        "    const uint4* q = reinterpret_cast<const uint4*>(p & ~15ull) + kt * (BK / 8);",
-        "    r[it].s = int(p & 15ull) >> 1;",
-        "    r[it].lo = make_uint4(0u, 0u, 0u, 0u);",
-        "    r[it].hi = make_uint4(0u, 0u, 0u, 0u);",
-        *(["    if (r[it].n > 0) r[it].lo = __ldg(q);"] if checked else ["    r[it].lo = __ldg(q);"]),
-        "    // The chunk runs into the next block (never when p is 16-byte aligned).",
-        "    if (r[it].s + r[it].n > 8) r[it].hi = __ldg(q + 1);",
-        "  }",
-        "}",
-        f"// The chunks gather_{o} loaded, realigned, into ring stage `stage`.",
-        f"__device__ __forceinline__ void store_{o}(unsigned smem_base, const {regs}, int stage) {{",
-        "#pragma unroll",
-        f"  for (int it = 0; it < CHUNKS_{op} / THREADS; ++it) {{",
-        "    const int c = it * THREADS + int(threadIdx.x);",
-        "    const int r_ = c / (BK / CHUNK);",
-        "    const int kc = (c % (BK / CHUNK)) * CHUNK;",
-        "    unsigned w[4];",
-        "    realign(r[it], w);",
-        f"    st_shared_16(smem_base + 2u * unsigned({smem_off} + swz(r_ * BK + kc)), w);",
-        "  }",
-        "}",
-        f"__device__ __forceinline__ void load_{o}(unsigned smem_base, const InT* __restrict__ {ptr}, int {base}, "
+        f"// k-tile `kt` of {op} ({rows} rows, K contiguous): the raw 16-byte blocks covering each row into staging stage",
+        "// `stage`. Thread tid owns chunks tid, tid + THREADS, ... of 8 elements (as realign does) and copies block kc/8",
+        "// of the chunk's row; the thread owning a row's last chunk also copies the row's extra block BK/8.",
+        f"__device__ __forceinline__ void copy_{o}(unsigned smem_base, const InT* __restrict__ {ptr}, int {base}, "
         "int M, int N, int K, int kt, int stage, bool check_k) {",
-        f"  Raw r[CHUNKS_{op} / THREADS];",
-        f"  gather_{o}(r, {ptr}, {base}, M, N, K, kt, check_k);",
-        f"  store_{o}(smem_base, r, stage);",
+        "  (void)M; (void)N; (void)check_k;",
+        f"  const unsigned base_el = unsigned(reinterpret_cast<unsigned long long>({ptr}) >> 1);   // 2-byte units",
+        "#pragma unroll",
+        f"  for (int it = 0; it < CHUNKS_{op} / THREADS; ++it) {{",
+        "    const int c = it * THREADS + int(threadIdx.x);",
+        "    const int r = c / (BK / CHUNK);               // row of the tile",
+        "    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk in the k-tile",
+        f"    const int grow = {base} + r;",
+        "    // The row's k-tile starts s elements past a 16-byte boundary. A k-tile is BK * 2 bytes, a multiple of",
+        "    // 16, so s is the same for every k-tile of the row; only its low 3 bits matter, so 32-bit wrap is exact.",
+        "    const int s = int((base_el + unsigned(grow) * unsigned(K)) & 7u);",
+        f"    const InT* src = {ptr} + ((long long)grow * K + kt * BK - s + kc);   // 16-byte aligned",
+        f"    const unsigned dst = smem_base + 2u * unsigned({raw_off} + r * RAW_PITCH + kc);",
+        "    // Block kc/8 holds row elements kc - s .. kc - s + 7 of the k-tile: it is read only when one of them",
+        "    // exists (an aligned 16-byte block never crosses a page, so reading all of it cannot fault); otherwise",
+        "    // it is zero-filled without a read. The extra block holds elements BK - s .. BK - s + 7.",
+        f"    const int n = {n_k};   // elements of the row in this k-tile",
+        *copy,
+        "  }",
+        "}",
+        f"// k-tile `kt` of {op} from staging stage `stage`, realigned, into buffer `buf` (swizzled as ldmatrix reads it):",
+        "// thread tid writes chunks tid, tid + THREADS, ... of 8 elements, one 16-byte shared store each.",
+        f"__device__ __forceinline__ void realign_{o}(unsigned smem_base, const InT* __restrict__ {ptr}, int {base}, "
+        "int K, int kt, int stage, int buf, bool check_k) {",
+        "  (void)kt; (void)check_k;",
+        f"  const unsigned base_el = unsigned(reinterpret_cast<unsigned long long>({ptr}) >> 1);",
+        "#pragma unroll",
+        f"  for (int it = 0; it < CHUNKS_{op} / THREADS; ++it) {{",
+        "    const int c = it * THREADS + int(threadIdx.x);",
+        "    const int r = c / (BK / CHUNK);               // row of the tile",
+        "    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk in the k-tile",
+        *(["    const int k = kt * BK + kc;"] if cfg.pad_k != "divisible" else []),
+        "    Raw x;",
+        "    x.s = int((base_el + unsigned(" + base + " + r) * unsigned(K)) & 7u);   // as in copy_" + o,
+        "    // Elements past K are zeroed (they are the next row's, or past the matrix); rows past M / N come from",
+        "    // the staging as the copy left them.",
+        f"    x.n = {n_chunk};",
+        f"    const unsigned src = smem_base + 2u * unsigned({raw_off} + r * RAW_PITCH + kc);",
+        "    x.lo = ld_shared_16(src);",
+        "    x.hi = ld_shared_16(src + 16u);",
+        "    unsigned w[4];",
+        "    realign(x, w);",
+        f"    st_shared_16(smem_base + 2u * unsigned({buf_off} + swz(r * BK + kc)), w);",
+        "  }",
         "}",
         "",
     ]
@@ -373,21 +422,6 @@ def _k_check(cfg: Sm80Config, tile: str) -> tuple[str, str]:
     return "false", "pad.k=divisible: K % BK == 0, no k-tile runs past K"
 
 
-def _gather(cfg: Sm80Config, tile: str, indent: str) -> list[str]:
-    """pad.align=1 steady state: start the global loads of k-tile `tile` into registers (stored by _store)."""
-    check, note = _k_check(cfg, tile)
-    return [
-        f"{indent}// {note}",
-        f"{indent}// pad.align=1: the loads land in registers while this k-tile's MMAs run; stored after them.",
-        f"{indent}gather_a(ra, A, a_rows, M, N, K, k_begin + {tile}, {check});",
-        f"{indent}gather_b(rb, B, b_rows, M, N, K, k_begin + {tile}, {check});",
-    ]
-
-
-def _store(stage: str, indent: str) -> list[str]:
-    return [f"{indent}store_a(smem_base, ra, {stage});", f"{indent}store_b(smem_base, rb, {stage});"]
-
-
 def _issue(cfg: Sm80Config, tile: str, stage: str, indent: str) -> list[str]:
     """Issue both operands' copies of k-tile `tile` (relative to k_begin) into `stage`."""
     check, note = _k_check(cfg, tile)
@@ -398,8 +432,156 @@ def _issue(cfg: Sm80Config, tile: str, stage: str, indent: str) -> list[str]:
     ]
 
 
+def _copy_staged(cfg: Sm80Config, tile: str, indent: str) -> list[str]:
+    """pad.align=1: issue the staging copies of k-tile `tile` (relative to k_begin) into stage tile % STAGES."""
+    check, note = _k_check(cfg, tile)
+    return [
+        f"{indent}// {note}",
+        f"{indent}copy_a(smem_base, A, a_rows, M, N, K, k_begin + {tile}, ({tile}) % STAGES, {check});",
+        f"{indent}copy_b(smem_base, B, b_rows, M, N, K, k_begin + {tile}, ({tile}) % STAGES, {check});",
+    ]
+
+
+def _realign_staged(cfg: Sm80Config, tile: str, indent: str) -> list[str]:
+    """pad.align=1: realign k-tile `tile` from its staging stage into realigned buffer tile % BUFS."""
+    check, _ = _k_check(cfg, tile)
+    return [
+        f"{indent}if ({tile} < k_count) {{",
+        f"{indent}  realign_a(smem_base, A, a_rows, K, k_begin + {tile}, ({tile}) % STAGES, ({tile}) % BUFS, {check});",
+        f"{indent}  realign_b(smem_base, B, b_rows, K, k_begin + {tile}, ({tile}) % STAGES, ({tile}) % BUFS, {check});",
+        f"{indent}}}",
+    ]
+
+
+def _mainloop_staged(cfg: Sm80Config) -> list[str]:
+    """pad.align=1: cp.async stages raw blocks in a ring of STAGES; a realign pass turns a staged k-tile into the
+    swizzled tile ldmatrix reads (lookahead 1: tile t+1 while tile t is multiplied, one barrier per k-tile;
+    lookahead 0: the tile about to be multiplied, behind a second barrier)."""
+    i = "  "
+    la = cfg.lookahead
+    frags = ["#pragma unroll", "for (int kk = 0; kk < KSTEPS; ++kk) {",
+             "  load_frags(smem_base, @BUF@, kk, fa[0], fb[0]);", "  mma_all(acc, fa[0], fb[0]);", "}"]
+    if cfg.stages == 1:
+        return [
+            f"{i}// pipeline.stages=1: one staging buffer and one realigned buffer; a k-tile's copy cannot overlap the",
+            f"{i}// MMAs that read the previous one.",
+            f"{i}for (int t = 0; t < k_count; ++t) {{",
+            f"{i}  __syncthreads();   // every warp has finished realigning and reading the previous k-tile",
+            *_copy_staged(cfg, "t", i + "  "),
+            f"{i}  cp_async_commit();",
+            f"{i}  cp_async_wait<0>();",
+            f"{i}  __syncthreads();   // every thread's staged blocks are visible to every warp",
+            *_realign_staged(cfg, "t", i + "  "),
+            f"{i}  __syncthreads();   // the realigned k-tile is visible to every warp",
+            *[i + "  " + line.replace("@BUF@", "0") for line in frags],
+            f"{i}}}",
+        ]
+    staged_note = ("tile t+1 staged" if la else "tile t staged")
+    lines = [
+        f"{i}// pad.align=1, lookahead {la}: {cfg.stages} staging stages; "
+        + (f"a k-tile is realigned while the one before it is multiplied, so {cfg.stages - 2} k-tile(s) are in flight "
+           "during the MMAs." if la else "a k-tile is realigned just before its MMAs, behind a second barrier."),
+        f"{i}// Prologue: put STAGES-1 k-tiles in flight. Every slot commits a group, even an empty one, so the group",
+        f"{i}// count per k-tile stays uniform and cp.async.wait_group N means 'tile t landed'.",
+        f"{i}#pragma unroll",
+        f"{i}for (int s = 0; s < STAGES - 1; ++s) {{",
+        f"{i}  if (s < k_count) {{",
+        *_copy_staged(cfg, "s", i + "    "),
+        f"{i}  }}",
+        f"{i}  cp_async_commit();",
+        f"{i}}}",
+    ]
+    if not cfg.prefetch:
+        if la:
+            lines += [
+                f"{i}cp_async_wait<STAGES - 2>();   // k-tile 0 staged",
+                f"{i}__syncthreads();",
+                *_realign_staged(cfg, "0", i),
+            ]
+        return lines + [
+            f"{i}// pipeline.prefetch=false: each k-step's fragments are loaded, then consumed.",
+            f"{i}for (int t = 0; t < k_count; ++t) {{",
+            f"{i}  // Groups committed so far: k-tiles up to t+STAGES-2; allowing STAGES-{2 + la} pending means {staged_note}.",
+            f"{i}  cp_async_wait<STAGES - {2 + la}>();",
+            f"{i}  // The staged k-tile is visible to every warp; every warp has finished realigning k-tile t-1 out of the",
+            f"{i}  // stage refilled next" + (", and (lookahead 1) publishes realigned k-tile t and has finished reading "
+                                           "the buffer k-tile t+1 goes to." if la else "."),
+            f"{i}  __syncthreads();",
+            f"{i}  if (t + STAGES - 1 < k_count) {{",
+            *_copy_staged(cfg, "t + STAGES - 1", i + "    "),
+            f"{i}  }}",
+            f"{i}  cp_async_commit();",
+            *([] if la else [*_realign_staged(cfg, "t", i + "  "),
+                             f"{i}  __syncthreads();   // the realigned k-tile is visible to every warp"]),
+            *[i + "  " + line.replace("@BUF@", "t % BUFS") for line in frags],
+            *([f"{i}  // Realign k-tile t+1 while other warps still multiply: its buffer was last read by k-tile t-1.",
+               *_realign_staged(cfg, "t + 1", i + "  ")] if la else []),
+            f"{i}}}",
+        ]
+    odd = (cfg.bk // 16) % 2 == 1
+    boundary = ([f"{i}      // Groups committed: tiles up to t+STAGES-1; allowing STAGES-3 pending means tile t+2 is staged.",
+                 f"{i}      cp_async_wait<STAGES - 3>();",
+                 f"{i}      // Every warp has finished reading k-tile t's buffer; realigned k-tile t+1 and staged k-tile",
+                 f"{i}      // t+2 are visible to every warp.",
+                 f"{i}      __syncthreads();"] if la else
+                [f"{i}      // Groups committed: tiles up to t+STAGES-1; allowing STAGES-2 pending means tile t+1 is staged.",
+                 f"{i}      cp_async_wait<STAGES - 2>();",
+                 f"{i}      __syncthreads();   // every warp has finished reading k-tile t's buffer",
+                 *_realign_staged(cfg, "t + 1", i + "      "),
+                 f"{i}      __syncthreads();   // realigned k-tile t+1 is visible to every warp"])
+    last_step = [f"{i}    if (kk == KSTEPS - 1) {{",
+                 *boundary,
+                 f"{i}      read_buf = (t + 1) % BUFS;",
+                 f"{i}    }}"]
+    body_frags = [f"{i}    // Fragments of the next k-step (the next tile's first after the last step) into the other buffer.",
+                  f"{i}    load_frags(smem_base, read_buf, (kk + 1) % KSTEPS, fa[((kk + 1) % KSTEPS) & 1], "
+                  f"fb[((kk + 1) % KSTEPS) & 1]);"]
+    if odd:
+        body = [f"{i}    if (kk == KSTEPS - 1) {{",
+                f"{i}      // KSTEPS={cfg.bk // 16} is odd: this step's buffer is also the next tile's first, so",
+                f"{i}      // consume it before the loads below overwrite it.",
+                f"{i}      mma_all(acc, fa[kk & 1], fb[kk & 1]);",
+                f"{i}    }}",
+                *last_step, *body_frags,
+                f"{i}    if (kk != KSTEPS - 1) mma_all(acc, fa[kk & 1], fb[kk & 1]);"]
+    else:
+        body = [*last_step, *body_frags, f"{i}    mma_all(acc, fa[kk & 1], fb[kk & 1]);"]
+    if la:
+        body += [f"{i}    if (kk == KSTEPS - 1) {{",
+                 f"{i}      // Realign k-tile t+2 into the buffer k-tile t used (every warp passed the barrier above after",
+                 f"{i}      // reading it) while other warps multiply; the next tile boundary's barrier publishes it.",
+                 *_realign_staged(cfg, "t + 2", i + "      "),
+                 f"{i}    }}"]
+    return lines + [
+        f"{i}cp_async_wait<STAGES - {2 + la}>();   // k-tile 0" + (" and 1" if la else "") + " staged",
+        f"{i}__syncthreads();",
+        *_realign_staged(cfg, "0", i),
+        *(_realign_staged(cfg, "1", i) if la else []),
+        f"{i}__syncthreads();   // realigned k-tile 0 is visible to every warp",
+        f"{i}int read_buf = 0;   // realigned buffer of the k-tile being multiplied",
+        f"{i}// pipeline.prefetch=true: ldmatrix of k-step kk+1 (across the tile boundary too) is in flight while",
+        f"{i}// k-step kk's MMAs run, so ldmatrix latency never stalls the tensor cores.",
+        f"{i}load_frags(smem_base, 0, 0, fa[0], fb[0]);",
+        f"{i}for (int t = 0; t < k_count; ++t) {{",
+        f"{i}#pragma unroll",
+        f"{i}  for (int kk = 0; kk < KSTEPS; ++kk) {{",
+        f"{i}    if (kk == 0) {{",
+        f"{i}      // Refill the stage k-tile t-1 was staged in: every warp realigned it before an earlier barrier.",
+        f"{i}      if (t + STAGES - 1 < k_count) {{",
+        *_copy_staged(cfg, "t + STAGES - 1", i + "        "),
+        f"{i}      }}",
+        f"{i}      cp_async_commit();",
+        f"{i}    }}",
+        *body,
+        f"{i}  }}",
+        f"{i}}}",
+    ]
+
+
 def _mainloop(cfg: Sm80Config) -> list[str]:
     i = "  "
+    if cfg.staged:
+        return _mainloop_staged(cfg)
     if cfg.stages == 1:
         return [
             f"{i}// pipeline.stages=1: one buffer, so a k-tile's copy cannot overlap the MMAs that read the previous one.",
@@ -416,7 +598,6 @@ def _mainloop(cfg: Sm80Config) -> list[str]:
             f"{i}  }}",
             f"{i}}}",
         ]
-    staged = cfg.align == 1
     lines = [
         f"{i}// Prologue: put STAGES-1 k-tiles in flight before the first MMA. Every slot commits a group, even an",
         f"{i}// empty one, so the group count per k-tile stays uniform and cp.async.wait_group N means 'tile t landed'.",
@@ -429,8 +610,6 @@ def _mainloop(cfg: Sm80Config) -> list[str]:
         f"{i}}}",
         f"{i}int read_stage = 0;             // stage holding k-tile t",
         f"{i}int write_stage = STAGES - 1;   // stage k-tile t+STAGES-1 goes to: the one k-tile t-1 used",
-        *([f"{i}Raw ra[CHUNKS_A / THREADS], rb[CHUNKS_B / THREADS];   // pad.align=1: k-tile t+STAGES-1 "
-           "in flight", f"{i}int fill_stage = 0;             // where ra/rb go"] if staged else []),
     ]
     if not cfg.prefetch:
         return lines + [
@@ -442,8 +621,7 @@ def _mainloop(cfg: Sm80Config) -> list[str]:
             f"{i}  // is refilled next.",
             f"{i}  __syncthreads();",
             f"{i}  if (t + STAGES - 1 < k_count) {{",
-            *(_gather(cfg, "t + STAGES - 1", i + "    ") if staged else
-              _issue(cfg, "t + STAGES - 1", "write_stage", i + "    ")),
+            *_issue(cfg, "t + STAGES - 1", "write_stage", i + "    "),
             f"{i}  }}",
             f"{i}  cp_async_commit();",
             f"{i}#pragma unroll",
@@ -451,21 +629,12 @@ def _mainloop(cfg: Sm80Config) -> list[str]:
             f"{i}    load_frags(smem_base, read_stage, kk, fa[0], fb[0]);",
             f"{i}    mma_all(acc, fa[0], fb[0]);",
             f"{i}  }}",
-            *([f"{i}  // The stage k-tile t-1 used: every warp passed this iteration's barrier after reading it, and the",
-               f"{i}  // next iteration's barrier publishes the store.",
-               f"{i}  if (t + STAGES - 1 < k_count) {{", *_store("write_stage", i + "    "), f"{i}  }}"]
-              if staged else []),
             f"{i}  write_stage = read_stage;",
             f"{i}  read_stage = (read_stage + 1 == STAGES) ? 0 : read_stage + 1;",
             f"{i}}}",
         ]
     odd = (cfg.bk // 16) % 2 == 1
-    store = ([f"{i}      // pad.align=1: k-tile t+STAGES-1 from registers into the stage k-tile t-1 used (nobody reads it",
-              f"{i}      // before the barrier below publishes it).",
-              f"{i}      if (t + STAGES - 1 < k_count) {{", *_store("fill_stage", i + "        "), f"{i}      }}"]
-             if staged else [])
     last_step = [f"{i}    if (kk == KSTEPS - 1) {{",
-                 *store,
                  f"{i}      // The next k-tile's first k-step is read below. Groups committed: tiles up to t+STAGES-1,",
                  f"{i}      // so allowing STAGES-2 pending means tile t+1 landed; the barrier makes it visible.",
                  f"{i}      read_stage = (read_stage + 1 == STAGES) ? 0 : read_stage + 1;",
@@ -500,10 +669,8 @@ def _mainloop(cfg: Sm80Config) -> list[str]:
         f"{i}    if (kk == 0) {{",
         f"{i}      // Refill the stage tile t-1 used: every warp passed the barrier after its last read of it.",
         f"{i}      if (t + STAGES - 1 < k_count) {{",
-        *(_gather(cfg, "t + STAGES - 1", i + "        ") if staged else
-          _issue(cfg, "t + STAGES - 1", "write_stage", i + "        ")),
+        *_issue(cfg, "t + STAGES - 1", "write_stage", i + "        "),
         f"{i}      }}",
-        *([f"{i}      fill_stage = write_stage;"] if staged else []),
         f"{i}      cp_async_commit();",
         f"{i}      write_stage = (write_stage + 1 == STAGES) ? 0 : write_stage + 1;",
         f"{i}    }}",
@@ -636,8 +803,17 @@ def _config(cfg: Sm80Config) -> list[str]:
         "constexpr int MI = WARP_M / 16, NI = WARP_N / 8;    // m16n8 accumulator fragments per warp",
         "constexpr int KSTEPS = BK / 16;                     // m16n8k16 k-steps per k-tile",
         f"constexpr int STAGES = {cfg.stages};                       // pipeline.stages",
-        "constexpr int A_STAGE = BM * BK, B_STAGE = BN * BK;  // elements per ring stage",
-        "constexpr int SMEM_A = 0, SMEM_B = STAGES * A_STAGE;  // element offsets of the two rings",
+        *(["constexpr int A_STAGE = BM * BK, B_STAGE = BN * BK;  // elements per ring stage",
+           "constexpr int SMEM_A = 0, SMEM_B = STAGES * A_STAGE;  // element offsets of the two rings"]
+          if not cfg.staged else
+          ["constexpr int A_STAGE = BM * BK, B_STAGE = BN * BK;  // elements per realigned buffer (what ldmatrix reads)",
+           f"constexpr int BUFS = {cfg.bufs};   // realigned buffers: the k-tile multiplied + {cfg.lookahead} realigned ahead",
+           "constexpr int SMEM_A = 0, SMEM_B = BUFS * A_STAGE;  // element offsets of the realigned A and B buffers",
+           "// pad.align=1 staging ring (STAGES stages, A's BM rows then B's BN rows): each row holds the BK/8 + 1",
+           "// aligned 16-byte blocks that cover its k-tile, raw (the row's first element s elements into block 0).",
+           "constexpr int RAW_PITCH = BK + 8;   // elements per staged row: BK/8 + 1 blocks",
+           "constexpr int RAW_A = BM * RAW_PITCH, RAW_STAGE = (BM + BN) * RAW_PITCH;",
+           "constexpr int SMEM_RAW = BUFS * (A_STAGE + B_STAGE);  // element offset of the staging ring"]),
         f"constexpr int CHUNK = {cfg.chunk};   // elements per global -> shared copy ({cfg.chunk_note})",
         "constexpr int CHUNKS_A = BM * BK / CHUNK, CHUNKS_B = BN * BK / CHUNK;   // copies per tile",
         "static_assert(CHUNKS_A % THREADS == 0 && CHUNKS_B % THREADS == 0, \"whole copy passes\");",
@@ -652,16 +828,29 @@ def _copy_functions(cfg: Sm80Config) -> list[str]:
     """The global -> shared copy primitives pad.align allows."""
     if cfg.align == 1:
         return [
-            "// pad.align=1: rows may start on any 2-byte boundary, which no cp.async form copies; 8 realigned elements",
-            "// are written with one 16-byte shared store (the swizzle keeps 8-element chunks whole and aligned).",
+            "// pad.align=1: rows may start on any 2-byte boundary, which no cp.async form copies. The aligned 16-byte",
+            "// blocks covering each row are staged with cp.async.cg (bypassing L1: the tile is reused from shared",
+            "// memory); src-size 0 writes 16 zero bytes and reads nothing (a block holding no element of the row's",
+            "// k-tile). `src` must still be a valid address, so callers pass the operand's base when !valid.",
+            "__device__ __forceinline__ void cp_async_zfill(unsigned dst, const void* src, bool valid) {",
+            "  const int src_bytes = valid ? 16 : 0;",
+            '  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" :: "r"(dst), "l"(src), "r"(src_bytes)',
+            '               : "memory");',
+            "}",
+            "__device__ __forceinline__ uint4 ld_shared_16(unsigned src) {",
+            "  uint4 v;",
+            '  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)',
+            '               : "r"(src) : "memory");',
+            "  return v;",
+            "}",
+            "// 8 realigned elements are written with one 16-byte shared store (the swizzle keeps 8-element chunks whole",
+            "// and aligned).",
             "__device__ __forceinline__ void st_shared_16(unsigned dst, const unsigned (&w)[4]) {",
             '  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\\n" :: "r"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]),',
             '               "r"(w[3]) : "memory");',
             "}",
-            "// A chunk between its global load and its shared store: the aligned 16-byte blocks around it, the",
-            "// element offset s of its first element inside lo, and how many of its 8 elements exist (n). Raw",
-            "// blocks, not realigned words, wait in registers during the MMAs: realigning needs the loaded data, so",
-            "// doing it at load time would stall the warp on global latency before its MMAs.",
+            "// A chunk being realigned: the two staged 16-byte blocks around it, the element offset s of its first",
+            "// element inside lo, and how many of its 8 elements exist (n).",
             "struct Raw { uint4 lo, hi; int s, n; };",
             "// Elements s .. s+7 of lo:hi, elements n .. 7 zeroed (they are other rows' bytes, or bytes past K). The",
             "// offset s = 4*s4 + 2*s2 + s1 is applied with whole-register selects for s4 and s2 (a dynamically indexed",

@@ -29,9 +29,15 @@ constexpr int WARP_M = BM / WM, WARP_N = BN / WN;   // each warp's block of C
 constexpr int MI = WARP_M / 16, NI = WARP_N / 8;    // m16n8 accumulator fragments per warp
 constexpr int KSTEPS = BK / 16;                     // m16n8k16 k-steps per k-tile
 constexpr int STAGES = 4;                       // pipeline.stages
-constexpr int A_STAGE = BM * BK, B_STAGE = BN * BK;  // elements per ring stage
-constexpr int SMEM_A = 0, SMEM_B = STAGES * A_STAGE;  // element offsets of the two rings
-constexpr int CHUNK = 8;   // elements per global -> shared copy (pad.align=1: one or two aligned 16-byte loads realigned in registers, one 16-byte shared store)
+constexpr int A_STAGE = BM * BK, B_STAGE = BN * BK;  // elements per realigned buffer (what ldmatrix reads)
+constexpr int BUFS = 2;   // realigned buffers: the k-tile multiplied + 1 realigned ahead
+constexpr int SMEM_A = 0, SMEM_B = BUFS * A_STAGE;  // element offsets of the realigned A and B buffers
+// pad.align=1 staging ring (STAGES stages, A's BM rows then B's BN rows): each row holds the BK/8 + 1
+// aligned 16-byte blocks that cover its k-tile, raw (the row's first element s elements into block 0).
+constexpr int RAW_PITCH = BK + 8;   // elements per staged row: BK/8 + 1 blocks
+constexpr int RAW_A = BM * RAW_PITCH, RAW_STAGE = (BM + BN) * RAW_PITCH;
+constexpr int SMEM_RAW = BUFS * (A_STAGE + B_STAGE);  // element offset of the staging ring
+constexpr int CHUNK = 8;   // elements per global -> shared copy (pad.align=1: 16-byte cp.async of the aligned blocks covering each row, realigned in shared memory 8 elements at a time)
 constexpr int CHUNKS_A = BM * BK / CHUNK, CHUNKS_B = BN * BK / CHUNK;   // copies per tile
 static_assert(CHUNKS_A % THREADS == 0 && CHUNKS_B % THREADS == 0, "whole copy passes");
 static_assert(NI % 2 == 0, "B fragments come in pairs from one ldmatrix.x4");
@@ -48,16 +54,29 @@ struct alignas(sizeof(T) * V) Vec { T v[V]; };
 __device__ __forceinline__ Out2T pack2(float a, float b) { return __floats2half2_rn(a, b); }
 __device__ __forceinline__ OutT to_out(float a) { return __float2half_rn(a); }
 
-// pad.align=1: rows may start on any 2-byte boundary, which no cp.async form copies; 8 realigned elements
-// are written with one 16-byte shared store (the swizzle keeps 8-element chunks whole and aligned).
+// pad.align=1: rows may start on any 2-byte boundary, which no cp.async form copies. The aligned 16-byte
+// blocks covering each row are staged with cp.async.cg (bypassing L1: the tile is reused from shared
+// memory); src-size 0 writes 16 zero bytes and reads nothing (a block holding no element of the row's
+// k-tile). `src` must still be a valid address, so callers pass the operand's base when !valid.
+__device__ __forceinline__ void cp_async_zfill(unsigned dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_16(unsigned src) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(src) : "memory");
+  return v;
+}
+// 8 realigned elements are written with one 16-byte shared store (the swizzle keeps 8-element chunks whole
+// and aligned).
 __device__ __forceinline__ void st_shared_16(unsigned dst, const unsigned (&w)[4]) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]),
                "r"(w[3]) : "memory");
 }
-// A chunk between its global load and its shared store: the aligned 16-byte blocks around it, the
-// element offset s of its first element inside lo, and how many of its 8 elements exist (n). Raw
-// blocks, not realigned words, wait in registers during the MMAs: realigning needs the loaded data, so
-// doing it at load time would stall the warp on global latency before its MMAs.
+// A chunk being realigned: the two staged 16-byte blocks around it, the element offset s of its first
+// element inside lo, and how many of its 8 elements exist (n).
 struct Raw { uint4 lo, hi; int s, n; };
 // Elements s .. s+7 of lo:hi, elements n .. 7 zeroed (they are other rows' bytes, or bytes past K). The
 // offset s = 4*s4 + 2*s2 + s1 is applied with whole-register selects for s4 and s2 (a dynamically indexed
@@ -130,100 +149,117 @@ __device__ __forceinline__ void mma_all(float (&acc)[MI][NI][4], const unsigned 
     for (int ni = 0; ni < NI; ++ni) mma_16816(acc[mi][ni], fa[mi], fb[ni]);
 }
 
-// k-tile `kt` of A (BM x BK, K contiguous) into registers: chunk `it` of this thread in r[it].
-__device__ __forceinline__ void gather_a(Raw (&r)[CHUNKS_A / THREADS], const InT* __restrict__ A, int a_rows, int M, int N, int K, int kt, bool check_k) {
+// k-tile `kt` of A (BM rows, K contiguous): the raw 16-byte blocks covering each row into staging stage
+// `stage`. Thread tid owns chunks tid, tid + THREADS, ... of 8 elements (as realign does) and copies block kc/8
+// of the chunk's row; the thread owning a row's last chunk also copies the row's extra block BK/8.
+__device__ __forceinline__ void copy_a(unsigned smem_base, const InT* __restrict__ A, int a_rows, int M, int N, int K, int kt, int stage, bool check_k) {
   (void)M; (void)N; (void)check_k;
+  const unsigned base_el = unsigned(reinterpret_cast<unsigned long long>(A) >> 1);   // 2-byte units
 #pragma unroll
   for (int it = 0; it < CHUNKS_A / THREADS; ++it) {
     const int c = it * THREADS + int(threadIdx.x);
-    const int r_ = c / (BK / CHUNK);               // row of the tile
-    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk
+    const int r = c / (BK / CHUNK);               // row of the tile
+    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk in the k-tile
+    const int grow = a_rows + r;
+    // The row's k-tile starts s elements past a 16-byte boundary. A k-tile is BK * 2 bytes, a multiple of
+    // 16, so s is the same for every k-tile of the row; only its low 3 bits matter, so 32-bit wrap is exact.
+    const int s = int((base_el + unsigned(grow) * unsigned(K)) & 7u);
+    const InT* src = A + ((long long)grow * K + kt * BK - s + kc);   // 16-byte aligned
+    const unsigned dst = smem_base + 2u * unsigned(SMEM_RAW + stage * RAW_STAGE + r * RAW_PITCH + kc);
+    // Block kc/8 holds row elements kc - s .. kc - s + 7 of the k-tile: it is read only when one of them
+    // exists (an aligned 16-byte block never crosses a page, so reading all of it cannot fault); otherwise
+    // it is zero-filled without a read. The extra block holds elements BK - s .. BK - s + 7.
+    const int n = (check_k ? min(BK, K - kt * BK) : BK);   // elements of the row in this k-tile
+    // pad.m=predicate: a row past M is not staged; its stale shared memory only reaches outputs
+    // that are never stored.
+    if (grow < M) {
+      const bool ok = kc < s + n;
+      cp_async_zfill(dst, ok ? src : A, ok);
+      if (kc == BK - CHUNK) {
+        const bool ok2 = BK < s + n;
+        cp_async_zfill(dst + 16u, ok2 ? src + CHUNK : A, ok2);
+      }
+    }
+  }
+}
+// k-tile `kt` of A from staging stage `stage`, realigned, into buffer `buf` (swizzled as ldmatrix reads it):
+// thread tid writes chunks tid, tid + THREADS, ... of 8 elements, one 16-byte shared store each.
+__device__ __forceinline__ void realign_a(unsigned smem_base, const InT* __restrict__ A, int a_rows, int K, int kt, int stage, int buf, bool check_k) {
+  (void)kt; (void)check_k;
+  const unsigned base_el = unsigned(reinterpret_cast<unsigned long long>(A) >> 1);
+#pragma unroll
+  for (int it = 0; it < CHUNKS_A / THREADS; ++it) {
+    const int c = it * THREADS + int(threadIdx.x);
+    const int r = c / (BK / CHUNK);               // row of the tile
+    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk in the k-tile
     const int k = kt * BK + kc;
-    const int grow = a_rows + r_;
-    // Elements of the chunk inside M (pad.m=predicate) and K; realign zeroes the rest, which then add
-    // 0 to every dot product.
-    r[it].n = (grow < M) ? (check_k ? max(0, min(8, K - k)) : 8) : 0;
-    // pad.align=1: an odd K starts rows on any 2-byte boundary. Rather than 8 2-byte loads, load the
-    // aligned 16-byte blocks q and q+16 around the chunk (its first element is at byte p, q = p & ~15);
-    // realign shifts the 8 elements out of the 32 bytes. A 16-byte-aligned block never crosses a page (nor a
-    // cache line), so reading all of a block that holds a valid element cannot fault; a block holding none
-    // is not read.
-    // A k-tile is BK * 2 bytes, a multiple of 16, so s and the block grid are the same for every k-tile: p
-    // leaves kt out, which lets the compiler keep s and the row's block address out of the k loop.
-    const unsigned long long p = reinterpret_cast<unsigned long long>(A + (long long)grow * K + kc);
-    const uint4* q = reinterpret_cast<const uint4*>(p & ~15ull) + kt * (BK / 8);
-    r[it].s = int(p & 15ull) >> 1;
-    r[it].lo = make_uint4(0u, 0u, 0u, 0u);
-    r[it].hi = make_uint4(0u, 0u, 0u, 0u);
-    if (r[it].n > 0) r[it].lo = __ldg(q);
-    // The chunk runs into the next block (never when p is 16-byte aligned).
-    if (r[it].s + r[it].n > 8) r[it].hi = __ldg(q + 1);
-  }
-}
-// The chunks gather_a loaded, realigned, into ring stage `stage`.
-__device__ __forceinline__ void store_a(unsigned smem_base, const Raw (&r)[CHUNKS_A / THREADS], int stage) {
-#pragma unroll
-  for (int it = 0; it < CHUNKS_A / THREADS; ++it) {
-    const int c = it * THREADS + int(threadIdx.x);
-    const int r_ = c / (BK / CHUNK);
-    const int kc = (c % (BK / CHUNK)) * CHUNK;
+    Raw x;
+    x.s = int((base_el + unsigned(a_rows + r) * unsigned(K)) & 7u);   // as in copy_a
+    // Elements past K are zeroed (they are the next row's, or past the matrix); rows past M / N come from
+    // the staging as the copy left them.
+    x.n = (check_k ? max(0, min(8, K - k)) : 8);
+    const unsigned src = smem_base + 2u * unsigned(SMEM_RAW + stage * RAW_STAGE + r * RAW_PITCH + kc);
+    x.lo = ld_shared_16(src);
+    x.hi = ld_shared_16(src + 16u);
     unsigned w[4];
-    realign(r[it], w);
-    st_shared_16(smem_base + 2u * unsigned(SMEM_A + stage * A_STAGE + swz(r_ * BK + kc)), w);
+    realign(x, w);
+    st_shared_16(smem_base + 2u * unsigned(SMEM_A + buf * A_STAGE + swz(r * BK + kc)), w);
   }
-}
-__device__ __forceinline__ void load_a(unsigned smem_base, const InT* __restrict__ A, int a_rows, int M, int N, int K, int kt, int stage, bool check_k) {
-  Raw r[CHUNKS_A / THREADS];
-  gather_a(r, A, a_rows, M, N, K, kt, check_k);
-  store_a(smem_base, r, stage);
 }
 
-// k-tile `kt` of B (BN x BK, K contiguous) into registers: chunk `it` of this thread in r[it].
-__device__ __forceinline__ void gather_b(Raw (&r)[CHUNKS_B / THREADS], const InT* __restrict__ B, int b_rows, int M, int N, int K, int kt, bool check_k) {
+// k-tile `kt` of B (BN rows, K contiguous): the raw 16-byte blocks covering each row into staging stage
+// `stage`. Thread tid owns chunks tid, tid + THREADS, ... of 8 elements (as realign does) and copies block kc/8
+// of the chunk's row; the thread owning a row's last chunk also copies the row's extra block BK/8.
+__device__ __forceinline__ void copy_b(unsigned smem_base, const InT* __restrict__ B, int b_rows, int M, int N, int K, int kt, int stage, bool check_k) {
   (void)M; (void)N; (void)check_k;
+  const unsigned base_el = unsigned(reinterpret_cast<unsigned long long>(B) >> 1);   // 2-byte units
 #pragma unroll
   for (int it = 0; it < CHUNKS_B / THREADS; ++it) {
     const int c = it * THREADS + int(threadIdx.x);
-    const int r_ = c / (BK / CHUNK);               // row of the tile
-    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk
+    const int r = c / (BK / CHUNK);               // row of the tile
+    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk in the k-tile
+    const int grow = b_rows + r;
+    // The row's k-tile starts s elements past a 16-byte boundary. A k-tile is BK * 2 bytes, a multiple of
+    // 16, so s is the same for every k-tile of the row; only its low 3 bits matter, so 32-bit wrap is exact.
+    const int s = int((base_el + unsigned(grow) * unsigned(K)) & 7u);
+    const InT* src = B + ((long long)grow * K + kt * BK - s + kc);   // 16-byte aligned
+    const unsigned dst = smem_base + 2u * unsigned(SMEM_RAW + stage * RAW_STAGE + RAW_A + r * RAW_PITCH + kc);
+    // Block kc/8 holds row elements kc - s .. kc - s + 7 of the k-tile: it is read only when one of them
+    // exists (an aligned 16-byte block never crosses a page, so reading all of it cannot fault); otherwise
+    // it is zero-filled without a read. The extra block holds elements BK - s .. BK - s + 7.
+    const int n = (check_k ? min(BK, K - kt * BK) : BK);   // elements of the row in this k-tile
+    // pad.n=zero_fill: a row past N is staged as zeros (src-size 0 reads nothing).
+    const bool ok = grow < N && kc < s + n;
+    cp_async_zfill(dst, ok ? src : B, ok);
+    if (kc == BK - CHUNK) {
+      const bool ok2 = grow < N && BK < s + n;
+      cp_async_zfill(dst + 16u, ok2 ? src + CHUNK : B, ok2);
+    }
+  }
+}
+// k-tile `kt` of B from staging stage `stage`, realigned, into buffer `buf` (swizzled as ldmatrix reads it):
+// thread tid writes chunks tid, tid + THREADS, ... of 8 elements, one 16-byte shared store each.
+__device__ __forceinline__ void realign_b(unsigned smem_base, const InT* __restrict__ B, int b_rows, int K, int kt, int stage, int buf, bool check_k) {
+  (void)kt; (void)check_k;
+  const unsigned base_el = unsigned(reinterpret_cast<unsigned long long>(B) >> 1);
+#pragma unroll
+  for (int it = 0; it < CHUNKS_B / THREADS; ++it) {
+    const int c = it * THREADS + int(threadIdx.x);
+    const int r = c / (BK / CHUNK);               // row of the tile
+    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk in the k-tile
     const int k = kt * BK + kc;
-    const int grow = b_rows + r_;
-    // Elements of the chunk inside N (pad.n=zero_fill) and K; realign zeroes the rest, which then add
-    // 0 to every dot product.
-    r[it].n = (grow < N) ? (check_k ? max(0, min(8, K - k)) : 8) : 0;
-    // pad.align=1: an odd K starts rows on any 2-byte boundary. Rather than 8 2-byte loads, load the
-    // aligned 16-byte blocks q and q+16 around the chunk (its first element is at byte p, q = p & ~15);
-    // realign shifts the 8 elements out of the 32 bytes. A 16-byte-aligned block never crosses a page (nor a
-    // cache line), so reading all of a block that holds a valid element cannot fault; a block holding none
-    // is not read.
-    // A k-tile is BK * 2 bytes, a multiple of 16, so s and the block grid are the same for every k-tile: p
-    // leaves kt out, which lets the compiler keep s and the row's block address out of the k loop.
-    const unsigned long long p = reinterpret_cast<unsigned long long>(B + (long long)grow * K + kc);
-    const uint4* q = reinterpret_cast<const uint4*>(p & ~15ull) + kt * (BK / 8);
-    r[it].s = int(p & 15ull) >> 1;
-    r[it].lo = make_uint4(0u, 0u, 0u, 0u);
-    r[it].hi = make_uint4(0u, 0u, 0u, 0u);
-    if (r[it].n > 0) r[it].lo = __ldg(q);
-    // The chunk runs into the next block (never when p is 16-byte aligned).
-    if (r[it].s + r[it].n > 8) r[it].hi = __ldg(q + 1);
-  }
-}
-// The chunks gather_b loaded, realigned, into ring stage `stage`.
-__device__ __forceinline__ void store_b(unsigned smem_base, const Raw (&r)[CHUNKS_B / THREADS], int stage) {
-#pragma unroll
-  for (int it = 0; it < CHUNKS_B / THREADS; ++it) {
-    const int c = it * THREADS + int(threadIdx.x);
-    const int r_ = c / (BK / CHUNK);
-    const int kc = (c % (BK / CHUNK)) * CHUNK;
+    Raw x;
+    x.s = int((base_el + unsigned(b_rows + r) * unsigned(K)) & 7u);   // as in copy_b
+    // Elements past K are zeroed (they are the next row's, or past the matrix); rows past M / N come from
+    // the staging as the copy left them.
+    x.n = (check_k ? max(0, min(8, K - k)) : 8);
+    const unsigned src = smem_base + 2u * unsigned(SMEM_RAW + stage * RAW_STAGE + RAW_A + r * RAW_PITCH + kc);
+    x.lo = ld_shared_16(src);
+    x.hi = ld_shared_16(src + 16u);
     unsigned w[4];
-    realign(r[it], w);
-    st_shared_16(smem_base + 2u * unsigned(SMEM_B + stage * B_STAGE + swz(r_ * BK + kc)), w);
+    realign(x, w);
+    st_shared_16(smem_base + 2u * unsigned(SMEM_B + buf * B_STAGE + swz(r * BK + kc)), w);
   }
-}
-__device__ __forceinline__ void load_b(unsigned smem_base, const InT* __restrict__ B, int b_rows, int M, int N, int K, int kt, int stage, bool check_k) {
-  Raw r[CHUNKS_B / THREADS];
-  gather_b(r, B, b_rows, M, N, K, kt, check_k);
-  store_b(smem_base, r, stage);
 }
 
 }  // namespace l2ir_ptx_sm80
@@ -268,57 +304,64 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
       for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
   unsigned fa[2][MI][4], fb[2][NI][2];   // pipeline.prefetch=true: two k-steps of fragments
 
-  // Prologue: put STAGES-1 k-tiles in flight before the first MMA. Every slot commits a group, even an
-  // empty one, so the group count per k-tile stays uniform and cp.async.wait_group N means 'tile t landed'.
+  // pad.align=1, lookahead 1: 4 staging stages; a k-tile is realigned while the one before it is multiplied, so 2 k-tile(s) are in flight during the MMAs.
+  // Prologue: put STAGES-1 k-tiles in flight. Every slot commits a group, even an empty one, so the group
+  // count per k-tile stays uniform and cp.async.wait_group N means 'tile t landed'.
   #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < k_count) {
       // pad.k=zero_fill: every k-tile checks K; chunks past K are zero-filled
-      load_a(smem_base, A, a_rows, M, N, K, k_begin + s, s, true);
-      load_b(smem_base, B, b_rows, M, N, K, k_begin + s, s, true);
+      copy_a(smem_base, A, a_rows, M, N, K, k_begin + s, (s) % STAGES, true);
+      copy_b(smem_base, B, b_rows, M, N, K, k_begin + s, (s) % STAGES, true);
     }
     cp_async_commit();
   }
-  int read_stage = 0;             // stage holding k-tile t
-  int write_stage = STAGES - 1;   // stage k-tile t+STAGES-1 goes to: the one k-tile t-1 used
-  Raw ra[CHUNKS_A / THREADS], rb[CHUNKS_B / THREADS];   // pad.align=1: k-tile t+STAGES-1 in flight
-  int fill_stage = 0;             // where ra/rb go
+  cp_async_wait<STAGES - 3>();   // k-tile 0 and 1 staged
+  __syncthreads();
+  if (0 < k_count) {
+    realign_a(smem_base, A, a_rows, K, k_begin + 0, (0) % STAGES, (0) % BUFS, true);
+    realign_b(smem_base, B, b_rows, K, k_begin + 0, (0) % STAGES, (0) % BUFS, true);
+  }
+  if (1 < k_count) {
+    realign_a(smem_base, A, a_rows, K, k_begin + 1, (1) % STAGES, (1) % BUFS, true);
+    realign_b(smem_base, B, b_rows, K, k_begin + 1, (1) % STAGES, (1) % BUFS, true);
+  }
+  __syncthreads();   // realigned k-tile 0 is visible to every warp
+  int read_buf = 0;   // realigned buffer of the k-tile being multiplied
   // pipeline.prefetch=true: ldmatrix of k-step kk+1 (across the tile boundary too) is in flight while
   // k-step kk's MMAs run, so ldmatrix latency never stalls the tensor cores.
-  cp_async_wait<STAGES - 2>();   // k-tile 0 landed
-  __syncthreads();
-  load_frags(smem_base, read_stage, 0, fa[0], fb[0]);
+  load_frags(smem_base, 0, 0, fa[0], fb[0]);
   for (int t = 0; t < k_count; ++t) {
   #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
       if (kk == 0) {
-        // Refill the stage tile t-1 used: every warp passed the barrier after its last read of it.
+        // Refill the stage k-tile t-1 was staged in: every warp realigned it before an earlier barrier.
         if (t + STAGES - 1 < k_count) {
           // pad.k=zero_fill: every k-tile checks K; chunks past K are zero-filled
-          // pad.align=1: the loads land in registers while this k-tile's MMAs run; stored after them.
-          gather_a(ra, A, a_rows, M, N, K, k_begin + t + STAGES - 1, true);
-          gather_b(rb, B, b_rows, M, N, K, k_begin + t + STAGES - 1, true);
+          copy_a(smem_base, A, a_rows, M, N, K, k_begin + t + STAGES - 1, (t + STAGES - 1) % STAGES, true);
+          copy_b(smem_base, B, b_rows, M, N, K, k_begin + t + STAGES - 1, (t + STAGES - 1) % STAGES, true);
         }
-        fill_stage = write_stage;
         cp_async_commit();
-        write_stage = (write_stage + 1 == STAGES) ? 0 : write_stage + 1;
       }
       if (kk == KSTEPS - 1) {
-        // pad.align=1: k-tile t+STAGES-1 from registers into the stage k-tile t-1 used (nobody reads it
-        // before the barrier below publishes it).
-        if (t + STAGES - 1 < k_count) {
-          store_a(smem_base, ra, fill_stage);
-          store_b(smem_base, rb, fill_stage);
-        }
-        // The next k-tile's first k-step is read below. Groups committed: tiles up to t+STAGES-1,
-        // so allowing STAGES-2 pending means tile t+1 landed; the barrier makes it visible.
-        read_stage = (read_stage + 1 == STAGES) ? 0 : read_stage + 1;
-        cp_async_wait<STAGES - 2>();
+        // Groups committed: tiles up to t+STAGES-1; allowing STAGES-3 pending means tile t+2 is staged.
+        cp_async_wait<STAGES - 3>();
+        // Every warp has finished reading k-tile t's buffer; realigned k-tile t+1 and staged k-tile
+        // t+2 are visible to every warp.
         __syncthreads();
+        read_buf = (t + 1) % BUFS;
       }
       // Fragments of the next k-step (the next tile's first after the last step) into the other buffer.
-      load_frags(smem_base, read_stage, (kk + 1) % KSTEPS, fa[((kk + 1) % KSTEPS) & 1], fb[((kk + 1) % KSTEPS) & 1]);
+      load_frags(smem_base, read_buf, (kk + 1) % KSTEPS, fa[((kk + 1) % KSTEPS) & 1], fb[((kk + 1) % KSTEPS) & 1]);
       mma_all(acc, fa[kk & 1], fb[kk & 1]);
+      if (kk == KSTEPS - 1) {
+        // Realign k-tile t+2 into the buffer k-tile t used (every warp passed the barrier above after
+        // reading it) while other warps multiply; the next tile boundary's barrier publishes it.
+        if (t + 2 < k_count) {
+          realign_a(smem_base, A, a_rows, K, k_begin + t + 2, (t + 2) % STAGES, (t + 2) % BUFS, true);
+          realign_b(smem_base, B, b_rows, K, k_begin + t + 2, (t + 2) % STAGES, (t + 2) % BUFS, true);
+        }
+      }
     }
   }
 
