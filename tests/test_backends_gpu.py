@@ -214,10 +214,11 @@ def _assert_passes_every_gate(evaluator, kernel, problem_cls, plan, art, shapes,
         assert set(must_run) <= ran, (shape, ran)
 
 
-def _assert_splitk_repeatable(kernel, plan, art, shape, seed):
-    """Split-K reduced in the kernel: one workspace zeroed once and three launches. Every tile counter is back at
-    zero after each launch (the next launch needs no memset), C has the same bits each time (the slices are summed
-    in slice order whichever block arrives last) and is within fp32-accumulation error of fp64."""
+def _assert_splitk_repeatable(kernel, plan, art, shape, seed, counters_per_tile=None):
+    """Split-K reduced in the kernel: one workspace zeroed once and three launches. Every counter (all of the
+    workspace after the tiles' fp32 partials) is back at zero after each launch (the next launch needs no memset),
+    C has the same bits each time (the slices are summed in a fixed order whichever block arrives last) and is
+    within fp32-accumulation error of fp64. `counters_per_tile`, where given, is the layout's count of counters."""
     import torch
 
     from l2ir.runtime import load
@@ -230,7 +231,11 @@ def _assert_splitk_repeatable(kernel, plan, art, shape, seed):
     ws_bytes = plan.workspace_for(mm, nn, kk)
     ws = torch.zeros(ws_bytes, dtype=torch.uint8, device="cuda")
     tiles = -(-mm // kernel.tile.bm) * -(-nn // kernel.tile.bn)
-    counters = ws[ws_bytes - 4 * tiles:]
+    partial_bytes = tiles * kernel.splitk.slices * kernel.tile.bm * kernel.tile.bn * 4
+    counters = ws[partial_bytes:]
+    assert counters.numel() >= 4 * tiles, (ws_bytes, partial_bytes)
+    if counters_per_tile is not None:
+        assert counters.numel() == 4 * tiles * counters_per_tile, (counters.numel(), tiles, counters_per_tile)
     launcher = load(plan, art.binary)
     try:
         outs = []
@@ -238,7 +243,7 @@ def _assert_splitk_repeatable(kernel, plan, art, shape, seed):
             c = torch.full((mm, nn), float("nan"), dtype=torch.half, device="cuda")
             launcher(a.data_ptr(), b.data_ptr(), c.data_ptr(), mm, nn, kk, ws.data_ptr(), ws_bytes)
             torch.cuda.synchronize()
-            assert int(counters.count_nonzero()) == 0, "split-K left tile counters non-zero"
+            assert int(counters.count_nonzero()) == 0, "split-K left counters non-zero"
             outs.append(c)
     finally:
         launcher.close()
@@ -279,9 +284,9 @@ def _cuda_ptx_small_families() -> dict[str, Kernel]:
 
 
 CUDA_PTX_SMALL = _cuda_ptx_small_families()
-# Skinny DRAM-bound, ragged (M, N and K tails), tiny, and a few-tiles shape; 100x1000x16392 is the ragged shape that
-# 16 K slices admit (every slice owns a k tile).
-CUDA_PTX_SMALL_SHAPES = ((64, 1024, 16384), (100, 3000, 4104), (64, 64, 64), (128, 16384, 4096), (100, 1000, 16392))
+# Skinny DRAM-bound, ragged (M, N and K tails), tiny, and a few-tiles shape; 100x1000x16264 (255 k tiles) is the
+# ragged shape that every slice count up to 32 admits (every slice owns a k tile).
+CUDA_PTX_SMALL_SHAPES = ((64, 1024, 16384), (100, 3000, 4104), (64, 64, 64), (128, 16384, 4096), (100, 1000, 16264))
 
 
 @pytest.mark.gpu
@@ -305,7 +310,66 @@ def test_cuda_ptx_small_shape_families_pass_every_gate(evaluator, tmp_path_facto
     _assert_passes_every_gate(evaluator, kernel, F16, plan, art, shapes, name,
                               {"accuracy", "ulp", "all_written", "guard_bands", "ragged_shapes"})
     if kernel.splitk is not None:
-        _assert_splitk_repeatable(kernel, plan, art, shapes[0], seed=7)
+        from l2ir.indexing import SplitKTree
+
+        _assert_splitk_repeatable(kernel, plan, art, shapes[0], seed=7,
+                                  counters_per_tile=SplitKTree(kernel.splitk.slices).counters)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cuda_ptx sm90a split-K's pairwise-tree reduction (l2ir.indexing.SplitKTree) at slice counts that are and are not
+# powers of two, on the two-blocks-per-SM 64x64 tile, the one-block 64x128 tile and a persistent cooperative kernel
+# (256 consumer threads, blocks walking several units): every gate at a ragged shape, then at every admitted shape
+# three launches on one workspace zeroed once (bit-identical C, every pair counter back at zero, fp64 reference).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _splitk_tree_kernels() -> dict[str, Kernel]:
+    def lat(block, stages, slices):
+        return Kernel(target=Target("sm90a"), tile=Tile(block, (4, 1), (1, 1)), mma=Mma("wgmma", (64, block[1], 16)),
+                      pipeline=Pipeline("tma_ws", stages, "pingpong", persistent=False),
+                      swizzle=Swizzle((3, 3, 3), "along_n", 1), pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+                      splitk=SplitK("split_k", slices), epilogue=Epilogue("direct", 2))
+
+    kernels = {}
+    for s in SPLITK_TREE_SLICES:
+        kernels[f"w4x1_64x64x64_st4_s{s}"] = lat((64, 64, 64), 4, s)
+        kernels[f"w4x1_64x128x64_auto_s{s}"] = lat((64, 128, 64), "auto", s)
+    coop = ptx(block=(128, 128, 64), epilogue=("smem", 8))
+    kernels["coop_128x128x64_persistent_smem8_s5"] = coop.replace(splitk=SplitK("split_k", 5))
+    return kernels
+
+
+SPLITK_TREE_SLICES = (2, 3, 5, 8, 16)
+SPLITK_TREE = _splitk_tree_kernels()
+# Ragged M and N with a few tiles; ragged M and N with hundreds of tiles (thousands of blocks racing on counters);
+# the aligned skinny shape the family is for; a ragged K (65 k tiles: only the slice counts that leave no slice
+# empty take it).
+SPLITK_TREE_SHAPES = ((130, 200, 4096), (1000, 1000, 2048), (64, 2048, 8192), (127, 130, 4104))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", list(SPLITK_TREE))
+def test_cuda_ptx_splitk_tree_reduction(evaluator, tmp_path_factory, name):
+    import torch
+
+    from l2ir.indexing import SplitKTree
+    from l2ir.search.gates import admits
+
+    major, minor = torch.cuda.get_device_capability(0)
+    if (major, minor) < (9, 0):
+        pytest.skip(f"the sm90a kernels need a Hopper GPU; this one is sm_{major}{minor}")
+    kernel = SPLITK_TREE[name]
+    plan = lower(kernel, F16, "cuda_ptx")
+    art = _build_for_this_gpu(plan, tmp_path_factory.mktemp("splitk_tree"))
+    shapes = [s for s in SPLITK_TREE_SHAPES if admits(kernel, F16.with_shape(*s))[0]]
+    assert (130, 200, 4096) in shapes and (1000, 1000, 2048) in shapes, shapes
+    _assert_passes_every_gate(evaluator, kernel, F16, plan, art, [(130, 200, 4096)], name,
+                              {"accuracy", "ulp", "all_written", "guard_bands"})
+    for i, shape in enumerate(shapes):
+        _assert_splitk_repeatable(kernel, plan, art, shape, seed=100 + i,
+                                  counters_per_tile=SplitKTree(kernel.splitk.slices).counters)
 
 
 # ---------------------------------------------------------------------------------------------------------------

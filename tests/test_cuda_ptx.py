@@ -71,6 +71,9 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
     "w4x1_64x128x64_s4_two_per_sm": (lat(pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False)), PROBLEM),
     "coop_128x128x64_splitk3_persistent_smem8": (
         coop((128, 128, 64), splitk=SplitK("split_k", 3), epilogue=Epilogue("smem", 8)), PROBLEM),
+    "w4x1_64x64x64_s4_two_per_sm_splitk5": (
+        lat((64, 64, 64), pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False), splitk=SplitK("split_k", 5)),
+        PROBLEM),
 }
 
 
@@ -210,39 +213,68 @@ def test_short_prologue(name):
     assert helper.index("return &cache.map;") < helper.index("encode_operand(")   # the hit returns before encoding
 
 
-def test_splitk_renders_counter_and_fixed_order_reduction():
-    """split_k reduce=workspace: slice ranges from l2ir.indexing.splitk_range, a partial store, a release fence, the
-    tile counter (reset by the last arrival), a reduction over slices 0..S-1; the workspace is tiles x (slices x BM x BN
-    fp32 + one counter), zeroed once. Without splitk none of it is rendered and no workspace is asked for."""
-    from l2ir.indexing import splitk_range
+def test_splitk_renders_the_pairwise_tree_reduction():
+    """split_k reduce=workspace: slice ranges from l2ir.indexing.splitk_range; the tree's sibling, counter and merged
+    slot rendered from l2ir.indexing.SplitKTree; per level a partial store, a release fence, the pair counter (reset by
+    its last arrival), an acquire fence, the sibling's slot added; the workspace is tiles x (slices x BM x BN fp32 +
+    (slices - 1) counters), zeroed once. Without splitk none of it is rendered and no workspace is asked for."""
+    from l2ir.indexing import SplitKTree, splitk_range
 
     plan = lower(lat(splitk=SplitK("split_k", 8)), PROBLEM)
     src = plan.source
     begin, end = splitk_range(8)
+    tree = SplitKTree(8)
     assert f"const int kt_begin = {begin.to_cpp()};" in src and f"const int kt_end = {end.to_cpp()};" in src
     assert "for (int kt = kt_begin; kt < kt_end; ++kt) {" in src
     assert "(kt > kt_begin || kk > 0) ? 1u : 0u" in src
     assert "constexpr int SLICES = 8;" in src and "const int grid = int(num_units);" in src
+    assert "constexpr int TREE_LEVELS = 3;" in src and "constexpr int TREE_NODES = 7;" in src
     kernel_src = src[src.index("__launch_bounds__"):src.index("// ---- trusted host code")]
-    order = ["__stcg(mine", "__threadfence();", "atomicAdd(counters + pid, 1u)", "if (last) counters[pid] = 0u;",
-             "if (*reduce_flag == 0u) continue;", "for (int s = 0; s < SLICES; ++s) {", "__ldcg(src"]
-    positions = [kernel_src.index(x) for x in order]
-    assert positions == sorted(positions), dict(zip(order, positions))
+    order = ["int base = slice;", "for (int level = 0; level < TREE_LEVELS; ++level) {",
+             f"const int sibling = {tree.sibling.to_cpp()};", "if (sibling >= SLICES) continue;",
+             "__stcg(mine", "__threadfence();", f"const int node = {tree.counter.to_cpp()};",
+             "atomicAdd(tile_counters + node, 1u) == 1u", "if (last) __threadfence();",
+             "if (last) tile_counters[node] = 0u;", "{ carries = false; break; }", "__threadfence();",
+             "__ldcg(src", f"base = {tree.merged.to_cpp()};", "if (!carries) continue;", "pack2("]
+    positions, at = [], 0
+    for x in order:     # each in turn, after the previous one
+        at = kernel_src.index(x, at)
+        positions.append(at)
+    assert "tile_ws + (size_t)sibling * PARTIAL_FLOATS" in kernel_src
+    assert "tile_ws + (size_t)base * PARTIAL_FLOATS" in kernel_src
+    assert "for (int s = 0; s < SLICES; ++s)" not in kernel_src      # no serial pass over the slices
     assert plan.zero_workspace
     for m, n, k in ((64, 1024, 16384), (100, 3000, 4104), (1, 1, 8)):
         tiles = -(-m // 64) * -(-n // 128)
-        assert plan.workspace_for(m, n, k) == tiles * (8 * 64 * 128 * 4 + 4)
+        assert plan.workspace_for(m, n, k) == tiles * (8 * 64 * 128 * 4 + 7 * 4)
+    assert lower(lat(splitk=SplitK("split_k", 3)), PROBLEM).workspace_for(64, 128, 1) == 3 * 64 * 128 * 4 + 2 * 4
     plain = lower(lat(), PROBLEM)
     assert not plain.zero_workspace and plain.workspace_for(64, 1024, 16384) == 0
-    assert "atomicAdd" not in plain.source and "kt_begin" not in plain.source
+    assert "atomicAdd" not in plain.source and "kt_begin" not in plain.source and "TREE_" not in plain.source
     # Persistent split-K walks (tile, slice) units over a grid of at most NUM_SMS blocks.
     coop_src = lower(coop(splitk=SplitK("split_k", 3)), PROBLEM).source
     assert "for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {" in coop_src
     assert "const int grid = num_units < NUM_SMS ? int(num_units) : NUM_SMS;" in coop_src
 
 
+@pytest.mark.parametrize("block,stages,chunk", [
+    ((64, 128, 64), "auto", 16),   # 16 float4 per thread, 64 accumulators, one block per SM: all in flight
+    ((64, 64, 64), 4, 8),          # 8 float4: all of them
+    ((64, 96, 64), 4, 6),          # 12 float4, two blocks per SM: the largest divisor up to 8
+    ((64, 192, 64), "auto", 8),    # 24 float4 beside 96 accumulators
+    ((64, 256, 64), "auto", 8),    # 32 float4 beside 128 accumulators
+])
+def test_reduce_chunk_divides_the_float4s(block, stages, chunk):
+    """The tree's sibling reads go in chunks that divide the thread's float4 count (no partial chunk reads past the
+    fragment) and leave the accumulators their registers (the nvcc tests check no spills)."""
+    cfg = sm90a.canonicalize(lat(block, splitk=SplitK("split_k", 4),
+                                 pipeline=Pipeline("tma_ws", stages, "pingpong", persistent=False)), PROBLEM)
+    assert cfg.reduce_chunk == chunk
+    assert f"constexpr int CHUNK = {chunk};" in sm90a.render(cfg)
+
+
 def test_splitk_family_computes_matmul_in_the_interpreter():
-    """The reference interpreter runs the split-K schedule (partials per slice, fixed-order reduction, each C element
+    """The reference interpreter runs the split-K schedule (partials per slice, the pairwise tree, each C element
     written once) and equals A @ B, at an aligned and a ragged shape."""
     from l2ir.testing import assert_computes_matmul
 
@@ -321,7 +353,7 @@ def test_every_legal_kernel_of_the_families_lowers():
         assert f"constexpr int CONSUMER_WGS = {cfg.consumer_wgs};" in plan.source
         split = kernel.splitk is not None
         assert plan.zero_workspace == split == (plan.workspace_for(1000, 1000, 1000) > 0)
-        assert ("atomicAdd(counters + pid, 1u)" in plan.source) == split
+        assert ("atomicAdd(tile_counters + node, 1u)" in plan.source) == split
         assert cfg.layout["total"] <= SMEM_LIMIT["sm90a"]
 
     check()
@@ -391,25 +423,33 @@ def test_illegal_ir_raises_verify_error():
 # nvcc builds (skip cleanly without nvcc).
 # ---------------------------------------------------------------------------------------------------------------
 
+def _sweep_splitk_cases() -> dict[str, tuple[Kernel, Problem]]:
+    """Every split-K kernel of the cuda_ptx sweep: each must build without spills under its launch bounds."""
+    from l2ir.search.sweeps import load_sweep
+
+    return {f"sweep/{name}": (k, PROBLEM) for name, k in load_sweep("cuda_ptx").items() if k.splitk is not None}
+
+
 NVCC_CASES = ["coop_128x256x64_direct", "coop_256x128x64_smem8_along_m8", "w4x1_64x128x64_direct",
               "w4x1_64x256x64_smem8_bf16", "w4x1_64x128x64_splitk8", "coop_128x128x64_splitk3_persistent_smem8",
-              "w4x1_64x128x64_s4_two_per_sm"]
+              "w4x1_64x128x64_s4_two_per_sm", "w4x1_64x64x64_s4_two_per_sm_splitk5"]
+BUILD_CASES = {**{name: CASES[name] for name in NVCC_CASES}, **_sweep_splitk_cases()}
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    return build_all({name: lower(*CASES[name]) for name in NVCC_CASES}, tmp_path_factory.mktemp("cache"))
+    return build_all({name: lower(*case) for name, case in BUILD_CASES.items()}, tmp_path_factory.mktemp("cache"))
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("name", NVCC_CASES)
+@pytest.mark.parametrize("name", list(BUILD_CASES))
 def test_nvcc_builds_without_spills(builds, name):
     b = built(builds[name], name)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", b.log)
     assert spills and all(s == ("0", "0") for s in spills), f"register spills: {spills}"
     assert "C7510" not in b.log and "C7515" not in b.log, "ptxas serialized the wgmma pipeline"
     assert "warning" not in b.log.lower(), b.log
-    cfg = sm90a.canonicalize(*CASES[name])
+    cfg = sm90a.canonicalize(*BUILD_CASES[name])
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", b.log)]
     # The launch-bound cap sm90a.REG_BUDGET's arithmetic assumes: 65536 / (threads x blocks per SM) rounded down
     # to 8, at most 255.
@@ -426,13 +466,13 @@ def test_nvcc_builds_without_spills(builds, name):
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("name", NVCC_CASES)
+@pytest.mark.parametrize("name", list(BUILD_CASES))
 def test_sass_has_hgmma(builds, name):
     sass = disassemble(built(builds[name], name).binary)
     if sass is None:
         pytest.skip("cuobjdump/nvdisasm not found (PATH or the NVIDIA wheels)")
-    kernel = CASES[name][0]
-    slabs = sm90a.canonicalize(*CASES[name]).slabs
+    kernel = BUILD_CASES[name][0]
+    slabs = sm90a.canonicalize(*BUILD_CASES[name]).slabs
     hgmma = re.findall(rf"HGMMA\.64x{kernel.tile.bn}x16\.F32", sass)
     # One k-tile's wgmmas (BK/16 steps x slabs) appear once in the unrolled main loop.
     assert len(hgmma) == kernel.tile.bk // 16 * slabs, len(hgmma)

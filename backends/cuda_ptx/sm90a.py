@@ -9,7 +9,7 @@ Why a host shim. TMA copies name their global tensor through a 128-byte CUtensor
 (cuTensorMapEncodeTiled, a driver API call), and the harness launches "kernels" plans with the fixed L2IR ABI, which has
 no place for it. So the backend emits, beside the kernel, a small trusted host function (generated here, never written
 by a candidate) that exports the host_shim ABI of l2ir/runtime.py:
-    size_t l2ir_workspace_size(int M, int N, int K);            // 0, or split-K's partials and tile counters
+    size_t l2ir_workspace_size(int M, int N, int K);            // 0, or split-K's partials and pair counters
     int    l2ir_run(A, B, C, M, N, K, workspace, workspace_bytes, stream);
 l2ir_run checks the shape, encodes one tensor map per operand (or re-uses the maps of the thread's previous call on
 the same operands and sizes: encoding is a driver call), and launches the kernel with the maps as
@@ -31,9 +31,13 @@ The kernel (a producer warpgroup and one or two consumer warpgroups):
                k-tile's wgmma group in flight (wait_group 1), and releases the previous stage through its `empty`
                mbarrier.
   split-K      (splitk mode=split_k reduce=workspace) work units are (tile, slice); a unit accumulates the slice's k
-               tiles (l2ir.indexing.splitk_range), stores its fp32 partial to the workspace, fences and counts itself
-               in on the tile's counter; the last arrival sums the slices in order 0..S-1 (bit-identical run to run),
-               zeroes the counter for the next launch and runs the epilogue. No block waits for another.
+               tiles (l2ir.indexing.splitk_range), then climbs the tile's pairwise tree (l2ir.indexing.SplitKTree):
+               at each level whose sibling subtree exists it stores its fp32 registers to slot `base` (__stcg, L2
+               only), fences (release) and counts itself in on the pair's counter; the first arrival is done, the
+               second fences (acquire), adds the sibling's slot, zeroes the counter for the next launch and goes up
+               with base = the lower subtree's slot. The block that completes the root runs the epilogue. fp32
+               addition commutes, so each pair's sum, and C, is bit-identical whichever block arrives last; no block
+               waits for another; the critical path reads ceil(log2 S) partials instead of S.
   epilogue     registers -> global (path=direct) or registers -> swizzled shared memory -> 16-byte global stores
                (path=smem), predicated on M and N. K tails need nothing: TMA fills out-of-bounds boxes with zeros.
 
@@ -54,9 +58,10 @@ Field -> code map (the generated lines name their field in a comment):
                            and the epilogue drops that predicate
   pad.k                    zero_fill: TMA zero-fills the K tail; divisible: l2ir_run refuses K % BK != 0
   pad.align                8 (16-byte TMA strides); l2ir_run refuses K % 8 != 0
-  splitk                   split_k reduce=workspace: grid x slices, in-kernel fixed-order reduction; workspace =
-                           tiles x (slices x BM x BN fp32 + a 4-byte counter), zeroed once (plan.zero_workspace),
-                           left zero by every launch; reduce=atomic and stream_k raise
+  splitk                   split_k reduce=workspace: grid x slices, in-kernel pairwise-tree reduction; workspace =
+                           every tile's slices x BM x BN fp32 slots, then every tile's slices - 1 4-byte pair
+                           counters (SplitKTree.counters), zeroed once (plan.zero_workspace), left zero by every
+                           launch; reduce=atomic and stream_k raise
   epilogue.path            direct | smem; tma raises (not implemented)
   epilogue.vector          elements per global store (direct: 1 or 2, the accumulator fragment's adjacent pair)
   problem                  a row (K-major), b col (K-major), f16 or bf16 in, f16 or bf16 out, acc f32
@@ -67,7 +72,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from l2ir.errors import ResourceError
-from l2ir.indexing import Const, Expr, Var, cdiv, rasterize, splitk_range
+from l2ir.indexing import Const, Expr, SplitKTree, Var, cdiv, rasterize, splitk_range
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.text import print_problem_class
 from l2ir.target import (KB, CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, H200_SMS,
@@ -152,8 +157,13 @@ class PtxConfig:
 
     @property
     def reduce_chunk(self) -> int:
-        """float4 loads in flight per thread and slice in the split-K reduction (fit the consumer's registers)."""
-        return 16 if self.blocks_per_sm == 1 else 8
+        """float4 loads in flight per thread in one pair's split-K reduction: the largest divisor of the thread's
+        float4 count up to 16, so the loads fit the consumer's registers beside its accumulators. 16 float4 (64
+        registers) fit next to 64 accumulators in 255 registers; with 128 accumulators (BN=256, or two slabs) or
+        two blocks per SM (216 registers) ptxas spills them, so 8."""
+        vecs = self.slabs * self.bn // 8
+        limit = 16 if self.blocks_per_sm == 1 and self.slabs * self.bn // 2 <= 64 else 8
+        return max(d for d in range(1, limit + 1) if vecs % d == 0)
 
     @property
     def regs(self) -> tuple[int, int | None]:
@@ -419,13 +429,17 @@ def _tile_loop(cfg: PtxConfig, indent: str) -> list[str]:
 
 
 def _splitk_reduce(cfg: PtxConfig) -> list[str]:
-    """split-K, reduce=workspace: every slice stores its fp32 partial and counts itself in on the tile's counter; the
-    block that arrives last sums the slices in slice order 0..S-1 (the same order whichever block is last, so C is
-    bit-identical run to run; the order of l2ir.interp's split-K reduction), resets the counter to zero and runs the
-    epilogue. No block ever waits for another, so no schedule of the grid can deadlock."""
+    """split-K, reduce=workspace: the pairwise tree of l2ir.indexing.SplitKTree. At each level whose sibling subtree
+    exists the block stores its registers (its subtree's sum) to slot `base`, fences and counts itself in on the
+    pair's counter; the first arrival is done with the tile, the second adds the sibling's slot to its registers,
+    resets the counter and goes up a level. The block that completes the root runs the epilogue. Each pair's sum has
+    the same bits whichever of its blocks arrives last (fp32 addition commutes), so C is bit-identical run to run and
+    equals l2ir.interp's reduction; no block ever waits for another, so no schedule of the grid can deadlock; the
+    critical path reads ceil(log2 S) partials instead of S."""
     nr = cfg.bn // 2
+    tree = SplitKTree(cfg.slices)
     return [
-        "      // ---- splitk reduce=workspace: partial out, arrival counted, the last arrival reduces ----",
+        "      // ---- splitk reduce=workspace: a pairwise tree over the slices (l2ir.indexing.SplitKTree) ----",
         "      const int ct = threadIdx.x - 128;   // consumer thread 0 .. CONSUMER_THREADS - 1",
         "      if (kt_begin == kt_end) {   // an empty K range (the verifier admits none) contributes zeros",
         "#pragma unroll",
@@ -433,58 +447,66 @@ def _splitk_reduce(cfg: PtxConfig) -> list[str]:
         "#pragma unroll",
         f"          for (int i = 0; i < {nr}; ++i) acc[j][i] = 0.f;",
         "      }",
-        "      // The partial keeps the accumulator fragment order, float4 q of every consumer thread side by side:",
-        "      // each warp stores 512 contiguous bytes, and the reducing block reads them back in the same order.",
-        "      {",
-        "        float4* mine = reinterpret_cast<float4*>(ws + ((size_t)pid * SLICES + slice) * PARTIAL_FLOATS) + ct;",
-        "#pragma unroll",
-        "        for (int j = 0; j < SLABS; ++j)",
-        "#pragma unroll",
-        "          for (int q = 0; q < WGMMA_N / 8; ++q)   // float4 u = j * (WGMMA_N / 8) + q of this thread",
-        "            __stcg(mine + (j * (WGMMA_N / 8) + q) * CONSUMER_THREADS,   // L2 only: another SM reads it",
-        "                   make_float4(acc[j][4 * q], acc[j][4 * q + 1], acc[j][4 * q + 2], acc[j][4 * q + 3]));",
-        "      }",
-        "      // Release: this thread's partial is visible device-wide before the arrival that announces it.",
-        "      __threadfence();",
-        "      // Named barrier 3 (1 and 2 belong to the warpgroups' epilogues): the consumer threads only.",
-        '      asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");',
+        "      // A slot keeps the accumulator fragment order, float4 u of every consumer thread side by side: each warp",
+        "      // stores 512 contiguous bytes, and the sibling's block reads them back in the same order (thread ct only",
+        "      // ever touches its own float4s of a slot, in both blocks).",
+        "      float* tile_ws = ws + (size_t)pid * SLICES * PARTIAL_FLOATS;",
+        "      unsigned* tile_counters = counters + (size_t)pid * TREE_NODES;",
         "      volatile uint32_t* reduce_flag = reinterpret_cast<volatile uint32_t*>(smem + SMEM_FLAG);",
-        "      if (ct == 0) {",
-        "        const unsigned arrived = atomicAdd(counters + pid, 1u);",
-        "        const bool last = arrived == SLICES - 1;",
-        "        if (last) __threadfence();   // acquire before the barrier hands the decision to the other threads",
-        "        // Self-cleaning: every slice of this tile has arrived, so nothing reads the counter again in this",
-        "        // launch; zero it for the next one (the workspace is zeroed once, before the first launch).",
-        "        if (last) counters[pid] = 0u;",
-        "        *reduce_flag = last ? 1u : 0u;",
-        "      }",
-        '      asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");',
-        "      if (*reduce_flag == 0u) continue;   // another slice's block finishes this tile",
-        "      // Acquire: the other slices' partials, announced before their arrivals, are visible from here on.",
-        "      __threadfence();",
-        "      // Slice order: ((p0 + p1) + p2) + ... in fp32, whichever slice's block is last. The block's own slice is",
-        "      // read back too (from L2), so its registers take no special place in the sum. The float4s go in chunks of",
-        "      // at most 16 per slice (8 with two blocks per SM): 16 loads in flight per thread keep the SM's L2 reads",
-        "      // busy, while a whole BN=256 slab (32 float4 = 128 registers on top of the 128 accumulators) would spill.",
-        "      constexpr int VECS = SLABS * WGMMA_N / 8;   // float4s per consumer thread",
-        f"      constexpr int CHUNK = VECS < {cfg.reduce_chunk} ? VECS : {cfg.reduce_chunk};",
-        "#pragma unroll",
-        "      for (int u0 = 0; u0 < VECS; u0 += CHUNK) {",
+        "      int base = slice;      // the slot (and lowest slice) of the subtree whose sum the registers hold",
+        "      bool carries = true;   // false once a sibling's block carries this block's sum on",
         "#pragma unroll 1",
-        "        for (int s = 0; s < SLICES; ++s) {",
-        "          const float4* src = reinterpret_cast<const float4*>(ws + ((size_t)pid * SLICES + s) * PARTIAL_FLOATS) + ct;",
+        "      for (int level = 0; level < TREE_LEVELS; ++level) {",
+        f"        const int sibling = {tree.sibling.to_cpp()};   // SplitKTree.sibling",
+        "        if (sibling >= SLICES) continue;   // no sibling subtree (S not a power of two): up a level, no wait",
+        "        {",
+        "          float4* mine = reinterpret_cast<float4*>(tile_ws + (size_t)base * PARTIAL_FLOATS) + ct;",
         "#pragma unroll",
-        "          for (int u = u0; u < u0 + CHUNK; ++u) {",
-        "            const int j = u / (WGMMA_N / 8), q = u % (WGMMA_N / 8);",
-        "            const float4 v = __ldcg(src + u * CONSUMER_THREADS);",
-        "            if (s == 0) {",
-        "              acc[j][4 * q] = v.x; acc[j][4 * q + 1] = v.y; acc[j][4 * q + 2] = v.z; acc[j][4 * q + 3] = v.w;",
-        "            } else {",
-        "              acc[j][4 * q] += v.x; acc[j][4 * q + 1] += v.y; acc[j][4 * q + 2] += v.z; acc[j][4 * q + 3] += v.w;",
-        "            }",
+        "          for (int j = 0; j < SLABS; ++j)",
+        "#pragma unroll",
+        "            for (int q = 0; q < WGMMA_N / 8; ++q)   // float4 u = j * (WGMMA_N / 8) + q of this thread",
+        "              __stcg(mine + (j * (WGMMA_N / 8) + q) * CONSUMER_THREADS,   // L2 only: another SM reads it",
+        "                     make_float4(acc[j][4 * q], acc[j][4 * q + 1], acc[j][4 * q + 2], acc[j][4 * q + 3]));",
+        "        }",
+        "        // Release: this thread's partial is visible device-wide before the arrival that announces it.",
+        "        __threadfence();",
+        "        // Named barrier 3 (1 and 2 belong to the warpgroups' epilogues): the consumer threads only.",
+        '        asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");',
+        "        if (ct == 0) {",
+        f"          const int node = {tree.counter.to_cpp()};   // SplitKTree.counter",
+        "          const bool last = atomicAdd(tile_counters + node, 1u) == 1u;",
+        "          if (last) __threadfence();   // acquire before the barrier hands the decision to the other threads",
+        "          // Self-cleaning: both subtrees of this pair have arrived, so nothing reads its counter again in this",
+        "          // launch; zero it for the next one (the workspace is zeroed once, before the first launch).",
+        "          if (last) tile_counters[node] = 0u;",
+        "          *reduce_flag = last ? 1u : 0u;",
+        "        }",
+        '        asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");',
+        "        if (*reduce_flag == 0u) { carries = false; break; }   // the sibling's block carries the sum on",
+        "        // Acquire: the sibling's partial, announced before its arrival, is visible from here on.",
+        "        __threadfence();",
+        "        // registers += sibling, the same bits as sibling + registers: whichever block is last, the pair's sum is",
+        "        // one value. The float4s go in chunks (PtxConfig.reduce_chunk): 8-16 loads in flight per thread keep the",
+        "        // SM's L2 reads busy, while a whole BN=256 slab (32 float4 = 128 registers on top of the 128",
+        "        // accumulators) would spill.",
+        "        const float4* src = reinterpret_cast<const float4*>(tile_ws + (size_t)sibling * PARTIAL_FLOATS) + ct;",
+        "        constexpr int VECS = SLABS * WGMMA_N / 8;   // float4s per consumer thread",
+        f"        constexpr int CHUNK = {cfg.reduce_chunk};   // divides VECS",
+        "#pragma unroll",
+        "        for (int u0 = 0; u0 < VECS; u0 += CHUNK) {",
+        "          float4 v[CHUNK];",
+        "#pragma unroll",
+        "          for (int i = 0; i < CHUNK; ++i) v[i] = __ldcg(src + (u0 + i) * CONSUMER_THREADS);",
+        "#pragma unroll",
+        "          for (int i = 0; i < CHUNK; ++i) {",
+        "            const int j = (u0 + i) / (WGMMA_N / 8), q = (u0 + i) % (WGMMA_N / 8);",
+        "            acc[j][4 * q] += v[i].x; acc[j][4 * q + 1] += v[i].y;",
+        "            acc[j][4 * q + 2] += v[i].z; acc[j][4 * q + 3] += v[i].w;",
         "          }",
         "        }",
+        f"        base = {tree.merged.to_cpp()};   // SplitKTree.merged: the pair's sum is the lower subtree's",
         "      }",
+        "      if (!carries) continue;   // another block of this tile completes the tree and stores it",
     ]
 
 
@@ -638,7 +660,9 @@ def _config(cfg: PtxConfig) -> list[str]:
         "constexpr int THREADS = 128 * (1 + CONSUMER_WGS);   // producer warpgroup + consumers",
         *([f"constexpr int CONSUMER_THREADS = 128 * CONSUMER_WGS;",
            f"constexpr int SLICES = {cfg.slices};   // splitk mode=split_k slices={cfg.slices} reduce=workspace",
-           "constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile in the workspace"]
+           "constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile in the workspace",
+           f"constexpr int TREE_LEVELS = {SplitKTree(cfg.slices).levels};   // ceil(log2 SLICES): pair levels",
+           f"constexpr int TREE_NODES = {SplitKTree(cfg.slices).counters};   // SLICES - 1 pair counters per tile"]
           if cfg.split else []),
         *([f"constexpr int NUM_SMS = {cfg.num_sms};            // persistent grid size (H200: 132 SMs)"]
           if cfg.persistent else []),
@@ -1007,7 +1031,7 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         *([] if not cfg.split else [
             "  const long long num_units = num_tiles * SLICES;",
             "  if (num_units > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
-            "  // splitk: the partials, then one arrival counter per tile (zero before the first launch:",
+            "  // splitk: the partials, then SLICES - 1 pair counters per tile (zero before the first launch:",
             "  // plan.zero_workspace; every launch leaves them zero). float4 partial stores need 16-byte alignment.",
             "  if (workspace == nullptr || workspace_bytes < l2ir_workspace_size(M, N, K)) {",
             "    return L2IR_STATUS_WORKSPACE_TOO_SMALL;",
@@ -1034,22 +1058,23 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
 
 def _workspace_size_split() -> list[str]:
     return [
-        "// splitk: every (tile, slice)'s fp32 partial, then one 4-byte arrival counter per tile. The same number as",
-        "// LaunchPlan.workspace_bytes (workspace_bytes() in sm90a.py).",
+        "// splitk: every (tile, slot)'s fp32 partial (SLICES slots per tile), then TREE_NODES = SLICES - 1 4-byte pair",
+        "// counters per tile. The same number as LaunchPlan.workspace_bytes (workspace_bytes() in sm90a.py).",
         'extern "C" size_t l2ir_workspace_size(int M, int N, int K) {',
         "  (void)K;",
         "  const size_t tiles = (size_t)((M + BM - 1) / BM) * (size_t)((N + BN - 1) / BN);",
-        "  return tiles * ((size_t)SLICES * PARTIAL_FLOATS * sizeof(float) + sizeof(unsigned));",
+        "  return tiles * ((size_t)SLICES * PARTIAL_FLOATS * sizeof(float) + (size_t)TREE_NODES * sizeof(unsigned));",
         "}",
     ]
 
 
 def workspace_bytes(cfg: PtxConfig) -> Expr:
-    """Workspace as an expression of m, n, k: split-K's partials and tile counters (l2ir_workspace_size's number)."""
+    """Workspace as an expression of m, n, k: split-K's partials, then its pair counters (l2ir_workspace_size's
+    number): tiles x (slices x BM x BN fp32 + (slices - 1) 4-byte counters)."""
     if not cfg.split:
         return Const(0)
     tiles = cdiv(Var("m"), cfg.bm) * cdiv(Var("n"), cfg.bn)
-    return tiles * Const(cfg.slices * cfg.partial_floats * 4 + 4)
+    return tiles * Const(cfg.slices * cfg.partial_floats * 4 + SplitKTree(cfg.slices).counters * 4)
 
 
 def render(cfg: PtxConfig) -> str:
@@ -1071,8 +1096,8 @@ def lower(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> LaunchPl
         arch="sm_90a",
         form="host_shim",
         workspace_bytes=workspace_bytes(cfg),
-        # split-K's tile counters must be zero before the first launch; every launch leaves them zero (the last
-        # arrival resets its tile's counter), so one zeroing at allocation serves every later call. The partials
+        # split-K's pair counters must be zero before the first launch; every launch leaves them zero (each pair's
+        # last arrival resets its counter), so one zeroing at allocation serves every later call. The partials
         # are always written before they are read.
         zero_workspace=cfg.split,
         needs_cutlass=False,

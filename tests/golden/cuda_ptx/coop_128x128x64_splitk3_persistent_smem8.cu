@@ -46,6 +46,8 @@ constexpr int THREADS = 128 * (1 + CONSUMER_WGS);   // producer warpgroup + cons
 constexpr int CONSUMER_THREADS = 128 * CONSUMER_WGS;
 constexpr int SLICES = 3;   // splitk mode=split_k slices=3 reduce=workspace
 constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile in the workspace
+constexpr int TREE_LEVELS = 2;   // ceil(log2 SLICES): pair levels
+constexpr int TREE_NODES = 2;   // SLICES - 1 pair counters per tile
 constexpr int NUM_SMS = 132;            // persistent grid size (H200: 132 SMs)
 
 // ---- shared memory (swizzle.smem = <3,3,3>, pipeline.stages) ----
@@ -304,7 +306,7 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
       for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);
       if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));
 
-      // ---- splitk reduce=workspace: partial out, arrival counted, the last arrival reduces ----
+      // ---- splitk reduce=workspace: a pairwise tree over the slices (l2ir.indexing.SplitKTree) ----
       const int ct = threadIdx.x - 128;   // consumer thread 0 .. CONSUMER_THREADS - 1
       if (kt_begin == kt_end) {   // an empty K range (the verifier admits none) contributes zeros
 #pragma unroll
@@ -312,58 +314,66 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
 #pragma unroll
           for (int i = 0; i < 64; ++i) acc[j][i] = 0.f;
       }
-      // The partial keeps the accumulator fragment order, float4 q of every consumer thread side by side:
-      // each warp stores 512 contiguous bytes, and the reducing block reads them back in the same order.
-      {
-        float4* mine = reinterpret_cast<float4*>(ws + ((size_t)pid * SLICES + slice) * PARTIAL_FLOATS) + ct;
-#pragma unroll
-        for (int j = 0; j < SLABS; ++j)
-#pragma unroll
-          for (int q = 0; q < WGMMA_N / 8; ++q)   // float4 u = j * (WGMMA_N / 8) + q of this thread
-            __stcg(mine + (j * (WGMMA_N / 8) + q) * CONSUMER_THREADS,   // L2 only: another SM reads it
-                   make_float4(acc[j][4 * q], acc[j][4 * q + 1], acc[j][4 * q + 2], acc[j][4 * q + 3]));
-      }
-      // Release: this thread's partial is visible device-wide before the arrival that announces it.
-      __threadfence();
-      // Named barrier 3 (1 and 2 belong to the warpgroups' epilogues): the consumer threads only.
-      asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");
+      // A slot keeps the accumulator fragment order, float4 u of every consumer thread side by side: each warp
+      // stores 512 contiguous bytes, and the sibling's block reads them back in the same order (thread ct only
+      // ever touches its own float4s of a slot, in both blocks).
+      float* tile_ws = ws + (size_t)pid * SLICES * PARTIAL_FLOATS;
+      unsigned* tile_counters = counters + (size_t)pid * TREE_NODES;
       volatile uint32_t* reduce_flag = reinterpret_cast<volatile uint32_t*>(smem + SMEM_FLAG);
-      if (ct == 0) {
-        const unsigned arrived = atomicAdd(counters + pid, 1u);
-        const bool last = arrived == SLICES - 1;
-        if (last) __threadfence();   // acquire before the barrier hands the decision to the other threads
-        // Self-cleaning: every slice of this tile has arrived, so nothing reads the counter again in this
-        // launch; zero it for the next one (the workspace is zeroed once, before the first launch).
-        if (last) counters[pid] = 0u;
-        *reduce_flag = last ? 1u : 0u;
-      }
-      asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");
-      if (*reduce_flag == 0u) continue;   // another slice's block finishes this tile
-      // Acquire: the other slices' partials, announced before their arrivals, are visible from here on.
-      __threadfence();
-      // Slice order: ((p0 + p1) + p2) + ... in fp32, whichever slice's block is last. The block's own slice is
-      // read back too (from L2), so its registers take no special place in the sum. The float4s go in chunks of
-      // at most 16 per slice (8 with two blocks per SM): 16 loads in flight per thread keep the SM's L2 reads
-      // busy, while a whole BN=256 slab (32 float4 = 128 registers on top of the 128 accumulators) would spill.
-      constexpr int VECS = SLABS * WGMMA_N / 8;   // float4s per consumer thread
-      constexpr int CHUNK = VECS < 16 ? VECS : 16;
-#pragma unroll
-      for (int u0 = 0; u0 < VECS; u0 += CHUNK) {
+      int base = slice;      // the slot (and lowest slice) of the subtree whose sum the registers hold
+      bool carries = true;   // false once a sibling's block carries this block's sum on
 #pragma unroll 1
-        for (int s = 0; s < SLICES; ++s) {
-          const float4* src = reinterpret_cast<const float4*>(ws + ((size_t)pid * SLICES + s) * PARTIAL_FLOATS) + ct;
+      for (int level = 0; level < TREE_LEVELS; ++level) {
+        const int sibling = (base ^ (1 << level));   // SplitKTree.sibling
+        if (sibling >= SLICES) continue;   // no sibling subtree (S not a power of two): up a level, no wait
+        {
+          float4* mine = reinterpret_cast<float4*>(tile_ws + (size_t)base * PARTIAL_FLOATS) + ct;
 #pragma unroll
-          for (int u = u0; u < u0 + CHUNK; ++u) {
-            const int j = u / (WGMMA_N / 8), q = u % (WGMMA_N / 8);
-            const float4 v = __ldcg(src + u * CONSUMER_THREADS);
-            if (s == 0) {
-              acc[j][4 * q] = v.x; acc[j][4 * q + 1] = v.y; acc[j][4 * q + 2] = v.z; acc[j][4 * q + 3] = v.w;
-            } else {
-              acc[j][4 * q] += v.x; acc[j][4 * q + 1] += v.y; acc[j][4 * q + 2] += v.z; acc[j][4 * q + 3] += v.w;
-            }
+          for (int j = 0; j < SLABS; ++j)
+#pragma unroll
+            for (int q = 0; q < WGMMA_N / 8; ++q)   // float4 u = j * (WGMMA_N / 8) + q of this thread
+              __stcg(mine + (j * (WGMMA_N / 8) + q) * CONSUMER_THREADS,   // L2 only: another SM reads it
+                     make_float4(acc[j][4 * q], acc[j][4 * q + 1], acc[j][4 * q + 2], acc[j][4 * q + 3]));
+        }
+        // Release: this thread's partial is visible device-wide before the arrival that announces it.
+        __threadfence();
+        // Named barrier 3 (1 and 2 belong to the warpgroups' epilogues): the consumer threads only.
+        asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");
+        if (ct == 0) {
+          const int node = (((base - (base & (1 << level))) + (1 << level)) - 1);   // SplitKTree.counter
+          const bool last = atomicAdd(tile_counters + node, 1u) == 1u;
+          if (last) __threadfence();   // acquire before the barrier hands the decision to the other threads
+          // Self-cleaning: both subtrees of this pair have arrived, so nothing reads its counter again in this
+          // launch; zero it for the next one (the workspace is zeroed once, before the first launch).
+          if (last) tile_counters[node] = 0u;
+          *reduce_flag = last ? 1u : 0u;
+        }
+        asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");
+        if (*reduce_flag == 0u) { carries = false; break; }   // the sibling's block carries the sum on
+        // Acquire: the sibling's partial, announced before its arrival, is visible from here on.
+        __threadfence();
+        // registers += sibling, the same bits as sibling + registers: whichever block is last, the pair's sum is
+        // one value. The float4s go in chunks (PtxConfig.reduce_chunk): 8-16 loads in flight per thread keep the
+        // SM's L2 reads busy, while a whole BN=256 slab (32 float4 = 128 registers on top of the 128
+        // accumulators) would spill.
+        const float4* src = reinterpret_cast<const float4*>(tile_ws + (size_t)sibling * PARTIAL_FLOATS) + ct;
+        constexpr int VECS = SLABS * WGMMA_N / 8;   // float4s per consumer thread
+        constexpr int CHUNK = 16;   // divides VECS
+#pragma unroll
+        for (int u0 = 0; u0 < VECS; u0 += CHUNK) {
+          float4 v[CHUNK];
+#pragma unroll
+          for (int i = 0; i < CHUNK; ++i) v[i] = __ldcg(src + (u0 + i) * CONSUMER_THREADS);
+#pragma unroll
+          for (int i = 0; i < CHUNK; ++i) {
+            const int j = (u0 + i) / (WGMMA_N / 8), q = (u0 + i) % (WGMMA_N / 8);
+            acc[j][4 * q] += v[i].x; acc[j][4 * q + 1] += v[i].y;
+            acc[j][4 * q + 2] += v[i].z; acc[j][4 * q + 3] += v[i].w;
           }
         }
+        base = (base - (base & (1 << level)));   // SplitKTree.merged: the pair's sum is the lower subtree's
       }
+      if (!carries) continue;   // another block of this tile completes the tree and stores it
       // epilogue.path=smem: stage this warpgroup's WG_M x BN block in shared memory, then store whole rows
       // with 16-byte vectors (epilogue.vector=8), consecutive threads on consecutive addresses.
       // The 16-byte chunk index is XORed with the row (C_SWZ_MASK): the 8 rows a warp writes per store land
@@ -469,12 +479,12 @@ bool configure_kernel() {
 
 }  // namespace
 
-// splitk: every (tile, slice)'s fp32 partial, then one 4-byte arrival counter per tile. The same number as
-// LaunchPlan.workspace_bytes (workspace_bytes() in sm90a.py).
+// splitk: every (tile, slot)'s fp32 partial (SLICES slots per tile), then TREE_NODES = SLICES - 1 4-byte pair
+// counters per tile. The same number as LaunchPlan.workspace_bytes (workspace_bytes() in sm90a.py).
 extern "C" size_t l2ir_workspace_size(int M, int N, int K) {
   (void)K;
   const size_t tiles = (size_t)((M + BM - 1) / BM) * (size_t)((N + BN - 1) / BN);
-  return tiles * ((size_t)SLICES * PARTIAL_FLOATS * sizeof(float) + sizeof(unsigned));
+  return tiles * ((size_t)SLICES * PARTIAL_FLOATS * sizeof(float) + (size_t)TREE_NODES * sizeof(unsigned));
 }
 
 extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,
@@ -490,7 +500,7 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
   if (num_tiles > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;
   const long long num_units = num_tiles * SLICES;
   if (num_units > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;
-  // splitk: the partials, then one arrival counter per tile (zero before the first launch:
+  // splitk: the partials, then SLICES - 1 pair counters per tile (zero before the first launch:
   // plan.zero_workspace; every launch leaves them zero). float4 partial stores need 16-byte alignment.
   if (workspace == nullptr || workspace_bytes < l2ir_workspace_size(M, N, K)) {
     return L2IR_STATUS_WORKSPACE_TOO_SMALL;
