@@ -366,9 +366,10 @@ def _layout(t: torch.Tensor, rows: int, cols: int) -> str | None:
 
 def fast_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
     """Everything a route depends on except the data pointers (checked on every call): shapes and strides (layout,
-    batch, contiguity), dtypes, devices. `Dispatcher.eager` and `matmul` build the same tuple inline (a call costs
+    batch, contiguity), dtypes, device indices (an int hashes in a fraction of a torch.device's time; -1 is any
+    CPU-side tensor, and a served route also checks per call that both operands are CUDA tensors). `Dispatcher.eager` and `matmul` build the same tuple inline (a call costs
     ~0.1 us; tests/test_dispatch.py checks that the three agree)."""
-    return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.device, b.device)
+    return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.get_device(), b.get_device())
 
 
 _FAST_MAX = 1 << 14          # routes kept per process; dynamic shapes beyond that start the cache over
@@ -586,6 +587,7 @@ class Dispatcher:
         zero_ws = bool(getattr(runner, "zero_workspace", False))
         tls, mine_slow, stream_of = self._counts.tls, self._counts.mine, self._stream_of
         u8 = torch.uint8
+        on_cuda = self.device_type == "cuda"
         # A zero_workspace kernel leaves its workspace as it needs it (l2ir/runtime.py), so this route keeps one
         # zeroed workspace per stream (launches on one stream never overlap) and pays the memset once. Per route,
         # not shared: another kernel or shape puts its counters where this one keeps partial sums.
@@ -608,6 +610,10 @@ class Dispatcher:
                 mine = tls.d
             except AttributeError:
                 mine = mine_slow()
+            if a.is_cuda is not on_cuda or b.is_cuda is not on_cuda:
+                # The route key holds device indices, not types: another device type with the same index lands here.
+                mine["cpu"] += 1
+                return fn(a, b) if out is None else fn(a, b, out=out)
             if (pa | pb) & 15:
                 # TMA, cp.async and vector loads need 16-byte aligned operands; a view can start anywhere.
                 mine["misaligned"] += 1
@@ -645,7 +651,7 @@ class Dispatcher:
 
     def eager(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """l2ir.matmul(a, b) outside torch.compile: a dict lookup and the route's closure."""
-        entry = self._fast.get((a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.device, b.device))
+        entry = self._fast.get((a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.get_device(), b.get_device()))
         if entry is None:
             entry = self._prepare(a, b)
         return entry(a, b)
@@ -674,6 +680,15 @@ def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 _STATE: dict = {"dispatcher": None}
 _STATE_LOCK = threading.Lock()
+# The loaded dispatcher's route dict (Dispatcher._fast, cleared in place, never replaced), a module global so that
+# the eager call reaches it in one lookup; rebound by `_install` whenever the dispatcher changes.
+_ROUTES: dict = {}
+
+
+def _install(dispatcher: Dispatcher | None) -> None:
+    global _ROUTES
+    _STATE["dispatcher"] = dispatcher
+    _ROUTES = dispatcher._fast if dispatcher is not None else {}
 
 
 def load(path: str | Path) -> dict:
@@ -687,7 +702,7 @@ def load(path: str | Path) -> dict:
                 return d.package.manifest
             raise PackageError(f"a dispatch package is already loaded ({d.package.path}); one per process")
         pkg = read_package(path)
-        _STATE["dispatcher"] = Dispatcher(pkg)
+        _install(Dispatcher(pkg))
         log.info("loaded dispatch package %s (%d tuned shapes, %d kernels)", path, len(pkg.tuned), len(pkg.kernels))
         return pkg.manifest
 
@@ -705,14 +720,14 @@ def _dispatcher() -> Dispatcher:
                     pkg = read_package(Path(where).resolve())
                 except PackageError as e:
                     warnings.warn(f"l2ir: {ENV_VAR}={where}: {e}; l2ir.matmul runs torch.matmul", RuntimeWarning)
-            _STATE["dispatcher"] = Dispatcher(pkg)
+            _install(Dispatcher(pkg))
         return _STATE["dispatcher"]
 
 
 def _reset(dispatcher: Dispatcher | None = None) -> None:
     """Forget the loaded package (tests); `dispatcher` installs a prepared one."""
     with _STATE_LOCK:
-        _STATE["dispatcher"] = dispatcher
+        _install(dispatcher)
 
 
 def dispatch_stats() -> dict[str, int]:
@@ -753,19 +768,23 @@ _Tensor = torch.Tensor
 
 def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """torch.matmul(a, b, out=out), through L2IR's tuned kernels where the loaded package serves the shape."""
+    if out is None and type(a) is _Tensor and type(b) is _Tensor and not _is_compiling():
+        # Eager: Dispatcher.eager inlined, without the op dispatch (a few microseconds a call). Every step here is
+        # paid by every call, the fallback included: each Python call, attribute and global lookup is ~0.05-0.1 us
+        # of the ~1 us this path adds to torch's own (bench/dispatch_bench.py measures the parts).
+        if (a.requires_grad or b.requires_grad) and _grad_enabled():
+            (_STATE["dispatcher"] or _dispatcher())._count("autograd")
+            return torch.matmul(a, b)
+        entry = _ROUTES.get((a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.get_device(), b.get_device()))
+        if entry is None:
+            entry = (_STATE["dispatcher"] or _dispatcher())._prepare(a, b)
+        return entry(a, b)
     if type(a) is _Tensor and type(b) is _Tensor and not _is_compiling():
-        # Eager: the op's own implementation, without the op dispatch (a few microseconds a call).
         d = _STATE["dispatcher"] or _dispatcher()
         if (a.requires_grad or b.requires_grad) and _grad_enabled():
             d._count("autograd")
-            return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
-        if out is not None:
-            return d.run(a, b, out)
-        # Dispatcher.eager, inlined: a Python call is ~0.1 us of the ~1 us this path may add to torch's.
-        entry = d._fast.get((a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.device, b.device))
-        if entry is None:
-            entry = d._prepare(a, b)
-        return entry(a, b)
+            return torch.matmul(a, b, out=out)
+        return d.run(a, b, out)
     if (a.requires_grad or b.requires_grad) and torch.is_grad_enabled():
         return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
     if out is None:
