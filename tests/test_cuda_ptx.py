@@ -228,6 +228,8 @@ def test_splitk_renders_the_pairwise_tree_reduction():
     assert "for (int kt = kt_begin; kt < kt_end; ++kt) {" in src
     assert "(kt > kt_begin || kk > 0) ? 1u : 0u" in src
     assert "constexpr int SLICES = 8;" in src and "const int grid = int(num_units);" in src
+    # One unit per block, in a loop the compiler sees end after one pass (nothing of a next pass stays live).
+    assert "for (int unit = blockIdx.x; unit < num_units; unit = num_units) {" in src
     assert "constexpr int TREE_LEVELS = 3;" in src and "constexpr int TREE_NODES = 7;" in src
     kernel_src = src[src.index("__launch_bounds__"):src.index("// ---- trusted host code")]
     order = ["int base = slice;", "for (int level = 0; level < TREE_LEVELS; ++level) {",
@@ -261,12 +263,12 @@ def test_splitk_renders_the_pairwise_tree_reduction():
     ((64, 128, 64), "auto", 16),   # 16 float4 per thread, 64 accumulators, one block per SM: all in flight
     ((64, 64, 64), 4, 8),          # 8 float4: all of them
     ((64, 96, 64), 4, 6),          # 12 float4, two blocks per SM: the largest divisor up to 8
-    ((64, 192, 64), "auto", 8),    # 24 float4 beside 96 accumulators
-    ((64, 256, 64), "auto", 8),    # 32 float4 beside 128 accumulators
+    ((64, 192, 64), "auto", 12),   # 24 float4, one block per SM: the largest divisor up to 16
+    ((64, 256, 64), "auto", 16),   # 32 float4: two chunks of 16
 ])
 def test_reduce_chunk_divides_the_float4s(block, stages, chunk):
-    """The tree's sibling reads go in chunks that divide the thread's float4 count (no partial chunk reads past the
-    fragment) and leave the accumulators their registers (the nvcc tests check no spills)."""
+    """The tree's sibling reads go in chunks that divide the thread's float4 count (no chunk reads past the fragment);
+    the nvcc tests check that they leave the accumulators their registers (no spills)."""
     cfg = sm90a.canonicalize(lat(block, splitk=SplitK("split_k", 4),
                                  pipeline=Pipeline("tma_ws", stages, "pingpong", persistent=False)), PROBLEM)
     assert cfg.reduce_chunk == chunk

@@ -157,12 +157,10 @@ class PtxConfig:
 
     @property
     def reduce_chunk(self) -> int:
-        """float4 loads in flight per thread in one pair's split-K reduction: the largest divisor of the thread's
-        float4 count up to 16, so the loads fit the consumer's registers beside its accumulators. 16 float4 (64
-        registers) fit next to 64 accumulators in 255 registers; with 128 accumulators (BN=256, or two slabs) or
-        two blocks per SM (216 registers) ptxas spills them, so 8."""
-        vecs = self.slabs * self.bn // 8
-        limit = 16 if self.blocks_per_sm == 1 and self.slabs * self.bn // 2 <= 64 else 8
+        """float4 loads in flight per thread in one pair's split-K reduction (fit the consumer's registers): the
+        largest divisor of the thread's float4 count up to 16 (8 with two blocks per SM), so no chunk reads past the
+        thread's fragment (BN = 96 or 192 give 12 or 24 float4)."""
+        vecs, limit = self.slabs * self.bn // 8, (16 if self.blocks_per_sm == 1 else 8)
         return max(d for d in range(1, limit + 1) if vecs % d == 0)
 
     @property
@@ -397,14 +395,16 @@ def _tile_loop(cfg: PtxConfig, indent: str) -> list[str]:
     tile_m, tile_n = rasterize(cfg.raster, cfg.group)
     if cfg.split:
         begin, end = splitk_range(cfg.slices)
-        step = "gridDim.x" if cfg.persistent else "num_units"
+        # Non-persistent: `unit = num_units` ends the loop after one pass in a way the compiler sees, so nothing
+        # of a next pass (k_tiles, the raster divisors) stays live across the main loop and the reduction.
+        step = "unit += gridDim.x" if cfg.persistent else "unit = num_units"
         return [
             f"{indent}// splitk mode=split_k slices={cfg.slices}: work unit = slice * num_tiles + tile, so blocks that run",
             f"{indent}// together cover the tiles of one K range and share its A slice in L2.",
             f"{indent}// " + ("pipeline.persistent=true: grid = min(units, NUM_SMS); each block walks units unit, "
                               "unit + gridDim.x, ..." if cfg.persistent else
                               "pipeline.persistent=false: one block per (tile, slice) unit."),
-            f"{indent}for (int unit = blockIdx.x; unit < num_units; unit += {step}) {{",
+            f"{indent}for (int unit = blockIdx.x; unit < num_units; {step}) {{",
             f"{indent}  const int pid = unit % num_tiles;",
             f"{indent}  const int slice = unit / num_tiles;",
             f"{indent}  // k tiles [kt_begin, kt_end) of this slice (l2ir.indexing.splitk_range)",

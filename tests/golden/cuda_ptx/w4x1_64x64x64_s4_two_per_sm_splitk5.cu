@@ -210,7 +210,7 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
       // splitk mode=split_k slices=5: work unit = slice * num_tiles + tile, so blocks that run
       // together cover the tiles of one K range and share its A slice in L2.
       // pipeline.persistent=false: one block per (tile, slice) unit.
-      for (int unit = blockIdx.x; unit < num_units; unit += num_units) {
+      for (int unit = blockIdx.x; unit < num_units; unit = num_units) {
         const int pid = unit % num_tiles;
         const int slice = unit / num_tiles;
         // k tiles [kt_begin, kt_end) of this slice (l2ir.indexing.splitk_range)
@@ -252,7 +252,7 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
     // splitk mode=split_k slices=5: work unit = slice * num_tiles + tile, so blocks that run
     // together cover the tiles of one K range and share its A slice in L2.
     // pipeline.persistent=false: one block per (tile, slice) unit.
-    for (int unit = blockIdx.x; unit < num_units; unit += num_units) {
+    for (int unit = blockIdx.x; unit < num_units; unit = num_units) {
       const int pid = unit % num_tiles;
       const int slice = unit / num_tiles;
       // k tiles [kt_begin, kt_end) of this slice (l2ir.indexing.splitk_range)
