@@ -398,6 +398,12 @@ PTX_SM80_FAMILIES = {
     "small_64x64x64_w1x2_s8_splitk2": (
         sm80((64, 64, 64), (1, 2), 8, swizzle=(3, 3, 3), splitk=(2, "workspace")),
         [(1024, 768, 512), (100, 3000, 4104)]),
+    # Slice counts that are not powers of two: a subtree without a sibling climbs a level unchanged.
+    "tree_64x64x64_w2x2_s4_splitk3": (
+        sm80((64, 64, 64), (2, 2), 4, swizzle=(3, 3, 3), splitk=(3, "workspace")), [(130, 200, 4096), (64, 64, 192)]),
+    "tree_64x64x64_w2x2_s4_splitk5_align1": (
+        sm80((64, 64, 64), (2, 2), 4, swizzle=(3, 3, 3), align=1, pad=("predicate", "zero_fill", "zero_fill"),
+             splitk=(5, "workspace"), epilogue=("direct", 1)), [(333, 555, 777), (130, 200, 4097)]),
     "latency_64x64x64_w2x2_s4": (
         sm80((64, 64, 64), (2, 2), 4, swizzle=(3, 3, 3)), [(64, 64, 64), (1024, 768, 512), (100, 3000, 4104)]),
     "align4_64x128x32_w2x2_s4": (
@@ -466,7 +472,10 @@ def test_cuda_ptx_sm80_families_pass_every_gate(evaluator, tmp_path, name):
     _assert_passes_every_gate(evaluator, kernel, F16, plan, art, shapes, name,
                               {"accuracy", "all_written", "guard_bands"})
     if kernel.splitk is not None:
-        _assert_splitk_repeatable(kernel, plan, art, shapes[-1], seed=11)
+        from l2ir.indexing import SplitKTree
+
+        _assert_splitk_repeatable(kernel, plan, art, shapes[-1], seed=11,
+                                  counters_per_tile=SplitKTree(kernel.splitk.slices).counters)
 
 
 # ---------------------------------------------------------------------------------------------------------------

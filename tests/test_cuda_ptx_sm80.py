@@ -116,31 +116,42 @@ def test_plan_fields():
 
 def test_splitk_plan():
     """Split-K is one launch: grid.z = slices, the slices reduce inside the kernel. The workspace holds every tile's
-    fp32 partials of every slice, then one counter per tile, and must be zero before the first launch only."""
+    fp32 slots (one per slice), then SLICES - 1 pair counters per tile, and must be zero before the first launch
+    only."""
     kernel = ms((64, 64, 32), stages=3, splitk=SplitK("split_k", 4))
     plan = lower(kernel, PROBLEM)
     (gemm,) = plan.launches
     assert gemm.entry == sm80.GEMM_ENTRY and gemm.grid_for(1000, 1000, 1000) == (16 * 16, 1, 4)
-    assert plan.workspace_for(1000, 1000, 1000) == 16 * 16 * (4 * 64 * 64 * 4 + 4)
+    assert plan.workspace_for(1000, 1000, 1000) == 16 * 16 * (4 * 64 * 64 * 4 + 3 * 4)
     assert plan.zero_workspace
     assert gemm.smem <= smem_bytes(kernel)           # the C stage is f16 now: the slices sum in registers
     assert "splitk_reduce" not in plan.source
 
 
 @pytest.mark.parametrize("block,warps,slices", [((64, 64, 32), (2, 2), 4), ((16, 128, 64), (1, 4), 8),
-                                                ((128, 32, 64), (4, 1), 3)])
+                                                ((128, 32, 64), (4, 1), 3), ((64, 64, 64), (2, 2), 5)])
 def test_splitk_fixup_is_rendered(block, warps, slices):
-    """The in-kernel reduction: partials stored, a release fence before the arrival count, the last arrival resets the
-    counter (self-cleaning), reads the others through L2 and sums slices 0..S-1 in that order, then the one epilogue
-    writes C. The counters start right after the partials, where workspace_bytes puts them."""
+    """The in-kernel reduction climbs l2ir.indexing.SplitKTree: at each level with a sibling the block stores its
+    registers to slot `base` (L2 only), fences before counting in on the pair's counter, and only the pair's second
+    arrival (count 1) resets the counter (self-cleaning), reads the sibling through L2, adds it and goes up with the
+    merged base; a first arrival leaves, and the root's block runs the one epilogue. The expressions are the tree's
+    own, and the counters (SLICES - 1 per tile) start right after the slots, where workspace_bytes puts them."""
+    from l2ir.indexing import SplitKTree
+
+    tree = SplitKTree(slices)
     kernel = ms(block, warps, 4, splitk=SplitK("split_k", slices))
     plan = lower(kernel, PROBLEM)
     src = plan.source
-    order = ["part[((tile_slot + s) * (MI * NI) + mi * NI + ni) * THREADS + int(threadIdx.x)] = make_float4(",
-             "__threadfence();", "const unsigned arrived = atomicAdd(&counters[pid], 1u);",
-             "is_last = arrived == SLICES - 1;", "if (is_last) counters[pid] = 0u;", "if (!is_last) return;",
-             "__threadfence();", "sum = slice == 0 ? own : __ldcg(", "for (long long s = 1; s < SLICES; ++s) {",
-             "const float4 v = s == slice ? own : __ldcg(", "// epilogue.path=smem"]
+    order = [f"constexpr int TREE_LEVELS = {tree.levels};", f"constexpr int TREE_NODES = {tree.counters};",
+             "int base = slice;", "for (int level = 0; level < TREE_LEVELS; ++level) {",
+             f"const int sibling = {tree.sibling.to_cpp()};", "if (sibling >= SLICES) continue;",
+             "__stcg(&part[((tile_slot + base) * (MI * NI) + mi * NI + ni) * THREADS + int(threadIdx.x)],",
+             "__threadfence();", "__syncthreads();", f"const int node = {tree.counter.to_cpp()};",
+             "const unsigned arrived = atomicAdd(&tile_counters[node], 1u);", "is_last = arrived == 1u;",
+             "if (is_last) tile_counters[node] = 0u;", "if (!is_last) { carries = false; break; }",
+             "__threadfence();",
+             "__ldcg(&part[((tile_slot + sibling) * (MI * NI) + mi * NI + ni) * THREADS + int(threadIdx.x)]);",
+             f"base = {tree.merged.to_cpp()};", "if (!carries) return;", "// epilogue.path=smem"]
     at = 0
     for piece in order:
         found = src.find(piece, at)
@@ -148,10 +159,11 @@ def test_splitk_fixup_is_rendered(block, warps, slices):
         at = found + len(piece)
     assert f"constexpr int SLICES = {slices};" in src
     assert "reinterpret_cast<unsigned*>(ws + (long long)tiles * SLICES * BM * BN)" in src
+    assert "unsigned* __restrict__ tile_counters = counters + (long long)pid * TREE_NODES;" in src
     bm, bn, _ = block
     for m, n in ((1000, 1000), (16, 4096), (4096, 64)):
         tiles = -(-m // bm) * -(-n // bn)
-        assert plan.workspace_for(m, n, 4096) == tiles * slices * bm * bn * 4 + tiles * 4
+        assert plan.workspace_for(m, n, 4096) == tiles * slices * bm * bn * 4 + tiles * (slices - 1) * 4
     assert src.count("__global__") == 1 and len(plan.launches) == 1
 
 
@@ -206,7 +218,7 @@ FIELD_CASES = [
     ("pad.n=divisible", ms(pad=Pad("predicate", "divisible", "zero_fill", 8)), PROBLEM, "// pad.n=divisible"),
     ("pad.k=predicate", ms(pad=Pad("predicate", "predicate", "predicate", 8)), PROBLEM, "// pad.k=predicate"),
     ("pad.k=divisible", ms(pad=Pad("predicate", "predicate", "divisible", 8)), PROBLEM, "// pad.k=divisible"),
-    ("splitk", ms(splitk=SplitK("split_k", 2)), PROBLEM, "const unsigned arrived = atomicAdd(&counters[pid], 1u);"),
+    ("splitk", ms(splitk=SplitK("split_k", 2)), PROBLEM, "const unsigned arrived = atomicAdd(&tile_counters[node], 1u);"),
     ("splitk.slices", ms(splitk=SplitK("split_k", 3)), PROBLEM, "constexpr int SLICES = 3;"),
     ("pad.align=4", ms(pad=Pad("predicate", "predicate", "zero_fill", 4), epilogue=Epilogue("smem", 4)), PROBLEM,
      'asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\\n"'),
@@ -458,9 +470,12 @@ def test_align1_staging_runs_right_on_the_host(tmp_path, name):
 # Whole kernels on the host (tests/sm80_block_emulation.cpp.in): the generated source with its PTX wrappers swapped
 # for exact host models, every block and thread of the grid run, C compared bit for bit with the correctly rounded
 # product of small-integer inputs. This checks what the staging test cannot: the pipeline's wait counts, stage and
-# buffer indices and barriers. An aligned split-K kernel runs as the emulator's own control.
+# buffer indices and barriers, and the split-K tree's slots and counters (two launches on one workspace, blocks in
+# launch, reversed and shuffled orders). Aligned kernels run as the emulator's own control.
 EMULATED = {name: shapes for name, shapes in {
     "64x64x32_w2x2_s3_splitk4_smem8": [(67, 48, 128), (130, 64, 512)],
+    "sm90_64x128x48_s2_noprefetch_splitk3_direct2": [(64, 130, 480), (200, 64, 144)],
+    "16x128x64_w1x4_s6_splitk8_direct2_decode": [(17, 130, 1024)],
     "64x64x32_w2x2_s4_align1_splitk2_smem1": [(67, 45, 77), (130, 129, 99)],
     "128x128x32_w2x2_s4_align1_kpredicate_smem1": [(67, 45, 77), (5, 7, 1), (33, 17, 9), (130, 129, 99)],
     "128x128x32_w2x4_s4_align1_smem1": [(130, 129, 99), (3, 5, 7)],
@@ -513,7 +528,9 @@ def test_kernel_runs_right_on_the_host(tmp_path, name):
         gx, gy, gz = launch.grid_for(m, n, k)
         assert gy == 1
         for base_a, base_b, order in offsets:
-            args = [m, n, k, base_a, base_b, gx, gz, launch.block[0], launch.smem, plan.workspace_for(m, n, k), order]
+            partials = gx * gz * kernel.tile.bm * kernel.tile.bn * 4 if kernel.splitk else 0
+            args = [m, n, k, base_a, base_b, gx, gz, launch.block[0], launch.smem, plan.workspace_for(m, n, k), order,
+                    partials]
             run = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=600)
             assert run.returncode == 0, f"{name} at {(m, n, k)} bases +{base_a}/+{base_b}: {run.stdout}{run.stderr}"
 

@@ -17,9 +17,10 @@ The GEMM kernel (one block per output tile, WM x WN warps, each warp owns a (BM/
                      blocks) per instruction, from the swizzled K-major tiles.
   math               mma.sync.aligned.m16n8k16.row.col.f32.{f16|bf16}.{f16|bf16}.f32, fp32 accumulators in registers.
   epilogue           registers -> global (path=direct), or registers -> shared -> coalesced vector stores (path=smem);
-                     split-K: every slice stores fp32 partials to the workspace and counts itself in on a per-tile
-                     counter; the last to arrive sums all slices in slice order (deterministic), resets the counter
-                     and runs the epilogue. One launch.
+                     split-K: the slices climb the tile's pairwise tree (l2ir.indexing.SplitKTree): at each level a
+                     block stores its fp32 registers to its subtree's slot and counts in on the pair's counter; the
+                     second arrival adds the sibling's slot, resets the counter and goes up; the root's block runs
+                     the epilogue (bit-identical run to run, no block waits). One launch.
 
 Field -> code map (the generated lines name their field in a comment):
   target.arch          sm80/86/89/90/90a -> plan.arch sm_80/sm_86/sm_89/sm_90/sm_90a (the header names it too)
@@ -46,9 +47,9 @@ Field -> code map (the generated lines name their field in a comment):
                        realigned while tile t is multiplied (two realigned tiles, one barrier per k-tile); stages
                        1-2: one realigned tile, a second barrier (l2ir.analysis.realigned_ring_bytes). The A and B
                        tiles must split into whole passes of 8 elements per thread
-  splitk               split_k + reduce=workspace: grid.z = slices, l2ir.indexing.splitk_range, fp32 partials and
-                       an in-kernel fixup by the last slice to arrive (workspace zeroed before the first launch
-                       only: the kernel leaves its counters zero); reduce=atomic and stream_k raise
+  splitk               split_k + reduce=workspace: grid.z = slices, l2ir.indexing.splitk_range, fp32 slots and an
+                       in-kernel pairwise-tree reduction (SplitKTree; slices - 1 pair counters per tile, zeroed
+                       before the first launch only: the kernel leaves them zero); reduce=atomic and stream_k raise
   epilogue.path        direct | smem (tma raises)
   epilogue.vector      direct: 1 (scalar) or 2 (the accumulator pair); smem: 1/2/4/8 elements per global store
   problem              a row (K-major), b col (K-major), f16 or bf16 in (same type), f16 or bf16 out, acc f32
@@ -59,7 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from l2ir.analysis import C_ROW_PAD, realigned_buffers, realigned_ring_bytes
-from l2ir.indexing import Const, Var, cdiv, rasterize, smem_swizzle, splitk_range
+from l2ir.indexing import Const, SplitKTree, Var, cdiv, rasterize, smem_swizzle, splitk_range
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.target import (CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, NVCC_ARCH,
                          SMEM_LIMIT)
@@ -992,7 +993,7 @@ def _gemm_entry(cfg: Sm80Config) -> list[str]:
         "  const InT* __restrict__ A = static_cast<const InT*>(A_);",
         "  const InT* __restrict__ B = static_cast<const InT*>(B_);",
         "  OutT* __restrict__ C = static_cast<OutT*>(C_);",
-        *(["  float* __restrict__ ws = static_cast<float*>(workspace_);   // splitk: partials, then tile counters"]
+        *(["  float* __restrict__ ws = static_cast<float*>(workspace_);   // splitk: partials, then pair counters"]
           if cfg.split else ["  (void)workspace_;"]),
         "",
         f"  // swizzle.raster={cfg.raster} group={cfg.group}: linear block id -> output tile (l2ir.indexing.rasterize);",
@@ -1045,67 +1046,78 @@ def _gemm_entry(cfg: Sm80Config) -> list[str]:
 
 
 def _splitk_fixup(cfg: Sm80Config) -> list[str]:
-    """split_k reduce=workspace, reduced inside the GEMM kernel: every slice stores its fp32 accumulators to the
-    workspace and counts itself in on the tile's counter; the slice that arrives last sums all partials in slice order
-    0..S-1 (the same order whoever arrives last, so C is bit-identical run to run), resets the counter to zero, and
-    falls through to the normal epilogue. One launch: no reduction kernel, no second pass over the workspace."""
+    """split_k reduce=workspace, reduced inside the GEMM kernel through the pairwise tree of l2ir.indexing.SplitKTree:
+    at each level whose sibling subtree exists the block stores its registers (its subtree's sum) to slot `base`,
+    fences (release) and counts itself in on the pair's counter; the first arrival is done with the tile, the second
+    fences (acquire), adds the sibling's slot to its registers, resets the counter and goes up with base = the lower
+    subtree's slot. The block that completes the root falls through to the normal epilogue. fp32 addition commutes,
+    so each pair's sum, and C, has the same bits whichever block arrives last (l2ir.interp reduces the same tree); no
+    block waits for another; the critical path reads ceil(log2 S) partials instead of S. One launch."""
     if not cfg.split:
         return []
+    tree = SplitKTree(cfg.slices)
     i = "  "
-    frag = "((tile_slot + s) * (MI * NI) + mi * NI + ni) * THREADS + int(threadIdx.x)"
+    frag = "((tile_slot + {s}) * (MI * NI) + mi * NI + ni) * THREADS + int(threadIdx.x)"
     return [
-        f"{i}// splitk slices={cfg.slices} reduce=workspace, fixed up in this kernel (no reduction kernel). Workspace:",
-        f"{i}//   [tiles][slices][MI*NI][THREADS] float4 partials: each thread stores its accumulator fragments as",
+        f"{i}// splitk slices={cfg.slices} reduce=workspace, a pairwise tree over the slices (l2ir.indexing.SplitKTree),",
+        f"{i}// in this kernel (no reduction kernel). Workspace:",
+        f"{i}//   [tiles][slices][MI*NI][THREADS] float4 slots: each thread stores its accumulator fragments as",
         f"{i}//   float4s, consecutive threads at consecutive 16-byte addresses (coalesced, no bounds checks: the whole",
-        f"{i}//   tile is stored, rows past M / N are never read into C);",
-        f"{i}//   then [tiles] unsigned arrival counters, zero before the first launch (plan.zero_workspace) and left",
-        f"{i}//   zero by every launch: the last arrival resets its tile's counter, so repeated launches need no memset.",
+        f"{i}//   tile is stored, rows past M / N are never read into C); slot `base` holds the subtree based there;",
+        f"{i}//   then [tiles][SLICES - 1] unsigned pair counters, zero before the first launch (plan.zero_workspace) and",
+        f"{i}//   left zero by every launch: each pair's last arrival resets its counter, so repeated launches need no",
+        f"{i}//   memset.",
         f"{i}cp_async_wait<0>();   // no copy may still target shared memory when a block leaves early",
         f"{i}{{",
         f"{i}  constexpr int SLICES = {cfg.slices};",
+        f"{i}  constexpr int TREE_LEVELS = {tree.levels};   // ceil(log2 SLICES): pair levels",
+        f"{i}  constexpr int TREE_NODES = {tree.counters};    // SLICES - 1 pair counters per tile",
         f"{i}  const int tiles = tiles_m * tiles_n;",
         f"{i}  float4* __restrict__ part = reinterpret_cast<float4*>(ws);",
         f"{i}  unsigned* __restrict__ counters = reinterpret_cast<unsigned*>(ws + (long long)tiles * SLICES * BM * BN);",
-        f"{i}  const long long tile_slot = (long long)pid * SLICES;   // this tile's first partial",
-        f"{i}  {{",
-        f"{i}    const long long s = slice;",
+        f"{i}  unsigned* __restrict__ tile_counters = counters + (long long)pid * TREE_NODES;",
+        f"{i}  const long long tile_slot = (long long)pid * SLICES;   // this tile's first slot",
+        f"{i}  __shared__ int is_last;",
+        f"{i}  int base = slice;      // the slot (and lowest slice) of the subtree whose sum the registers hold",
+        f"{i}  bool carries = true;   // false once the sibling's block carries this block's sum on",
+        f"{i}#pragma unroll 1",
+        f"{i}  for (int level = 0; level < TREE_LEVELS; ++level) {{",
+        f"{i}    const int sibling = {tree.sibling.to_cpp()};   // SplitKTree.sibling",
+        f"{i}    if (sibling >= SLICES) continue;   // no sibling subtree (SLICES not a power of two): up a level, no wait",
         f"{i}#pragma unroll",
         f"{i}    for (int mi = 0; mi < MI; ++mi)",
         f"{i}#pragma unroll",
-        f"{i}      for (int ni = 0; ni < NI; ++ni)",
-        f"{i}        part[{frag}] = make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2], acc[mi][ni][3]);",
-        f"{i}  }}",
-        f"{i}  // Release: this block's partial is visible GPU-wide before its arrival is counted.",
-        f"{i}  __threadfence();",
-        f"{i}  __syncthreads();",
-        f"{i}  __shared__ int is_last;",
-        f"{i}  if (threadIdx.x == 0) {{",
-        f"{i}    const unsigned arrived = atomicAdd(&counters[pid], 1u);",
-        f"{i}    is_last = arrived == SLICES - 1;",
-        f"{i}    // Self-cleaning: all {cfg.slices} slices of this tile have arrived, nobody touches the counter again in",
-        f"{i}    // this launch, so the next launch finds it zero.",
-        f"{i}    if (is_last) counters[pid] = 0u;",
-        f"{i}  }}",
-        f"{i}  __syncthreads();",
-        f"{i}  if (!is_last) return;",
-        f"{i}  // Acquire: the other slices' partials, read through L2 (ld.global.cg; L1 is not coherent across SMs).",
-        f"{i}  __threadfence();",
-        f"{i}#pragma unroll",
-        f"{i}  for (int mi = 0; mi < MI; ++mi)",
-        f"{i}#pragma unroll",
-        f"{i}    for (int ni = 0; ni < NI; ++ni) {{",
-        f"{i}      const float4 own = make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2], acc[mi][ni][3]);",
-        f"{i}      // Slice order 0..S-1 whichever slice this block is: fp32 addition is not associative, and a fixed",
-        f"{i}      // order makes C bit-identical run to run.",
-        f"{i}      float4 sum;",
-        f"{i}      {{ const long long s = 0; sum = slice == 0 ? own : __ldcg(&part[{frag}]); }}",
-        f"{i}#pragma unroll",
-        f"{i}      for (long long s = 1; s < SLICES; ++s) {{",
-        f"{i}        const float4 v = s == slice ? own : __ldcg(&part[{frag}]);",
-        f"{i}        sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;",
-        f"{i}      }}",
-        f"{i}      acc[mi][ni][0] = sum.x; acc[mi][ni][1] = sum.y; acc[mi][ni][2] = sum.z; acc[mi][ni][3] = sum.w;",
+        f"{i}      for (int ni = 0; ni < NI; ++ni)   // L2 only (__stcg): another SM reads it",
+        f"{i}        __stcg(&part[{frag.format(s='base')}],",
+        f"{i}               make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2], acc[mi][ni][3]));",
+        f"{i}    // Release: this block's subtree sum is visible GPU-wide before its arrival is counted.",
+        f"{i}    __threadfence();",
+        f"{i}    __syncthreads();",
+        f"{i}    if (threadIdx.x == 0) {{",
+        f"{i}      const int node = {tree.counter.to_cpp()};   // SplitKTree.counter",
+        f"{i}      const unsigned arrived = atomicAdd(&tile_counters[node], 1u);",
+        f"{i}      is_last = arrived == 1u;",
+        f"{i}      // Self-cleaning: both subtrees of this pair have arrived, nobody touches its counter again in this",
+        f"{i}      // launch, so the next launch finds it zero.",
+        f"{i}      if (is_last) tile_counters[node] = 0u;",
         f"{i}    }}",
+        f"{i}    __syncthreads();",
+        f"{i}    if (!is_last) {{ carries = false; break; }}   // the sibling's block carries the sum on",
+        f"{i}    // Acquire: the sibling's slot, announced before its arrival, read through L2 (ld.global.cg; L1 is not",
+        f"{i}    // coherent across SMs).",
+        f"{i}    __threadfence();",
+        f"{i}    // registers += sibling has the same bits as sibling + registers: whichever block is last, the pair's sum",
+        f"{i}    // is one value, so C is bit-identical run to run.",
+        f"{i}#pragma unroll",
+        f"{i}    for (int mi = 0; mi < MI; ++mi)",
+        f"{i}#pragma unroll",
+        f"{i}      for (int ni = 0; ni < NI; ++ni) {{",
+        f"{i}        const float4 v = __ldcg(&part[{frag.format(s='sibling')}]);",
+        f"{i}        acc[mi][ni][0] += v.x; acc[mi][ni][1] += v.y; acc[mi][ni][2] += v.z; acc[mi][ni][3] += v.w;",
+        f"{i}      }}",
+        f"{i}    base = {tree.merged.to_cpp()};   // SplitKTree.merged: the pair's sum is the lower subtree's",
+        f"{i}  }}",
+        f"{i}  if (!carries) return;   // another block of this tile completes the tree and runs the epilogue",
         f"{i}}}",
         "",
     ]
@@ -1133,10 +1145,10 @@ def launches(cfg: Sm80Config) -> tuple[Launch, ...]:
 
 
 def workspace_bytes(cfg: Sm80Config):
-    """split-K: every tile's fp32 partials of every slice, then one 4-byte arrival counter per tile."""
+    """split-K: every tile's fp32 slots (one per slice), then every tile's SLICES - 1 4-byte pair counters."""
     if not cfg.split:
         return Const(0)
-    return _tiles(cfg) * Const(cfg.slices * cfg.partial_floats * 4 + 4)
+    return _tiles(cfg) * Const(cfg.slices * cfg.partial_floats * 4 + SplitKTree(cfg.slices).counters * 4)
 
 
 def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
@@ -1148,8 +1160,8 @@ def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:
         form="kernels",
         launches=launches(cfg),
         workspace_bytes=workspace_bytes(cfg),
-        # The tile counters must be zero before the first launch; every launch leaves them zero (the last arrival
-        # resets its tile's), so zeroing once at allocation is enough. Without split-K there is no workspace.
+        # The pair counters must be zero before the first launch; every launch leaves them zero (each pair's last
+        # arrival resets its counter), so zeroing once at allocation is enough. Without split-K there is no workspace.
         zero_workspace=cfg.split,
         needs_cutlass=False,
     )

@@ -160,7 +160,7 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
   const InT* __restrict__ A = static_cast<const InT*>(A_);
   const InT* __restrict__ B = static_cast<const InT*>(B_);
   OutT* __restrict__ C = static_cast<OutT*>(C_);
-  float* __restrict__ ws = static_cast<float*>(workspace_);   // splitk: partials, then tile counters
+  float* __restrict__ ws = static_cast<float*>(workspace_);   // splitk: partials, then pair counters
 
   // swizzle.raster=along_n group=1: linear block id -> output tile (l2ir.indexing.rasterize);
   // blocks that run together share A and B tiles in L2.
@@ -235,58 +235,65 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
     }
   }
 
-  // splitk slices=8 reduce=workspace, fixed up in this kernel (no reduction kernel). Workspace:
-  //   [tiles][slices][MI*NI][THREADS] float4 partials: each thread stores its accumulator fragments as
+  // splitk slices=8 reduce=workspace, a pairwise tree over the slices (l2ir.indexing.SplitKTree),
+  // in this kernel (no reduction kernel). Workspace:
+  //   [tiles][slices][MI*NI][THREADS] float4 slots: each thread stores its accumulator fragments as
   //   float4s, consecutive threads at consecutive 16-byte addresses (coalesced, no bounds checks: the whole
-  //   tile is stored, rows past M / N are never read into C);
-  //   then [tiles] unsigned arrival counters, zero before the first launch (plan.zero_workspace) and left
-  //   zero by every launch: the last arrival resets its tile's counter, so repeated launches need no memset.
+  //   tile is stored, rows past M / N are never read into C); slot `base` holds the subtree based there;
+  //   then [tiles][SLICES - 1] unsigned pair counters, zero before the first launch (plan.zero_workspace) and
+  //   left zero by every launch: each pair's last arrival resets its counter, so repeated launches need no
+  //   memset.
   cp_async_wait<0>();   // no copy may still target shared memory when a block leaves early
   {
     constexpr int SLICES = 8;
+    constexpr int TREE_LEVELS = 3;   // ceil(log2 SLICES): pair levels
+    constexpr int TREE_NODES = 7;    // SLICES - 1 pair counters per tile
     const int tiles = tiles_m * tiles_n;
     float4* __restrict__ part = reinterpret_cast<float4*>(ws);
     unsigned* __restrict__ counters = reinterpret_cast<unsigned*>(ws + (long long)tiles * SLICES * BM * BN);
-    const long long tile_slot = (long long)pid * SLICES;   // this tile's first partial
-    {
-      const long long s = slice;
+    unsigned* __restrict__ tile_counters = counters + (long long)pid * TREE_NODES;
+    const long long tile_slot = (long long)pid * SLICES;   // this tile's first slot
+    __shared__ int is_last;
+    int base = slice;      // the slot (and lowest slice) of the subtree whose sum the registers hold
+    bool carries = true;   // false once the sibling's block carries this block's sum on
+  #pragma unroll 1
+    for (int level = 0; level < TREE_LEVELS; ++level) {
+      const int sibling = (base ^ (1 << level));   // SplitKTree.sibling
+      if (sibling >= SLICES) continue;   // no sibling subtree (SLICES not a power of two): up a level, no wait
   #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
   #pragma unroll
-        for (int ni = 0; ni < NI; ++ni)
-          part[((tile_slot + s) * (MI * NI) + mi * NI + ni) * THREADS + int(threadIdx.x)] = make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2], acc[mi][ni][3]);
-    }
-    // Release: this block's partial is visible GPU-wide before its arrival is counted.
-    __threadfence();
-    __syncthreads();
-    __shared__ int is_last;
-    if (threadIdx.x == 0) {
-      const unsigned arrived = atomicAdd(&counters[pid], 1u);
-      is_last = arrived == SLICES - 1;
-      // Self-cleaning: all 8 slices of this tile have arrived, nobody touches the counter again in
-      // this launch, so the next launch finds it zero.
-      if (is_last) counters[pid] = 0u;
-    }
-    __syncthreads();
-    if (!is_last) return;
-    // Acquire: the other slices' partials, read through L2 (ld.global.cg; L1 is not coherent across SMs).
-    __threadfence();
-  #pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-  #pragma unroll
-      for (int ni = 0; ni < NI; ++ni) {
-        const float4 own = make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2], acc[mi][ni][3]);
-        // Slice order 0..S-1 whichever slice this block is: fp32 addition is not associative, and a fixed
-        // order makes C bit-identical run to run.
-        float4 sum;
-        { const long long s = 0; sum = slice == 0 ? own : __ldcg(&part[((tile_slot + s) * (MI * NI) + mi * NI + ni) * THREADS + int(threadIdx.x)]); }
-  #pragma unroll
-        for (long long s = 1; s < SLICES; ++s) {
-          const float4 v = s == slice ? own : __ldcg(&part[((tile_slot + s) * (MI * NI) + mi * NI + ni) * THREADS + int(threadIdx.x)]);
-          sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
-        }
-        acc[mi][ni][0] = sum.x; acc[mi][ni][1] = sum.y; acc[mi][ni][2] = sum.z; acc[mi][ni][3] = sum.w;
+        for (int ni = 0; ni < NI; ++ni)   // L2 only (__stcg): another SM reads it
+          __stcg(&part[((tile_slot + base) * (MI * NI) + mi * NI + ni) * THREADS + int(threadIdx.x)],
+                 make_float4(acc[mi][ni][0], acc[mi][ni][1], acc[mi][ni][2], acc[mi][ni][3]));
+      // Release: this block's subtree sum is visible GPU-wide before its arrival is counted.
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        const int node = (((base - (base & (1 << level))) + (1 << level)) - 1);   // SplitKTree.counter
+        const unsigned arrived = atomicAdd(&tile_counters[node], 1u);
+        is_last = arrived == 1u;
+        // Self-cleaning: both subtrees of this pair have arrived, nobody touches its counter again in this
+        // launch, so the next launch finds it zero.
+        if (is_last) tile_counters[node] = 0u;
       }
+      __syncthreads();
+      if (!is_last) { carries = false; break; }   // the sibling's block carries the sum on
+      // Acquire: the sibling's slot, announced before its arrival, read through L2 (ld.global.cg; L1 is not
+      // coherent across SMs).
+      __threadfence();
+      // registers += sibling has the same bits as sibling + registers: whichever block is last, the pair's sum
+      // is one value, so C is bit-identical run to run.
+  #pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+  #pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+          const float4 v = __ldcg(&part[((tile_slot + sibling) * (MI * NI) + mi * NI + ni) * THREADS + int(threadIdx.x)]);
+          acc[mi][ni][0] += v.x; acc[mi][ni][1] += v.y; acc[mi][ni][2] += v.z; acc[mi][ni][3] += v.w;
+        }
+      base = (base - (base & (1 << level)));   // SplitKTree.merged: the pair's sum is the lower subtree's
+    }
+    if (!carries) return;   // another block of this tile completes the tree and runs the epilogue
   }
 
   // epilogue.path=direct: each thread stores its accumulators straight from registers. m16n8 f32
