@@ -82,6 +82,10 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
         ms((16, 128, 64), (1, 4), 3, swizzle=Swizzle((3, 3, 3), "along_n", 1),
            pad=Pad("predicate", "zero_fill", "zero_fill", 1), splitk=SplitK("split_k", 4),
            epilogue=Epilogue("direct", 1)), PROBLEM),
+    # BK=48: an odd number of k-steps (the fragment double buffer's last step is also the next tile's first).
+    "64x128x48_w2x2_s3_align1_kpredicate_smem1": (
+        ms((64, 128, 48), stages=3, swizzle=Swizzle((2, 3, 3), "along_n", 1),
+           pad=Pad("zero_fill", "predicate", "predicate", 1), epilogue=Epilogue("smem", 1)), PROBLEM),
     "64x64x32_w2x2_s2_noprefetch_align1_zero_fill_direct1": (
         ms((64, 64, 32), stages=2, pipeline=Pipeline("multistage", 2, prefetch=False),
            pad=Pad("zero_fill", "zero_fill", "zero_fill", 1), epilogue=Epilogue("direct", 1)), PROBLEM),
@@ -483,6 +487,7 @@ EMULATED = {name: shapes for name, shapes in {
     "16x128x64_w1x4_s3_align1_splitk4_decode_direct1": [(17, 200, 777), (1, 129, 999)],
     "64x64x32_w2x2_s2_noprefetch_align1_zero_fill_direct1": [(67, 45, 77), (5, 7, 1), (130, 129, 99)],
     "64x128x32_w2x2_s4_align1_divisible_direct1": [(128, 128, 256)],
+    "64x128x48_w2x2_s3_align1_kpredicate_smem1": [(67, 130, 101), (5, 7, 1), (65, 129, 49)],
 }.items()}
 PTX_WRAPPERS = ("cp_async_zfill", "cp_async", "ld_shared_16", "st_shared_16", "ldmatrix_x4", "mma_16816")
 
@@ -597,7 +602,7 @@ NVCC_CASES = ["128x128x32_w2x2_s4_prefetch_smem8", "64x64x32_w2x2_s3_splitk4_sme
               "64x64x32_w2x2_s4_align1_splitk2_smem1", "128x128x32_w2x4_s4_align1_smem1",
               "64x128x32_w2x2_s4_align1_divisible_direct1", "128x128x32_w2x2_s4_align1_kpredicate_smem1",
               "sm90a_128x128x64_w2x4_s4_align1_smem1", "16x128x64_w1x4_s3_align1_splitk4_decode_direct1",
-              "64x64x32_w2x2_s2_noprefetch_align1_zero_fill_direct1"]
+              "64x64x32_w2x2_s2_noprefetch_align1_zero_fill_direct1", "64x128x48_w2x2_s3_align1_kpredicate_smem1"]
 
 
 # The new families also as sm90a targets (native sm_90a code, what the search uses on an H200).
