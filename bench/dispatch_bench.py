@@ -20,6 +20,8 @@ layout):
               cuCtxSetCurrent, cuLaunchKernel or l2ir_run), and for a fallback torch (the torch.mm or
               torch.matmul it calls); other = Dispatcher.eager's time - those parts (counter, closure calls)
   served      "l2ir" or the fallback reason of the dispatcher for that shape
+  eager_only  a cuBLAS shape whose eager calls run its eager kernel (l2ir/export.py): device_us is then cuBLAS's
+              (a CUDA graph captures the table's choice) while eager_us and host_us are the L2IR kernel's
 torch.matmul runs with fp16 reduced-precision reductions off (fp32 accumulation, the contract both are held to).
 """
 
@@ -218,6 +220,7 @@ def main(argv=None) -> int:
         served = next(r for r, v in d.stats.items() if v != before.get(r, 0))
         err = float((c.double() - a.double() @ b.double()).abs().max())
         row = {"m": m, "n": n, "k": k, "kind": kind, "served": served, "max_abs_err_vs_fp64": err,
+               "eager_only": bool(getattr(d.lookup(a, b), "eager_only", False)),
                "l2ir_device_us": device_us(lambda: l2ir.matmul(a, b), args.reps, args.trials),
                "torch_device_us": device_us(lambda: torch.matmul(a, b), args.reps, args.trials),
                "l2ir_eager_us": eager_us(lambda: l2ir.matmul(a, b), args.calls, args.trials),
@@ -230,7 +233,7 @@ def main(argv=None) -> int:
         row["parts_us"] = parts_us(d, a, b, row["l2ir_host_us"], issue_us(lambda: d.eager(a, b), args.calls,
                                                                           args.trials), args.calls, args.trials)
         rows.append(row)
-        print(f"{m:>6}x{n:<6}x{k:<6} {kind:<28} {served:<12} device {row['l2ir_device_us']:8.2f} vs "
+        print(f"{m:>6}x{n:<6}x{k:<6} {kind:<28} {served + ('/eager' if row['eager_only'] else ''):<12} device {row['l2ir_device_us']:8.2f} vs "
               f"{row['torch_device_us']:8.2f} us  eager {row['l2ir_eager_us']:7.2f} vs {row['torch_eager_us']:7.2f} us"
               f"  host {row['l2ir_host_us']:6.2f} vs {row['torch_host_us']:6.2f} us  "
               + " ".join(f"{p} {v:.2f}" for p, v in row["parts_us"].items()), flush=True)
@@ -249,6 +252,7 @@ def main(argv=None) -> int:
         "shapes": len(rows), "served_by_l2ir": len(by_l2ir),
         "share_served_by_l2ir": len(by_l2ir) / len(rows) if rows else 0.0,
         "fallback_reasons": {r: sum(1 for x in rows if x["served"] == r) for r in {x["served"] for x in rows}},
+        "served_eagerly_only": sum(1 for r in rows if r["eager_only"]),
         "geomean_device_speedup_where_served": gmean(r["device_speedup"] for r in by_l2ir),
         "geomean_eager_speedup_where_served": gmean(r["eager_speedup"] for r in by_l2ir),
         "geomean_eager_speedup_on_fallback": gmean(r["eager_speedup"] for r in rows if r["served"] != "l2ir"),

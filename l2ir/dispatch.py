@@ -114,6 +114,17 @@ class Package:
     max_distance: float
     by_class: dict[str, list[tuple[tuple[float, float, float], tuple[int, int, int]]]] = field(default_factory=dict)
 
+    # (m, n, k, class) -> the L2IR kernel eager calls run where the table says cuBLAS (l2ir/export.py's eager rule)
+    eager: dict[tuple[int, int, int, str], str] = field(default_factory=dict)
+
+    def _nearest(self, m: int, n: int, k: int, cls: str):
+        """The tuned shapes of `cls` within the package's distance of (m, n, k) in log2 space, nearest first."""
+        here = (math.log2(m), math.log2(n), math.log2(k))
+        for d, shape in sorted((math.dist(here, logs), shape) for logs, shape in self.by_class.get(cls, ())):
+            if d > self.max_distance:
+                return
+            yield shape
+
     def resolve(self, m: int, n: int, k: int, cls: str) -> tuple[str | None, str]:
         """(kernel key or None, reason) for one shape: the table for a tuned shape, else the neighbour rule."""
         if (m, n, k, cls) in self.tuned:
@@ -121,12 +132,8 @@ class Package:
             return (key, "l2ir") if key else (None, "cublas")
         if cls not in self.by_class:
             return None, "layout"
-        here = (math.log2(m), math.log2(n), math.log2(k))
-        near = sorted((math.dist(here, logs), shape) for logs, shape in self.by_class[cls])
         seen = False
-        for d, shape in near:
-            if d > self.max_distance:
-                break
+        for shape in self._nearest(m, n, k, cls):
             seen = True
             key = self.tuned[(*shape, cls)]
             if key is None:
@@ -134,6 +141,17 @@ class Package:
             if self.kernels[key].admits(m, n, k):
                 return key, "l2ir"
         return None, ("not_admitted" if seen else "untuned")
+
+    def resolve_eager(self, m: int, n: int, k: int, cls: str) -> str | None:
+        """For a shape `resolve` gives to cuBLAS: the kernel its eager calls run (the deciding tuned shape's eager
+        kernel, if it admits this shape), or None."""
+        if (m, n, k, cls) in self.tuned:
+            return self.eager.get((m, n, k, cls))
+        for shape in self._nearest(m, n, k, cls):
+            if self.tuned[(*shape, cls)] is None:          # the shape that decided cuBLAS
+                key = self.eager.get((*shape, cls))
+                return key if key is not None and self.kernels[key].admits(m, n, k) else None
+        return None
 
 
 def read_package(path: str | Path) -> Package:
@@ -163,15 +181,19 @@ def read_package(path: str | Path) -> Package:
     kernels = {key: KernelSpec(key, spec["hash"], spec["problem_class"], path / spec["dir"], spec["binary"],
                                spec["plan"], spec["ir"]) for key, spec in table["kernels"].items()}
     tuned: dict[tuple[int, int, int, str], str | None] = {}
+    eager: dict[tuple[int, int, int, str], str] = {}
     by_class: dict[str, list] = {}
     for e in table["entries"]:
-        key = e.get("kernel_key")
-        if key is not None and key not in kernels:
-            raise PackageError(f"{path}/table.json: entry {e['m']}x{e['n']}x{e['k']} names unknown kernel {key}")
+        key, ekey = e.get("kernel_key"), e.get("eager_kernel_key")
+        for k_ in (key, ekey):
+            if k_ is not None and k_ not in kernels:
+                raise PackageError(f"{path}/table.json: entry {e['m']}x{e['n']}x{e['k']} names unknown kernel {k_}")
         tuned[(e["m"], e["n"], e["k"], e["problem_class"])] = key
+        if ekey is not None and key is None:
+            eager[(e["m"], e["n"], e["k"], e["problem_class"])] = ekey
         by_class.setdefault(e["problem_class"], []).append(
             ((math.log2(e["m"]), math.log2(e["n"]), math.log2(e["k"])), (e["m"], e["n"], e["k"])))
-    return Package(path, manifest, tuned, kernels, float(manifest["rule"]["max_distance"]), by_class)
+    return Package(path, manifest, tuned, kernels, float(manifest["rule"]["max_distance"]), by_class, eager)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -367,7 +389,8 @@ def _layout(t: torch.Tensor, rows: int, cols: int) -> str | None:
 def fast_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
     """Everything a route depends on except the data pointers (checked on every call): shapes and strides (layout,
     batch, contiguity), dtypes, device indices (an int hashes in a fraction of a torch.device's time; -1 is any
-    CPU-side tensor, and a served route also checks per call that both operands are CUDA tensors). `Dispatcher.eager` and `matmul` build the same tuple inline (a call costs
+    CPU-side tensor, and a served route also checks per call that both operands are CUDA tensors).
+    `Dispatcher.eager` and `matmul` build the same tuple inline (a call costs
     ~0.1 us; tests/test_dispatch.py checks that the three agree)."""
     return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.get_device(), b.get_device())
 
@@ -431,6 +454,9 @@ class Dispatcher:
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # the handle alone, no Stream object
         self._stream_of = (raw if raw is not None and type(self).current_stream is Dispatcher.current_stream
                            else self.current_stream)
+        capt = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)   # torch.cuda's wrapper, one call less
+        self._capturing = (capt if capt is not None and type(self).capturing is Dispatcher.capturing
+                           else self.capturing)
 
     @property
     def stats(self) -> Counter:
@@ -446,6 +472,9 @@ class Dispatcher:
 
     def current_stream(self, index: int) -> int:
         return torch.cuda.current_stream(index).cuda_stream
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
 
     def make_runner(self, spec: KernelSpec, index: int):
         return Runner(spec, index)
@@ -529,7 +558,10 @@ class Dispatcher:
         rkey = (m, n, k, dt, la, lb)
         hit = self._routes.get(rkey)
         if hit is None:
-            hit = self.package.resolve(m, n, k, self._classes[(dt, la, lb)])
+            cls = self._classes[(dt, la, lb)]
+            hit = self.package.resolve(m, n, k, cls)
+            if hit[0] is None and hit[1] == "cublas" and (ekey := self.package.resolve_eager(m, n, k, cls)):
+                hit = (ekey, "eager")
             self._routes[rkey] = hit
         key, reason = hit
         if key is None:
@@ -540,8 +572,8 @@ class Dispatcher:
             return "environment", None, None, m, n, k, index
         runner = self._runner(state, key, index)
         if isinstance(runner, Exception):
-            return "load_failed", key, None, m, n, k, index
-        return "l2ir", key, runner, m, n, k, index
+            return ("cublas" if reason == "eager" else "load_failed"), key, None, m, n, k, index
+        return ("eager" if reason == "eager" else "l2ir"), key, runner, m, n, k, index
 
     def lookup(self, a: torch.Tensor, b: torch.Tensor):
         """The route's closure for these operands (decided and kept on first sight); `.reason` names its path."""
@@ -555,14 +587,18 @@ class Dispatcher:
                 return entry
             reason, kkey, runner, m, n, k, index = self.decide(a, b)
             two_d = a.dim() == 2 and b.dim() == 2
+            fn = torch.mm if two_d else torch.matmul
             if runner is None:
-                entry = self._fallback(reason, torch.mm if two_d else torch.matmul)
+                entry = self._fallback(reason, fn)
             else:
                 shape = (m, n) if two_d else (*a.shape[:-1], n)
-                entry = self._served(runner, kkey, m, n, k, index, shape, torch.mm if two_d else torch.matmul)
+                entry = self._served(runner, kkey, m, n, k, index, shape, fn)
+                if reason == "eager":
+                    entry = self._eager_only(entry, self._fallback("cublas", fn))
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("l2ir.matmul %sx%sx%s -> %s [route for %s]", m, n, k,
-                          "L2IR kernel" if reason == "l2ir" else f"torch.matmul ({reason})", key)
+                          {"l2ir": "L2IR kernel", "eager": "L2IR kernel on eager calls, cuBLAS in CUDA graphs"}.get(
+                              reason, f"torch.matmul ({reason})"), key)
             if len(self._fast) >= _FAST_MAX:
                 self._fast.clear()
             self._fast[key] = entry
@@ -639,6 +675,18 @@ class Dispatcher:
         serve.reason, serve.go, serve.shape, serve.index, serve.workspace = "l2ir", go, shape, index, (ws_bytes,
                                                                                                       zero_ws)
         return serve
+
+    def _eager_only(self, served, fallback):
+        """A cuBLAS shape with an eager alternative (l2ir/export.py): the L2IR kernel on eager calls, where the
+        host-bound call ends sooner, cuBLAS when captured into a CUDA graph, where only device time counts."""
+        capturing = self._capturing
+
+        def eager_route(a, b, out=None):
+            return (fallback if capturing() else served)(a, b, out)
+
+        eager_route.__dict__.update(served.__dict__)       # reason "l2ir", go, shape, index, workspace (the bench)
+        eager_route.eager_only = True
+        return eager_route
 
     def _launch_failed(self, kkey: str, index: int, err: Exception) -> None:
         with self._lock:

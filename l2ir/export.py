@@ -15,6 +15,12 @@ gate (and whose class gates passed), the fastest on that shape in the chosen sce
 shape has any: a search's own rows favour the lucky sample), and only if its speedup stays above 1 at the bottom of the
 measured spread, speedup * (1 - spread) > 1. Otherwise the table says cuBLAS for that shape, with the reason.
 
+Eager alternative (host time): a shape whose table entry is cuBLAS also names the fastest gate-clean L2IR kernel
+on it when that kernel's measured device time is within EAGER_SLACK_US of cuBLAS's. `l2ir.matmul` runs it on eager
+calls, where a small GEMM is host-bound (an H200 issues an L2IR launch in ~9.6 us against torch.matmul's ~11.4 us,
+bench/results/dispatch_h200_v2.json, while such a kernel runs 2-5 us), so the call finishes sooner even though the
+GPU spends up to EAGER_SLACK_US more; a call captured in a CUDA graph, where only device time counts, runs cuBLAS.
+
 Untuned shapes (resolved by the loader, l2ir/dispatch.py, and cached per shape): the tuned shapes of the same problem
 class within `max_distance` in log2 space of (M, N, K), nearest first; the first one whose winner is cuBLAS decides
 cuBLAS, the first whose kernel admits the shape (the verifier's problem rules: divisibility, alignment, split-K
@@ -39,6 +45,9 @@ from pathlib import Path
 FORMAT = "l2ir-dispatch"
 FORMAT_VERSION = 1
 DEFAULT_MAX_DISTANCE = 1.0      # log2 units: within a factor of 2 along one of M, N, K
+# Device time an eager alternative may add to cuBLAS's: below the ~1.8 us of host time an L2IR launch saves on an H200
+# (bench/results/dispatch_h200_v2.json), so an eager call that becomes GPU-bound loses less than a host-bound one gains.
+EAGER_SLACK_US = 1.0
 MANIFEST_ENV_KEYS = ("gpu", "capability", "sms", "driver", "cuda_runtime", "torch", "cutlass")
 
 
@@ -63,6 +72,9 @@ class Choice:
     measurement: int | None = None
     purpose: str | None = None
     reason: str = ""
+    eager_kernel: str | None = None  # cuBLAS shapes: the L2IR kernel eager calls run (see the module doc)
+    eager_backend: str | None = None
+    eager_kernel_us: float | None = None
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -144,14 +156,10 @@ def choose(db, environment: str, scenario: str = "offline", accept=None) -> list
         rows = (db.ranking(problem, environment, scenario, purpose="retime", limit=1000)
                 or db.ranking(problem, environment, scenario, limit=1000))
         why = "no gate-clean measurement"
-        pick = None
+        pick = eager = None
         for r in rows:
             if r.kernel in dirty:
                 why = f"kernel {r.kernel[:12]} failed a gate elsewhere in this environment"
-                continue
-            if r.spread is None or r.speedup is None or r.speedup * (1 - r.spread) <= 1.0:
-                why = (f"best clean speedup {r.speedup:.3f} (spread {r.spread if r.spread is not None else 'unknown'})"
-                       " is not above 1 beyond its spread")
                 continue
             row = db.kernel(r.kernel)
             if not row or not row.get("ir"):
@@ -160,10 +168,22 @@ def choose(db, environment: str, scenario: str = "offline", accept=None) -> list
             if accept is not None and (refusal := accept(row)):
                 why = f"kernel {r.kernel[:12]} left out: {refusal}"
                 continue
+            eager = eager or r              # fastest clean kernel, whatever its spread
+            if r.spread is None or r.speedup is None or r.speedup * (1 - r.spread) <= 1.0:
+                why = (f"best clean speedup {r.speedup:.3f} (spread {r.spread if r.spread is not None else 'unknown'})"
+                       " is not above 1 beyond its spread")
+                continue
             pick = r
             break
         if pick is None:
-            out.append(Choice(*shape, cls, None, reason=why))
+            ch = Choice(*shape, cls, None, reason=why)
+            if (eager is not None and eager.kernel_median_us is not None and eager.baseline_median_us is not None
+                    and eager.kernel_median_us <= eager.baseline_median_us + EAGER_SLACK_US):
+                ch.eager_kernel = eager.kernel
+                ch.eager_backend = backends.get(eager.kernel) or db.kernel(eager.kernel).get("backend")
+                ch.eager_kernel_us = eager.kernel_median_us
+                ch.baseline_us = eager.baseline_median_us      # cuBLAS's own device time on this shape
+            out.append(ch)
             continue
         row = db.kernel(pick.kernel)
         out.append(Choice(*shape, cls, pick.kernel, backends.get(pick.kernel) or row.get("backend"), pick.speedup,
@@ -229,6 +249,8 @@ def export(db, out: str | Path, scenario: str = "offline", env: str | None = Non
 
     # Build every distinct (kernel, problem class) at once: each compile is its own nvcc process.
     wanted = {(ch.kernel, ch.problem_class): ch.backend for ch in choices if ch.kernel is not None}
+    wanted.update({(ch.eager_kernel, ch.problem_class): ch.eager_backend for ch in choices
+                   if ch.eager_kernel is not None and (ch.eager_kernel, ch.problem_class) not in wanted})
     with ThreadPoolExecutor(max_workers=max(1, min(len(wanted), os.cpu_count() or 1))) as pool:
         futures = {kc: pool.submit(build, db.kernel(kc[0])["ir"], kc[1], backend, device_sm, cache_dir)
                    for kc, backend in wanted.items()}
@@ -241,23 +263,20 @@ def export(db, out: str | Path, scenario: str = "offline", env: str | None = Non
 
     kernels: dict[str, dict] = {}
     failed: dict[str, str] = {}
-    for ch in choices:
-        if ch.kernel is None:
-            continue
-        key = f"{ch.kernel}|{ch.problem_class}"
+
+    def package_kernel(kernel: str, cls: str, backend: str | None) -> tuple[str | None, str]:
+        """(kernel key in the package, or None with the reason): binary, IR and source copied in once."""
+        key = f"{kernel}|{cls}"
         if key in failed:
-            ch.reason, ch.kernel = failed[key], None
-            continue
-        name = f"{ch.kernel[:16]}-{hashlib.sha256(ch.problem_class.encode()).hexdigest()[:8]}"
-        ch_key = name
-        if ch_key not in kernels:
-            ir = db.kernel(ch.kernel)["ir"]
-            res = built[(ch.kernel, ch.problem_class)]
+            return None, failed[key]
+        name = f"{kernel[:16]}-{hashlib.sha256(cls.encode()).hexdigest()[:8]}"
+        if name not in kernels:
+            res = built[(kernel, cls)]
             if isinstance(res, Exception):
                 failed[key] = f"binary not built: {(str(res).splitlines() or [type(res).__name__])[0]}"
-                log(f"warning: {ch.kernel[:12]} ({ch.problem_class}): {failed[key]}; its shapes go to cuBLAS")
-                ch.reason, ch.kernel = failed[key], None
-                continue
+                log(f"warning: {kernel[:12]} ({cls}): {failed[key]}; its shapes go to cuBLAS")
+                return None, failed[key]
+            ir = db.kernel(kernel)["ir"]
             plan, art = res
             kdir = out / "kernels" / name
             kdir.mkdir(parents=True, exist_ok=True)
@@ -265,15 +284,24 @@ def export(db, out: str | Path, scenario: str = "offline", env: str | None = Non
             shutil.copyfile(binary, kdir / binary.name)
             (kdir / "kernel.l2").write_text(ir if ir.endswith("\n") else ir + "\n")
             (kdir / "kernel.cu").write_text(plan.source)
-            kernels[ch_key] = {"hash": ch.kernel, "problem_class": ch.problem_class, "backend": ch.backend,
-                               "dir": f"kernels/{name}", "binary": binary.name, "ir": "kernel.l2",
-                               "plan": plan_json(plan)}
-        ch.kernel_key = ch_key  # type: ignore[attr-defined]
+            kernels[name] = {"hash": kernel, "problem_class": cls, "backend": backend, "dir": f"kernels/{name}",
+                             "binary": binary.name, "ir": "kernel.l2", "plan": plan_json(plan)}
+        return name, ""
+
+    for ch in choices:
+        if ch.kernel is not None:
+            ch.kernel_key, why = package_kernel(ch.kernel, ch.problem_class, ch.backend)  # type: ignore[attr-defined]
+            if ch.kernel_key is None:  # type: ignore[attr-defined]
+                ch.reason, ch.kernel = why, None
+        if ch.eager_kernel is not None:
+            ch.eager_kernel_key, _ = package_kernel(ch.eager_kernel, ch.problem_class,  # type: ignore[attr-defined]
+                                                    ch.eager_backend)
 
     entries = []
     for ch in choices:
         e = ch.to_json()
         e["kernel_key"] = getattr(ch, "kernel_key", None) if ch.kernel else None
+        e["eager_kernel_key"] = getattr(ch, "eager_kernel_key", None) if ch.eager_kernel else None
         entries.append(e)
     table = {"environment": eid, "scenario": scenario, "entries": entries, "kernels": kernels}
     (out / "table.json").write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
@@ -286,12 +314,17 @@ def export(db, out: str | Path, scenario: str = "offline", env: str | None = Non
         "scenario": scenario, "device_sm": device_sm,
         "rule": {"untuned": "nearest tuned shapes of the same problem class in log2(M, N, K), first cuBLAS winner "
                             "or first kernel admitting the shape by the verifier's problem rules",
-                 "max_distance": max_distance},
+                 "max_distance": max_distance,
+                 "eager": "a cuBLAS shape's eager calls run its fastest gate-clean kernel when that kernel's device "
+                          "time is within eager_slack_us of cuBLAS's; CUDA-graph captures run cuBLAS",
+                 "eager_slack_us": EAGER_SLACK_US},
         "files": files, "content_hash": content_hash(files),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     served = sum(1 for e in entries if e["kernel_key"])
-    log(f"{out}: {len(entries)} tuned shapes ({served} served by L2IR kernels, {len(entries) - served} by cuBLAS), "
+    eager = sum(1 for e in entries if e["eager_kernel_key"])
+    log(f"{out}: {len(entries)} tuned shapes ({served} served by L2IR kernels, {len(entries) - served} by cuBLAS, "
+        f"{eager} of those by an L2IR kernel on eager calls), "
         f"{len(kernels)} binaries, environment {eid} ({environment.get('gpu')}), scenario {scenario}, "
         f"content hash {manifest['content_hash'][:16]}")
     return manifest

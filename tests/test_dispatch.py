@@ -51,6 +51,10 @@ class HostRunner:
 
 class CpuDispatcher(dispatch.Dispatcher):
     device_type = "cpu"
+    capture = False              # stands in for torch.cuda.is_current_stream_capturing()
+
+    def capturing(self):
+        return self.capture
 
     def __init__(self, package, env=None, runner=HostRunner):
         super().__init__(package)
@@ -173,7 +177,7 @@ CASES = {
     "misaligned": lambda: (_misaligned(64, 256), rand(512, 256).t()),
     "batch": lambda: (rand(2, 64, 256), rand(2, 256, 512)),
     "empty": lambda: (rand(0, 256), rand(512, 256).t()),
-    "cublas": lambda: (rand(1024, 64), rand(64, 64).t()),
+    "cublas": lambda: (rand(64, 64), rand(64, 64).t()),      # no gate-clean kernel measured there: no eager route
     "untuned": lambda: (rand(16, 16), rand(16, 16).t()),
     "not_admitted": lambda: (rand(256, 255), rand(256, 255).t()),
 }
@@ -185,6 +189,26 @@ def test_fallback_reason_is_counted(disp, reason):
     c = l2ir.matmul(a, b)
     torch.testing.assert_close(c, torch.matmul(a, b))
     assert disp.stats == {reason: 1}
+
+
+def test_cublas_shape_with_an_eager_kernel_runs_it_eagerly_and_cublas_under_capture(disp):
+    # 1024x64x64: cuBLAS in the table (K3's 1.01x is within its spread), K3 within the eager slack of cuBLAS.
+    assert disp.package.resolve(1024, 64, 64, CLS_COL) == (None, "cublas")
+    k3 = disp.package.resolve_eager(1024, 64, 64, CLS_COL)
+    assert k3 is not None
+    assert disp.package.kernels[k3].hash == "c3" * 32
+    a, b = rand(1024, 64), rand(64, 64).t()
+    check(l2ir.matmul(a, b), a, b)
+    assert disp.stats == {"l2ir": 1}
+    disp.capture = True                            # the same route, inside a CUDA-graph capture: cuBLAS
+    torch.testing.assert_close(l2ir.matmul(a, b), torch.matmul(a, b))
+    assert disp.stats == {"l2ir": 1, "cublas": 1}
+    disp.capture = False
+    # An untuned shape whose nearest tuned shape is that cuBLAS shape takes its eager kernel too (K3 admits it).
+    assert disp.package.resolve_eager(1000, 64, 64, CLS_COL) == k3
+    a2 = rand(1000, 64)
+    check(l2ir.matmul(a2, b), a2, b)
+    assert disp.stats == {"l2ir": 2, "cublas": 1}
 
 
 def test_cpu_tensors_fall_back(pkg_dir):

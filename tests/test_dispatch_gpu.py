@@ -40,7 +40,7 @@ def pkg(tmp_path_factory):
     note = "hand-written GPU test record (not a timing)"
     rows = [record(KA, s, sp, env=env, origin=note) for s, sp in
             (((64, 64, 64), 1.05), ((1024, 1024, 1024), 1.1), ((64, 1024, 1024), 1.1), ((64, 1024, 4096), 1.1),
-             ((4096, 4096, 4096), 0.6))]
+             ((4096, 4096, 4096), 0.6), ((128, 128, 128), 0.97))]     # 128^3: cuBLAS, KA its eager kernel
     rows += [record(KB, (64, 4096, 1024), 1.1, env=env, origin=note)]
     rows += [record(KR, s, sp, cls=CLS_ROW, env=env, origin=note) for s, sp in
              (((256, 256, 256), 1.2), ((1000, 1000, 1000), 1.2), ((64, 64, 64), 0.5))]
@@ -95,6 +95,8 @@ SHAPES = [  # (m, n, k, class, kind)
 def test_shapes_against_fp64(pkg, m, n, k, cls, kind):
     a, b = _inputs(m, n, k, cls)
     _, want = pkg.package.resolve(m, n, k, cls)
+    if want == "cublas" and pkg.package.resolve_eager(m, n, k, cls) is not None:
+        want = "l2ir"                # an eager call of a cuBLAS shape runs its eager kernel (l2ir/export.py)
     before = dict(pkg.stats)
     import l2ir
 
@@ -141,7 +143,7 @@ def test_out_and_batched(pkg):
     assert pkg.stats["l2ir"] == before + 2
 
 
-def _capture_and_replay_on_fresh_inputs(dispatcher, cases, seed, fresh_seed):
+def _capture_and_replay_on_fresh_inputs(dispatcher, cases, seed, fresh_seed, counted="l2ir"):
     """l2ir.matmul of every (m, n, k, class) case captured in one CUDA graph after a warm-up on a side stream
     (libraries loaded, routes bound), each call counted once, at capture; then three replays on fresh inputs copied
     into the captured buffers, outputs NaN-poisoned before each, every output checked against fp64."""
@@ -156,11 +158,11 @@ def _capture_and_replay_on_fresh_inputs(dispatcher, cases, seed, fresh_seed):
         for a, b in ins:
             l2ir.matmul(a, b)
     torch.cuda.current_stream().wait_stream(s)
-    before = dispatcher.stats["l2ir"]
+    before = dispatcher.stats[counted]
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         outs = [l2ir.matmul(a, b) for a, b in ins]
-    assert dispatcher.stats["l2ir"] == before + len(cases)
+    assert dispatcher.stats[counted] == before + len(cases)
     for trial in range(3):
         for (a, b), case in zip(ins, cases):
             na, nb = _inputs(*case, seed=fresh_seed + trial)
@@ -177,6 +179,19 @@ def _capture_and_replay_on_fresh_inputs(dispatcher, cases, seed, fresh_seed):
 def test_cuda_graph_capture_and_replay(pkg):
     cases = [(64, 64, 64, CLS_COL), (1001, 1024, 1024, CLS_COL), (250, 260, 270, CLS_ROW)]
     _capture_and_replay_on_fresh_inputs(pkg, cases, seed=0, fresh_seed=100)
+
+
+def test_eager_kernel_of_a_cublas_shape_runs_eagerly_and_cublas_in_a_graph(pkg):
+    import l2ir
+
+    assert pkg.package.resolve(128, 128, 128, CLS_COL) == (None, "cublas")
+    assert pkg.package.resolve_eager(128, 128, 128, CLS_COL) is not None
+    a, b = _inputs(128, 128, 128, CLS_COL, seed=3)
+    before = pkg.stats["l2ir"]
+    _check(l2ir.matmul(a, b), a, b)
+    assert pkg.stats["l2ir"] == before + 1
+    # Captured: only device time counts there, so the table's choice (cuBLAS) is what the graph holds.
+    _capture_and_replay_on_fresh_inputs(pkg, [(128, 128, 128, CLS_COL)], seed=4, fresh_seed=200, counted="cublas")
 
 
 def test_torch_compile_fullgraph(pkg):

@@ -101,6 +101,30 @@ def entries(pkg):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def test_cublas_shapes_name_an_eager_kernel_within_the_slack(tmp_path, package):
+    got, table = entries(package)
+    e = got[(1024, 64, 64, CLS_COL)]               # cuBLAS (1.01x within a 5 % spread); K3 0.1 us slower at most
+    assert e["kernel"] is None and e["eager_kernel"] == K3 and e["eager_kernel_key"] in table["kernels"]
+    assert table["kernels"][e["eager_kernel_key"]]["hash"] == K3
+    assert e["eager_kernel_us"] == pytest.approx(10 / 1.01) and e["baseline_us"] == pytest.approx(10.0)
+    assert got[(64, 64, 64, CLS_COL)]["eager_kernel"] is None            # no gate-clean kernel at all
+    assert got[(256, 256, 256, CLS_COL)]["eager_kernel"] is None         # served: no alternative needed
+    manifest = json.loads((package / "manifest.json").read_text())
+    assert manifest["rule"]["eager_slack_us"] == export.EAGER_SLACK_US
+    # Slower than cuBLAS by more than the slack (12.5 us against 10): no eager kernel; within it (10.53): one.
+    rows = [record(K1, (256, 256, 256), 0.80), record(K1, (512, 256, 256), 0.95)]
+    with make_db(tmp_path / "slack.db", rows, {K1: SM80}) as db:
+        export.export(db, tmp_path / "pkg2", cache_dir=str(tmp_path / "cache"), build=fake_build, log=lambda s: None)
+    got2, table2 = entries(tmp_path / "pkg2")
+    assert got2[(256, 256, 256, CLS_COL)]["eager_kernel"] is None
+    assert got2[(512, 256, 256, CLS_COL)]["eager_kernel"] == K1 and len(table2["kernels"]) == 1
+    pkg = dispatch.read_package(tmp_path / "pkg2")
+    assert pkg.resolve(512, 256, 256, CLS_COL) == (None, "cublas")
+    assert pkg.resolve_eager(512, 256, 256, CLS_COL) == got2[(512, 256, 256, CLS_COL)]["eager_kernel_key"]
+    assert pkg.resolve_eager(256, 256, 256, CLS_COL) is None
+    assert pkg.resolve_eager(264, 256, 256, CLS_COL) is None      # nearest is 256^3: cuBLAS without an alternative
+
+
 def test_export_picks_gate_clean_winners_above_their_spread(package):
     got, table = entries(package)
     assert got[(256, 256, 256, CLS_COL)]["kernel"] == K1
@@ -113,8 +137,10 @@ def test_export_picks_gate_clean_winners_above_their_spread(package):
     assert e["kernel"] is None and e["kernel_key"] is None and "beyond its spread" in e["reason"]
     assert got[(64, 64, 64, CLS_COL)]["kernel"] is None
     assert got[(128, 128, 128, CLS_ROW)]["kernel"] == K3
-    # One binary per (kernel, problem class), each with its plan and IR.
-    assert sorted(s["hash"] for s in table["kernels"].values()) == [K1, K3]
+    # One binary per (kernel, problem class), each with its plan and IR: K3 for b=row (128^3) and for b=col as
+    # 1024x64x64's eager kernel.
+    assert sorted((s["hash"], s["problem_class"]) for s in table["kernels"].values()) == [
+        (K1, CLS_COL), (K3, CLS_COL), (K3, CLS_ROW)]
     for spec in table["kernels"].values():
         d = package / spec["dir"]
         assert (d / spec["binary"]).is_file() and (d / "kernel.l2").is_file() and (d / "kernel.cu").is_file()
@@ -228,7 +254,9 @@ def test_cli_export_with_a_real_nvcc_compile(tmp_path, capsys):
                  "--cache", str(tmp_path / "cache")])
     out = capsys.readouterr()
     assert code == 0, out.err
-    assert "2 tuned shapes (1 served by L2IR kernels, 1 by cuBLAS)" in out.out
+    # 96^3: K3 at 0.9x (11.1 us against 10) is beyond the eager slack, so cuBLAS serves eager calls too.
+    assert "2 tuned shapes (1 served by L2IR kernels, 1 by cuBLAS, 0 of those by an L2IR kernel on eager calls)" \
+        in out.out
     pkg = dispatch.read_package(tmp_path / "pkg")
     (spec,) = pkg.kernels.values()
     cubin = (spec.dir / spec.binary).read_bytes()
