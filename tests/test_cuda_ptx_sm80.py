@@ -86,8 +86,8 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
     "64x128x48_w2x2_s3_align1_kpredicate_smem1": (
         ms((64, 128, 48), stages=3, swizzle=Swizzle((2, 3, 3), "along_n", 1),
            pad=Pad("zero_fill", "predicate", "predicate", 1), epilogue=Epilogue("smem", 1)), PROBLEM),
-    "64x64x32_w2x2_s2_noprefetch_align1_zero_fill_direct1": (
-        ms((64, 64, 32), stages=2, pipeline=Pipeline("multistage", 2, prefetch=False),
+    "64x128x32_w2x2_s2_noprefetch_align1_zero_fill_direct1": (
+        ms((64, 128, 32), stages=2, pipeline=Pipeline("multistage", 2, prefetch=False),
            pad=Pad("zero_fill", "zero_fill", "zero_fill", 1), epilogue=Epilogue("direct", 1)), PROBLEM),
     "64x128x32_w2x2_s4_align1_divisible_direct1": (
         ms((64, 128, 32), pad=Pad("divisible", "divisible", "divisible", 1), epilogue=Epilogue("direct", 1)), PROBLEM),
@@ -297,8 +297,8 @@ ALIGN1 = [name for name in CASES if "align1" in name]
 @pytest.mark.parametrize("name", ALIGN1)
 def test_align1_realigns_16_byte_blocks(name):
     """pad.align=1 stages whole aligned 16-byte blocks (a row's extra block only by the thread owning its last chunk,
-    read only when the row does not start on a block), and realigns each chunk from two 16-byte shared loads with
-    register selects and a funnel shift: no 2-byte load and no dynamically indexed register array remain."""
+    read only when the row does not start on a block), and realigns a run of G chunks from G + 1 16-byte shared loads
+    with register selects and a funnel shift: no 2-byte load and no dynamically indexed register array remain."""
     kernel, problem = CASES[name]
     src = lower(kernel, problem).source
     copy = _function(src, "copy_a")
@@ -306,7 +306,8 @@ def test_align1_realigns_16_byte_blocks(name):
     realign = _function(src, "realign")
     assert "cp_async_zfill(dst, ok ? src : A, ok);" in copy
     assert "if (kc == BK - CHUNK) {" in copy and "ok2 ? src + CHUNK : A" in copy
-    assert "x.lo = ld_shared_16(src);" in realign_a and "x.hi = ld_shared_16(src + 16u);" in realign_a
+    assert "for (int g = 0; g <= G; ++g) blk[g] = ld_shared_16(src + 16u * unsigned(g));" in realign_a
+    assert "x.lo = blk[g];" in realign_a and "x.hi = blk[g + 1];" in realign_a
     assert "realign(x, w);" in realign_a and "swz(r * BK + kc)" in realign_a
     assert "__funnelshift_r(v[j], v[j + 1], (c.s & 1) * 16)" in realign
     for two_byte in ("unsigned short h[", "__ldg(", "unsigned short*"):
@@ -485,7 +486,7 @@ EMULATED = {name: shapes for name, shapes in {
     "128x128x32_w2x4_s4_align1_smem1": [(130, 129, 99), (3, 5, 7)],
     "sm90a_128x128x64_w2x4_s4_align1_smem1": [(130, 129, 333), (9, 7, 9)],
     "16x128x64_w1x4_s3_align1_splitk4_decode_direct1": [(17, 200, 777), (1, 129, 999)],
-    "64x64x32_w2x2_s2_noprefetch_align1_zero_fill_direct1": [(67, 45, 77), (5, 7, 1), (130, 129, 99)],
+    "64x128x32_w2x2_s2_noprefetch_align1_zero_fill_direct1": [(67, 45, 77), (5, 7, 1), (130, 129, 99)],
     "64x128x32_w2x2_s4_align1_divisible_direct1": [(128, 128, 256)],
     "64x128x48_w2x2_s3_align1_kpredicate_smem1": [(67, 130, 101), (5, 7, 1), (65, 129, 49)],
 }.items()}
@@ -602,7 +603,7 @@ NVCC_CASES = ["128x128x32_w2x2_s4_prefetch_smem8", "64x64x32_w2x2_s3_splitk4_sme
               "64x64x32_w2x2_s4_align1_splitk2_smem1", "128x128x32_w2x4_s4_align1_smem1",
               "64x128x32_w2x2_s4_align1_divisible_direct1", "128x128x32_w2x2_s4_align1_kpredicate_smem1",
               "sm90a_128x128x64_w2x4_s4_align1_smem1", "16x128x64_w1x4_s3_align1_splitk4_decode_direct1",
-              "64x64x32_w2x2_s2_noprefetch_align1_zero_fill_direct1", "64x128x48_w2x2_s3_align1_kpredicate_smem1"]
+              "64x128x32_w2x2_s2_noprefetch_align1_zero_fill_direct1", "64x128x48_w2x2_s3_align1_kpredicate_smem1"]
 
 
 # The new families also as sm90a targets (native sm_90a code, what the search uses on an H200).

@@ -319,17 +319,29 @@ def _load_tile(cfg: Sm80Config, op: str) -> list[str]:
     return out
 
 
+def _realign_run(cfg: Sm80Config, op: str) -> int:
+    """pad.align=1: chunks per realign work item. A run of G chunks reads G + 1 staged blocks instead of 2G, but
+    holds 4(G + 1) registers of blocks while the accumulators and the fragment double buffer are live: runs of 2
+    (one at a time) where the warp tile's fp32 accumulators take under 128 registers (ptxas spills longer runs, and
+    runs of 2 beside 128 accumulators), else 1; either way every thread gets the same number of items."""
+    rows = cfg.bm if op == "A" else cfg.bn
+    chunks = cfg.bk // 8
+    longest = 2 if cfg.warp_m * cfg.warp_n // 32 < 128 else 1
+    return next(g for g in (2, 1) if g <= longest and chunks % g == 0 and (rows * chunks // g) % cfg.threads == 0)
+
+
 def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
     """pad.align=1: no cp.async form copies 2 bytes, and an odd K leaves rows 2-byte aligned. copy_<op> stages the
     aligned 16-byte blocks that cover each row's k-tile with 16-byte cp.async (the row start aligned down, one more
     block when the row does not start on a block; a block holding no element of the row's k-tile is not read but
-    zero-filled); realign_<op> moves each row's 8-element chunks out of the staged blocks (two 16-byte shared loads,
-    register selects and a funnel shift) into the swizzled tile that ldmatrix reads, zeroing elements past K. Nothing
-    waits in registers across the pipeline: the cp.async ring keeps its depth."""
+    zero-filled); realign_<op> moves each row's 8-element chunks out of the staged blocks (16-byte shared loads of a
+    run of chunks, register selects and a funnel shift) into the swizzled tile that ldmatrix reads, zeroing elements
+    past K. Nothing waits in registers across the pipeline: the cp.async ring keeps its depth."""
     rows, dim, pad_rows = ("BM", "M", cfg.pad_m) if op == "A" else ("BN", "N", cfg.pad_n)
     fld = "pad.m" if op == "A" else "pad.n"
     ptr, base = ("A", "a_rows") if op == "A" else ("B", "b_rows")
     o = op.lower()
+    n_rows = cfg.bm if op == "A" else cfg.bn
     raw_off = "SMEM_RAW + stage * RAW_STAGE" + ("" if op == "A" else " + RAW_A")
     buf_off = "SMEM_A + buf * A_STAGE" if op == "A" else "SMEM_B + buf * B_STAGE"
     n_k = "(check_k ? min(BK, K - kt * BK) : BK)" if cfg.pad_k != "divisible" else "BK"
@@ -359,6 +371,7 @@ def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
                 f"    cp_async_zfill(dst, ok ? src : {ptr}, ok);",
                 *[line.replace("@ROW@", f"grow < {dim} && ") for line in two]]
     n_chunk = "(check_k ? max(0, min(8, K - k)) : 8)" if cfg.pad_k != "divisible" else "8"
+    g = _realign_run(cfg, op)
     return [
         f"// k-tile `kt` of {op} ({rows} rows, K contiguous): the raw 16-byte blocks covering each row into staging stage",
         "// `stage`. Thread tid owns chunks tid, tid + THREADS, ... of 8 elements (as realign does) and copies block kc/8",
@@ -385,29 +398,42 @@ def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
         *copy,
         "  }",
         "}",
-        f"// k-tile `kt` of {op} from staging stage `stage`, realigned, into buffer `buf` (swizzled as ldmatrix reads it):",
-        "// thread tid writes chunks tid, tid + THREADS, ... of 8 elements, one 16-byte shared store each.",
+        f"// k-tile `kt` of {op} from staging stage `stage`, realigned, into buffer `buf` (swizzled as ldmatrix reads it).",
+        f"// Work item c (items tid, tid + THREADS, ...) is a run of G={g} chunks of one row, in row-major order as the",
+        "// copy's chunks (with G=1 a thread realigns exactly the chunks it staged, and their row offsets are computed",
+        "// once): G + 1 staged blocks are read for G chunks.",
         f"__device__ __forceinline__ void realign_{o}(unsigned smem_base, const InT* __restrict__ {ptr}, int {base}, "
         "int K, int kt, int stage, int buf, bool check_k) {",
         "  (void)kt; (void)check_k;",
+        f"  constexpr int G = {g}, ITEMS = {rows} * (BK / CHUNK) / G;",
+        "  static_assert(ITEMS % THREADS == 0, \"whole realign passes\");",
         f"  const unsigned base_el = unsigned(reinterpret_cast<unsigned long long>({ptr}) >> 1);",
-        "#pragma unroll",
-        f"  for (int it = 0; it < CHUNKS_{op} / THREADS; ++it) {{",
+        *(["// One run at a time: unrolled, the runs' staged blocks would all be live beside the accumulators.",
+           "#pragma unroll 1"] if g > 1 and n_rows * cfg.bk // 8 // g > cfg.threads else ["#pragma unroll"]),
+        "  for (int it = 0; it < ITEMS / THREADS; ++it) {",
         "    const int c = it * THREADS + int(threadIdx.x);",
-        "    const int r = c / (BK / CHUNK);               // row of the tile",
-        "    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk in the k-tile",
-        *(["    const int k = kt * BK + kc;"] if cfg.pad_k != "divisible" else []),
-        "    Raw x;",
-        "    x.s = int((base_el + unsigned(" + base + " + r) * unsigned(K)) & 7u);   // as in copy_" + o,
-        "    // Elements past K are zeroed (they are the next row's, or past the matrix); rows past M / N come from",
-        "    // the staging as the copy left them.",
-        f"    x.n = {n_chunk};",
-        f"    const unsigned src = smem_base + 2u * unsigned({raw_off} + r * RAW_PITCH + kc);",
-        "    x.lo = ld_shared_16(src);",
-        "    x.hi = ld_shared_16(src + 16u);",
-        "    unsigned w[4];",
-        "    realign(x, w);",
-        f"    st_shared_16(smem_base + 2u * unsigned({buf_off} + swz(r * BK + kc)), w);",
+        "    const int r = c / (BK / CHUNK / G);                 // row of the tile",
+        "    const int kc0 = (c % (BK / CHUNK / G)) * G * CHUNK;  // first K element of the run in the k-tile",
+        "    const int s = int((base_el + unsigned(" + base + " + r) * unsigned(K)) & 7u);   // as in copy_" + o,
+        f"    const unsigned src = smem_base + 2u * unsigned({raw_off} + r * RAW_PITCH + kc0);",
+        "    uint4 blk[G + 1];",
+        "#pragma unroll",
+        "    for (int g = 0; g <= G; ++g) blk[g] = ld_shared_16(src + 16u * unsigned(g));",
+        "#pragma unroll",
+        "    for (int g = 0; g < G; ++g) {",
+        "      const int kc = kc0 + g * CHUNK;",
+        *(["      const int k = kt * BK + kc;"] if cfg.pad_k != "divisible" else []),
+        "      Raw x;",
+        "      x.lo = blk[g];",
+        "      x.hi = blk[g + 1];",
+        "      x.s = s;",
+        "      // Elements past K are zeroed (they are the next row's, or past the matrix); rows past M / N come",
+        "      // from the staging as the copy left them.",
+        f"      x.n = {n_chunk};",
+        "      unsigned w[4];",
+        "      realign(x, w);",
+        f"      st_shared_16(smem_base + 2u * unsigned({buf_off} + swz(r * BK + kc)), w);",
+        "    }",
         "  }",
         "}",
         "",

@@ -178,28 +178,40 @@ __device__ __forceinline__ void copy_a(unsigned smem_base, const InT* __restrict
     }
   }
 }
-// k-tile `kt` of A from staging stage `stage`, realigned, into buffer `buf` (swizzled as ldmatrix reads it):
-// thread tid writes chunks tid, tid + THREADS, ... of 8 elements, one 16-byte shared store each.
+// k-tile `kt` of A from staging stage `stage`, realigned, into buffer `buf` (swizzled as ldmatrix reads it).
+// Work item c (items tid, tid + THREADS, ...) is a run of G=1 chunks of one row, in row-major order as the
+// copy's chunks (with G=1 a thread realigns exactly the chunks it staged, and their row offsets are computed
+// once): G + 1 staged blocks are read for G chunks.
 __device__ __forceinline__ void realign_a(unsigned smem_base, const InT* __restrict__ A, int a_rows, int K, int kt, int stage, int buf, bool check_k) {
   (void)kt; (void)check_k;
+  constexpr int G = 1, ITEMS = BM * (BK / CHUNK) / G;
+  static_assert(ITEMS % THREADS == 0, "whole realign passes");
   const unsigned base_el = unsigned(reinterpret_cast<unsigned long long>(A) >> 1);
 #pragma unroll
-  for (int it = 0; it < CHUNKS_A / THREADS; ++it) {
+  for (int it = 0; it < ITEMS / THREADS; ++it) {
     const int c = it * THREADS + int(threadIdx.x);
-    const int r = c / (BK / CHUNK);               // row of the tile
-    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk in the k-tile
-    const int k = kt * BK + kc;
-    Raw x;
-    x.s = int((base_el + unsigned(a_rows + r) * unsigned(K)) & 7u);   // as in copy_a
-    // Elements past K are zeroed (they are the next row's, or past the matrix); rows past M / N come from
-    // the staging as the copy left them.
-    x.n = (check_k ? max(0, min(8, K - k)) : 8);
-    const unsigned src = smem_base + 2u * unsigned(SMEM_RAW + stage * RAW_STAGE + r * RAW_PITCH + kc);
-    x.lo = ld_shared_16(src);
-    x.hi = ld_shared_16(src + 16u);
-    unsigned w[4];
-    realign(x, w);
-    st_shared_16(smem_base + 2u * unsigned(SMEM_A + buf * A_STAGE + swz(r * BK + kc)), w);
+    const int r = c / (BK / CHUNK / G);                 // row of the tile
+    const int kc0 = (c % (BK / CHUNK / G)) * G * CHUNK;  // first K element of the run in the k-tile
+    const int s = int((base_el + unsigned(a_rows + r) * unsigned(K)) & 7u);   // as in copy_a
+    const unsigned src = smem_base + 2u * unsigned(SMEM_RAW + stage * RAW_STAGE + r * RAW_PITCH + kc0);
+    uint4 blk[G + 1];
+#pragma unroll
+    for (int g = 0; g <= G; ++g) blk[g] = ld_shared_16(src + 16u * unsigned(g));
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int kc = kc0 + g * CHUNK;
+      const int k = kt * BK + kc;
+      Raw x;
+      x.lo = blk[g];
+      x.hi = blk[g + 1];
+      x.s = s;
+      // Elements past K are zeroed (they are the next row's, or past the matrix); rows past M / N come
+      // from the staging as the copy left them.
+      x.n = (check_k ? max(0, min(8, K - k)) : 8);
+      unsigned w[4];
+      realign(x, w);
+      st_shared_16(smem_base + 2u * unsigned(SMEM_A + buf * A_STAGE + swz(r * BK + kc)), w);
+    }
   }
 }
 
@@ -236,28 +248,41 @@ __device__ __forceinline__ void copy_b(unsigned smem_base, const InT* __restrict
     }
   }
 }
-// k-tile `kt` of B from staging stage `stage`, realigned, into buffer `buf` (swizzled as ldmatrix reads it):
-// thread tid writes chunks tid, tid + THREADS, ... of 8 elements, one 16-byte shared store each.
+// k-tile `kt` of B from staging stage `stage`, realigned, into buffer `buf` (swizzled as ldmatrix reads it).
+// Work item c (items tid, tid + THREADS, ...) is a run of G=2 chunks of one row, in row-major order as the
+// copy's chunks (with G=1 a thread realigns exactly the chunks it staged, and their row offsets are computed
+// once): G + 1 staged blocks are read for G chunks.
 __device__ __forceinline__ void realign_b(unsigned smem_base, const InT* __restrict__ B, int b_rows, int K, int kt, int stage, int buf, bool check_k) {
   (void)kt; (void)check_k;
+  constexpr int G = 2, ITEMS = BN * (BK / CHUNK) / G;
+  static_assert(ITEMS % THREADS == 0, "whole realign passes");
   const unsigned base_el = unsigned(reinterpret_cast<unsigned long long>(B) >> 1);
-#pragma unroll
-  for (int it = 0; it < CHUNKS_B / THREADS; ++it) {
+// One run at a time: unrolled, the runs' staged blocks would all be live beside the accumulators.
+#pragma unroll 1
+  for (int it = 0; it < ITEMS / THREADS; ++it) {
     const int c = it * THREADS + int(threadIdx.x);
-    const int r = c / (BK / CHUNK);               // row of the tile
-    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first K element of the chunk in the k-tile
-    const int k = kt * BK + kc;
-    Raw x;
-    x.s = int((base_el + unsigned(b_rows + r) * unsigned(K)) & 7u);   // as in copy_b
-    // Elements past K are zeroed (they are the next row's, or past the matrix); rows past M / N come from
-    // the staging as the copy left them.
-    x.n = (check_k ? max(0, min(8, K - k)) : 8);
-    const unsigned src = smem_base + 2u * unsigned(SMEM_RAW + stage * RAW_STAGE + RAW_A + r * RAW_PITCH + kc);
-    x.lo = ld_shared_16(src);
-    x.hi = ld_shared_16(src + 16u);
-    unsigned w[4];
-    realign(x, w);
-    st_shared_16(smem_base + 2u * unsigned(SMEM_B + buf * B_STAGE + swz(r * BK + kc)), w);
+    const int r = c / (BK / CHUNK / G);                 // row of the tile
+    const int kc0 = (c % (BK / CHUNK / G)) * G * CHUNK;  // first K element of the run in the k-tile
+    const int s = int((base_el + unsigned(b_rows + r) * unsigned(K)) & 7u);   // as in copy_b
+    const unsigned src = smem_base + 2u * unsigned(SMEM_RAW + stage * RAW_STAGE + RAW_A + r * RAW_PITCH + kc0);
+    uint4 blk[G + 1];
+#pragma unroll
+    for (int g = 0; g <= G; ++g) blk[g] = ld_shared_16(src + 16u * unsigned(g));
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int kc = kc0 + g * CHUNK;
+      const int k = kt * BK + kc;
+      Raw x;
+      x.lo = blk[g];
+      x.hi = blk[g + 1];
+      x.s = s;
+      // Elements past K are zeroed (they are the next row's, or past the matrix); rows past M / N come
+      // from the staging as the copy left them.
+      x.n = (check_k ? max(0, min(8, K - k)) : 8);
+      unsigned w[4];
+      realign(x, w);
+      st_shared_16(smem_base + 2u * unsigned(SMEM_B + buf * B_STAGE + swz(r * BK + kc)), w);
+    }
   }
 }
 
