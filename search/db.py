@@ -492,9 +492,11 @@ class RecordsDB:
     # -- import -------------------------------------------------------------------------------------------------
 
     def import_jsonl(self, path: str | Path) -> int:
-        """Import a bench/results JSONL file (one Measurement per line; a line cut by a kill is skipped). The IR of
-        each kernel is taken from the summary beside it (<prefix>.json, 'kernels'), where there is one. Importing
-        the same file twice adds nothing the second time. Returns the number of measurements added."""
+        """Import a bench/results JSONL file (one Measurement per line; a line cut by a kill is skipped). The IR and
+        backend of each kernel are taken from the summary beside it (<prefix>.json, 'kernels'), where there is one;
+        a bench's `<prefix>-fresh.jsonl` (its winners re-timed on fresh samples) is imported with purpose "retime"
+        and the summary of <prefix>. Importing the same file twice adds nothing the second time. Returns the number
+        of measurements added."""
         path = Path(path)
         try:
             lines = path.read_text().splitlines()
@@ -503,7 +505,9 @@ class RecordsDB:
         source = f"import:{path.name}"
         if self.conn.execute("SELECT 1 FROM measurements WHERE source=? LIMIT 1", (source,)).fetchone():
             return 0
-        ir = _summary_kernels(path.with_suffix(".json"))
+        fresh = path.stem.endswith("-fresh")
+        summary = path.with_name(path.stem[:-len("-fresh")] + ".json") if fresh else path.with_suffix(".json")
+        ir = _summary_kernels(summary)
         added = 0
         with self.transaction():
             for i, line in enumerate(lines, 1):
@@ -513,10 +517,10 @@ class RecordsDB:
                 except (json.JSONDecodeError, KeyError, TypeError):
                     continue
                 rec.pop("config", None)
-                self.add_many([rec], purpose="import", source=source)
+                self.add_many([rec], purpose="retime" if fresh else "import", source=source)
                 h = rec["kernel_hash"]
                 if h[:12] in ir:
-                    self.add_kernel(h, ir=ir[h[:12]])
+                    self.add_kernel(h, ir=ir[h[:12]][0], backend=ir[h[:12]][1])
                 added += 1
         return added
 
@@ -527,12 +531,14 @@ class RecordsDB:
         return self.conn.execute("SELECT COUNT(*) FROM measurements").fetchone()[0] == 0
 
 
-def _summary_kernels(path: Path) -> dict[str, str]:
+def _summary_kernels(path: Path) -> dict[str, tuple[str, str | None]]:
+    """12-hex kernel hash -> (IR, backend it was lowered with; None: the registry's default) from a bench summary."""
     try:
         summary = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return {}
-    return {h: kr["kernel"] for h, kr in (summary.get("kernels") or {}).items() if kr.get("kernel")}
+    return {h: (kr["kernel"], kr.get("backend")) for h, kr in (summary.get("kernels") or {}).items()
+            if kr.get("kernel")}
 
 
 def _where(**conds) -> tuple[str, list]:

@@ -232,7 +232,8 @@ def kernel_report(prepared) -> dict:
         a = p.artifact
         if a is None or a.key == "uncompiled":
             continue                    # never lowered, or a report rebuilt without compiling: nothing was built
-        entry = {"config": p.candidate.name, "kernel": p.candidate.kernel.text(), "compiled": a.ok,
+        entry = {"config": p.candidate.name, "kernel": p.candidate.kernel.text(), "backend": p.candidate.backend,
+                 "compiled": a.ok,
                  "compile_seconds": round(a.compile_seconds, 1), "from_cache": bool(getattr(a, "cached", False))}
         if a.ok:
             entry["functions"] = {short_symbol(fn): {"registers": r.registers, "spill_stores": r.spill_stores,

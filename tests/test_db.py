@@ -145,6 +145,15 @@ def test_import_jsonl_skips_cut_lines_takes_ir_and_is_idempotent(tmp_path):
     assert db.kernel("a" * 64)["ir"] == "kernel {\n}\n"
     assert db.kernel("b" * 64)["ir"] is None
     assert {r.purpose for r in db.measurements()} == {"import"}
+    # The bench's fresh re-timing of its winners is a retime; IR and backend come from the run's summary.
+    (tmp_path / "run.json").write_text(json.dumps({"kernels": {"a" * 12: {"kernel": "kernel {\n}\n",
+                                                                          "backend": "cuda_ptx"}}}))
+    fresh = tmp_path / "run-fresh.jsonl"
+    fresh.write_text(json.dumps(recs[0]) + "\n")
+    db2 = RecordsDB(tmp_path / "r2.db")
+    assert db2.import_jsonl(fresh) == 1
+    assert [r.purpose for r in db2.measurements()] == ["retime"]
+    assert db2.kernel("a" * 64)["ir"] == "kernel {\n}\n" and db2.kernel("a" * 64)["backend"] == "cuda_ptx"
 
 
 def test_import_of_the_committed_bench_results(tmp_path):
