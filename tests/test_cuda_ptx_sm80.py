@@ -86,6 +86,13 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
     "64x128x48_w2x2_s3_align1_kpredicate_smem1": (
         ms((64, 128, 48), stages=3, swizzle=Swizzle((2, 3, 3), "along_n", 1),
            pad=Pad("zero_fill", "predicate", "predicate", 1), epilogue=Epilogue("smem", 1)), PROBLEM),
+    # Fewer than 3 stages: one realigned tile, behind a second barrier (with and without the fragment prefetch).
+    "64x64x64_w2x2_s2_align1_smem1": (
+        ms((64, 64, 64), stages=2, swizzle=Swizzle((3, 3, 3), "along_n", 1),
+           pad=Pad("predicate", "predicate", "zero_fill", 1), epilogue=Epilogue("smem", 1)), PROBLEM),
+    "64x64x32_w2x2_s1_align1_zero_fill_direct1": (
+        ms((64, 64, 32), stages=1, pad=Pad("zero_fill", "zero_fill", "zero_fill", 1), epilogue=Epilogue("direct", 1)),
+        PROBLEM),
     "64x128x32_w2x2_s2_noprefetch_align1_zero_fill_direct1": (
         ms((64, 128, 32), stages=2, pipeline=Pipeline("multistage", 2, prefetch=False),
            pad=Pad("zero_fill", "zero_fill", "zero_fill", 1), epilogue=Epilogue("direct", 1)), PROBLEM),
@@ -489,6 +496,8 @@ EMULATED = {name: shapes for name, shapes in {
     "64x128x32_w2x2_s2_noprefetch_align1_zero_fill_direct1": [(67, 45, 77), (5, 7, 1), (130, 129, 99)],
     "64x128x32_w2x2_s4_align1_divisible_direct1": [(128, 128, 256)],
     "64x128x48_w2x2_s3_align1_kpredicate_smem1": [(67, 130, 101), (5, 7, 1), (65, 129, 49)],
+    "64x64x64_w2x2_s2_align1_smem1": [(67, 45, 333), (3, 5, 9)],
+    "64x64x32_w2x2_s1_align1_zero_fill_direct1": [(67, 45, 77), (5, 7, 1)],
 }.items()}
 PTX_WRAPPERS = ("cp_async_zfill", "cp_async", "ld_shared_16", "st_shared_16", "ldmatrix_x4", "mma_16816")
 
@@ -603,7 +612,8 @@ NVCC_CASES = ["128x128x32_w2x2_s4_prefetch_smem8", "64x64x32_w2x2_s3_splitk4_sme
               "64x64x32_w2x2_s4_align1_splitk2_smem1", "128x128x32_w2x4_s4_align1_smem1",
               "64x128x32_w2x2_s4_align1_divisible_direct1", "128x128x32_w2x2_s4_align1_kpredicate_smem1",
               "sm90a_128x128x64_w2x4_s4_align1_smem1", "16x128x64_w1x4_s3_align1_splitk4_decode_direct1",
-              "64x128x32_w2x2_s2_noprefetch_align1_zero_fill_direct1", "64x128x48_w2x2_s3_align1_kpredicate_smem1"]
+              "64x128x32_w2x2_s2_noprefetch_align1_zero_fill_direct1", "64x128x48_w2x2_s3_align1_kpredicate_smem1",
+              "64x64x64_w2x2_s2_align1_smem1", "64x64x32_w2x2_s1_align1_zero_fill_direct1"]
 
 
 # The new families also as sm90a targets (native sm_90a code, what the search uses on an H200).
