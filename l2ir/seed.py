@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from .nodes import (ARCHS, Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile)
 from .indexing import ceil_div
-from .target import H200_SMS
+from .analysis import realigned_ring_bytes
+from .target import H200_SMS, SMEM_LIMIT
 from .verify import check_problem, leading_dims, verify_problem
 
 
@@ -62,6 +63,10 @@ def seed_sm80(problem: Problem, arch: str = "sm80", num_sms: int = H200_SMS) -> 
         # BK=64 halves = 128-byte rows: <3,3,3> XORs 3 row bits into the 8 16-byte chunks of a row.
         block, warps, stages, smem = (128, 128, 64), (2, 2), 3, (3, 3, 3)
     bm, bn, bk = block
+    # pad.align=1 stages raw rows beside the realigned tiles (l2ir.analysis.realigned_ring_bytes): fewer stages
+    # where the ring would not fit the arch's shared memory.
+    while align == 1 and stages > 1 and realigned_ring_bytes(bm, bn, bk, stages) > SMEM_LIMIT[arch]:
+        stages -= 1
     slices = _split(problem, bm, bn, bk, num_sms)
     raster = _raster(problem, bm, bn, 8)
     kernel = Kernel(
