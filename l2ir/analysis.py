@@ -84,13 +84,29 @@ def realigned_ring_bytes(bm: int, bn: int, bk: int, stages: int, ebytes: int = 2
     return (stages * (bk + 8) + realigned_buffers(stages) * bk) * (bm + bn) * ebytes
 
 
+def ring_bytes(kernel: Kernel, ebytes: int = 2) -> int:
+    """The main loop's shared memory: the stages' A and B tiles, or with pad.align=1 on a cp.async ring the raw
+    staging stages plus the realigned tiles (realigned_ring_bytes)."""
+    if kernel.pipeline.mode == "multistage" and kernel.pad.align == 1:
+        return realigned_ring_bytes(*kernel.tile.block, resolved_stages(kernel, ebytes), ebytes)
+    return resolved_stages(kernel, ebytes) * stage_bytes(kernel, ebytes)
+
+
+def ring_description(kernel: Kernel, ebytes: int = 2) -> str:
+    """How ring_bytes adds up, for resource errors."""
+    stages = resolved_stages(kernel, ebytes)
+    if kernel.pipeline.mode == "multistage" and kernel.pad.align == 1:
+        bm, bn, bk = kernel.tile.block
+        return (f"{stages} staging stages x {(bk + 8) * (bm + bn) * ebytes / 1024:.1f} KB + "
+                f"{realigned_buffers(stages)} realigned tiles x {bk * (bm + bn) * ebytes / 1024:.1f} KB")
+    return f"{stages} stages x {stage_bytes(kernel, ebytes) / 1024:.1f} KB"
+
+
 def smem_bytes(kernel: Kernel, ebytes: int = 2) -> int:
     """Dynamic shared memory per block."""
     if kernel.is_source:
         return kernel.source.smem
-    ring = resolved_stages(kernel, ebytes) * stage_bytes(kernel, ebytes)
-    if kernel.pipeline.mode == "multistage" and kernel.pad.align == 1:
-        ring = realigned_ring_bytes(*kernel.tile.block, resolved_stages(kernel, ebytes), ebytes)
+    ring = ring_bytes(kernel, ebytes)
     epi = epilogue_smem_bytes(kernel)
     if kernel.pipeline.mode == "multistage" and kernel.epilogue.path == "smem":
         # After the main loop the ring is drained, so the C tile reuses its buffers.

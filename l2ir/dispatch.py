@@ -10,10 +10,12 @@
 It is a torch custom op (`torch.ops.l2ir.matmul`, `torch.ops.l2ir.matmul_out`) with fake implementations, so it
 works under CUDA graph capture (launches go to the current stream) and inside torch.compile(fullgraph=True). Outside
 torch.compile the wrapper calls the implementation directly, without the op dispatcher. The first call of each
-(shapes, strides, dtypes, devices) decides its route under a lock and keeps it as a closure; every later call is a
-lock-free dict lookup and that closure: a fallback counts its reason and calls torch, a served call checks the
+(shapes, strides, dtypes, device indices) decides its route under a lock and keeps it as a closure; every later call
+is a lock-free dict lookup and that closure: a fallback counts its reason and calls torch, a served call checks the
 data pointers' alignment, allocates the output and launches with everything else bound (grids, function handles,
-argument block, workspace size).
+argument block, workspace size). A shape the table gives to cuBLAS may name an eager kernel (l2ir/export.py,
+EAGER_SLACK_US): its route runs that kernel on eager calls, which are host-bound on small GEMMs and issue an L2IR
+launch sooner than torch.matmul, and cuBLAS when captured into a CUDA graph, where only device time counts.
 
 It never gives a wrong answer: whatever it cannot serve goes to torch.matmul, and each such call is counted under
 its reason (REASONS below; a thread counts into its own dict, summed by `dispatch_stats()`); each route is logged
@@ -125,33 +127,35 @@ class Package:
                 return
             yield shape
 
-    def resolve(self, m: int, n: int, k: int, cls: str) -> tuple[str | None, str]:
-        """(kernel key or None, reason) for one shape: the table for a tuned shape, else the neighbour rule."""
+    def _decide(self, m: int, n: int, k: int, cls: str) -> tuple[str | None, str, tuple | None]:
+        """(kernel key or None, reason, the tuned shape that decided) by the table, else the neighbour rule."""
         if (m, n, k, cls) in self.tuned:
             key = self.tuned[(m, n, k, cls)]
-            return (key, "l2ir") if key else (None, "cublas")
+            return (key, "l2ir", (m, n, k)) if key else (None, "cublas", (m, n, k))
         if cls not in self.by_class:
-            return None, "layout"
+            return None, "layout", None
         seen = False
         for shape in self._nearest(m, n, k, cls):
             seen = True
             key = self.tuned[(*shape, cls)]
             if key is None:
-                return None, "cublas"
+                return None, "cublas", shape
             if self.kernels[key].admits(m, n, k):
-                return key, "l2ir"
-        return None, ("not_admitted" if seen else "untuned")
+                return key, "l2ir", shape
+        return None, ("not_admitted" if seen else "untuned"), None
+
+    def resolve(self, m: int, n: int, k: int, cls: str) -> tuple[str | None, str]:
+        """(kernel key or None, reason) for one shape: the table for a tuned shape, else the neighbour rule."""
+        return self._decide(m, n, k, cls)[:2]
 
     def resolve_eager(self, m: int, n: int, k: int, cls: str) -> str | None:
         """For a shape `resolve` gives to cuBLAS: the kernel its eager calls run (the deciding tuned shape's eager
         kernel, if it admits this shape), or None."""
-        if (m, n, k, cls) in self.tuned:
-            return self.eager.get((m, n, k, cls))
-        for shape in self._nearest(m, n, k, cls):
-            if self.tuned[(*shape, cls)] is None:          # the shape that decided cuBLAS
-                key = self.eager.get((*shape, cls))
-                return key if key is not None and self.kernels[key].admits(m, n, k) else None
-        return None
+        key, reason, shape = self._decide(m, n, k, cls)
+        if reason != "cublas":
+            return None
+        ekey = self.eager.get((*shape, cls))
+        return ekey if ekey is not None and (shape == (m, n, k) or self.kernels[ekey].admits(m, n, k)) else None
 
 
 def read_package(path: str | Path) -> Package:
@@ -395,8 +399,9 @@ def fast_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
     return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.get_device(), b.get_device())
 
 
+_EAGER_IN_CAPTURE = "eager route first seen in a capture"   # decide() -> _prepare(), never counted
 _FAST_MAX = 1 << 14          # routes kept per process; dynamic shapes beyond that start the cache over
-# Zeroed workspaces kept per route and stream (split-K tile counters that each launch leaves at zero, so the
+# Zeroed workspaces kept per route and stream (split-K pair counters that each launch leaves at zero, so the
 # memset is paid once); past this many bytes per process a route zeroes a fresh one per call instead.
 _ZEROED_WORKSPACE_BUDGET = 256 << 20
 
@@ -560,12 +565,16 @@ class Dispatcher:
         if hit is None:
             cls = self._classes[(dt, la, lb)]
             hit = self.package.resolve(m, n, k, cls)
-            if hit[0] is None and hit[1] == "cublas" and (ekey := self.package.resolve_eager(m, n, k, cls)):
+            if hit[1] == "cublas" and (ekey := self.package.resolve_eager(m, n, k, cls)):
                 hit = (ekey, "eager")
             self._routes[rkey] = hit
         key, reason = hit
         if key is None:
             return reason, None, None, m, n, k, 0
+        if reason == "eager" and self._capturing():
+            # First seen inside a CUDA-graph capture: the graph runs cuBLAS, and loading the kernel (module load,
+            # attributes) is driver work a capture may refuse; the next eager call decides the route again.
+            return _EAGER_IN_CAPTURE, None, None, m, n, k, 0
         index = dev.index or 0
         state = self._device(index)
         if not state["ok"]:
@@ -588,6 +597,8 @@ class Dispatcher:
             reason, kkey, runner, m, n, k, index = self.decide(a, b)
             two_d = a.dim() == 2 and b.dim() == 2
             fn = torch.mm if two_d else torch.matmul
+            if reason == _EAGER_IN_CAPTURE:
+                return self._fallback("cublas", fn)           # not kept: see decide()
             if runner is None:
                 entry = self._fallback(reason, fn)
             else:
@@ -629,11 +640,17 @@ class Dispatcher:
         # not shared: another kernel or shape puts its counters where this one keeps partial sums.
         kept: dict = {}
 
+        capturing = self._capturing
+
         def keep(a, st):
-            w = a.new_zeros(ws_bytes, dtype=u8)
-            if a.is_cuda and torch.cuda.is_current_stream_capturing():
-                return w            # allocated and zeroed inside the graph: the replay zeroes it each time
+            if a.is_cuda and capturing():
+                # allocated and zeroed inside the graph: the replay zeroes it each time
+                return a.new_zeros(ws_bytes, dtype=u8)
             with self._lock:
+                w = kept.get(st)                # another thread's first call on this stream kept one already
+                if w is not None:
+                    return w
+                w = a.new_zeros(ws_bytes, dtype=u8)
                 if self._zeroed_bytes + ws_bytes <= _ZEROED_WORKSPACE_BUDGET:
                     self._zeroed_bytes += ws_bytes
                     kept[st] = w

@@ -237,7 +237,8 @@ class _Schedule:
         `base` and counts itself in on the pair's counter; the first arrival is done, the second adds the sibling
         slot, resets the counter and climbs on; the block that finishes the root stores C. Blocks run one after the
         other in `_splitk_arrivals` order, one legal interleaving of the kernel (every order gives the same bits).
-        Returns the workspace write counts; every counter must be back at zero (the next launch relies on it)."""
+        Returns (the workspace write counts, the counts the tree's shape expects: SplitKTree.slot_writes); every
+        counter must be back at zero (the next launch relies on it)."""
         p = self.problem
         tree = SplitKTree(slices)
         ws = np.full((slices, p.m, p.n), np.nan, dtype=np.float32)

@@ -50,7 +50,7 @@ class LaunchPlan:
     launches: tuple[Launch, ...] = ()             # for form == "kernels"
     workspace_bytes: Expr = Const(0)              # expression of m, n, k
     # The harness memsets the workspace once, before the first launch; every launch must leave it as it found it
-    # where that matters (split-K tile counters, atomic sums): the evaluator times and checks repeated launches on
+    # where that matters (split-K pair counters, atomic sums): the evaluator times and checks repeated launches on
     # one workspace and l2ir.matmul reuses one per stream, so no per-call memset is paid or hidden.
     zero_workspace: bool = False
     needs_cutlass: bool = False                   # add the CUTLASS/CuTe include path

@@ -20,7 +20,7 @@ from .errors import (EpilogueError, ExprError, MmaError, PadError, PipelineError
 from .indexing import LAUNCH_VARS, ceil_div
 from .nodes import SCHEDULE_NODES, Kernel, Problem
 from .analysis import (acc_registers, elem_bytes, epilogue_smem_bytes, estimated_registers, resolved_stages,
-                       smem_bytes, stage_bytes, threads)
+                       ring_bytes, ring_description, smem_bytes, threads)
 from .target import (BLOCK_DIM_MAX, DTYPE_BYTES, KB, MAX_CLUSTER, MAX_REGS, MAX_THREADS, MAX_WGMMA_ACC_REGS,
                      MMA_SYNC_SHAPES, SMEM_LIMIT, TMA_BOX_MAX)
 
@@ -306,8 +306,8 @@ def _smem(k: Kernel):
     """Pipeline ring plus epilogue staging must fit the target's per-block shared memory."""
     need, limit = smem_bytes(k), SMEM_LIMIT[k.target.arch]
     if need > limit:
-        return (f"needs {need / KB:.1f} KB of shared memory ({resolved_stages(k)} stages x "
-                f"{stage_bytes(k) / KB:.1f} KB + epilogue); {k.target.arch} allows {limit // KB} KB")
+        return (f"needs {need / KB:.1f} KB of shared memory ({ring_description(k)} + epilogue); "
+                f"{k.target.arch} allows {limit // KB} KB")
 
 
 @rule("tile", "register_budget", ResourceError)
@@ -476,7 +476,7 @@ def _smem_with_output(k: Kernel, p: Problem):
     out_bytes = DTYPE_BYTES[p.c[0]]
     if out_bytes == 2:
         return None                       # the kernel rule already counted 16-bit output
-    ring = resolved_stages(k) * stage_bytes(k)
+    ring = ring_bytes(k)
     epi = epilogue_smem_bytes(k, out_bytes)
     need = max(ring, epi) if k.pipeline.mode == "multistage" and k.epilogue.path == "smem" else ring + epi
     if need > SMEM_LIMIT[k.target.arch]:

@@ -205,7 +205,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     summary = summarize(shape_results, stats, target=cfg.target, problem_class=print_problem_class(cfg.problem),
                         command=cfg.command, environment=env, shapes_planned=len(cfg.shapes),
                         baseline_reduced_precision=cfg.baseline_reduced_precision)
-    summary["kernels"] = kernel_report(compiled)
+    summary["kernels"] = kernel_report(compiled, cfg.backend)
     write_csv(cfg.out.with_suffix(".csv"), shape_results, env)
     cfg.out.with_suffix(".json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary

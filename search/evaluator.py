@@ -445,7 +445,7 @@ def _timing(problem, plan, launcher, cfg: EvalConfig, gen, rng, dev, tile, send,
         cb = torch.empty((m, n), dtype=tc, device=dev)
         sets.append((a, b, c, cb))
     ws_bytes = launcher.workspace_bytes(m, n, k)
-    # zero_workspace means zeroed once, before the first launch (l2ir/runtime.py): a split-K kernel's tile counters
+    # zero_workspace means zeroed once, before the first launch (l2ir/runtime.py): a split-K kernel's pair counters
     # must be left at zero by the kernel itself, so no memset is timed and none is paid by l2ir.matmul. A kernel that
     # does not clean up computes wrong results on the later timed calls and fails the timed_outputs gate. Any other
     # plan gets all-ones bytes (NaN as fp32), as in Case.run.

@@ -222,9 +222,11 @@ def short_symbol(symbol: str, limit: int = 72) -> str:
     return f"{symbol[:limit - 14]}..{hashlib.sha256(symbol.encode()).hexdigest()[:12]}"
 
 
-def kernel_report(prepared) -> dict:
-    """Per compiled kernel (search/pipeline.py's Prepared items): registers and spills (ptxas), and from the SASS the
-    matrix instructions (HGMMA on the wgmma path, HMMA on mma.sync) and local-memory loads/stores (spills)."""
+def kernel_report(prepared, backend: str | None = None) -> dict:
+    """Per compiled kernel (search/pipeline.py's Prepared items): its IR and the backend it was lowered with (its
+    family's, else `backend`, the run's forced one; None: the registry's default), registers and spills (ptxas), and
+    from the SASS the matrix instructions (HGMMA on the wgmma path, HMMA on mma.sync) and local-memory loads/stores
+    (spills)."""
     from l2ir.backends.sass import inspect
 
     report = {}
@@ -232,7 +234,7 @@ def kernel_report(prepared) -> dict:
         a = p.artifact
         if a is None or a.key == "uncompiled":
             continue                    # never lowered, or a report rebuilt without compiling: nothing was built
-        entry = {"config": p.candidate.name, "kernel": p.candidate.kernel.text(), "backend": p.candidate.backend,
+        entry = {"config": p.candidate.name, "kernel": p.candidate.kernel.text(), "backend": p.candidate.backend or backend,
                  "compiled": a.ok,
                  "compile_seconds": round(a.compile_seconds, 1), "from_cache": bool(getattr(a, "cached", False))}
         if a.ok:

@@ -211,6 +211,18 @@ def test_cublas_shape_with_an_eager_kernel_runs_it_eagerly_and_cublas_under_capt
     assert disp.stats == {"l2ir": 2, "cublas": 1}
 
 
+def test_eager_route_first_seen_inside_a_capture_loads_nothing_and_keeps_nothing(disp):
+    made = []
+    disp.runner_cls = lambda spec, index: made.append(spec.key) or HostRunner(spec, index)
+    disp.capture = True
+    a, b = rand(1024, 64), rand(64, 64).t()
+    torch.testing.assert_close(l2ir.matmul(a, b), torch.matmul(a, b))
+    assert disp.stats == {"cublas": 1} and made == []          # no module load inside the capture
+    disp.capture = False
+    check(l2ir.matmul(a, b), a, b)                 # the next eager call decides the route: the eager kernel
+    assert disp.stats == {"cublas": 1, "l2ir": 1} and len(made) == 1
+
+
 def test_cpu_tensors_fall_back(pkg_dir):
     d = dispatch.Dispatcher(dispatch.read_package(pkg_dir))      # device_type "cuda": CPU tensors are not served
     dispatch._reset(d)

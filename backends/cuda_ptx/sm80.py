@@ -3,7 +3,7 @@ one) to raw CUDA with inline PTX: no CUTLASS, no CuTe.
 
 Two pure steps, like the sm90a rule:
   canonicalize(kernel, problem) -> Sm80Config   every check; every IR field turned into the one value it means
-  render(cfg) -> str                            the .cu text: the GEMM kernel (+ the split-K reduction kernel)
+  render(cfg) -> str                            the .cu text: the GEMM kernel (split-K included: one launch)
 `lower()` composes them into a LaunchPlan(form="kernels"): the harness launches the entry points with the L2IR ABI
     (const void* A, const void* B, void* C, int M, int N, int K, void* workspace)
 so there is no host code at all.
@@ -1123,6 +1123,7 @@ def _splitk_fixup(cfg: Sm80Config) -> list[str]:
         f"{i}      const int node = {tree.counter.to_cpp()};   // SplitKTree.counter",
         f"{i}      const unsigned arrived = atomicAdd(&tile_counters[node], 1u);",
         f"{i}      is_last = arrived == 1u;",
+        f"{i}      if (is_last) __threadfence();   // acquire before the barrier hands the decision to the other threads",
         f"{i}      // Self-cleaning: both subtrees of this pair have arrived, nobody touches its counter again in this",
         f"{i}      // launch, so the next launch finds it zero.",
         f"{i}      if (is_last) tile_counters[node] = 0u;",

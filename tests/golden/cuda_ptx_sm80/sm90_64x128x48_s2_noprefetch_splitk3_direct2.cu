@@ -262,6 +262,7 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
         const int node = (((base - (base & (1 << level))) + (1 << level)) - 1);   // SplitKTree.counter
         const unsigned arrived = atomicAdd(&tile_counters[node], 1u);
         is_last = arrived == 1u;
+        if (is_last) __threadfence();   // acquire before the barrier hands the decision to the other threads
         // Self-cleaning: both subtrees of this pair have arrived, nobody touches its counter again in this
         // launch, so the next launch finds it zero.
         if (is_last) tile_counters[node] = 0u;
