@@ -146,6 +146,10 @@ def choose(db, environment: str, scenario: str = "offline", accept=None) -> list
     from l2ir.search.db import split_problem
 
     dirty, backends = _clean_kernels(db, environment)
+
+    def backend_of(kernel: str) -> str | None:
+        """The backend its measurements name, else the kernel row's (None: the registry's default)."""
+        return backends.get(kernel) or (db.kernel(kernel) or {}).get("backend")
     problems = sorted({(r.problem, split_problem(r.problem)[1])
                        for r in db.measurements(environment=environment, scenario=scenario)})
     out = []
@@ -180,13 +184,12 @@ def choose(db, environment: str, scenario: str = "offline", accept=None) -> list
             if (eager is not None and eager.kernel_median_us is not None and eager.baseline_median_us is not None
                     and eager.kernel_median_us <= eager.baseline_median_us + EAGER_SLACK_US):
                 ch.eager_kernel = eager.kernel
-                ch.eager_backend = backends.get(eager.kernel) or db.kernel(eager.kernel).get("backend")
+                ch.eager_backend = backend_of(eager.kernel)
                 ch.eager_kernel_us = eager.kernel_median_us
                 ch.baseline_us = eager.baseline_median_us      # cuBLAS's own device time on this shape
             out.append(ch)
             continue
-        row = db.kernel(pick.kernel)
-        out.append(Choice(*shape, cls, pick.kernel, backends.get(pick.kernel) or row.get("backend"), pick.speedup,
+        out.append(Choice(*shape, cls, pick.kernel, backend_of(pick.kernel), pick.speedup,
                           pick.spread, pick.kernel_median_us, pick.baseline_median_us, pick.id, pick.purpose,
                           "fastest gate-clean kernel, above 1 beyond its spread"))
     return out
