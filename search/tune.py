@@ -86,11 +86,13 @@ def shapes_from_file(path: str) -> list[tuple[int, int, int]]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _open(path: str):
+def _open(path: str, seed_from_results: bool = True):
+    """The records DB at `path`; a new one first imports bench/results (earlier measurements seed the search),
+    unless `seed_from_results` is False (an explicit import takes only the files it names)."""
     from .db import DBError, open_db
 
     try:
-        return open_db(path, RESULTS if Path(RESULTS).is_dir() else None)
+        return open_db(path, RESULTS if seed_from_results and Path(RESULTS).is_dir() else None)
     except DBError as e:
         raise TuneError(str(e)) from None
 
@@ -462,7 +464,7 @@ def cmd_best(args) -> int:
 def cmd_db_import(args) -> int:
     from .db import DBError
 
-    db = _open(args.db)
+    db = _open(args.db, seed_from_results=False)
     total = 0
     for f in args.files:
         try:

@@ -139,6 +139,10 @@ def test_db_import(tmp_path, capsys):
     assert code == 0 and "1 measurements imported" in out
     code, out, _ = run(["db", "import", str(f), "--db", db], capsys)
     assert "0 measurements imported (already imported" in out
+    # An explicit import into a new DB takes only the files it names, not the repository's bench/results.
+    from l2ir.search.db import RecordsDB
+
+    assert len(RecordsDB(db).measurements()) == 1
 
 
 def test_report_of_one_run_has_only_its_shapes(tuned, tmp_path, capsys):
