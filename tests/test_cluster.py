@@ -2,7 +2,9 @@
 resources runs the stand-in evaluator. The same seed gives the local pool's run; a worker SIGKILLed in the middle
 of an evaluation loses nothing; a candidate that kills every worker it runs on is recorded as a crash; a driver
 killed with SIGKILL resumes to the uninterrupted run; compiles are content-addressed and shipped to the driver's
-cache; a bad --cluster address is one line and exit status 1. The GPU test runs `l2ir tune --cluster local`."""
+cache; a bad --cluster address is one line and exit status 1. A scheduler and GPU workers started as separate
+processes by `dask scheduler` / `dask worker` (as a SLURM job starts them, examples/slurm_tune.sh) run `l2ir tune
+--cluster SCHEDULER_FILE` to the local pool's run, also with a worker process SIGKILLed mid-run. The GPU test runs `l2ir tune --cluster local`."""
 
 import os
 import re
@@ -106,16 +108,21 @@ def test_tune_on_a_local_cluster_makes_the_local_pools_run(tmp_path, capsys):
     counts = [int(n) for n in re.search(r"evaluations per Dask worker: gpu-0: (\d+), gpu-1: (\d+)$", err,
                                         re.MULTILINE).groups()]
     assert all(n > 0 for n in counts) and sum(counts) >= 16      # both workers evaluated; every candidate once
-    pool, dist = RecordsDB(tmp_path / "pool.db"), RecordsDB(tmp_path / "cluster.db")
+    _assert_same_run(RecordsDB(tmp_path / "pool.db"), RecordsDB(tmp_path / "cluster.db"))
+
+
+def _assert_same_run(pool, dist):
+    """Run 1 of `dist` (on a Dask cluster) is run 1 of `pool` (the local pool, same command and seed): the same
+    edits, verdicts and winners, and the same measurements, each written once by the driver (a finalist is timed
+    once per round, three rounds)."""
     assert trace(dist, 1) == trace(pool, 1)
     winners = lambda db: [e["detail"] for e in db.edits(1) if e["verdict"] == DONE]  # noqa: E731
     assert winners(dist) == winners(pool) and all('"winner": {' in w for w in winners(dist))
-    # Measurements were written once each, by this process (the driver).
-    # (A finalist is timed once per round, three rounds.)
     rows = [(r.kernel, r.problem, r.scenario, r.purpose) for r in dist.measurements(run=1)]
     once = [r for r in rows if r[3] != "finalist"]
     assert len(once) == len(set(once)) and all(rows.count(r) == 3 for r in rows if r[3] == "finalist")
     assert sorted(rows) == sorted((r.kernel, r.problem, r.scenario, r.purpose) for r in pool.measurements(run=1))
+    assert dist.run(1)["status"] == "done"
 
 
 def test_a_worker_killed_mid_evaluation_costs_nothing(tmp_path, cluster):
@@ -233,6 +240,159 @@ def test_a_driver_killed_with_sigkill_resumes_to_the_uninterrupted_run(tmp_path)
     subprocess.run([sys.executable, "-c", code, str(path), "resume"], check=True, capture_output=True, timeout=120)
     assert trace(db, 1) == trace(ref.db, ref.run_id)
     assert db.run(1)["status"] == "done"
+
+
+# Loaded by each `dask worker` of the external cluster (--preload): the stand-in's evaluation takes wall time, as a
+# GPU's does, and leaves a mark file per evaluation started, `<L2IR_TEST_MARKS>/<pid>.<n>`, removed when it ends
+# (Marking's files, for the evaluator the CLI builds on the worker).
+PRELOAD = textwrap.dedent("""
+    import itertools, os, time
+    from pathlib import Path
+    from l2ir.search.standin import StandinEvaluator
+
+    # Dask imports a preload file again into the same module: wrap the stand-in's own evaluate, once.
+    _evaluate = StandinEvaluator.__dict__.get("unslowed", StandinEvaluator.evaluate)
+    StandinEvaluator.unslowed, _n = _evaluate, itertools.count(1)
+
+    def evaluate(self, kernel, problem, *args, **kw):
+        where = Path(os.environ["L2IR_TEST_MARKS"])
+        mark = where / f"{os.getpid()}.{next(_n)}"
+        mark.write_text(f"{kernel.content_hash()} {problem.shape}")
+        (where / (mark.name + ".log")).write_text(mark.read_text())
+        time.sleep(0.1)
+        out = _evaluate(self, kernel, problem, *args, **kw)
+        mark.unlink()
+        return out
+
+    StandinEvaluator.evaluate = evaluate
+""")
+
+
+class DaskProcesses:
+    """A scheduler and workers started as separate processes by Dask's command-line tools, as a batch script starts
+    them (examples/slurm_tune.sh): `dask scheduler --scheduler-file F` and `dask worker --scheduler-file F
+    --nthreads 1 --resources GPU=1` per GPU, each worker under its nanny. Each runs in a session of its own, which
+    `stop` ends whole (nanny, worker and anything they started)."""
+
+    def __init__(self, where: Path):
+        self.where, self.procs = where, []
+        self.scheduler_file = where / "scheduler.json"
+        self.marks = where / "marks"
+        self.marks.mkdir(parents=True)
+        (where / "l2ir_slow_standin.py").write_text(PRELOAD)
+
+    def start(self, *args: str, env: dict | None = None):
+        log = open(self.where / f"dask-{len(self.procs)}.log", "w")
+        self.procs.append(subprocess.Popen([sys.executable, "-m", "dask", *args, "--no-dashboard"],
+                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                           env={**os.environ, **(env or {})}, cwd=self.where))
+        log.close()
+
+    def up(self, gpu_workers: int):
+        self.start("scheduler", "--scheduler-file", str(self.scheduler_file), "--host", "127.0.0.1", "--port", "0")
+        for i in range(gpu_workers):
+            # DAEMON=False: the GPU evaluator starts a process of its own (search/cluster.py refuses daemonic GPU
+            # workers in GPU mode); the stand-in does not need it, but this is the command a GPU node runs.
+            self.start("worker", "--scheduler-file", str(self.scheduler_file), "--nthreads", "1", "--resources",
+                       "GPU=1", "--name", f"gpu-{i}", "--host", "127.0.0.1", "--memory-limit", "0",
+                       # its scratch space in this test's directory, not the node's shared /tmp/dask-scratch-space
+                       "--local-directory", str(self.where / f"scratch-{i}"),
+                       "--preload", str(self.where / "l2ir_slow_standin.py"),
+                       env={"DASK_DISTRIBUTED__WORKER__DAEMON": "False", "CUDA_VISIBLE_DEVICES": "",
+                            "L2IR_TEST_MARKS": str(self.marks)})
+        end = time.monotonic() + 60
+        while not self.scheduler_file.is_file():
+            assert time.monotonic() < end and self.procs[0].poll() is None, self.logs()
+            time.sleep(0.1)
+        with Cluster.connect(str(self.scheduler_file)) as c:
+            c.wait_for_gpu_workers(gpu_workers, timeout_s=60)
+            return c.worker_pids()
+
+    def logs(self) -> str:
+        return "\n".join(p.read_text()[-2000:] for p in sorted(self.where.glob("dask-*.log")))
+
+    def stop(self):
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            try:                      # a worker whose nanny died first is in the same session
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def dask_processes(tmp_path):
+    procs = DaskProcesses(tmp_path / "dask")
+    try:
+        yield procs
+    finally:
+        procs.stop()
+
+
+STANDIN_TUNE = ["tune", "--shape", "300x200x104", "--shape", "1024x1024x1024", "--standin", "--budget-candidates",
+                "8", "--gpus", "2", "--seed", "2"]
+
+
+def test_tune_on_dask_cli_processes_makes_the_local_pools_run_and_survives_a_killed_worker(tmp_path, capsys,
+                                                                                           dask_processes):
+    # The way a cluster runs it: `dask scheduler --scheduler-file F`, two `dask worker --resources GPU=1`, and
+    # `l2ir tune ... --cluster F` (the stand-in search compiles nothing, so no CPU worker is needed).
+    assert main(STANDIN_TUNE + ["--db", str(tmp_path / "pool.db")]) == 0
+    pids = dask_processes.up(gpu_workers=2)
+    assert sorted(pids) == ["gpu-0", "gpu-1"]
+    cluster_file = str(dask_processes.scheduler_file)
+    assert main(STANDIN_TUNE + ["--db", str(tmp_path / "cluster.db"), "--cluster", cluster_file]) == 0
+    err = capsys.readouterr().err
+    assert f"Dask cluster {cluster_file}: 2 GPU worker(s), 2 in all" in err
+    counts = [int(n) for n in re.search(r"evaluations per Dask worker: gpu-0: (\d+), gpu-1: (\d+)$", err,
+                                        re.MULTILINE).groups()]
+    assert all(n > 0 for n in counts) and sum(counts) >= 16
+    _assert_same_run(RecordsDB(tmp_path / "pool.db"), RecordsDB(tmp_path / "cluster.db"))
+
+    # Again, with a worker process SIGKILLed inside an evaluation: its nanny starts it again, the scheduler runs the
+    # evaluation again on a live worker, and the driver records the uninterrupted run.
+    marks = dask_processes.marks
+    for p in marks.iterdir():
+        p.unlink()
+    killed = {}
+
+    def kill_one_in_flight():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            logs = list(marks.glob("*.log"))
+            # An evaluation that began under 40 ms ago has 60 ms of its sleep left: the kill lands inside it.
+            flying = [p for p in marks.iterdir() if not p.name.endswith(".log") and _age(p) < 0.04]
+            if len(logs) >= 6 and flying:
+                try:
+                    job = flying[0].read_text()
+                except FileNotFoundError:
+                    continue
+                killed["pid"], killed["job"] = int(flying[0].name.split(".")[0]), job
+                os.kill(killed["pid"], signal.SIGKILL)
+                return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_one_in_flight, daemon=True)
+    killer.start()
+    assert main(STANDIN_TUNE + ["--db", str(tmp_path / "killed.db"), "--cluster", cluster_file]) == 0
+    killer.join()
+    assert killed, "no evaluation was caught in flight"
+    assert killed["pid"] in pids.values() and not _alive(killed["pid"])
+    assert [p.read_text() for p in marks.glob("*.log")].count(killed["job"]) >= 2
+    assert "candidate(s) recorded as crashed" not in capsys.readouterr().err
+    _assert_same_run(RecordsDB(tmp_path / "pool.db"), RecordsDB(tmp_path / "killed.db"))
+    # The nanny restarted the killed worker under its name: the cluster has its two GPU workers again.
+    with Cluster.connect(cluster_file) as c:
+        c.wait_for_gpu_workers(2, timeout_s=30)
+        again = c.worker_pids()
+    assert sorted(again) == ["gpu-0", "gpu-1"] and killed["pid"] not in again.values()
 
 
 def _closed_port() -> int:
