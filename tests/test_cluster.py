@@ -4,7 +4,8 @@ of an evaluation loses nothing; a candidate that kills every worker it runs on i
 killed with SIGKILL resumes to the uninterrupted run; compiles are content-addressed and shipped to the driver's
 cache; a bad --cluster address is one line and exit status 1. A scheduler and GPU workers started as separate
 processes by `dask scheduler` / `dask worker` (as a SLURM job starts them, examples/slurm_tune.sh) run `l2ir tune
---cluster SCHEDULER_FILE` to the local pool's run, also with a worker process SIGKILLed mid-run. The GPU test runs `l2ir tune --cluster local`."""
+--cluster SCHEDULER_FILE` to the local pool's run, also with a worker process SIGKILLed mid-run. The GPU test
+runs `l2ir tune --cluster local`."""
 
 import os
 import re
@@ -282,11 +283,10 @@ class DaskProcesses:
         (where / "l2ir_slow_standin.py").write_text(PRELOAD)
 
     def start(self, *args: str, env: dict | None = None):
-        log = open(self.where / f"dask-{len(self.procs)}.log", "w")
-        self.procs.append(subprocess.Popen([sys.executable, "-m", "dask", *args, "--no-dashboard"],
-                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                           env={**os.environ, **(env or {})}, cwd=self.where))
-        log.close()
+        with open(self.where / f"dask-{len(self.procs)}.log", "w") as log:
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "dask", *args, "--no-dashboard"],
+                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                               env={**os.environ, **(env or {})}, cwd=self.where))
 
     def up(self, gpu_workers: int):
         self.start("scheduler", "--scheduler-file", str(self.scheduler_file), "--host", "127.0.0.1", "--port", "0")
