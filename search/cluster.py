@@ -3,6 +3,7 @@ and the records DB written by the driver alone.
 
     l2ir tune --shape 4096x4096x4096 --cluster local          one GPU worker per visible GPU (--gpus) + CPU workers
     l2ir tune --grid --cluster tcp://head:8786                 an existing scheduler (dask-jobqueue on SLURM, ...)
+    l2ir tune --grid --cluster scheduler.json                  its scheduler file (examples/slurm_tune.sh on SLURM)
     DASK_SCHEDULER_ADDRESS=tcp://head:8786 l2ir tune ...       the same, by Dask's own variable
 
 Why Dask distributed: it is pure Python and small (dask + distributed and their dependencies are a few MB of
@@ -156,7 +157,8 @@ class Cluster:
             if time.monotonic() > end:
                 raise ClusterError(f"--cluster {self.address}: {len(self.gpu_workers())} worker(s) with the {GPU} "
                                    f"resource after {timeout_s:.0f} s, {n} needed (start GPU workers with "
-                                   f"`dask worker ADDRESS --resources {GPU}=1`, one per GPU)")
+                                   f"`dask worker ADDRESS --resources {GPU}=1 --nthreads 1`, one per GPU, "
+                                   "as examples/slurm_tune.sh does)")
             time.sleep(0.2)
 
     def workers(self) -> dict[str, dict]:
