@@ -394,8 +394,8 @@ def fast_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
     """Everything a route depends on except the data pointers (checked on every call): shapes and strides (layout,
     batch, contiguity), dtypes, device indices (an int hashes in a fraction of a torch.device's time; -1 is any
     CPU-side tensor, and a served route also checks per call that both operands are CUDA tensors).
-    `Dispatcher.eager` and `matmul` build the same tuple inline (a call costs
-    ~0.1 us; tests/test_dispatch.py checks that the three agree)."""
+    `Dispatcher.eager` and `matmul` build the same tuple inline (a call costs ~0.1 us; tests/test_dispatch.py checks
+    that the three agree)."""
     return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.get_device(), b.get_device())
 
 
