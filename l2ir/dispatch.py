@@ -861,13 +861,33 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) ->
 @contextlib.contextmanager
 def patch_linear():
     """Route torch.nn.functional.linear (and so nn.Linear) through l2ir.matmul inside the block.
-    y = x @ W.t() is problem b=...:col (W is row-major (N, K)); the bias is added by torch."""
+    y = x @ W.t() is problem b=...:col (W is row-major (N, K)). An eager call whose route is torch's runs torch's own
+    F.linear, counted under its reason: cuBLAS fuses the bias into the GEMM there, where a separate add would cost a
+    second launch and an output. A served call adds the bias in place, into the output it has just allocated."""
     import torch.nn.functional as F
 
     original = F.linear
 
     def linear(input, weight, bias=None):
-        y = matmul(input, weight.t())
+        if type(input) is _Tensor and type(weight) is _Tensor and not _is_compiling():
+            if (input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)) \
+                    and _grad_enabled():
+                (_STATE["dispatcher"] or _dispatcher())._count("autograd")
+                return original(input, weight, bias)
+            wt = weight.t()
+            entry = _ROUTES.get((input.shape, input.stride(), wt.shape, wt.stride(), input.dtype, wt.dtype,
+                                 input.get_device(), wt.get_device()))
+            d = _STATE["dispatcher"] or _dispatcher()
+            if entry is None:
+                entry = d._prepare(input, wt)
+            if entry.reason != "l2ir" or (bias is not None and (bias.dtype is not input.dtype
+                                                                   or bias.get_device() != input.get_device())):
+                # torch's route, or a bias the in-place add would cast or move: torch's F.linear, torch's answer
+                d._counts.mine()[entry.reason if entry.reason != "l2ir" else "dtype"] += 1
+                return original(input, weight, bias)
+            y = entry(input, wt)
+            return y if bias is None else y.add_(bias)
+        y = matmul(input, weight.t())              # inside torch.compile: the custom op
         return y if bias is None else y + bias
 
     F.linear = linear

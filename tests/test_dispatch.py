@@ -393,6 +393,39 @@ def test_patch_linear_routes_nn_linear(disp):
     assert disp.stats == before
 
 
+def test_patch_linear_leaves_torch_routes_to_torchs_linear_and_adds_a_served_bias_in_place(disp):
+    x, w, bias = rand(64, 256), rand(512, 256), rand(512)
+    served_want = x.double() @ w.double().t() + bias.double()
+    x2, w2, bias2 = rand(16, 16), rand(24, 16), rand(24)          # untuned: torch's route
+    torch_linear, calls = torch.nn.functional.linear, []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return torch_linear(*args)
+
+    torch.nn.functional.linear = counted                           # what patch_linear will call torch's
+    try:
+        with torch.no_grad(), l2ir.patch_linear():
+            y = torch.nn.functional.linear(x, w, bias)             # 64x512x256 is tuned: an L2IR kernel
+            y2 = torch.nn.functional.linear(x2, w2, bias2)
+    finally:
+        torch.nn.functional.linear = torch_linear
+    torch.testing.assert_close(y.double(), served_want, rtol=2e-2, atol=5e-2)
+    assert calls == [(16, 16)]                                     # torch's own F.linear (bias fused), once
+    assert torch.equal(y2, torch_linear(x2, w2, bias2))
+    assert disp.stats == {"l2ir": 1, "untuned": 1}
+    # A bias of another dtype than the input is torch's to handle (its error or its answer), not an in-place add.
+    with torch.no_grad(), l2ir.patch_linear():
+        with pytest.raises(RuntimeError):
+            torch.nn.functional.linear(x, w, bias.float())
+    assert disp.stats["dtype"] == 1
+    # With autograd on, torch's F.linear runs (counted) and gradients flow.
+    xg = x.clone().float().requires_grad_()
+    with l2ir.patch_linear():
+        torch.nn.functional.linear(xg, w.float(), bias.float()).sum().backward()
+    assert xg.grad is not None and disp.stats["autograd"] == 1
+
+
 def test_fake_impl_gives_shape_and_dtype():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
