@@ -151,7 +151,15 @@ class Package:
     def resolve_eager(self, m: int, n: int, k: int, cls: str) -> str | None:
         """For a shape `resolve` gives to cuBLAS: the kernel its eager calls run (the deciding tuned shape's eager
         kernel, if it admits this shape), or None."""
+        return self._eager_of(m, n, k, cls, *self._decide(m, n, k, cls)[1:])
+
+    def route(self, m: int, n: int, k: int, cls: str) -> tuple[str | None, str]:
+        """`resolve`, except that a cuBLAS shape with an eager kernel is (that kernel, "eager"): one neighbour walk."""
         key, reason, shape = self._decide(m, n, k, cls)
+        ekey = self._eager_of(m, n, k, cls, reason, shape)
+        return (ekey, "eager") if ekey is not None else (key, reason)
+
+    def _eager_of(self, m: int, n: int, k: int, cls: str, reason: str, shape: tuple | None) -> str | None:
         if reason != "cublas":
             return None
         ekey = self.eager.get((*shape, cls))
@@ -563,10 +571,7 @@ class Dispatcher:
         rkey = (m, n, k, dt, la, lb)
         hit = self._routes.get(rkey)
         if hit is None:
-            cls = self._classes[(dt, la, lb)]
-            hit = self.package.resolve(m, n, k, cls)
-            if hit[1] == "cublas" and (ekey := self.package.resolve_eager(m, n, k, cls)):
-                hit = (ekey, "eager")
+            hit = self.package.route(m, n, k, self._classes[(dt, la, lb)])
             self._routes[rkey] = hit
         key, reason = hit
         if key is None:
@@ -833,23 +838,20 @@ _Tensor = torch.Tensor
 
 def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """torch.matmul(a, b, out=out), through L2IR's tuned kernels where the loaded package serves the shape."""
-    if out is None and type(a) is _Tensor and type(b) is _Tensor and not _is_compiling():
+    if type(a) is _Tensor and type(b) is _Tensor and not _is_compiling():
         # Eager: Dispatcher.eager inlined, without the op dispatch (a few microseconds a call). Every step here is
         # paid by every call, the fallback included: each Python call, attribute and global lookup is ~0.05-0.1 us
         # of the ~1 us this path adds to torch's own (bench/dispatch_bench.py measures the parts).
         if (a.requires_grad or b.requires_grad) and _grad_enabled():
             (_STATE["dispatcher"] or _dispatcher())._count("autograd")
-            return torch.matmul(a, b)
-        entry = _ROUTES.get((a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.get_device(), b.get_device()))
+            return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
+        if out is not None:
+            return (_STATE["dispatcher"] or _dispatcher()).run(a, b, out)
+        entry = _ROUTES.get((a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.get_device(),
+                             b.get_device()))
         if entry is None:
             entry = (_STATE["dispatcher"] or _dispatcher())._prepare(a, b)
         return entry(a, b)
-    if type(a) is _Tensor and type(b) is _Tensor and not _is_compiling():
-        d = _STATE["dispatcher"] or _dispatcher()
-        if (a.requires_grad or b.requires_grad) and _grad_enabled():
-            d._count("autograd")
-            return torch.matmul(a, b, out=out)
-        return d.run(a, b, out)
     if (a.requires_grad or b.requires_grad) and torch.is_grad_enabled():
         return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
     if out is None:

@@ -75,6 +75,8 @@ class Choice:
     eager_kernel: str | None = None  # cuBLAS shapes: the L2IR kernel eager calls run (see the module doc)
     eager_backend: str | None = None
     eager_kernel_us: float | None = None
+    kernel_key: str | None = None    # the packaged binaries of kernel and eager_kernel (set by export)
+    eager_kernel_key: str | None = None
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -293,19 +295,13 @@ def export(db, out: str | Path, scenario: str = "offline", env: str | None = Non
 
     for ch in choices:
         if ch.kernel is not None:
-            ch.kernel_key, why = package_kernel(ch.kernel, ch.problem_class, ch.backend)  # type: ignore[attr-defined]
-            if ch.kernel_key is None:  # type: ignore[attr-defined]
+            ch.kernel_key, why = package_kernel(ch.kernel, ch.problem_class, ch.backend)
+            if ch.kernel_key is None:
                 ch.reason, ch.kernel = why, None
         if ch.eager_kernel is not None:
-            ch.eager_kernel_key, _ = package_kernel(ch.eager_kernel, ch.problem_class,  # type: ignore[attr-defined]
-                                                    ch.eager_backend)
+            ch.eager_kernel_key, _ = package_kernel(ch.eager_kernel, ch.problem_class, ch.eager_backend)
 
-    entries = []
-    for ch in choices:
-        e = ch.to_json()
-        e["kernel_key"] = getattr(ch, "kernel_key", None) if ch.kernel else None
-        e["eager_kernel_key"] = getattr(ch, "eager_kernel_key", None) if ch.eager_kernel else None
-        entries.append(e)
+    entries = [ch.to_json() for ch in choices]
     table = {"environment": eid, "scenario": scenario, "entries": entries, "kernels": kernels}
     (out / "table.json").write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
 

@@ -642,9 +642,19 @@ def test_a_route_is_decided_once_and_bound_once(disp):
     assert list(disp._fast) == [dispatch.fast_key(a, w.t())]       # matmul's inline key
     check(disp.eager(a, w.t()), a, w.t())
     assert list(disp._fast) == [dispatch.fast_key(a, w.t())]       # Dispatcher.eager's inline key
+    # Every inline key (matmul's, Dispatcher.eager's, patch_linear's) finds the kept route: no decision again.
+    prepared, prepare = [], disp._prepare
+    disp._prepare = lambda *args: prepared.append(1) or prepare(*args)
+    with torch.no_grad(), l2ir.patch_linear():
+        y = torch.nn.functional.linear(a, w)
+    l2ir.matmul(a, w.t())
+    disp.eager(a, w.t())
+    del disp._prepare
+    check(y, a, w.t())
+    assert prepared == []
     (state,) = disp._devices.values()
     (runner,) = state["runners"].values()
-    assert runner.binds == [(64, 512, 256)] and runner.calls == 4
+    assert runner.binds == [(64, 512, 256)] and runner.calls == 7
     # Another tensor of the same shapes, strides, dtype and device takes the same route; a new layout does not.
     a2 = rand(64, 256)
     check(l2ir.matmul(a2, w.t()), a2, w.t())
@@ -653,7 +663,7 @@ def test_a_route_is_decided_once_and_bound_once(disp):
     assert disp.lookup(a, w.t()).reason == "l2ir"
     row_reason = disp.package.resolve(64, 512, 256, CLS_ROW)[1]
     assert row_reason != "l2ir" and disp.lookup(a2, w.t().contiguous()).reason == row_reason
-    assert disp.stats == {"l2ir": 5, row_reason: 1}
+    assert disp.stats == {"l2ir": 8, row_reason: 1}
 
 
 def test_misaligned_call_on_a_served_route_falls_back_per_call(disp):
