@@ -405,6 +405,53 @@ class SplitKTree:
         return subtree[0]
 
 
+ROW, COL, FRAGMENT = Var("row"), Var("col"), Var("fragment")
+
+
+@dataclass(frozen=True)
+class ClusterReduce:
+    """split-K reduce=cluster: the `slices` blocks of one output tile run as one thread-block cluster (sm90) and
+    reduce through distributed shared memory instead of a workspace.
+
+    Protocol (backends/cuda_ptx/sm90a.py renders it; l2ir.interp's `_split_k_cluster` is its reference): block
+    `slice` (its rank in the cluster) accumulates its slice's k tiles, stores its fp32 partial in its own shared
+    memory and arrives at a cluster barrier. After the barrier every block owns a share of the tile's elements: for
+    each fragment unit it owns it reads that unit from all `slices` blocks' shared memory and adds the partials in
+    slice order 0, 1, ..., slices - 1 (`reduce`), then stores the unit to C. A second cluster barrier keeps every
+    block's shared memory alive until the last remote read. No workspace, no counters, no atomics; the order of the
+    sum is fixed, so C is bit-identical run to run.
+
+    A fragment unit is one float4 of a consumer thread's wgmma accumulators: slab j (64 rows) and 8-column group c
+    of its warpgroup's rows, `fragment` = j * BN/8 + c. In the tile's coordinates (`fragment_of`), row r and column
+    col belong to unit ((r % WG_M) / 64) * (BN / 8) + col / 8 of the warpgroup that owns row r. Units go to the
+    blocks round robin (`owner`), so every block stores an equal share when `slices` divides the units."""
+
+    slices: int
+
+    def __post_init__(self):
+        if self.slices < 2:
+            raise ExprError(f"cluster split-K of {self.slices} slice(s): a reduction needs at least 2")
+
+    @property
+    def owner(self) -> Expr:
+        """The cluster rank (slice) that sums and stores fragment unit `fragment`."""
+        return FRAGMENT % self.slices
+
+    @staticmethod
+    def fragment_of(wg_m: int, bn: int) -> Expr:
+        """The fragment unit of tile-local element (row, col), for warpgroups of `wg_m` rows and a BN of `bn`."""
+        return (ROW % wg_m) // 64 * (bn // 8) + COL // 8
+
+    def reduce(self, partials):
+        """The sum the owners compute: partials[0] + partials[1] + ... in slice order (numpy arrays or floats)."""
+        if len(partials) != self.slices:
+            raise ExprError(f"{len(partials)} partials for a cluster of {self.slices} slices")
+        total = partials[0]
+        for p in partials[1:]:
+            total = total + p
+        return total
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Launch-geometry expressions of m, n, k (Source kernels, launch plans).
 # ---------------------------------------------------------------------------------------------------------------

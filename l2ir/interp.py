@@ -4,8 +4,8 @@ It follows the schedule, not just the math: blocks in rasterized launch order (t
 backends render to C++), the K loop through a ring of `stages` shared-memory slots stored through the swizzle
 permutation, each dimension's padding mode (zero-filled loads, or predicated loads that leave poison in shared
 memory and are masked out of the MMA and the store), accumulation in the accumulator dtype at the MMA's K step,
-split-K partials through a workspace and their pairwise-tree reduction (l2ir.indexing.SplitKTree), stream-K segments
-and their fix-up, and an epilogue that rounds to the output dtype and stores in vectors. It counts every write of C
+split-K partials through a workspace and their pairwise-tree reduction (l2ir.indexing.SplitKTree) or through a
+cluster's shared memory, each block storing its share (l2ir.indexing.ClusterReduce), stream-K segments and their fix-up, and an epilogue that rounds to the output dtype and stores in vectors. It counts every write of C
 and of the workspace and raises InterpError unless each element of C is written exactly once and each workspace slot
 as often as the split-K tree says.
 
@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from .errors import InterpError
-from .indexing import SplitKTree, ceil_div, rasterize, smem_swizzle, splitk_range
+from .indexing import ClusterReduce, SplitKTree, ceil_div, rasterize, smem_swizzle, splitk_range
 from .nodes import Kernel, Problem
 from .analysis import resolved_stages
 from .target import H200_SMS, UNIT_ROUNDOFF
@@ -173,8 +173,10 @@ class _Schedule:
         return acc
 
     # ---- epilogue -------------------------------------------------------------------------------------------
-    def store(self, c: np.ndarray, writes: np.ndarray, tm: int, tn: int, tile: np.ndarray) -> None:
-        """Round to the output dtype and store the in-range part in vectors of epilogue.vector elements."""
+    def store(self, c: np.ndarray, writes: np.ndarray, tm: int, tn: int, tile: np.ndarray,
+              mask: np.ndarray | None = None) -> None:
+        """Round to the output dtype and store the in-range part in vectors of epilogue.vector elements; with a
+        `mask` (BM x BN), only the tile elements it selects (one block's share of a cluster-reduced tile)."""
         out = tile.astype(np.float32).astype(self.out_dtype)   # (the smem path only reorders the same stores)
         r0, c0 = tm * self.bm, tn * self.bn
         vr = min(self.bm, self.problem.m - r0)
@@ -183,8 +185,14 @@ class _Schedule:
         for j in range(0, vc, vec):
             if j + vec > vc:
                 raise InterpError(f"a {vec}-element vector store at column {c0 + j} crosses N={self.problem.n}")
-            c[r0:r0 + vr, c0 + j:c0 + j + vec] = out[:vr, j:j + vec]
-            writes[r0:r0 + vr, c0 + j:c0 + j + vec] += 1
+            if mask is None:
+                c[r0:r0 + vr, c0 + j:c0 + j + vec] = out[:vr, j:j + vec]
+                writes[r0:r0 + vr, c0 + j:c0 + j + vec] += 1
+                continue
+            sel = mask[:vr, j:j + vec]
+            dst = c[r0:r0 + vr, c0 + j:c0 + j + vec]
+            dst[sel] = out[:vr, j:j + vec][sel]
+            writes[r0:r0 + vr, c0 + j:c0 + j + vec] += sel
 
     # ---- the launch -----------------------------------------------------------------------------------------
     def tile_order(self) -> list[tuple[int, int]]:
@@ -212,6 +220,8 @@ class _Schedule:
             for tm, tn in order:
                 self.store(c, writes, tm, tn, self.mainloop(tm, tn, 0, self.k_tiles))
                 k_cover[(tm, tn)] = [(0, self.k_tiles)]
+        elif sk.mode == "split_k" and sk.reduce == "cluster":
+            self._split_k_cluster(c, writes, order, sk.slices, k_cover)
         elif sk.mode == "split_k":
             ws_writes, ws_expected = self._split_k(c, writes, order, sk.slices, k_cover)
         else:
@@ -280,6 +290,30 @@ class _Schedule:
         expected = np.zeros_like(ws_writes)
         expected[...] = np.array(tree.slot_writes(), dtype=np.int32)[:, None, None]
         return ws_writes, expected
+
+    def _split_k_cluster(self, c, writes, order, slices, k_cover):
+        """Split-K reduced inside a thread-block cluster (l2ir.indexing.ClusterReduce): the tile's `slices` blocks
+        accumulate their slices' k tiles; block `rank` then stores only the fragment units `owner` gives it, each the
+        sum of all the cluster's partials in slice order. A broken ownership map leaves elements of C unwritten or
+        writes them twice, which the final write count catches."""
+        p = self.problem
+        cr = ClusterReduce(slices)
+        warpgroups = max(1, self.kernel.tile.warps[0] // 4)    # wgmma: 4 warps along M per warpgroup
+        rows, cols = np.arange(self.bm)[:, None], np.arange(self.bn)[None, :]
+        fragment = cr.fragment_of(self.bm // warpgroups, self.bn).eval({"row": rows, "col": cols})
+        owner = np.broadcast_to(cr.owner.eval({"fragment": fragment}), (self.bm, self.bn))
+        eb, ee = splitk_range(slices)
+        for tm, tn in order:
+            partials = []
+            for s in range(slices):
+                env = {"slice": s, "k_tiles": self.k_tiles}
+                kb, ke = int(eb.eval(env)), int(ee.eval(env))
+                partials.append(self.mainloop(tm, tn, kb, ke).astype(np.float32))
+                if ke > kb:
+                    k_cover.setdefault((tm, tn), []).append((kb, ke))
+            total = cr.reduce(partials)
+            for rank in range(slices):
+                self.store(c, writes, tm, tn, total, mask=owner == rank)
 
     def _stream_k(self, c, writes, order, workers, k_cover):
         """A persistent grid of `workers` blocks splits tiles*k_tiles MAC iterations evenly; each tile's segments are

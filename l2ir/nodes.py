@@ -428,15 +428,18 @@ class Pad(Node):
 
 @dataclass(frozen=True)
 class SplitK(Node):
-    """split_k: `slices` blocks share one output tile along K; fp32 partials go to a workspace and a reduction
-    (a second kernel for reduce=workspace, fp32 atomics for reduce=atomic) writes C.
+    """split_k: `slices` blocks share one output tile along K; their fp32 partials are reduced and one sum written
+    to C: through a workspace (reduce=workspace: a fixed-order reduction, in the GEMM kernel or a second one), fp32
+    atomics (reduce=atomic), or, on sm90, inside one thread-block cluster of the tile's `slices` blocks, which add
+    each other's partials from distributed shared memory (reduce=cluster: no workspace, no atomics; see
+    l2ir.indexing.ClusterReduce).
     stream_k: a persistent grid splits the total MAC-loop iterations evenly over the SMs; tiles cut between two
     blocks are fixed up through the workspace. `slices` caps the pieces per tile (1 = scheduler heuristic)."""
 
     kind: ClassVar[str] = "splitk"
     mode: str = f(Choice(("split_k", "stream_k")))
     slices: int = f(Int(1, 64), 1)
-    reduce: str = f(Choice(("workspace", "atomic")), "workspace")
+    reduce: str = f(Choice(("workspace", "atomic", "cluster")), "workspace")
 
 
 @dataclass(frozen=True)

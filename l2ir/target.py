@@ -67,6 +67,10 @@ TMA_BARRIER_BYTES = 16
 # Largest portable thread-block cluster (without the non-portable opt-in).
 MAX_CLUSTER = 8
 
+# Largest cluster with cudaFuncAttributeNonPortableClusterSizeAllowed (H100/H200), and the targets with clusters.
+MAX_CLUSTER_NONPORTABLE = 16
+CLUSTER_ARCHS = ("sm90", "sm90a")
+
 # ---------------------------------------------------------------------------------------------------------------
 # Data types.
 # ---------------------------------------------------------------------------------------------------------------

@@ -84,14 +84,17 @@ def wgmma_kernels(draw) -> Kernel:
     smem = draw(st.sampled_from([natural, natural, natural, (1, 3, 3), (2, 3, 3), (3, 3, 3)]))
     if (1 << (smem[0] + 3)) > bk:
         smem = natural
-    splitk = draw(st.sampled_from([None, None, None, SplitK("stream_k"), SplitK("split_k", 2)]))
+    splitk = draw(st.sampled_from([None, None, None, SplitK("stream_k"), SplitK("split_k", 2),
+                                   SplitK("split_k", draw(st.integers(2, 16)), "cluster")]))
     # stream-K is a persistent tile scheduler (a non-persistent grid has nothing to hand partial tiles to), and
-    # CUTLASS runs split-K on that same scheduler.
-    persistent = True if splitk is not None else draw(st.booleans())
+    # CUTLASS runs split-K on that same scheduler; a cluster reduction is one cluster per tile, never persistent.
+    cluster_reduce = splitk is not None and splitk.reduce == "cluster"
+    persistent = (not cluster_reduce) if splitk is not None else draw(st.booleans())
     pad_modes = ("zero_fill", "divisible")
     kernel = Kernel(
         target=Target("sm90a"),
-        tile=Tile(block=(bm, bn, bk), warps=warps, cluster=draw(st.sampled_from([(1, 1), (2, 1), (1, 2)]))),
+        tile=Tile(block=(bm, bn, bk), warps=warps,
+                  cluster=(1, 1) if cluster_reduce else draw(st.sampled_from([(1, 1), (2, 1), (1, 2)]))),
         mma=Mma("wgmma", (64, bn, 16)),
         pipeline=Pipeline("tma_ws", draw(st.sampled_from(["auto", 2, 3, 4, 5])), schedule=schedule,
                           persistent=persistent),
@@ -100,7 +103,8 @@ def wgmma_kernels(draw) -> Kernel:
         pad=Pad(draw(st.sampled_from(pad_modes)), draw(st.sampled_from(pad_modes)), draw(st.sampled_from(pad_modes)), 8),
         splitk=splitk,
         # the TMA store is how Hopper kernels write C; staging through shared memory or storing directly stay in
-        epilogue=Epilogue(draw(st.sampled_from(["tma", "tma", "smem", "direct"])), 8),
+        epilogue=(Epilogue("direct", 2) if cluster_reduce and draw(st.booleans()) else
+                  Epilogue(draw(st.sampled_from(["tma", "tma", "smem", "direct"])), 8)),
     )
     assume(not violations(kernel))
     return kernel

@@ -21,8 +21,8 @@ from .indexing import LAUNCH_VARS, ceil_div
 from .nodes import SCHEDULE_NODES, Kernel, Problem
 from .analysis import (acc_registers, elem_bytes, epilogue_smem_bytes, estimated_registers, resolved_stages,
                        ring_bytes, ring_description, smem_bytes, threads)
-from .target import (BLOCK_DIM_MAX, DTYPE_BYTES, KB, MAX_CLUSTER, MAX_REGS, MAX_THREADS, MAX_WGMMA_ACC_REGS,
-                     MMA_SYNC_SHAPES, SMEM_LIMIT, TMA_BOX_MAX)
+from .target import (BLOCK_DIM_MAX, CLUSTER_ARCHS, DTYPE_BYTES, KB, MAX_CLUSTER, MAX_CLUSTER_NONPORTABLE, MAX_REGS,
+                     MAX_THREADS, MAX_WGMMA_ACC_REGS, MMA_SYNC_SHAPES, SMEM_LIMIT, TMA_BOX_MAX)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -388,9 +388,27 @@ def _splitk(k: Kernel):
         if k.pipeline.mode != "tma_ws":
             return "stream_k needs a tma_ws pipeline (a persistent tile scheduler)"
         if sk.reduce != "workspace":
-            return "stream_k fixes up partial tiles through the workspace; reduce=atomic is for split_k"
+            return f"stream_k fixes up partial tiles through the workspace; reduce={sk.reduce} is for split_k"
         if not k.pipeline.persistent:
             return "stream_k splits the MAC loop over a persistent grid: set pipeline.persistent=true"
+    if sk.reduce == "cluster":
+        # The slices of a tile must be co-resident to read each other's shared memory: a thread-block cluster
+        # (sm90 and later) guarantees it, and one launch holds at most MAX_CLUSTER_NONPORTABLE blocks per cluster.
+        if k.target.arch not in CLUSTER_ARCHS:
+            return (f"reduce=cluster needs thread-block clusters ({', '.join(CLUSTER_ARCHS)}), not "
+                    f"{k.target.arch}; use reduce=workspace")
+        if k.mma.op != "wgmma":
+            return ("reduce=cluster shares the tile out by wgmma accumulator fragments (l2ir.indexing.ClusterReduce); "
+                    f"mma.op={k.mma.op} has none: use reduce=workspace")
+        if sk.slices > MAX_CLUSTER_NONPORTABLE:
+            return (f"reduce=cluster runs the {sk.slices} slices of a tile as one cluster; a cluster holds at most "
+                    f"{MAX_CLUSTER_NONPORTABLE} blocks")
+        if k.tile.cluster != (1, 1):
+            return (f"reduce=cluster makes each tile's slices the cluster; tile.cluster="
+                    f"{k.tile.cluster[0]}x{k.tile.cluster[1]} would nest a second one (use 1x1)")
+        if k.pipeline.persistent:
+            return ("reduce=cluster launches one cluster per tile (one block per slice), not a persistent grid: set "
+                    "pipeline.persistent=false")
 
 
 @rule("epilogue", "path_and_vector", EpilogueError)

@@ -218,7 +218,8 @@ def _assert_splitk_repeatable(kernel, plan, art, shape, seed, counters_per_tile=
     """Split-K reduced in the kernel: one workspace zeroed once and three launches. Every counter (all of the
     workspace after the tiles' fp32 partials) is back at zero after each launch (the next launch needs no memset),
     C has the same bits each time (the slices are summed in a fixed order whichever block arrives last) and is
-    within fp32-accumulation error of fp64. `counters_per_tile`, where given, is the layout's count of counters."""
+    within fp32-accumulation error of fp64. `counters_per_tile`, where given, is the layout's count of counters.
+    A kernel that asks for no workspace (reduce=cluster) is held to the same C checks."""
     import torch
 
     from l2ir.runtime import load
@@ -229,11 +230,12 @@ def _assert_splitk_repeatable(kernel, plan, art, shape, seed, counters_per_tile=
     a = torch.randn((mm, kk), generator=gen, device="cuda").half()
     b = torch.randn((nn, kk), generator=gen, device="cuda").half()          # B col: stored N x K, K contiguous
     ws_bytes = plan.workspace_for(mm, nn, kk)
-    ws = torch.zeros(ws_bytes, dtype=torch.uint8, device="cuda")
+    ws = torch.zeros(max(ws_bytes, 1), dtype=torch.uint8, device="cuda")
     tiles = -(-mm // kernel.tile.bm) * -(-nn // kernel.tile.bn)
     partial_bytes = tiles * kernel.splitk.slices * kernel.tile.bm * kernel.tile.bn * 4
-    counters = ws[partial_bytes:]
-    assert counters.numel() >= 4 * tiles, (ws_bytes, partial_bytes)
+    counters = ws[partial_bytes:ws_bytes]
+    if ws_bytes:
+        assert counters.numel() >= 4 * tiles, (ws_bytes, partial_bytes)
     if counters_per_tile is not None:
         assert counters.numel() == 4 * tiles * counters_per_tile, (counters.numel(), tiles, counters_per_tile)
     launcher = load(plan, art.binary)
@@ -370,6 +372,55 @@ def test_cuda_ptx_splitk_tree_reduction(evaluator, tmp_path_factory, name):
     for i, shape in enumerate(shapes):
         _assert_splitk_repeatable(kernel, plan, art, shape, seed=100 + i,
                                   counters_per_tile=SplitKTree(kernel.splitk.slices).counters)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cuda_ptx sm90a split-K reduced in a thread-block cluster (l2ir.indexing.ClusterReduce): 2-16 slices (above 8 the
+# non-portable cluster opt-in), deep rings and two blocks per SM, a 64x128 tile and a non-persistent cooperative
+# kernel (two consumer warpgroups share the tile's fragments). Every gate at a ragged shape, then three launches per
+# shape: bit-identical C within fp32-accumulation error of fp64, no workspace asked for.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _splitk_cluster_kernels() -> dict[str, Kernel]:
+    def lat(block, stages, slices):
+        return Kernel(target=Target("sm90a"), tile=Tile(block, (4, 1), (1, 1)), mma=Mma("wgmma", (64, block[1], 16)),
+                      pipeline=Pipeline("tma_ws", stages, "pingpong", persistent=False),
+                      swizzle=Swizzle((3, 3, 3), "along_n", 1), pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+                      splitk=SplitK("split_k", slices, "cluster"), epilogue=Epilogue("direct", 2))
+
+    kernels = {f"w4x1_64x64x64_auto_s{s}": lat((64, 64, 64), "auto", s) for s in (2, 3, 5, 8, 16)}
+    kernels["w4x1_64x64x64_st4_s16"] = lat((64, 64, 64), 4, 16)
+    kernels["w4x1_64x128x64_auto_s4"] = lat((64, 128, 64), "auto", 4)
+    coop = ptx(block=(128, 128, 64), persistent=False, raster=("along_n", 1))
+    kernels["coop_128x128x64_nonpersistent_s4"] = coop.replace(splitk=SplitK("split_k", 4, "cluster"))
+    return kernels
+
+
+SPLITK_CLUSTER = _splitk_cluster_kernels()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", list(SPLITK_CLUSTER))
+def test_cuda_ptx_splitk_cluster_reduction(evaluator, tmp_path_factory, name):
+    import torch
+
+    from l2ir.search.gates import admits
+
+    major, minor = torch.cuda.get_device_capability(0)
+    if (major, minor) < (9, 0):
+        pytest.skip(f"the sm90a kernels need a Hopper GPU; this one is sm_{major}{minor}")
+    kernel = SPLITK_CLUSTER[name]
+    plan = lower(kernel, F16, "cuda_ptx")
+    assert plan.workspace_for(1000, 1000, 2048) == 0 and not plan.zero_workspace
+    art = _build_for_this_gpu(plan, tmp_path_factory.mktemp("splitk_cluster"))
+    shapes = [s for s in SPLITK_TREE_SHAPES if admits(kernel, F16.with_shape(*s))[0]]
+    assert (130, 200, 4096) in shapes and (1000, 1000, 2048) in shapes, shapes
+    _assert_passes_every_gate(evaluator, kernel, F16, plan, art, [(130, 200, 4096)], name,
+                              {"accuracy", "ulp", "all_written", "guard_bands"})
+    for i, shape in enumerate(shapes):
+        _assert_splitk_repeatable(kernel, plan, art, shape, seed=200 + i)
 
 
 # ---------------------------------------------------------------------------------------------------------------

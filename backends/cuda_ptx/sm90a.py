@@ -72,10 +72,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from l2ir.errors import ResourceError
-from l2ir.indexing import Const, Expr, SplitKTree, Var, cdiv, rasterize, splitk_range
+from l2ir.indexing import ClusterReduce, Const, Expr, SplitKTree, Var, cdiv, rasterize, splitk_range
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.text import print_problem_class
-from l2ir.target import (KB, CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, H200_SMS,
+from l2ir.target import (KB, MAX_CLUSTER, CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, H200_SMS,
                          SMEM_LIMIT, TMA_BOX_MAX, TMA_DTYPE)
 from l2ir.analysis import resolved_stages
 from l2ir.verify import verify, verify_problem
@@ -125,10 +125,16 @@ class PtxConfig:
     epilogue: str             # "direct" | "smem"
     vector: int
     slices: int = 1           # splitk mode=split_k slices (1: no split)
+    cluster_reduce: bool = False   # splitk reduce=cluster: the slices reduce in a cluster's shared memory
 
     @property
     def split(self) -> bool:
         return self.slices > 1
+
+    @property
+    def tree(self) -> bool:
+        """split-K through the workspace's pairwise tree (reduce=workspace), with its slots and counters."""
+        return self.split and not self.cluster_reduce
 
     @property
     def k_first(self) -> str:
@@ -226,13 +232,19 @@ class PtxConfig:
         c = b + self.stages * self.b_stage_bytes
         bars = _round_up(c + self.c_stage_bytes, 8)
         flag = bars + 2 * self.stages * 8                 # split-K: "this block reduces the tile" broadcast
-        total = flag + (8 if self.split else 0)
+        total = flag + (8 if self.tree else 0)
         return {"a": a, "b": b, "c": c, "bars": bars, "flag": flag, "total": total}
 
     @property
     def partial_floats(self) -> int:
-        """fp32 values of one slice's partial tile in the workspace (BM x BN, in the accumulator fragment order)."""
+        """fp32 values of one slice's partial tile in the workspace, or in shared memory with reduce=cluster (BM x BN,
+        in the accumulator fragment order)."""
         return self.bm * self.bn
+
+    @property
+    def ring_bytes(self) -> int:
+        """The A and B stage rings; reduce=cluster stores the block's partial over them once the main loop is done."""
+        return self.layout["c"]
 
 
 def _round_up(x: int, m: int) -> int:
@@ -297,9 +309,13 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
         if sk.mode != "split_k":
             raise UnsupportedLowering("splitk", f"mode={sk.mode}: stream-K is not generated; split_k is (slices "
                                       "reduced in the kernel through the workspace)")
-        if sk.reduce != "workspace":
+        if sk.reduce == "atomic":
             raise UnsupportedLowering("splitk", f"reduce={sk.reduce}: fp32 atomics into C are not generated (and "
-                                      "not deterministic); reduce=workspace sums the slices in a fixed order")
+                                      "not deterministic); reduce=workspace or cluster sums the slices in a fixed "
+                                      "order")
+        if sk.reduce == "cluster" and epi.path != "direct":
+            raise UnsupportedLowering("epilogue.path", f"{epi.path} with splitk reduce=cluster: each block stores "
+                                      "only its share of the tile's fragments, straight from registers; use direct")
         slices = sk.slices
 
     # Problem class: K-major A and B are wgmma's native (non-transposed) descriptor layout.
@@ -341,11 +357,16 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
         swizzle_bits=bits, swizzle_field=swizzle_field,
         divisible=(pad.m == "divisible", pad.n == "divisible", pad.k == "divisible"),
         epilogue=epi.path, vector=epi.vector, slices=slices,
+        cluster_reduce=kernel.splitk is not None and kernel.splitk.reduce == "cluster",
     )
     total, limit = cfg.layout["total"], SMEM_LIMIT["sm90a"]
     if total > limit:
         raise ResourceError("pipeline", "smem_layout", f"{stages} stages of {cfg.a_stage_bytes + cfg.b_stage_bytes} B "
                             f"+ {cfg.c_stage_bytes} B epilogue + barriers = {total} B exceed {limit} B")
+    if cfg.cluster_reduce and cfg.partial_floats * 4 > cfg.ring_bytes:
+        raise ResourceError("pipeline", "smem_layout", f"splitk reduce=cluster stores the {bm}x{bn} fp32 partial "
+                            f"({cfg.partial_floats * 4} B) over the stage rings, which hold {cfg.ring_bytes} B "
+                            f"({stages} stages): raise pipeline.stages")
     return cfg
 
 
@@ -393,6 +414,22 @@ def _tile_loop(cfg: PtxConfig, indent: str) -> list[str]:
     """The tile loop header, the rasterized tile coordinates (l2ir.indexing.rasterize, rendered) and, with split-K,
     the slice's k-tile range (l2ir.indexing.splitk_range, rendered: the interpreter's and the verifier's partition)."""
     tile_m, tile_n = rasterize(cfg.raster, cfg.group)
+    if cfg.cluster_reduce:
+        begin, end = splitk_range(cfg.slices)
+        return [
+            f"{indent}// splitk mode=split_k slices={cfg.slices} reduce=cluster: one cluster of SLICES consecutive blocks per",
+            f"{indent}// tile, so work unit = tile * SLICES + slice and the slice is the block's rank in its cluster",
+            f"{indent}// (%cluster_ctarank = blockIdx.x % SLICES for a 1-D cluster). One unit per block.",
+            f"{indent}for (int unit = blockIdx.x; unit < num_units; unit = num_units) {{",
+            f"{indent}  const int pid = unit / SLICES;",
+            f"{indent}  const int slice = unit % SLICES;",
+            f"{indent}  // k tiles [kt_begin, kt_end) of this slice (l2ir.indexing.splitk_range)",
+            f"{indent}  const int kt_begin = {begin.to_cpp()};",
+            f"{indent}  const int kt_end = {end.to_cpp()};",
+            f"{indent}  // swizzle.raster={cfg.raster} group={cfg.group} (l2ir.indexing.rasterize)",
+            f"{indent}  const int tile_m = {tile_m.to_cpp()};",
+            f"{indent}  const int tile_n = {tile_n.to_cpp()};",
+        ]
     if cfg.split:
         begin, end = splitk_range(cfg.slices)
         # Non-persistent: `unit = num_units` ends the loop after one pass in a way the compiler sees, so nothing
@@ -521,6 +558,9 @@ def _epilogue_direct(cfg: PtxConfig) -> list[str]:
         "      for (int j = 0; j < SLABS; ++j) {",
         "#pragma unroll",
         "        for (int c = 0; c < WGMMA_N / 8; ++c) {",
+        *([f"          const int fragment = j * (WGMMA_N / 8) + c;",
+           f"          if ({ClusterReduce(cfg.slices).owner.to_cpp()} != slice) continue;   // reduce=cluster: another "
+           "block stores this unit"] if cfg.cluster_reduce else []),
         "          const int col = col0 + 8 * c;",
         "#pragma unroll",
         "          for (int h = 0; h < 2; ++h) {",
@@ -644,7 +684,7 @@ def _config(cfg: PtxConfig) -> list[str]:
         "namespace {",
         "",
         *status_constants_cpp("MISALIGNED", *(["NOT_DIVISIBLE"] if any(cfg.divisible) else []), "BAD_ARGUMENT",
-                              "CUDA_ERROR", "TENSOR_MAP", *(["WORKSPACE_TOO_SMALL"] if cfg.split else [])),
+                              "CUDA_ERROR", "TENSOR_MAP", *(["WORKSPACE_TOO_SMALL"] if cfg.tree else [])),
         "",
         f"using InT = {in_t};     // problem a/b",
         f"using OutT = {out_t};   // problem c",
@@ -663,7 +703,12 @@ def _config(cfg: PtxConfig) -> list[str]:
            "constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile in the workspace",
            f"constexpr int TREE_LEVELS = {SplitKTree(cfg.slices).levels};   // ceil(log2 SLICES): pair levels",
            f"constexpr int TREE_NODES = {SplitKTree(cfg.slices).counters};   // SLICES - 1 pair counters per tile"]
-          if cfg.split else []),
+          if cfg.tree else []),
+        *([f"constexpr int CONSUMER_THREADS = 128 * CONSUMER_WGS;",
+           f"constexpr int SLICES = {cfg.slices};   // splitk mode=split_k slices={cfg.slices} reduce=cluster: the "
+           "cluster size",
+           "constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile, in its block's shared memory"]
+          if cfg.cluster_reduce else []),
         *([f"constexpr int NUM_SMS = {cfg.num_sms};            // persistent grid size (H200: 132 SMs)"]
           if cfg.persistent else []),
         "",
@@ -685,7 +730,10 @@ def _config(cfg: PtxConfig) -> list[str]:
            f"constexpr int C_SWZ_MASK = {_c_swz_mask(cfg.bn)};   // XOR of the 16-byte chunk index with the row"]
           if cfg.epilogue == "smem" else []),
         *([f"constexpr int SMEM_FLAG = {lay['flag']};   // split-K: the block reduces its tile (1) or not (0)"]
-          if cfg.split else []),
+          if cfg.tree else []),
+        *([f"constexpr int SMEM_PARTIAL = 0;   // reduce=cluster: the fp32 partial, over the finished stage rings",
+           "static_assert(PARTIAL_FLOATS * 4 <= SMEM_BARS, \"the partial must fit over the rings\");"]
+          if cfg.cluster_reduce else []),
         f"constexpr int SMEM_BYTES = {lay['total']};",
         "",
         "// wgmma shared-memory matrix descriptor (PTX ISA, matrix descriptor format):",
@@ -757,6 +805,7 @@ def _device_functions(cfg: PtxConfig) -> list[str]:
         '      :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1) : "memory");',
         "}",
         "",
+        *(_cluster_functions() if cfg.cluster_reduce else []),
         "__device__ __forceinline__ void wgmma_fence() { asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\"); }",
         "__device__ __forceinline__ void wgmma_commit() { asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\"); }",
         "template <int N>",
@@ -782,6 +831,90 @@ def _device_functions(cfg: PtxConfig) -> list[str]:
     ]
 
 
+def _cluster_reduce(cfg: PtxConfig) -> list[str]:
+    """split-K, reduce=cluster (l2ir.indexing.ClusterReduce): the tile's SLICES blocks are one thread-block cluster.
+    Each stores its fp32 partial over its own (finished) stage rings, the cluster barrier publishes it, and each block
+    then sums the fragment units it owns from every block's shared memory (DSMEM), in slice order, into the
+    registers the direct epilogue stores. The blocks are co-resident by construction, the sum's order is fixed (C is
+    bit-identical run to run), and nothing touches global memory but C."""
+    nr = cfg.bn // 2
+    cr = ClusterReduce(cfg.slices)
+    return [
+        "      // ---- splitk reduce=cluster: the tile's slices add up in the cluster's shared memory ----",
+        "      const int ct = threadIdx.x - 128;   // consumer thread 0 .. CONSUMER_THREADS - 1",
+        "      if (kt_begin == kt_end) {   // an empty K range (the verifier admits none) contributes zeros",
+        "#pragma unroll",
+        "        for (int j = 0; j < SLABS; ++j)",
+        "#pragma unroll",
+        f"          for (int i = 0; i < {nr}; ++i) acc[j][i] = 0.f;",
+        "      }",
+        "      // Every consumer warpgroup is past its last wgmma (which reads the ring) before a partial overwrites it;",
+        "      // the proxy fence orders those async-proxy accesses (TMA writes, wgmma reads) before the generic stores.",
+        '      asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");',
+        '      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+        "      // The partial keeps the accumulator fragment order, float4 u of every consumer thread side by side: thread",
+        "      // ct of every block reads back exactly the float4s thread ct stored, so the owner's reads are coalesced.",
+        "      {",
+        "        float4* mine = reinterpret_cast<float4*>(smem + SMEM_PARTIAL) + ct;",
+        "#pragma unroll",
+        "        for (int j = 0; j < SLABS; ++j)",
+        "#pragma unroll",
+        "          for (int q = 0; q < WGMMA_N / 8; ++q)   // fragment unit j * (WGMMA_N / 8) + q",
+        "            mine[(j * (WGMMA_N / 8) + q) * CONSUMER_THREADS] =",
+        "                make_float4(acc[j][4 * q], acc[j][4 * q + 1], acc[j][4 * q + 2], acc[j][4 * q + 3]);",
+        "      }",
+        "      // Release this block's partial to the cluster; acquire every other block's (they all arrive here).",
+        "      cluster_arrive();",
+        "      cluster_wait();",
+        "      // The units this block owns (ClusterReduce.owner): all SLICES partials read first (the DSMEM loads overlap),",
+        "      // then added in slice order 0, 1, ... (ClusterReduce.reduce).",
+        "#pragma unroll",
+        "      for (int j = 0; j < SLABS; ++j) {",
+        "#pragma unroll",
+        "        for (int q = 0; q < WGMMA_N / 8; ++q) {",
+        "          const int fragment = j * (WGMMA_N / 8) + q;",
+        f"          if ({cr.owner.to_cpp()} != slice) continue;   // ClusterReduce.owner",
+        "          const uint32_t local = smem_base + SMEM_PARTIAL + (uint32_t)(fragment * CONSUMER_THREADS + ct) * 16u;",
+        "          float4 v[SLICES];",
+        "#pragma unroll",
+        "          for (int r = 0; r < SLICES; ++r) v[r] = ld_cluster_f4(local, r);",
+        "          float4 sum = v[0];",
+        "#pragma unroll",
+        "          for (int r = 1; r < SLICES; ++r) { sum.x += v[r].x; sum.y += v[r].y; sum.z += v[r].z; sum.w += v[r].w; }",
+        "          acc[j][4 * q] = sum.x; acc[j][4 * q + 1] = sum.y; acc[j][4 * q + 2] = sum.z; acc[j][4 * q + 3] = sum.w;",
+        "        }",
+        "      }",
+        "      // Done reading the cluster's shared memory: arrive now, wait (below) only before the block exits, so the",
+        "      // stores of C overlap the other blocks' reads.",
+        "      cluster_arrive();",
+    ]
+
+
+def _cluster_functions() -> list[str]:
+    """reduce=cluster: the cluster barrier (release/acquire, not .aligned: the producer warpgroup arrives from
+    diverged lanes) and a float4 load from another block's shared memory (mapa maps this block's shared-memory
+    address to the same offset in the block of cluster rank `rank`)."""
+    return [
+        "__device__ __forceinline__ void cluster_arrive() {",
+        '  asm volatile("barrier.cluster.arrive.release;" ::: "memory");',
+        "}",
+        "",
+        "__device__ __forceinline__ void cluster_wait() {",
+        '  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");',
+        "}",
+        "",
+        "__device__ __forceinline__ float4 ld_cluster_f4(uint32_t local, uint32_t rank) {",
+        "  uint32_t remote;",
+        '  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));',
+        "  float4 v;",
+        '  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"',
+        '               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");',
+        "  return v;",
+        "}",
+        "",
+    ]
+
+
 def _kernel(cfg: PtxConfig) -> list[str]:
     """The warp-specialized kernel: producer warpgroup (TMA), consumer warpgroups (wgmma), epilogue."""
     nr = cfg.bn // 2
@@ -794,7 +927,7 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         f'extern "C" __global__ void __launch_bounds__(THREADS, {cfg.blocks_per_sm})',
         f"{ENTRY}(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,",
         ("        OutT* __restrict__ C, int M, int N, int K, float* __restrict__ ws, unsigned* __restrict__ counters) {"
-         if cfg.split else "        OutT* __restrict__ C, int M, int N, int K) {"),
+         if cfg.tree else "        OutT* __restrict__ C, int M, int N, int K) {"),
         "  // 1024-byte alignment: the 128-byte swizzle pattern repeats every 8 rows x 128 B, and TMA and wgmma both",
         "  // compute it from the absolute shared-memory address.",
         "  extern __shared__ __align__(1024) uint8_t smem[];",
@@ -853,6 +986,12 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "        }",
         "      }",
         "    }",
+        *(["    // reduce=cluster: every thread of every block arrives at both cluster barriers (the consumers' partials",
+           "    // are published at the first, the shared memory released at the second).",
+           "    cluster_arrive();",
+           "    cluster_wait();",
+           "    cluster_arrive();",
+           "    cluster_wait();"] if cfg.cluster_reduce else []),
         "  } else {",
         "    // ---- consumer warpgroups: wgmma and the epilogue ----",
         *([f'    asm volatile("setmaxnreg.inc.sync.aligned.u32 {cfg.regs[1]};" ::: "memory");']
@@ -905,8 +1044,10 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         *(["      if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));"] if cfg.split else
           ["      if (lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));"]),
         "",
-        *(_splitk_reduce(cfg) if cfg.split else []),
+        *(_splitk_reduce(cfg) if cfg.tree else _cluster_reduce(cfg) if cfg.cluster_reduce else []),
         *(_epilogue_direct(cfg) if cfg.epilogue == "direct" else _epilogue_smem(cfg)),
+        *(["      cluster_wait();   // no block leaves while another may still read its shared memory"]
+          if cfg.cluster_reduce else []),
         "    }",
         "  }",
         "}",
@@ -998,13 +1139,18 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
             "                           cudaSharedmemCarveoutMaxShared) != cudaSuccess) {",
             "    return false;",
             "  }"]),
+        *([] if not (cfg.cluster_reduce and cfg.slices > MAX_CLUSTER) else [
+            f"  // reduce=cluster with {cfg.slices} slices: clusters above the portable {MAX_CLUSTER} blocks are an opt-in.",
+            f"  if (cudaFuncSetAttribute({ENTRY}, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {{",
+            "    return false;",
+            "  }"]),
         "  configured.fetch_or(bit, std::memory_order_release);",
         "  return true;",
         "}",
         "",
         "}  // namespace",
         "",
-        *(_workspace_size_split() if cfg.split else [
+        *(_workspace_size_split() if cfg.tree else [
             'extern "C" size_t l2ir_workspace_size(int M, int N, int K) {',
             "  (void)M; (void)N; (void)K;",
             "  return 0;",
@@ -1012,7 +1158,7 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "",
         'extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,',
         "                        void* workspace, size_t workspace_bytes, void* stream) {",
-        *([] if cfg.split else ["  (void)workspace; (void)workspace_bytes;"]),
+        *([] if cfg.tree else ["  (void)workspace; (void)workspace_bytes;"]),
         "  if (A == nullptr || B == nullptr || C == nullptr || M <= 0 || N <= 0 || K <= 0) return L2IR_STATUS_BAD_ARGUMENT;",
     ]
     for flag, var, size, fld in ((dm, "M", "BM", "pad.m"), (dn, "N", "BN", "pad.n"), (dk, "K", "BK", "pad.k")):
@@ -1028,7 +1174,10 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "return L2IR_STATUS_MISALIGNED;",
         "  const long long num_tiles = (long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN);",
         "  if (num_tiles > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
-        *([] if not cfg.split else [
+        *([] if not cfg.cluster_reduce else [
+            "  const long long num_units = num_tiles * SLICES;   // reduce=cluster: SLICES blocks (one cluster) a tile",
+            "  if (num_units > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;"]),
+        *([] if not cfg.tree else [
             "  const long long num_units = num_tiles * SLICES;",
             "  if (num_units > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
             "  // splitk: the partials, then SLICES - 1 pair counters per tile (zero before the first launch:",
@@ -1046,14 +1195,38 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "  if (tmap_a == nullptr || tmap_b == nullptr) return L2IR_STATUS_TENSOR_MAP;",
         "  if (!configure_kernel()) return L2IR_STATUS_CUDA_ERROR;",
         grid_line,
-        f"  {ENTRY}<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(",
-        ("      *tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K, ws, counters);" if cfg.split else
-         "      *tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K);"),
+        *(_cluster_launch() if cfg.cluster_reduce else [
+            f"  {ENTRY}<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(",
+            ("      *tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K, ws, counters);" if cfg.tree else
+             "      *tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K);")]),
         "  return cudaGetLastError() == cudaSuccess ? 0 : L2IR_STATUS_CUDA_ERROR;",
         "}",
         "",
     ]
     return L
+
+
+def _cluster_launch() -> list[str]:
+    """reduce=cluster: the launch with a cluster of SLICES blocks along x (one tile's slices)."""
+    return [
+        "  // splitk reduce=cluster: clusters of SLICES consecutive blocks, one per tile; the hardware co-schedules a",
+        "  // cluster's blocks on one GPC, which is what lets them read each other's shared memory.",
+        "  cudaLaunchAttribute attr[1];",
+        "  attr[0].id = cudaLaunchAttributeClusterDimension;",
+        "  attr[0].val.clusterDim.x = SLICES;",
+        "  attr[0].val.clusterDim.y = 1;",
+        "  attr[0].val.clusterDim.z = 1;",
+        "  cudaLaunchConfig_t config = {};",
+        "  config.gridDim = dim3(grid, 1, 1);",
+        "  config.blockDim = dim3(THREADS, 1, 1);",
+        "  config.dynamicSmemBytes = SMEM_BYTES;",
+        "  config.stream = static_cast<cudaStream_t>(stream);",
+        "  config.attrs = attr;",
+        "  config.numAttrs = 1;",
+        f"  if (cudaLaunchKernelEx(&config, {ENTRY}, *tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K) != cudaSuccess) {{",
+        "    return L2IR_STATUS_CUDA_ERROR;",
+        "  }",
+    ]
 
 
 def _workspace_size_split() -> list[str]:
@@ -1071,7 +1244,7 @@ def _workspace_size_split() -> list[str]:
 def workspace_bytes(cfg: PtxConfig) -> Expr:
     """Workspace as an expression of m, n, k: split-K's partials, then its pair counters (l2ir_workspace_size's
     number): tiles x (slices x BM x BN fp32 + (slices - 1) 4-byte counters)."""
-    if not cfg.split:
+    if not cfg.tree:
         return Const(0)
     tiles = cdiv(Var("m"), cfg.bm) * cdiv(Var("n"), cfg.bn)
     return tiles * Const(cfg.slices * cfg.partial_floats * 4 + SplitKTree(cfg.slices).counters * 4)
@@ -1099,7 +1272,7 @@ def lower(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> LaunchPl
         # split-K's pair counters must be zero before the first launch; every launch leaves them zero (each pair's
         # last arrival resets its counter), so one zeroing at allocation serves every later call. The partials
         # are always written before they are read.
-        zero_workspace=cfg.split,
+        zero_workspace=cfg.tree,
         needs_cutlass=False,
     )
 

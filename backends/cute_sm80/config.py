@@ -309,6 +309,9 @@ def derive(kernel: Kernel, problem: Problem) -> Plan:
 
     if kernel.splitk is None:
         splitk, slices = "none", 1
+    elif kernel.splitk.reduce == "cluster":
+        raise _unsupported("splitk.reduce", "cluster", "the sm80 CuTe kernels have no thread-block clusters; "
+                           "use workspace or atomic")
     else:
         splitk, slices = kernel.splitk.reduce, kernel.splitk.slices
 
