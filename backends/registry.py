@@ -28,7 +28,8 @@ class Backend:
     name: str
     module: str                         # imported on first use: a backend's dependencies load only when needed
     accepts: Callable[[Kernel], bool]
-    default: bool = True                # False: only used when asked for by name
+    default: bool | Callable[[Kernel], bool] = True   # False: only when asked for by name; a predicate: the
+    #                                                   default for the kernels it selects (among those accepted)
     function: str = "lower"             # the module's (kernel, problem, **options) -> LaunchPlan
 
     def lower(self, kernel: Kernel, problem: Problem, **options) -> LaunchPlan:
@@ -52,6 +53,7 @@ class Schedule:
 
     op: str
     mode: str
+    reduces: tuple[str, ...] | None = None     # the splitk.reduce kinds it lowers (None: every kind)
 
     def mismatch(self, k: Kernel) -> str | None:
         """None if the backend takes `k`, else the fields that rule it out."""
@@ -59,6 +61,8 @@ class Schedule:
             return "source: free-form CUDA is lowered by the source backend"
         wrong = [f"{name}={have} (lowers {want})" for name, have, want in
                  (("mma.op", k.mma.op, self.op), ("pipeline.mode", k.pipeline.mode, self.mode)) if have != want]
+        if self.reduces is not None and k.splitk is not None and k.splitk.reduce not in self.reduces:
+            wrong.append(f"splitk.reduce={k.splitk.reduce} (lowers {' or '.join(self.reduces)})")
         return ", ".join(wrong) or None
 
     def __call__(self, k: Kernel) -> bool:
@@ -68,10 +72,12 @@ class Schedule:
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("source", "l2ir.backends.source", lambda k: k.is_source, function="lower_source"),
     Backend("cute_sm80", "l2ir.backends.cute_sm80", Schedule("mma_sync", "multistage")),
-    Backend("cutlass_sm90", "l2ir.backends.cutlass_sm90", Schedule("wgmma", "tma_ws")),
+    Backend("cutlass_sm90", "l2ir.backends.cutlass_sm90", Schedule("wgmma", "tma_ws", ("workspace", "atomic"))),
     # Raw CUDA + inline PTX, asked for by name. Rules are keyed by what the kernel computes with, not by its
-    # target: an mma.sync + cp.async schedule on sm90 is the sm80 rule's kernel.
-    Backend("cuda_ptx", "l2ir.backends.cuda_ptx.sm90a", Schedule("wgmma", "tma_ws"), default=False),
+    # target: an mma.sync + cp.async schedule on sm90 is the sm80 rule's kernel. The sm90a rule is also the default
+    # for what only it lowers: split-K reduced in a thread-block cluster.
+    Backend("cuda_ptx", "l2ir.backends.cuda_ptx.sm90a", Schedule("wgmma", "tma_ws"),
+            default=lambda k: k.splitk is not None and k.splitk.reduce == "cluster"),
     Backend("cuda_ptx_sm80", "l2ir.backends.cuda_ptx.sm80", Schedule("mma_sync", "multistage"), default=False),
 )}
 
@@ -85,7 +91,8 @@ def backend_for(kernel: Kernel, name: str | None = None) -> Backend:
             why = backend.accepts.mismatch(kernel) if isinstance(backend.accepts, Schedule) else "a schedule"
             raise NotImplementedError(f"backend '{name}' does not lower this kernel: {why}\n{kernel.text()}")
         return backend
-    matches = [b for b in BACKENDS.values() if b.default and b.accepts(kernel)]
+    matches = [b for b in BACKENDS.values()
+               if b.accepts(kernel) and (b.default(kernel) if callable(b.default) else b.default)]
     if len(matches) != 1:
         names = ", ".join(b.name for b in matches) or "none"
         raise NotImplementedError(f"{len(matches)} default backends accept this kernel ({names}); name one:\n"

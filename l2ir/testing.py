@@ -85,7 +85,9 @@ def wgmma_kernels(draw) -> Kernel:
     if (1 << (smem[0] + 3)) > bk:
         smem = natural
     splitk = draw(st.sampled_from([None, None, None, SplitK("stream_k"), SplitK("split_k", 2),
-                                   SplitK("split_k", draw(st.integers(2, 16)), "cluster")]))
+                                   SplitK("split_k", 2, "cluster")]))
+    if splitk is not None and splitk.reduce == "cluster":
+        splitk = SplitK("split_k", draw(st.integers(2, 16)), "cluster")
     # stream-K is a persistent tile scheduler (a non-persistent grid has nothing to hand partial tiles to), and
     # CUTLASS runs split-K on that same scheduler; a cluster reduction is one cluster per tile, never persistent.
     cluster_reduce = splitk is not None and splitk.reduce == "cluster"
@@ -103,7 +105,9 @@ def wgmma_kernels(draw) -> Kernel:
         pad=Pad(draw(st.sampled_from(pad_modes)), draw(st.sampled_from(pad_modes)), draw(st.sampled_from(pad_modes)), 8),
         splitk=splitk,
         # the TMA store is how Hopper kernels write C; staging through shared memory or storing directly stay in
-        epilogue=(Epilogue("direct", 2) if cluster_reduce and draw(st.booleans()) else
+        # a cluster reduction stores each block's share straight from registers (the others are legal IR that the
+        # backends refuse, naming the field)
+        epilogue=(draw(st.sampled_from([Epilogue("direct", 2)] * 3 + [Epilogue("smem", 8)])) if cluster_reduce else
                   Epilogue(draw(st.sampled_from(["tma", "tma", "smem", "direct"])), 8)),
     )
     assume(not violations(kernel))

@@ -310,6 +310,18 @@ def _smem(k: Kernel):
                 f"{k.target.arch} allows {limit // KB} KB")
 
 
+@rule("splitk", "cluster_partial_fits", ResourceError)
+def _cluster_partial(k: Kernel):
+    """reduce=cluster leaves each block's fp32 partial tile in its own shared memory, over its finished stage rings
+    (the other blocks of the cluster read it from there), so the rings must hold BM x BN x 4 bytes."""
+    if k.splitk is None or k.splitk.reduce != "cluster" or k.is_source:
+        return None
+    partial, ring = k.tile.bm * k.tile.bn * 4, ring_bytes(k)
+    if partial > ring:
+        return (f"reduce=cluster keeps the {k.tile.bm}x{k.tile.bn} fp32 partial ({partial / KB:.0f} KB) over the "
+                f"stage rings, which hold {ring / KB:.0f} KB ({ring_description(k)}): raise pipeline.stages")
+
+
 @rule("tile", "register_budget", ResourceError)
 def _registers(k: Kernel):
     """Accumulators and fragments must fit the 255-register file of a thread, or the kernel spills."""

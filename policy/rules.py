@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from l2ir.indexing import ceil_div
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
 from l2ir.seed import alignment, store_vector
+from l2ir.target import MAX_CLUSTER_NONPORTABLE
 
 from .actions import diff_edits, normal_backend
 from .base import Context, Dedupe, Proposal, StatelessPolicy, try_legalize
@@ -105,6 +106,26 @@ def sm80_kernel(problem: Problem, block, warps, stages: int, slices: int = 1, ra
     )
 
 
+def cluster_split_kernel(problem: Problem, sms: int) -> Kernel | None:
+    """Split-K reduced inside a thread-block cluster (cuda_ptx, sm90a): one consumer warpgroup per 64x64 tile and
+    slice, as many slices (up to a 16-block cluster, at least 4 k tiles each) as bring the blocks near one wave; None
+    when the tiles alone fill the SMs or K is short."""
+    tiles = tiles_of(problem, 64, 64)
+    slices = split_slices(problem, tiles, 64, sms)
+    if slices < 2:
+        return None
+    return Kernel(
+        target=Target("sm90a"),
+        tile=Tile(block=(64, 64, 64), warps=(4, 1)),
+        mma=Mma("wgmma", (64, 64, 16)),
+        pipeline=Pipeline("tma_ws", "auto", schedule="pingpong", persistent=False),
+        swizzle=Swizzle(smem=(3, 3, 3)),
+        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+        splitk=SplitK("split_k", min(slices, MAX_CLUSTER_NONPORTABLE), "cluster"),
+        epilogue=Epilogue("direct", 2),
+    )
+
+
 def raster_for(problem: Problem, bm: int, bn: int, sms: int) -> Swizzle:
     tm, tn = ceil_div(problem.m, bm), ceil_div(problem.n, bn)
     if tm * tn < MANY_WAVES * sms // 2:
@@ -169,6 +190,12 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
         if hopper:
             out.append(Candidate(9.5, hopper_kernel(problem, 128, 128, "cooperative", splitk=SplitK("stream_k")),
                                  why + ": stream-K spreads the MAC loop evenly over a persistent grid"))
+            cluster = cluster_split_kernel(problem, sms)
+            if cluster is not None:
+                out.append(Candidate(
+                    9.8, cluster, f"split: {tiles_of(problem, 64, 64)} tiles of 64x64 and K={k}: split-K "
+                    f"{cluster.splitk.slices} in a thread-block cluster (the slices add up in each other's shared "
+                    "memory, one barrier round trip; bench/NOTES.md, cluster split-K)", backend="cuda_ptx"))
         out.append(Candidate(9.0 if not hopper else 7.5,
                              sm80_kernel(problem, (64, 64, 32), (2, 2), 4, slices),
                              why + f": split-K {slices} (sm80 rule, fp32 partials reduced in the workspace)"))
@@ -245,7 +272,7 @@ class Rules(StatelessPolicy):
         for cand in candidates(context.problem, context.parent, context.arch, context.num_sms):
             if len(out) >= context.count:
                 break
-            backend = normal_backend(cand.kernel, context.backend)
+            backend = normal_backend(cand.kernel, cand.backend or context.backend)
             if try_legalize(cand.kernel, context.problem, backend) is None or not seen.fresh(cand.kernel, backend):
                 continue
             edits = diff_edits(context.parent, cand.kernel)

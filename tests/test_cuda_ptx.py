@@ -74,6 +74,13 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
     "w4x1_64x64x64_s4_two_per_sm_splitk5": (
         lat((64, 64, 64), pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False), splitk=SplitK("split_k", 5)),
         PROBLEM),
+    "w4x1_64x64x64_splitk8_cluster": (lat((64, 64, 64), splitk=SplitK("split_k", 8, "cluster")), PROBLEM),
+    "w4x1_64x128x64_s4_two_per_sm_splitk16_cluster": (
+        lat(pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False), splitk=SplitK("split_k", 16, "cluster")),
+        PROBLEM),
+    "coop_128x128x64_splitk4_cluster_nonpersistent": (
+        coop((128, 128, 64), pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=False),
+             splitk=SplitK("split_k", 4, "cluster")), PROBLEM),
 }
 
 
@@ -259,6 +266,53 @@ def test_splitk_renders_the_pairwise_tree_reduction():
     assert "const int grid = num_units < NUM_SMS ? int(num_units) : NUM_SMS;" in coop_src
 
 
+def test_splitk_cluster_renders_the_cluster_reduction():
+    """split_k reduce=cluster: one cluster of SLICES consecutive blocks per tile (slice = rank), the partial stored
+    over the finished rings after every consumer's last wgmma, a cluster barrier, the owned fragments
+    (l2ir.indexing.ClusterReduce.owner, the same expression in the reduction and the epilogue) read from every
+    block's shared memory and added in slice order, a second barrier that every block passes only before it exits;
+    the producer warpgroup arrives at both. No workspace, counters, fences to global memory or atomics; the launch
+    carries the cluster dimension, and above 8 blocks the non-portable opt-in."""
+    from l2ir.indexing import ClusterReduce
+
+    plan = lower(lat((64, 64, 64), splitk=SplitK("split_k", 8, "cluster")), PROBLEM)
+    src = plan.source
+    owner = ClusterReduce(8).owner.to_cpp()
+    assert "const int pid = unit / SLICES;" in src and "const int slice = unit % SLICES;" in src
+    kernel_src = src[src.index("__launch_bounds__"):src.index("// ---- trusted host code")]
+    consumer = kernel_src[kernel_src.index("// ---- consumer warpgroups"):]
+    order = ["wgmma_wait<0>();", 'asm volatile("bar.sync 3, %0;"', "fence.proxy.async.shared::cta;",
+             "mine[(j * (WGMMA_N / 8) + q) * CONSUMER_THREADS] =", "cluster_arrive();", "cluster_wait();",
+             f"if ({owner} != slice) continue;", "v[r] = ld_cluster_f4(local, r);", "float4 sum = v[0];",
+             "for (int r = 1; r < SLICES; ++r)", "cluster_arrive();", f"if ({owner} != slice) continue;", "pack2(",
+             "cluster_wait();"]
+    at = 0
+    for x in order:     # each in turn, after the previous one
+        at = consumer.index(x, at) + 1
+    producer = kernel_src[kernel_src.index("// ---- producer warpgroup"):kernel_src.index("// ---- consumer warpgroups")]
+    assert producer.count("cluster_arrive();") == 2 and producer.count("cluster_wait();") == 2
+    for absent in ("atomicAdd", "__threadfence", "TREE_", "__stcg", "__ldcg", "float* __restrict__ ws"):
+        assert absent not in src, absent
+    assert not plan.zero_workspace and plan.workspace_for(64, 1024, 16384) == 0
+    assert "attr[0].val.clusterDim.x = SLICES;" in src and "cudaLaunchKernelEx(&config" in src
+    assert "NonPortableClusterSize" not in src
+    assert "cudaFuncAttributeNonPortableClusterSizeAllowed, 1" in lower(
+        lat((64, 64, 64), splitk=SplitK("split_k", 16, "cluster")), PROBLEM).source
+
+
+def test_splitk_cluster_partial_must_fit_over_the_rings():
+    """reduce=cluster keeps the BM x BN fp32 partial in the stage rings' shared memory: a ring too small for it is the
+    verifier's ResourceError naming the stages, not a kernel that writes past its rings (the source also
+    static_asserts it)."""
+    from l2ir.errors import ResourceError
+
+    small = coop((128, 256, 64), pipeline=Pipeline("tma_ws", 2, "cooperative", persistent=False),
+                 splitk=SplitK("split_k", 2, "cluster"))
+    with pytest.raises(ResourceError, match="raise pipeline.stages"):
+        lower(small, PROBLEM)
+    lower(small.replace(pipeline=Pipeline("tma_ws", 3, "cooperative", persistent=False)), PROBLEM)
+
+
 @pytest.mark.parametrize("block,stages,chunk", [
     ((64, 128, 64), "auto", 16),   # 16 float4 per thread, 64 accumulators, one block per SM: all in flight
     ((64, 64, 64), 4, 8),          # 8 float4: all of them
@@ -374,6 +428,7 @@ REFUSALS = [
     ("tile.cluster", coop(tile=Tile((128, 256, 64), (8, 1), (2, 1))), PROBLEM),
     ("splitk", coop(splitk=SplitK("stream_k")), PROBLEM),
     ("splitk", coop(splitk=SplitK("split_k", 2, "atomic")), PROBLEM),
+    ("epilogue.path", lat(splitk=SplitK("split_k", 4, "cluster"), epilogue=Epilogue("smem", 8)), PROBLEM),
     ("pipeline.schedule", coop((128, 128, 64), tile=Tile((128, 128, 64), (4, 1), (1, 1)),
                                pipeline=Pipeline("tma_ws", "auto", "pingpong", persistent=True)), PROBLEM),
     ("epilogue.path", coop(epilogue=Epilogue("tma", 8)), PROBLEM),
@@ -434,7 +489,8 @@ def _sweep_splitk_cases() -> dict[str, tuple[Kernel, Problem]]:
 
 NVCC_CASES = ["coop_128x256x64_direct", "coop_256x128x64_smem8_along_m8", "w4x1_64x128x64_direct",
               "w4x1_64x256x64_smem8_bf16", "w4x1_64x128x64_splitk8", "coop_128x128x64_splitk3_persistent_smem8",
-              "w4x1_64x128x64_s4_two_per_sm", "w4x1_64x64x64_s4_two_per_sm_splitk5"]
+              "w4x1_64x128x64_s4_two_per_sm", "w4x1_64x64x64_s4_two_per_sm_splitk5", "w4x1_64x64x64_splitk8_cluster",
+              "w4x1_64x128x64_s4_two_per_sm_splitk16_cluster", "coop_128x128x64_splitk4_cluster_nonpersistent"]
 BUILD_CASES = {**{name: CASES[name] for name in NVCC_CASES}, **_sweep_splitk_cases()}
 
 

@@ -260,3 +260,91 @@ def test_splitk_tree_fuzzed(slices, m, n_half, k_extra, rnd):
     finally:
         interp_mod._splitk_arrivals = saved
     assert again.c.tobytes() == first.c.tobytes()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Split-K in a thread-block cluster (l2ir.indexing.ClusterReduce): each block stores its share, the sum in slice
+# order.
+# ---------------------------------------------------------------------------------------------------------------
+
+def _cluster_kernel(slices, block=(64, 64, 64), warps=(4, 1), schedule="pingpong"):
+    from l2ir.search.sweeps import load_sweep
+
+    base = load_sweep("cuda_ptx")["ptx_splitk_cluster_w4x1_64x64x64_s8"]
+    return base.replace(tile=dataclasses.replace(base.tile, block=block, warps=warps),
+                        mma=dataclasses.replace(base.mma, shape=(64, block[1], 16)),
+                        pipeline=dataclasses.replace(base.pipeline, schedule=schedule),
+                        splitk=SplitK("split_k", slices, "cluster"))
+
+
+def test_cluster_reduction_sums_in_slice_order():
+    """C has the bits of partials[0] + partials[1] + ... in slice order (ClusterReduce.reduce), not the pairwise
+    tree's: each slice's block of A and B is scaled by its own power of two, so every partial is exact in fp32 while
+    their sum rounds, and the order of the additions shows in the fp32 output. No workspace is written."""
+    from l2ir.indexing import ClusterReduce, SplitKTree
+
+    slices, bk = 5, 64
+    problem = Problem(100, 136, bk * slices, c=("f32", "row"))
+    kernel = _cluster_kernel(slices)
+    a, b = random_inputs(problem, np.random.default_rng(4), integers=True)
+    scale = np.repeat(2.0 ** np.array([12, -12, 0, 6, -6]), bk)
+    a = (a.astype(np.float64) * scale[None, :]).astype(a.dtype)
+    b = (b.astype(np.float64) * scale[:, None]).astype(b.dtype)
+    result = interpret(kernel, problem, a, b)
+    parts = [(a[:, bk * s:bk * (s + 1)].astype(np.float64) @ b[bk * s:bk * (s + 1)].astype(np.float64))
+             .astype(np.float32) for s in range(slices)]
+    serial = ClusterReduce(slices).reduce(parts)
+    assert result.c.tobytes() == serial.tobytes()
+    assert not np.array_equal(serial, SplitKTree(slices).reduce(parts))    # the scales make the order show
+    assert result.workspace_writes is None and (result.c_writes == 1).all()
+
+
+@pytest.mark.parametrize("block,warps,schedule", [((64, 64, 64), (4, 1), "pingpong"),
+                                                  ((128, 128, 64), (8, 1), "cooperative")])
+def test_cluster_owner_shares_every_fragment_once(block, warps, schedule):
+    """Every element of a tile has exactly one owner in 0..slices-1, each owner an equal share when slices divides
+    the fragment units, and whole 8-column groups go to one owner (the epilogue's vector stores never straddle two)."""
+    from l2ir.indexing import ClusterReduce
+
+    bm, bn, _ = block
+    wg_m = bm // (warps[0] // 4)
+    rows, cols = np.arange(bm)[:, None], np.arange(bn)[None, :]
+    fragment = ClusterReduce.fragment_of(wg_m, bn).eval({"row": rows, "col": cols})
+    assert fragment.min() == 0 and fragment.max() == (wg_m // 64) * (bn // 8) - 1
+    for slices in (2, 4, 8):
+        owner = ClusterReduce(slices).owner.eval({"fragment": fragment})
+        counts = np.bincount(owner.ravel(), minlength=slices)
+        assert len(counts) == slices and (counts == bm * bn // slices).all(), counts
+        assert (owner.reshape(bm, bn // 8, 8) == owner[:, ::8][:, :, None]).all()
+
+
+@pytest.mark.parametrize("owner,match", [
+    (Var("fragment") % 4 + 1, "written a wrong number of times"),      # off by one: rank 4 does not exist
+    (Var("fragment") % 8, "written a wrong number of times"),          # ranks 4..7 do not exist
+], ids=["owner_off_by_one", "owners_outside_the_cluster"])
+def test_broken_cluster_ownership_is_caught(monkeypatch, owner, match):
+    """An ownership map that gives fragment units to ranks the cluster does not have leaves those elements of C
+    unwritten (no block stores them): the interpreter's write count fails."""
+    from l2ir.indexing import ClusterReduce
+
+    broken = type("BrokenCluster", (ClusterReduce,), {"owner": property(lambda self: owner)})
+    monkeypatch.setattr(interp_mod, "ClusterReduce", broken)
+    kernel = _cluster_kernel(4)
+    p = Problem(128, 256, 512)
+    with pytest.raises(InterpError, match=match):
+        interpret(kernel, p, *random_inputs(p, np.random.default_rng(0), integers=True))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 16), st.integers(1, 150), st.integers(1, 150), st.integers(0, 3), st.booleans(),
+       st.randoms(use_true_random=False))
+def test_cluster_reduction_fuzzed(slices, m, n_half, k_extra, coop, rnd):
+    """Any cluster size, ragged M, N and K tails, one or two consumer warpgroups: exact on small integers, each
+    element of C stored once by its owner."""
+    kernel = (_cluster_kernel(slices, (128, 128, 64), (8, 1), "cooperative") if coop else _cluster_kernel(slices))
+    k_tiles = slices + k_extra * (slices - 1)         # every slice owns a k tile
+    problem = Problem(m, 2 * n_half, 64 * k_tiles - 8 * rnd.randrange(8))
+    a, b = random_inputs(problem, np.random.default_rng(rnd.randrange(2 ** 32)), integers=True)
+    result = interpret(kernel, problem, a, b)
+    np.testing.assert_array_equal(result.c.astype(np.float64), reference(a, b))
+    assert (result.c_writes == 1).all()

@@ -63,7 +63,7 @@ def test_every_backend_through_the_pipeline_and_the_gates(tmp_path, device_sm):
 
     def pipelines(evaluator):
         # a backend that is not the default for its kernels is asked for by name, one pipeline each
-        return {backend: Pipeline(PipelineConfig(backend=None if BACKENDS[backend].default else backend,
+        return {backend: Pipeline(PipelineConfig(backend=None if BACKENDS[backend].default is True else backend,
                                                  compile=options), evaluator, JsonlStore(store_path))
                 for backend in cases}
 

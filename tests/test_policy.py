@@ -182,6 +182,26 @@ def test_rules_skinny_long_k_splits():
     assert any(q.note.startswith("split") and "stream-K" in q.note for q in props)
 
 
+def test_rules_hopper_few_tiles_long_k_splits_in_a_cluster():
+    """On Hopper, few output tiles and a long K get split-K reduced in a thread-block cluster, which lowers (on
+    cuda_ptx, the only backend that lowers it); a shape whose tiles fill the SMs does not."""
+    from l2ir.backends.registry import lower
+
+    p = Problem(128, 128, 16384)
+    ctx = Context(p, seed(p, "sm90a"), count=8, arch="sm90a")
+    props = Rules().propose(ctx)
+    cluster = [q for q in props if "thread-block cluster" in q.note]
+    assert cluster, [q.note for q in props]
+    kernel = cluster[0].apply(ctx.parent, p)
+    # cuda_ptx is the registry's default for a cluster reduction (the only backend that lowers it)
+    assert kernel.splitk.reduce == "cluster" and cluster[0].backend is None
+    assert 2 <= kernel.splitk.slices <= 16
+    assert lower(kernel, p).workspace_for(*p.shape) == 0
+    big = Problem(8192, 8192, 8192)
+    bctx = Context(big, seed(big, "sm90a"), count=8, arch="sm90a")
+    assert not any("thread-block cluster" in q.note for q in Rules().propose(bctx))
+
+
 def test_rules_huge_shape_fills_waves_with_big_cooperative_tiles_and_clusters():
     p = Problem(8192, 8192, 8192)
     ctx = Context(p, seed(p, "sm80"), count=8)

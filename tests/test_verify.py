@@ -51,6 +51,18 @@ ILLEGAL = [
      "at most 256 elements", "tma_box"),
     ("stream-k not persistent", rep(SM90, "pipeline", persistent=False).replace(splitk=SplitK("stream_k")),
      SplitKError, "persistent=true", "mode_settings"),
+    ("cluster reduce on sm80", SM80.replace(splitk=SplitK("split_k", 4, "cluster")), SplitKError,
+     "needs thread-block clusters", "mode_settings"),
+    ("cluster reduce with mma.sync", rep(SM80, "target", arch="sm90a").replace(splitk=SplitK("split_k", 4, "cluster")),
+     SplitKError, "wgmma accumulator fragments", "mode_settings"),
+    ("cluster reduce of 17", rep(SM90, "pipeline", persistent=False).replace(splitk=SplitK("split_k", 17, "cluster")),
+     SplitKError, "at most 16 blocks", "mode_settings"),
+    ("cluster reduce in a cluster", rep(SM90, "pipeline", persistent=False).replace(splitk=SplitK("split_k", 4, "cluster")),
+     SplitKError, "would nest a second one", "mode_settings"),       # the example's tile.cluster is 2x1
+    ("cluster reduce persistent", rep(rep(SM90, "pipeline", persistent=True), "tile", cluster=(1, 1))
+     .replace(splitk=SplitK("split_k", 4, "cluster")), SplitKError, "set pipeline.persistent=false", "mode_settings"),
+    ("cluster reduce stream-k", SM90.replace(splitk=SplitK("stream_k", 1, "cluster")), SplitKError,
+     "reduce=cluster is for split_k", "mode_settings"),
     ("smem budget sm80", rep(SM80, "pipeline", stages=13), ResourceError, "sm80 allows 163 KB", "smem_budget"),
     ("smem budget sm90", rep(SM90, "pipeline", stages=6), ResourceError, "sm90a allows 227 KB", "smem_budget"),
     ("registers", rep(SM80, "tile", block=(256, 256, 32)), ResourceError, "exceeds 255", "register_budget"),

@@ -241,10 +241,6 @@ class PtxConfig:
         in the accumulator fragment order)."""
         return self.bm * self.bn
 
-    @property
-    def ring_bytes(self) -> int:
-        """The A and B stage rings; reduce=cluster stores the block's partial over them once the main loop is done."""
-        return self.layout["c"]
 
 
 def _round_up(x: int, m: int) -> int:
@@ -363,10 +359,6 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
     if total > limit:
         raise ResourceError("pipeline", "smem_layout", f"{stages} stages of {cfg.a_stage_bytes + cfg.b_stage_bytes} B "
                             f"+ {cfg.c_stage_bytes} B epilogue + barriers = {total} B exceed {limit} B")
-    if cfg.cluster_reduce and cfg.partial_floats * 4 > cfg.ring_bytes:
-        raise ResourceError("pipeline", "smem_layout", f"splitk reduce=cluster stores the {bm}x{bn} fp32 partial "
-                            f"({cfg.partial_floats * 4} B) over the stage rings, which hold {cfg.ring_bytes} B "
-                            f"({stages} stages): raise pipeline.stages")
     return cfg
 
 
