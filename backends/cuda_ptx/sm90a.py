@@ -38,6 +38,12 @@ The kernel (a producer warpgroup and one or two consumer warpgroups):
                with base = the lower subtree's slot. The block that completes the root runs the epilogue. fp32
                addition commutes, so each pair's sum, and C, is bit-identical whichever block arrives last; no block
                waits for another; the critical path reads ceil(log2 S) partials instead of S.
+               (splitk reduce=cluster) the S slices of a tile are one thread-block cluster, launched with the cluster
+               dimension (the non-portable opt-in above 8): each block stores its fp32 partial over its finished
+               stage rings, a cluster barrier publishes it, and each block adds the fragment units it owns
+               (l2ir.indexing.ClusterReduce) from all S blocks' shared memory (mapa + ld.shared::cluster) in slice
+               order into its registers; the direct epilogue stores only those units, and a second barrier keeps
+               the shared memory alive until the last remote read. No workspace, no counters.
   epilogue     registers -> global (path=direct) or registers -> swizzled shared memory -> 16-byte global stores
                (path=smem), predicated on M and N. K tails need nothing: TMA fills out-of-bounds boxes with zeros.
 
@@ -61,7 +67,8 @@ Field -> code map (the generated lines name their field in a comment):
   splitk                   split_k reduce=workspace: grid x slices, in-kernel pairwise-tree reduction; workspace =
                            every tile's slices x BM x BN fp32 slots, then every tile's slices - 1 4-byte pair
                            counters (SplitKTree.counters), zeroed once (plan.zero_workspace), left zero by every
-                           launch; reduce=atomic and stream_k raise
+                           launch; reduce=cluster: grid x slices in clusters of `slices`, no workspace, path=direct
+                           only; reduce=atomic and stream_k raise
   epilogue.path            direct | smem; tma raises (not implemented)
   epilogue.vector          elements per global store (direct: 1 or 2, the accumulator fragment's adjacent pair)
   problem                  a row (K-major), b col (K-major), f16 or bf16 in, f16 or bf16 out, acc f32
@@ -407,27 +414,19 @@ def _tile_loop(cfg: PtxConfig, indent: str) -> list[str]:
     the slice's k-tile range (l2ir.indexing.splitk_range, rendered: the interpreter's and the verifier's partition)."""
     tile_m, tile_n = rasterize(cfg.raster, cfg.group)
     if cfg.cluster_reduce:
-        begin, end = splitk_range(cfg.slices)
-        return [
+        head = [
             f"{indent}// splitk mode=split_k slices={cfg.slices} reduce=cluster: one cluster of SLICES consecutive blocks per",
             f"{indent}// tile, so work unit = tile * SLICES + slice and the slice is the block's rank in its cluster",
             f"{indent}// (%cluster_ctarank = blockIdx.x % SLICES for a 1-D cluster). One unit per block.",
             f"{indent}for (int unit = blockIdx.x; unit < num_units; unit = num_units) {{",
             f"{indent}  const int pid = unit / SLICES;",
             f"{indent}  const int slice = unit % SLICES;",
-            f"{indent}  // k tiles [kt_begin, kt_end) of this slice (l2ir.indexing.splitk_range)",
-            f"{indent}  const int kt_begin = {begin.to_cpp()};",
-            f"{indent}  const int kt_end = {end.to_cpp()};",
-            f"{indent}  // swizzle.raster={cfg.raster} group={cfg.group} (l2ir.indexing.rasterize)",
-            f"{indent}  const int tile_m = {tile_m.to_cpp()};",
-            f"{indent}  const int tile_n = {tile_n.to_cpp()};",
         ]
-    if cfg.split:
-        begin, end = splitk_range(cfg.slices)
+    elif cfg.split:
         # Non-persistent: `unit = num_units` ends the loop after one pass in a way the compiler sees, so nothing
         # of a next pass (k_tiles, the raster divisors) stays live across the main loop and the reduction.
         step = "unit += gridDim.x" if cfg.persistent else "unit = num_units"
-        return [
+        head = [
             f"{indent}// splitk mode=split_k slices={cfg.slices}: work unit = slice * num_tiles + tile, so blocks that run",
             f"{indent}// together cover the tiles of one K range and share its A slice in L2.",
             f"{indent}// " + ("pipeline.persistent=true: grid = min(units, NUM_SMS); each block walks units unit, "
@@ -436,20 +435,19 @@ def _tile_loop(cfg: PtxConfig, indent: str) -> list[str]:
             f"{indent}for (int unit = blockIdx.x; unit < num_units; {step}) {{",
             f"{indent}  const int pid = unit % num_tiles;",
             f"{indent}  const int slice = unit / num_tiles;",
-            f"{indent}  // k tiles [kt_begin, kt_end) of this slice (l2ir.indexing.splitk_range)",
-            f"{indent}  const int kt_begin = {begin.to_cpp()};",
-            f"{indent}  const int kt_end = {end.to_cpp()};",
-            f"{indent}  // swizzle.raster={cfg.raster} group={cfg.group} (l2ir.indexing.rasterize)",
-            f"{indent}  const int tile_m = {tile_m.to_cpp()};",
-            f"{indent}  const int tile_n = {tile_n.to_cpp()};",
         ]
-    if cfg.persistent:
+    elif cfg.persistent:
         head = [f"{indent}// pipeline.persistent=true: grid = min(tiles, NUM_SMS); each block walks tiles pid, "
                 "pid + gridDim.x, ...",
                 f"{indent}for (int pid = blockIdx.x; pid < num_tiles; pid += gridDim.x) {{"]
     else:
         head = [f"{indent}// pipeline.persistent=false: one block per output tile.",
                 f"{indent}for (int pid = blockIdx.x; pid < num_tiles; pid += num_tiles) {{"]
+    if cfg.split:
+        begin, end = splitk_range(cfg.slices)
+        head += [f"{indent}  // k tiles [kt_begin, kt_end) of this slice (l2ir.indexing.splitk_range)",
+                 f"{indent}  const int kt_begin = {begin.to_cpp()};",
+                 f"{indent}  const int kt_end = {end.to_cpp()};"]
     return head + [
         f"{indent}  // swizzle.raster={cfg.raster} group={cfg.group} (l2ir.indexing.rasterize)",
         f"{indent}  const int tile_m = {tile_m.to_cpp()};",
