@@ -296,7 +296,6 @@ class _Schedule:
         accumulate their slices' k tiles; block `rank` then stores only the fragment units `owner` gives it, each the
         sum of all the cluster's partials in slice order. A broken ownership map leaves elements of C unwritten or
         writes them twice, which the final write count catches."""
-        p = self.problem
         cr = ClusterReduce(slices)
         warpgroups = max(1, self.kernel.tile.warps[0] // 4)    # wgmma: 4 warps along M per warpgroup
         rows, cols = np.arange(self.bm)[:, None], np.arange(self.bn)[None, :]

@@ -320,41 +320,51 @@ def test_cuda_ptx_small_shape_families_pass_every_gate(evaluator, tmp_path_facto
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# cuda_ptx sm90a split-K's pairwise-tree reduction (l2ir.indexing.SplitKTree) at slice counts that are and are not
-# powers of two, on the two-blocks-per-SM 64x64 tile, the one-block 64x128 tile and a persistent cooperative kernel
-# (256 consumer threads, blocks walking several units): every gate at a ragged shape, then at every admitted shape
-# three launches on one workspace zeroed once (bit-identical C, every pair counter back at zero, fp64 reference).
+# cuda_ptx sm90a split-K reduced in the kernel, both ways:
+# - the pairwise tree through the workspace (l2ir.indexing.SplitKTree), at slice counts that are and are not powers
+#   of two, on the two-blocks-per-SM 64x64 tile, the one-block 64x128 tile and a persistent cooperative kernel (256
+#   consumer threads, blocks walking several units);
+# - the thread-block cluster (l2ir.indexing.ClusterReduce), 2-16 slices (above 8 the non-portable cluster opt-in),
+#   deep rings and two blocks per SM, a 64x128 tile and a non-persistent cooperative kernel (two consumer warpgroups
+#   share the tile's fragments); no workspace.
+# Every gate at a ragged shape, then at every admitted shape three launches (on one workspace zeroed once):
+# bit-identical C within fp32-accumulation error of fp64, every pair counter back at zero.
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _splitk_tree_kernels() -> dict[str, Kernel]:
-    def lat(block, stages, slices):
+def _splitk_kernels() -> dict[str, Kernel]:
+    def lat(block, stages, splitk):
         return Kernel(target=Target("sm90a"), tile=Tile(block, (4, 1), (1, 1)), mma=Mma("wgmma", (64, block[1], 16)),
                       pipeline=Pipeline("tma_ws", stages, "pingpong", persistent=False),
                       swizzle=Swizzle((3, 3, 3), "along_n", 1), pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
-                      splitk=SplitK("split_k", slices), epilogue=Epilogue("direct", 2))
+                      splitk=splitk, epilogue=Epilogue("direct", 2))
 
     kernels = {}
-    for s in SPLITK_TREE_SLICES:
-        kernels[f"w4x1_64x64x64_st4_s{s}"] = lat((64, 64, 64), 4, s)
-        kernels[f"w4x1_64x128x64_auto_s{s}"] = lat((64, 128, 64), "auto", s)
-    coop = ptx(block=(128, 128, 64), epilogue=("smem", 8))
-    kernels["coop_128x128x64_persistent_smem8_s5"] = coop.replace(splitk=SplitK("split_k", 5))
+    for s in SPLITK_SLICES:
+        kernels[f"tree_w4x1_64x64x64_st4_s{s}"] = lat((64, 64, 64), 4, SplitK("split_k", s))
+        kernels[f"tree_w4x1_64x128x64_auto_s{s}"] = lat((64, 128, 64), "auto", SplitK("split_k", s))
+        kernels[f"cluster_w4x1_64x64x64_auto_s{s}"] = lat((64, 64, 64), "auto", SplitK("split_k", s, "cluster"))
+    kernels["tree_coop_128x128x64_persistent_smem8_s5"] = ptx(block=(128, 128, 64), epilogue=("smem", 8)).replace(
+        splitk=SplitK("split_k", 5))
+    kernels["cluster_w4x1_64x64x64_st4_s16"] = lat((64, 64, 64), 4, SplitK("split_k", 16, "cluster"))
+    kernels["cluster_w4x1_64x128x64_auto_s4"] = lat((64, 128, 64), "auto", SplitK("split_k", 4, "cluster"))
+    kernels["cluster_coop_128x128x64_nonpersistent_s4"] = ptx(
+        block=(128, 128, 64), persistent=False, raster=("along_n", 1)).replace(splitk=SplitK("split_k", 4, "cluster"))
     return kernels
 
 
-SPLITK_TREE_SLICES = (2, 3, 5, 8, 16)
-SPLITK_TREE = _splitk_tree_kernels()
+SPLITK_SLICES = (2, 3, 5, 8, 16)
+SPLITK = _splitk_kernels()
 # Ragged M and N with a few tiles; ragged M and N with hundreds of tiles (thousands of blocks racing on counters);
 # the aligned skinny shape the family is for; a ragged K (65 k tiles: only the slice counts that leave no slice
 # empty take it).
-SPLITK_TREE_SHAPES = ((130, 200, 4096), (1000, 1000, 2048), (64, 2048, 8192), (127, 130, 4104))
+SPLITK_SHAPES = ((130, 200, 4096), (1000, 1000, 2048), (64, 2048, 8192), (127, 130, 4104))
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("name", list(SPLITK_TREE))
-def test_cuda_ptx_splitk_tree_reduction(evaluator, tmp_path_factory, name):
+@pytest.mark.parametrize("name", list(SPLITK))
+def test_cuda_ptx_splitk_reduction(evaluator, tmp_path_factory, name):
     import torch
 
     from l2ir.indexing import SplitKTree
@@ -363,65 +373,18 @@ def test_cuda_ptx_splitk_tree_reduction(evaluator, tmp_path_factory, name):
     major, minor = torch.cuda.get_device_capability(0)
     if (major, minor) < (9, 0):
         pytest.skip(f"the sm90a kernels need a Hopper GPU; this one is sm_{major}{minor}")
-    kernel = SPLITK_TREE[name]
+    kernel = SPLITK[name]
     plan = lower(kernel, F16, "cuda_ptx")
-    art = _build_for_this_gpu(plan, tmp_path_factory.mktemp("splitk_tree"))
-    shapes = [s for s in SPLITK_TREE_SHAPES if admits(kernel, F16.with_shape(*s))[0]]
+    tree = kernel.splitk.reduce == "workspace"
+    assert tree or (plan.workspace_for(1000, 1000, 2048) == 0 and not plan.zero_workspace)
+    art = _build_for_this_gpu(plan, tmp_path_factory.mktemp("splitk"))
+    shapes = [s for s in SPLITK_SHAPES if admits(kernel, F16.with_shape(*s))[0]]
     assert (130, 200, 4096) in shapes and (1000, 1000, 2048) in shapes, shapes
     _assert_passes_every_gate(evaluator, kernel, F16, plan, art, [(130, 200, 4096)], name,
                               {"accuracy", "ulp", "all_written", "guard_bands"})
     for i, shape in enumerate(shapes):
         _assert_splitk_repeatable(kernel, plan, art, shape, seed=100 + i,
-                                  counters_per_tile=SplitKTree(kernel.splitk.slices).counters)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# cuda_ptx sm90a split-K reduced in a thread-block cluster (l2ir.indexing.ClusterReduce): 2-16 slices (above 8 the
-# non-portable cluster opt-in), deep rings and two blocks per SM, a 64x128 tile and a non-persistent cooperative
-# kernel (two consumer warpgroups share the tile's fragments). Every gate at a ragged shape, then three launches per
-# shape: bit-identical C within fp32-accumulation error of fp64, no workspace asked for.
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _splitk_cluster_kernels() -> dict[str, Kernel]:
-    def lat(block, stages, slices):
-        return Kernel(target=Target("sm90a"), tile=Tile(block, (4, 1), (1, 1)), mma=Mma("wgmma", (64, block[1], 16)),
-                      pipeline=Pipeline("tma_ws", stages, "pingpong", persistent=False),
-                      swizzle=Swizzle((3, 3, 3), "along_n", 1), pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
-                      splitk=SplitK("split_k", slices, "cluster"), epilogue=Epilogue("direct", 2))
-
-    kernels = {f"w4x1_64x64x64_auto_s{s}": lat((64, 64, 64), "auto", s) for s in (2, 3, 5, 8, 16)}
-    kernels["w4x1_64x64x64_st4_s16"] = lat((64, 64, 64), 4, 16)
-    kernels["w4x1_64x128x64_auto_s4"] = lat((64, 128, 64), "auto", 4)
-    coop = ptx(block=(128, 128, 64), persistent=False, raster=("along_n", 1))
-    kernels["coop_128x128x64_nonpersistent_s4"] = coop.replace(splitk=SplitK("split_k", 4, "cluster"))
-    return kernels
-
-
-SPLITK_CLUSTER = _splitk_cluster_kernels()
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("name", list(SPLITK_CLUSTER))
-def test_cuda_ptx_splitk_cluster_reduction(evaluator, tmp_path_factory, name):
-    import torch
-
-    from l2ir.search.gates import admits
-
-    major, minor = torch.cuda.get_device_capability(0)
-    if (major, minor) < (9, 0):
-        pytest.skip(f"the sm90a kernels need a Hopper GPU; this one is sm_{major}{minor}")
-    kernel = SPLITK_CLUSTER[name]
-    plan = lower(kernel, F16, "cuda_ptx")
-    assert plan.workspace_for(1000, 1000, 2048) == 0 and not plan.zero_workspace
-    art = _build_for_this_gpu(plan, tmp_path_factory.mktemp("splitk_cluster"))
-    shapes = [s for s in SPLITK_TREE_SHAPES if admits(kernel, F16.with_shape(*s))[0]]
-    assert (130, 200, 4096) in shapes and (1000, 1000, 2048) in shapes, shapes
-    _assert_passes_every_gate(evaluator, kernel, F16, plan, art, [(130, 200, 4096)], name,
-                              {"accuracy", "ulp", "all_written", "guard_bands"})
-    for i, shape in enumerate(shapes):
-        _assert_splitk_repeatable(kernel, plan, art, shape, seed=200 + i)
+                                  counters_per_tile=SplitKTree(kernel.splitk.slices).counters if tree else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -542,13 +542,13 @@ def _epilogue_direct(cfg: PtxConfig) -> list[str]:
     lines = [
         "      // epilogue.path=direct: each thread stores its fragment straight to global memory. Fragment layout of",
         "      // wgmma m64nN f32: d[4c + 2h + e] is row 16*warp + lane/4 + 8h, column 8c + 2*(lane%4) + e.",
-        f"      const int row0 = tile_m * BM + cw * WG_M + warp * 16 + lane / 4;",
-        f"      const int col0 = tile_n * BN + 2 * (lane % 4);",
+        "      const int row0 = tile_m * BM + cw * WG_M + warp * 16 + lane / 4;",
+        "      const int col0 = tile_n * BN + 2 * (lane % 4);",
         "#pragma unroll",
         "      for (int j = 0; j < SLABS; ++j) {",
         "#pragma unroll",
         "        for (int c = 0; c < WGMMA_N / 8; ++c) {",
-        *([f"          const int fragment = j * (WGMMA_N / 8) + c;",
+        *(["          const int fragment = j * (WGMMA_N / 8) + c;",
            f"          if ({ClusterReduce(cfg.slices).owner.to_cpp()} != slice) continue;   // reduce=cluster: another "
            "block stores this unit"] if cfg.cluster_reduce else []),
         "          const int col = col0 + 8 * c;",
@@ -688,13 +688,13 @@ def _config(cfg: PtxConfig) -> list[str]:
         "constexpr int SLABS = WG_M / 64;          // wgmma m64 slabs per consumer warpgroup",
         f"constexpr int WGMMA_N = {cfg.bn};            // mma.shape=64x{cfg.bn}x16: one instruction spans BN",
         "constexpr int THREADS = 128 * (1 + CONSUMER_WGS);   // producer warpgroup + consumers",
-        *([f"constexpr int CONSUMER_THREADS = 128 * CONSUMER_WGS;",
+        *(["constexpr int CONSUMER_THREADS = 128 * CONSUMER_WGS;",
            f"constexpr int SLICES = {cfg.slices};   // splitk mode=split_k slices={cfg.slices} reduce=workspace",
            "constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile in the workspace",
            f"constexpr int TREE_LEVELS = {SplitKTree(cfg.slices).levels};   // ceil(log2 SLICES): pair levels",
            f"constexpr int TREE_NODES = {SplitKTree(cfg.slices).counters};   // SLICES - 1 pair counters per tile"]
           if cfg.tree else []),
-        *([f"constexpr int CONSUMER_THREADS = 128 * CONSUMER_WGS;",
+        *(["constexpr int CONSUMER_THREADS = 128 * CONSUMER_WGS;",
            f"constexpr int SLICES = {cfg.slices};   // splitk mode=split_k slices={cfg.slices} reduce=cluster: the "
            "cluster size",
            "constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile, in its block's shared memory"]
@@ -721,7 +721,7 @@ def _config(cfg: PtxConfig) -> list[str]:
           if cfg.epilogue == "smem" else []),
         *([f"constexpr int SMEM_FLAG = {lay['flag']};   // split-K: the block reduces its tile (1) or not (0)"]
           if cfg.tree else []),
-        *([f"constexpr int SMEM_PARTIAL = 0;   // reduce=cluster: the fp32 partial, over the finished stage rings",
+        *(["constexpr int SMEM_PARTIAL = 0;   // reduce=cluster: the fp32 partial, over the finished stage rings",
            "static_assert(PARTIAL_FLOATS * 4 <= SMEM_BARS, \"the partial must fit over the rings\");"]
           if cfg.cluster_reduce else []),
         f"constexpr int SMEM_BYTES = {lay['total']};",
@@ -732,7 +732,7 @@ def _config(cfg: PtxConfig) -> list[str]:
         "// K-major swizzled operands: the 16-element K step (32 bytes) stays inside one swizzle row, so the leading",
         "// offset is unused (1 by convention); the stride offset steps between 8-row core-matrix groups = 8 rows.",
         "// Every atom starts 1024-byte aligned, so the base offset is 0.",
-        f"constexpr uint64_t DESC_LBO = 1;",
+        "constexpr uint64_t DESC_LBO = 1;",
         f"constexpr uint64_t DESC_SBO = {sbo} >> 4;   // 8 rows x {cfg.row_bytes} B",
         f"constexpr uint64_t DESC_SWIZZLE = {DESC_SWIZZLE_MODE[cfg.swizzle_bits]};   // 1 = 128B, 2 = 64B, 3 = 32B",
         "constexpr uint64_t DESC_TEMPLATE = (DESC_LBO << 16) | (DESC_SBO << 32) | (DESC_SWIZZLE << 62);",
