@@ -17,6 +17,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
+from l2ir.analysis import cluster_reduce
 from l2ir.errors import L2IRError, LoweringError
 from l2ir.nodes import Kernel, Problem
 from l2ir.runtime import LaunchPlan
@@ -77,7 +78,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
     # target: an mma.sync + cp.async schedule on sm90 is the sm80 rule's kernel. The sm90a rule is also the default
     # for what only it lowers: split-K reduced in a thread-block cluster.
     Backend("cuda_ptx", "l2ir.backends.cuda_ptx.sm90a", Schedule("wgmma", "tma_ws"),
-            default=lambda k: k.splitk is not None and k.splitk.reduce == "cluster"),
+            default=cluster_reduce),
     Backend("cuda_ptx_sm80", "l2ir.backends.cuda_ptx.sm80", Schedule("mma_sync", "multistage"), default=False),
 )}
 

@@ -114,14 +114,23 @@ def smem_bytes(kernel: Kernel, ebytes: int = 2) -> int:
     return ring + epi
 
 
+def warpgroups_m(kernel: Kernel) -> int:
+    """wgmma: the consumer warpgroups stacked along M (4 warps each), each owning BM / warpgroups_m rows."""
+    return max(1, kernel.tile.warps[0] // 4)
+
+
+def cluster_reduce(kernel: Kernel) -> bool:
+    """split-K whose slices reduce inside a thread-block cluster (l2ir.indexing.ClusterReduce)."""
+    return kernel.splitk is not None and kernel.splitk.reduce == "cluster"
+
+
 def acc_registers(kernel: Kernel, acc_bytes: int = 4) -> int:
     """fp32 accumulator registers per math thread."""
     bm, bn, _ = kernel.tile.block
     wm, wn = kernel.tile.warps
     per_warp = (bm // wm) * (bn // wn)
     if kernel.mma.op == "wgmma":
-        groups_m = max(1, wm // 4)
-        return (bm // groups_m) * (bn // wn) * acc_bytes // (4 * WARPGROUP_THREADS)
+        return (bm // warpgroups_m(kernel)) * (bn // wn) * acc_bytes // (4 * WARPGROUP_THREADS)
     return per_warp * acc_bytes // (4 * WARP_THREADS)
 
 

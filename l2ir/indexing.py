@@ -405,7 +405,7 @@ class SplitKTree:
         return subtree[0]
 
 
-ROW, COL, FRAGMENT = Var("row"), Var("col"), Var("fragment")
+ROW, COL, FRAGMENT, SLAB, GROUP = Var("row"), Var("col"), Var("fragment"), Var("j"), Var("c")
 
 
 @dataclass(frozen=True)
@@ -438,8 +438,15 @@ class ClusterReduce:
         return FRAGMENT % self.slices
 
     @staticmethod
+    def unit(bn: int) -> Expr:
+        """The fragment unit of a consumer thread's 64-row slab `j` and 8-column group `c` (the backend's loop
+        variables), for a BN of `bn`."""
+        return SLAB * (bn // 8) + GROUP
+
+    @staticmethod
     def fragment_of(wg_m: int, bn: int) -> Expr:
-        """The fragment unit of tile-local element (row, col), for warpgroups of `wg_m` rows and a BN of `bn`."""
+        """The fragment unit of tile-local element (row, col), for warpgroups of `wg_m` rows: `unit` at slab
+        (row % wg_m) / 64 and column group col / 8."""
         return (ROW % wg_m) // 64 * (bn // 8) + COL // 8
 
     def reduce(self, partials):

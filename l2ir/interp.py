@@ -5,7 +5,8 @@ backends render to C++), the K loop through a ring of `stages` shared-memory slo
 permutation, each dimension's padding mode (zero-filled loads, or predicated loads that leave poison in shared
 memory and are masked out of the MMA and the store), accumulation in the accumulator dtype at the MMA's K step,
 split-K partials through a workspace and their pairwise-tree reduction (l2ir.indexing.SplitKTree) or through a
-cluster's shared memory, each block storing its share (l2ir.indexing.ClusterReduce), stream-K segments and their fix-up, and an epilogue that rounds to the output dtype and stores in vectors. It counts every write of C
+cluster's shared memory, each block storing its share (l2ir.indexing.ClusterReduce), stream-K segments and their
+fix-up, and an epilogue that rounds to the output dtype and stores in vectors. It counts every write of C
 and of the workspace and raises InterpError unless each element of C is written exactly once and each workspace slot
 as often as the split-K tree says.
 
@@ -24,7 +25,7 @@ import numpy as np
 from .errors import InterpError
 from .indexing import ClusterReduce, SplitKTree, ceil_div, rasterize, smem_swizzle, splitk_range
 from .nodes import Kernel, Problem
-from .analysis import resolved_stages
+from .analysis import cluster_reduce, resolved_stages, warpgroups_m
 from .target import H200_SMS, UNIT_ROUNDOFF
 from .verify import check_problem
 
@@ -220,7 +221,7 @@ class _Schedule:
             for tm, tn in order:
                 self.store(c, writes, tm, tn, self.mainloop(tm, tn, 0, self.k_tiles))
                 k_cover[(tm, tn)] = [(0, self.k_tiles)]
-        elif sk.mode == "split_k" and sk.reduce == "cluster":
+        elif cluster_reduce(self.kernel):
             self._split_k_cluster(c, writes, order, sk.slices, k_cover)
         elif sk.mode == "split_k":
             ws_writes, ws_expected = self._split_k(c, writes, order, sk.slices, k_cover)
@@ -294,10 +295,10 @@ class _Schedule:
     def _split_k_cluster(self, c, writes, order, slices, k_cover):
         """Split-K reduced inside a thread-block cluster (l2ir.indexing.ClusterReduce): the tile's `slices` blocks
         accumulate their slices' k tiles; block `rank` then stores only the fragment units `owner` gives it, each the
-        sum of all the cluster's partials in slice order. A broken ownership map leaves elements of C unwritten or
-        writes them twice, which the final write count catches."""
+        sum of all the cluster's partials in slice order. An ownership map that hands units to ranks the cluster
+        does not have leaves elements of C unwritten, which the final write count catches."""
         cr = ClusterReduce(slices)
-        warpgroups = max(1, self.kernel.tile.warps[0] // 4)    # wgmma: 4 warps along M per warpgroup
+        warpgroups = warpgroups_m(self.kernel)
         rows, cols = np.arange(self.bm)[:, None], np.arange(self.bn)[None, :]
         fragment = cr.fragment_of(self.bm // warpgroups, self.bn).eval({"row": rows, "col": cols})
         owner = np.broadcast_to(cr.owner.eval({"fragment": fragment}), (self.bm, self.bn))

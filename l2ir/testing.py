@@ -90,13 +90,13 @@ def wgmma_kernels(draw) -> Kernel:
         splitk = SplitK("split_k", draw(st.integers(2, 16)), "cluster")
     # stream-K is a persistent tile scheduler (a non-persistent grid has nothing to hand partial tiles to), and
     # CUTLASS runs split-K on that same scheduler; a cluster reduction is one cluster per tile, never persistent.
-    cluster_reduce = splitk is not None and splitk.reduce == "cluster"
-    persistent = (not cluster_reduce) if splitk is not None else draw(st.booleans())
+    in_cluster = splitk is not None and splitk.reduce == "cluster"
+    persistent = (not in_cluster) if splitk is not None else draw(st.booleans())
     pad_modes = ("zero_fill", "divisible")
     kernel = Kernel(
         target=Target("sm90a"),
         tile=Tile(block=(bm, bn, bk), warps=warps,
-                  cluster=(1, 1) if cluster_reduce else draw(st.sampled_from([(1, 1), (2, 1), (1, 2)]))),
+                  cluster=(1, 1) if in_cluster else draw(st.sampled_from([(1, 1), (2, 1), (1, 2)]))),
         mma=Mma("wgmma", (64, bn, 16)),
         pipeline=Pipeline("tma_ws", draw(st.sampled_from(["auto", 2, 3, 4, 5])), schedule=schedule,
                           persistent=persistent),
@@ -107,7 +107,7 @@ def wgmma_kernels(draw) -> Kernel:
         # the TMA store is how Hopper kernels write C; staging through shared memory or storing directly stay in
         # a cluster reduction stores each block's share straight from registers (the others are legal IR that the
         # backends refuse, naming the field)
-        epilogue=(draw(st.sampled_from([Epilogue("direct", 2)] * 3 + [Epilogue("smem", 8)])) if cluster_reduce else
+        epilogue=(draw(st.sampled_from([Epilogue("direct", 2)] * 3 + [Epilogue("smem", 8)])) if in_cluster else
                   Epilogue(draw(st.sampled_from(["tma", "tma", "smem", "direct"])), 8)),
     )
     assume(not violations(kernel))

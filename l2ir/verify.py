@@ -19,8 +19,8 @@ from .errors import (EpilogueError, ExprError, MmaError, PadError, PipelineError
                      SourceError, SplitKError, SwizzleError, TargetError, TileError, VerifyError)
 from .indexing import LAUNCH_VARS, ceil_div
 from .nodes import SCHEDULE_NODES, Kernel, Problem
-from .analysis import (acc_registers, elem_bytes, epilogue_smem_bytes, estimated_registers, resolved_stages,
-                       ring_bytes, ring_description, smem_bytes, threads)
+from .analysis import (acc_registers, cluster_reduce, elem_bytes, epilogue_smem_bytes, estimated_registers,
+                       resolved_stages, ring_bytes, ring_description, smem_bytes, threads)
 from .target import (BLOCK_DIM_MAX, CLUSTER_ARCHS, DTYPE_BYTES, KB, MAX_CLUSTER, MAX_CLUSTER_NONPORTABLE, MAX_REGS,
                      MAX_THREADS, MAX_WGMMA_ACC_REGS, MMA_SYNC_SHAPES, SMEM_LIMIT, TMA_BOX_MAX)
 
@@ -314,7 +314,7 @@ def _smem(k: Kernel):
 def _cluster_partial(k: Kernel):
     """reduce=cluster leaves each block's fp32 partial tile in its own shared memory, over its finished stage rings
     (the other blocks of the cluster read it from there), so the rings must hold BM x BN x 4 bytes."""
-    if k.splitk is None or k.splitk.reduce != "cluster" or k.is_source:
+    if k.is_source or not cluster_reduce(k):
         return None
     partial, ring = k.tile.bm * k.tile.bn * 4, ring_bytes(k)
     if partial > ring:
@@ -410,8 +410,8 @@ def _splitk(k: Kernel):
             return (f"reduce=cluster needs thread-block clusters ({', '.join(CLUSTER_ARCHS)}), not "
                     f"{k.target.arch}; use reduce=workspace")
         if k.mma.op != "wgmma":
-            return ("reduce=cluster shares the tile out by wgmma accumulator fragments (l2ir.indexing.ClusterReduce); "
-                    f"mma.op={k.mma.op} has none: use reduce=workspace")
+            return ("reduce=cluster shares the tile out by the wgmma accumulator fragment layout "
+                    f"(l2ir.indexing.ClusterReduce), which mma.op={k.mma.op} does not have: use reduce=workspace")
         if sk.slices > MAX_CLUSTER_NONPORTABLE:
             return (f"reduce=cluster runs the {sk.slices} slices of a tile as one cluster; a cluster holds at most "
                     f"{MAX_CLUSTER_NONPORTABLE} blocks")

@@ -41,7 +41,8 @@ KNOBS: dict[str, tuple[Any, ...]] = {
     "smem_swizzle": (None, (1, 3, 3), (2, 3, 3), (3, 3, 3)),
     "splitk": (None, ("split_k", 2, "workspace"), ("split_k", 3, "workspace"), ("split_k", 4, "workspace"),
                ("split_k", 8, "workspace"), ("split_k", 16, "workspace"), ("split_k", 4, "atomic"),
-               ("stream_k", 1, "workspace")),
+               ("stream_k", 1, "workspace"), ("split_k", 4, "cluster"), ("split_k", 8, "cluster"),
+               ("split_k", 16, "cluster")),
     "epilogue_path": ("direct", "smem", "tma"),
     "epilogue_vector": (1, 2, 4, 8),
     "pad": tuple((dim, mode) for dim in "mnk" for mode in ("predicate", "zero_fill", "divisible")),
@@ -188,7 +189,9 @@ def normal_backend(kernel: Kernel, backend: str | None) -> str | None:
     from l2ir.backends.registry import BACKENDS
 
     b = BACKENDS.get(backend)
-    if b is None or not b.accepts(kernel) or backend == default_backend(kernel):
+    # A backend that is the default only for some kernels (cuda_ptx for split-K in a cluster) keeps its name: a
+    # child that leaves that kind would otherwise move to another backend unasked.
+    if b is None or not b.accepts(kernel) or (b.default is True and backend == default_backend(kernel)):
         return None
     return backend
 
@@ -230,6 +233,14 @@ def apply_action(kernel: Kernel, problem: Problem, action: Action, arch: str = "
         if sk is not None and sk.mode == "stream_k" and tma:
             # stream-K splits the MAC loop over a persistent grid.
             new = new.replace(pipeline=dataclasses.replace(p, persistent=True))
+        if sk is not None and sk.reduce == "cluster":
+            if not tma:
+                return None
+            # One cluster per tile, the tile's slices its blocks; each block stores its share from registers.
+            new = new.replace(tile=dataclasses.replace(t, cluster=(1, 1)),
+                              pipeline=dataclasses.replace(p, persistent=False),
+                              epilogue=Epilogue("direct", 2))
+            backend = "cuda_ptx"          # the backend that lowers it, kept by name for the children
     elif knob == "epilogue_path":
         new = kernel.replace(epilogue=dataclasses.replace(kernel.epilogue, path=v))
     elif knob == "epilogue_vector":
@@ -257,7 +268,7 @@ def apply_action(kernel: Kernel, problem: Problem, action: Action, arch: str = "
     elif knob == "backend":
         from l2ir.backends.registry import BACKENDS
 
-        if not BACKENDS[v].accepts(kernel) or normal_backend(kernel, v) == normal_backend(kernel, backend):
+        if not BACKENDS[v].accepts(kernel) or (backend or default_backend(kernel)) == v:
             return None
         kernel = fit_backend(kernel, v)
         return kernel, normal_backend(kernel, v)

@@ -108,10 +108,14 @@ def sm80_kernel(problem: Problem, block, warps, stages: int, slices: int = 1, ra
 
 def cluster_split_kernel(problem: Problem, sms: int) -> Kernel | None:
     """Split-K reduced inside a thread-block cluster (cuda_ptx, sm90a): one consumer warpgroup per 64x64 tile and
-    slice, as many slices (up to a 16-block cluster, at least 4 k tiles each) as bring the blocks near one wave; None
-    when the tiles alone fill the SMs or K is short."""
+    slice, as many slices (at least 4 k tiles each) as bring the blocks near one wave, rounded down to a power of two:
+    a cluster's blocks must share one GPC (16-18 SMs on an H200), and 2, 4, 8 or 16 of them pack a GPC with no SMs
+    left over. None when the tiles alone fill the SMs or K is short."""
     tiles = tiles_of(problem, 64, 64)
-    slices = split_slices(problem, tiles, 64, sms)
+    slices = min(split_slices(problem, tiles, 64, sms), MAX_CLUSTER_NONPORTABLE)
+    k_tiles = ceil_div(problem.k, 64)
+    while slices > 1 and (slices & (slices - 1) or (slices - 1) * ceil_div(k_tiles, slices) >= k_tiles):
+        slices -= 1              # the next lower power of two that leaves no slice empty
     if slices < 2:
         return None
     return Kernel(
@@ -121,7 +125,7 @@ def cluster_split_kernel(problem: Problem, sms: int) -> Kernel | None:
         pipeline=Pipeline("tma_ws", "auto", schedule="pingpong", persistent=False),
         swizzle=Swizzle(smem=(3, 3, 3)),
         pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
-        splitk=SplitK("split_k", min(slices, MAX_CLUSTER_NONPORTABLE), "cluster"),
+        splitk=SplitK("split_k", slices, "cluster"),
         epilogue=Epilogue("direct", 2),
     )
 

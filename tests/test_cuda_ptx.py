@@ -277,15 +277,16 @@ def test_splitk_cluster_renders_the_cluster_reduction():
 
     plan = lower(lat((64, 64, 64), splitk=SplitK("split_k", 8, "cluster")), PROBLEM)
     src = plan.source
-    owner = ClusterReduce(8).owner.to_cpp()
+    owner, unit = ClusterReduce(8).owner.to_cpp(), ClusterReduce.unit(64).to_cpp()
     assert "const int pid = unit / SLICES;" in src and "const int slice = unit % SLICES;" in src
     kernel_src = src[src.index("__launch_bounds__"):src.index("// ---- trusted host code")]
     consumer = kernel_src[kernel_src.index("// ---- consumer warpgroups"):]
     order = ["wgmma_wait<0>();", 'asm volatile("bar.sync 3, %0;"', "fence.proxy.async.shared::cta;",
-             "mine[(j * (WGMMA_N / 8) + q) * CONSUMER_THREADS] =", "cluster_arrive();", "cluster_wait();",
-             f"if ({owner} != slice) continue;", "v[r] = ld_cluster_f4(local, r);", "float4 sum = v[0];",
-             "for (int r = 1; r < SLICES; ++r)", "cluster_arrive();", f"if ({owner} != slice) continue;", "pack2(",
-             "cluster_wait();"]
+             f"const int fragment = {unit};", "mine[fragment * CONSUMER_THREADS] =", "cluster_arrive();",
+             "cluster_wait();", f"const int fragment = {unit};", f"if ({owner} != slice) continue;",
+             "(uint32_t)(fragment * CONSUMER_THREADS + ct) * 16u", "v[r] = ld_cluster_f4(local, r);",
+             "float4 sum = v[0];", "for (int r = 1; r < SLICES; ++r)", "cluster_arrive();",
+             f"const int fragment = {unit};", f"if ({owner} != slice) continue;", "pack2(", "cluster_wait();"]
     at = 0
     for x in order:     # each in turn, after the previous one
         at = consumer.index(x, at) + 1

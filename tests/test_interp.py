@@ -318,6 +318,22 @@ def test_cluster_owner_shares_every_fragment_once(block, warps, schedule):
         assert (owner.reshape(bm, bn // 8, 8) == owner[:, ::8][:, :, None]).all()
 
 
+@pytest.mark.parametrize("wg_m,bn", [(64, 64), (64, 256), (128, 128), (64, 96)])
+def test_cluster_unit_of_the_backend_is_the_interpreters_fragment(wg_m, bn):
+    """The backend renders ClusterReduce.unit over its loop variables (slab j, 8-column group c) in the partial's
+    store, its remote read and the epilogue; the interpreter maps tile elements with fragment_of. They must agree on
+    every element: each element of slab j, group c has fragment unit(j, c), and the units number 0..n-1 once each."""
+    from l2ir.indexing import ClusterReduce
+
+    rows, cols = np.arange(wg_m)[:, None], np.arange(bn)[None, :]
+    of = ClusterReduce.fragment_of(wg_m, bn).eval({"row": rows, "col": cols})
+    unit = ClusterReduce.unit(bn).eval({"j": rows // 64, "c": cols // 8})
+    np.testing.assert_array_equal(of, unit)
+    slabs, groups = np.meshgrid(np.arange(wg_m // 64), np.arange(bn // 8), indexing="ij")
+    units = ClusterReduce.unit(bn).eval({"j": slabs, "c": groups})
+    assert sorted(units.ravel().tolist()) == list(range((wg_m // 64) * (bn // 8)))
+
+
 @pytest.mark.parametrize("owner,match", [
     (Var("fragment") % 4 + 1, "written a wrong number of times"),      # off by one: rank 4 does not exist
     (Var("fragment") % 8, "written a wrong number of times"),          # ranks 4..7 do not exist

@@ -193,10 +193,12 @@ def test_rules_hopper_few_tiles_long_k_splits_in_a_cluster():
     cluster = [q for q in props if "thread-block cluster" in q.note]
     assert cluster, [q.note for q in props]
     kernel = cluster[0].apply(ctx.parent, p)
-    # cuda_ptx is the registry's default for a cluster reduction (the only backend that lowers it)
-    assert kernel.splitk.reduce == "cluster" and cluster[0].backend is None
-    assert 2 <= kernel.splitk.slices <= 16
-    assert lower(kernel, p).workspace_for(*p.shape) == 0
+    # named, so that a child that leaves the cluster reduction stays on cuda_ptx
+    assert kernel.splitk.reduce == "cluster" and cluster[0].backend == "cuda_ptx"
+    assert kernel.splitk.slices in (2, 4, 8, 16)
+    assert lower(kernel, p, cluster[0].backend).workspace_for(*p.shape) == 0
+    child, backend = apply_action(kernel, p, Action("splitk", None), "sm90a", cluster[0].backend)
+    assert child.splitk is None and backend == "cuda_ptx"
     big = Problem(8192, 8192, 8192)
     bctx = Context(big, seed(big, "sm90a"), count=8, arch="sm90a")
     assert not any("thread-block cluster" in q.note for q in Rules().propose(bctx))

@@ -54,7 +54,7 @@ ILLEGAL = [
     ("cluster reduce on sm80", SM80.replace(splitk=SplitK("split_k", 4, "cluster")), SplitKError,
      "needs thread-block clusters", "mode_settings"),
     ("cluster reduce with mma.sync", rep(SM80, "target", arch="sm90a").replace(splitk=SplitK("split_k", 4, "cluster")),
-     SplitKError, "wgmma accumulator fragments", "mode_settings"),
+     SplitKError, "wgmma accumulator fragment layout", "mode_settings"),
     ("cluster reduce of 17", rep(SM90, "pipeline", persistent=False).replace(splitk=SplitK("split_k", 17, "cluster")),
      SplitKError, "at most 16 blocks", "mode_settings"),
     ("cluster reduce in a cluster", rep(SM90, "pipeline", persistent=False).replace(splitk=SplitK("split_k", 4, "cluster")),

@@ -82,9 +82,9 @@ from l2ir.errors import ResourceError
 from l2ir.indexing import ClusterReduce, Const, Expr, SplitKTree, Var, cdiv, rasterize, splitk_range
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.text import print_problem_class
-from l2ir.target import (KB, MAX_CLUSTER, CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, H200_SMS,
-                         SMEM_LIMIT, TMA_BOX_MAX, TMA_DTYPE)
-from l2ir.analysis import resolved_stages
+from l2ir.target import (KB, CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, H200_SMS,
+                         MAX_CLUSTER, SMEM_LIMIT, TMA_BOX_MAX, TMA_DTYPE)
+from l2ir.analysis import cluster_reduce, resolved_stages
 from l2ir.verify import verify, verify_problem
 
 from l2ir.runtime import LaunchPlan, status_constants_cpp
@@ -249,7 +249,6 @@ class PtxConfig:
         return self.bm * self.bn
 
 
-
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -360,7 +359,7 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
         swizzle_bits=bits, swizzle_field=swizzle_field,
         divisible=(pad.m == "divisible", pad.n == "divisible", pad.k == "divisible"),
         epilogue=epi.path, vector=epi.vector, slices=slices,
-        cluster_reduce=kernel.splitk is not None and kernel.splitk.reduce == "cluster",
+        cluster_reduce=cluster_reduce(kernel),
     )
     total, limit = cfg.layout["total"], SMEM_LIMIT["sm90a"]
     if total > limit:
@@ -548,7 +547,7 @@ def _epilogue_direct(cfg: PtxConfig) -> list[str]:
         "      for (int j = 0; j < SLABS; ++j) {",
         "#pragma unroll",
         "        for (int c = 0; c < WGMMA_N / 8; ++c) {",
-        *(["          const int fragment = j * (WGMMA_N / 8) + c;",
+        *([f"          const int fragment = {ClusterReduce(cfg.slices).unit(cfg.bn).to_cpp()};   // ClusterReduce.unit",
            f"          if ({ClusterReduce(cfg.slices).owner.to_cpp()} != slice) continue;   // reduce=cluster: another "
            "block stores this unit"] if cfg.cluster_reduce else []),
         "          const int col = col0 + 8 * c;",
@@ -689,16 +688,13 @@ def _config(cfg: PtxConfig) -> list[str]:
         f"constexpr int WGMMA_N = {cfg.bn};            // mma.shape=64x{cfg.bn}x16: one instruction spans BN",
         "constexpr int THREADS = 128 * (1 + CONSUMER_WGS);   // producer warpgroup + consumers",
         *(["constexpr int CONSUMER_THREADS = 128 * CONSUMER_WGS;",
-           f"constexpr int SLICES = {cfg.slices};   // splitk mode=split_k slices={cfg.slices} reduce=workspace",
-           "constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile in the workspace",
-           f"constexpr int TREE_LEVELS = {SplitKTree(cfg.slices).levels};   // ceil(log2 SLICES): pair levels",
+           f"constexpr int SLICES = {cfg.slices};   // splitk mode=split_k slices={cfg.slices} reduce="
+           + ("cluster: the cluster size" if cfg.cluster_reduce else "workspace"),
+           "constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile "
+           + ("in its block's shared memory" if cfg.cluster_reduce else "in the workspace")] if cfg.split else []),
+        *([f"constexpr int TREE_LEVELS = {SplitKTree(cfg.slices).levels};   // ceil(log2 SLICES): pair levels",
            f"constexpr int TREE_NODES = {SplitKTree(cfg.slices).counters};   // SLICES - 1 pair counters per tile"]
           if cfg.tree else []),
-        *(["constexpr int CONSUMER_THREADS = 128 * CONSUMER_WGS;",
-           f"constexpr int SLICES = {cfg.slices};   // splitk mode=split_k slices={cfg.slices} reduce=cluster: the "
-           "cluster size",
-           "constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile, in its block's shared memory"]
-          if cfg.cluster_reduce else []),
         *([f"constexpr int NUM_SMS = {cfg.num_sms};            // persistent grid size (H200: 132 SMs)"]
           if cfg.persistent else []),
         "",
@@ -826,32 +822,32 @@ def _cluster_reduce(cfg: PtxConfig) -> list[str]:
     Each stores its fp32 partial over its own (finished) stage rings, the cluster barrier publishes it, and each block
     then sums the fragment units it owns from every block's shared memory (DSMEM), in slice order, into the
     registers the direct epilogue stores. The blocks are co-resident by construction, the sum's order is fixed (C is
-    bit-identical run to run), and nothing touches global memory but C."""
-    nr = cfg.bn // 2
+    bit-identical run to run), and nothing touches global memory but C. A block whose slice has no k tile (l2ir_run
+    does not refuse such a K) contributes the zeros its accumulators were initialized with: one unit per block.
+    The consumers' cluster barriers sit inside the unit loop, which runs exactly once (grid = units, persistent=false),
+    while the producer warpgroup arrives outside it: the arrival counts match because of that."""
     cr = ClusterReduce(cfg.slices)
+    unit, owner = cr.unit(cfg.bn).to_cpp(), cr.owner.to_cpp()
     return [
         "      // ---- splitk reduce=cluster: the tile's slices add up in the cluster's shared memory ----",
         "      const int ct = threadIdx.x - 128;   // consumer thread 0 .. CONSUMER_THREADS - 1",
-        "      if (kt_begin == kt_end) {   // an empty K range (the verifier admits none) contributes zeros",
-        "#pragma unroll",
-        "        for (int j = 0; j < SLABS; ++j)",
-        "#pragma unroll",
-        f"          for (int i = 0; i < {nr}; ++i) acc[j][i] = 0.f;",
-        "      }",
-        "      // Every consumer warpgroup is past its last wgmma (which reads the ring) before a partial overwrites it;",
-        "      // the proxy fence orders those async-proxy accesses (TMA writes, wgmma reads) before the generic stores.",
+        "      // Every consumer warpgroup is past its last wgmma, which reads the ring, before a partial overwrites it.",
+        "      // wgmma.wait_group and the mbarrier waits already order the async proxy's accesses (TMA writes, wgmma",
+        "      // reads) before these generic stores; the proxy fence states it where the ring's memory changes hands.",
         '      asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");',
         '      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
-        "      // The partial keeps the accumulator fragment order, float4 u of every consumer thread side by side: thread",
-        "      // ct of every block reads back exactly the float4s thread ct stored, so the owner's reads are coalesced.",
+        "      // The partial keeps the accumulator fragment order, float4 `fragment` of every consumer thread side by",
+        "      // side: thread ct of every block reads back exactly the float4s thread ct stored (coalesced).",
         "      {",
         "        float4* mine = reinterpret_cast<float4*>(smem + SMEM_PARTIAL) + ct;",
         "#pragma unroll",
         "        for (int j = 0; j < SLABS; ++j)",
         "#pragma unroll",
-        "          for (int q = 0; q < WGMMA_N / 8; ++q)   // fragment unit j * (WGMMA_N / 8) + q",
-        "            mine[(j * (WGMMA_N / 8) + q) * CONSUMER_THREADS] =",
-        "                make_float4(acc[j][4 * q], acc[j][4 * q + 1], acc[j][4 * q + 2], acc[j][4 * q + 3]);",
+        "          for (int c = 0; c < WGMMA_N / 8; ++c) {",
+        f"            const int fragment = {unit};   // ClusterReduce.unit",
+        "            mine[fragment * CONSUMER_THREADS] =",
+        "                make_float4(acc[j][4 * c], acc[j][4 * c + 1], acc[j][4 * c + 2], acc[j][4 * c + 3]);",
+        "          }",
         "      }",
         "      // Release this block's partial to the cluster; acquire every other block's (they all arrive here).",
         "      cluster_arrive();",
@@ -861,9 +857,9 @@ def _cluster_reduce(cfg: PtxConfig) -> list[str]:
         "#pragma unroll",
         "      for (int j = 0; j < SLABS; ++j) {",
         "#pragma unroll",
-        "        for (int q = 0; q < WGMMA_N / 8; ++q) {",
-        "          const int fragment = j * (WGMMA_N / 8) + q;",
-        f"          if ({cr.owner.to_cpp()} != slice) continue;   // ClusterReduce.owner",
+        "        for (int c = 0; c < WGMMA_N / 8; ++c) {",
+        f"          const int fragment = {unit};   // ClusterReduce.unit",
+        f"          if ({owner} != slice) continue;   // ClusterReduce.owner",
         "          const uint32_t local = smem_base + SMEM_PARTIAL + (uint32_t)(fragment * CONSUMER_THREADS + ct) * 16u;",
         "          float4 v[SLICES];",
         "#pragma unroll",
@@ -871,7 +867,7 @@ def _cluster_reduce(cfg: PtxConfig) -> list[str]:
         "          float4 sum = v[0];",
         "#pragma unroll",
         "          for (int r = 1; r < SLICES; ++r) { sum.x += v[r].x; sum.y += v[r].y; sum.z += v[r].z; sum.w += v[r].w; }",
-        "          acc[j][4 * q] = sum.x; acc[j][4 * q + 1] = sum.y; acc[j][4 * q + 2] = sum.z; acc[j][4 * q + 3] = sum.w;",
+        "          acc[j][4 * c] = sum.x; acc[j][4 * c + 1] = sum.y; acc[j][4 * c + 2] = sum.z; acc[j][4 * c + 3] = sum.w;",
         "        }",
         "      }",
         "      // Done reading the cluster's shared memory: arrive now, wait (below) only before the block exits, so the",
@@ -948,7 +944,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
         "  }",
         "  // The one block-wide barrier: no thread may wait on or arrive at an mbarrier before it is initialized.",
-        "  // After it the warpgroups meet only through mbarriers (and named barriers inside a warpgroup).",
+        "  // After it the warpgroups meet only through mbarriers, named barriers among the consumers and, with",
+        "  // splitk reduce=cluster, the cluster barriers.",
         "  __syncthreads();",
         "",
         "  if (wg == 0) {",
@@ -1164,12 +1161,11 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "return L2IR_STATUS_MISALIGNED;",
         "  const long long num_tiles = (long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN);",
         "  if (num_tiles > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
-        *([] if not cfg.cluster_reduce else [
-            "  const long long num_units = num_tiles * SLICES;   // reduce=cluster: SLICES blocks (one cluster) a tile",
+        *([] if not cfg.split else [
+            "  const long long num_units = num_tiles * SLICES;"
+            + ("   // reduce=cluster: SLICES blocks (one cluster) a tile" if cfg.cluster_reduce else ""),
             "  if (num_units > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;"]),
         *([] if not cfg.tree else [
-            "  const long long num_units = num_tiles * SLICES;",
-            "  if (num_units > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
             "  // splitk: the partials, then SLICES - 1 pair counters per tile (zero before the first launch:",
             "  // plan.zero_workspace; every launch leaves them zero). float4 partial stores need 16-byte alignment.",
             "  if (workspace == nullptr || workspace_bytes < l2ir_workspace_size(M, N, K)) {",

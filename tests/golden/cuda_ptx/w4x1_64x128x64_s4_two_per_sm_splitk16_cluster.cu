@@ -44,7 +44,7 @@ constexpr int WGMMA_N = 128;            // mma.shape=64x128x16: one instruction 
 constexpr int THREADS = 128 * (1 + CONSUMER_WGS);   // producer warpgroup + consumers
 constexpr int CONSUMER_THREADS = 128 * CONSUMER_WGS;
 constexpr int SLICES = 16;   // splitk mode=split_k slices=16 reduce=cluster: the cluster size
-constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile, in its block's shared memory
+constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile in its block's shared memory
 
 // ---- shared memory (swizzle.smem = <3,3,3>, pipeline.stages) ----
 // A tile row of ATOM_K elements is one 128-byte swizzle row: the TMA box's inner extent and the
@@ -219,7 +219,8 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
   // The one block-wide barrier: no thread may wait on or arrive at an mbarrier before it is initialized.
-  // After it the warpgroups meet only through mbarriers (and named barriers inside a warpgroup).
+  // After it the warpgroups meet only through mbarriers, named barriers among the consumers and, with
+  // splitk reduce=cluster, the cluster barriers.
   __syncthreads();
 
   if (wg == 0) {
@@ -326,26 +327,23 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
 
       // ---- splitk reduce=cluster: the tile's slices add up in the cluster's shared memory ----
       const int ct = threadIdx.x - 128;   // consumer thread 0 .. CONSUMER_THREADS - 1
-      if (kt_begin == kt_end) {   // an empty K range (the verifier admits none) contributes zeros
-#pragma unroll
-        for (int j = 0; j < SLABS; ++j)
-#pragma unroll
-          for (int i = 0; i < 64; ++i) acc[j][i] = 0.f;
-      }
-      // Every consumer warpgroup is past its last wgmma (which reads the ring) before a partial overwrites it;
-      // the proxy fence orders those async-proxy accesses (TMA writes, wgmma reads) before the generic stores.
+      // Every consumer warpgroup is past its last wgmma, which reads the ring, before a partial overwrites it.
+      // wgmma.wait_group and the mbarrier waits already order the async proxy's accesses (TMA writes, wgmma
+      // reads) before these generic stores; the proxy fence states it where the ring's memory changes hands.
       asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      // The partial keeps the accumulator fragment order, float4 u of every consumer thread side by side: thread
-      // ct of every block reads back exactly the float4s thread ct stored, so the owner's reads are coalesced.
+      // The partial keeps the accumulator fragment order, float4 `fragment` of every consumer thread side by
+      // side: thread ct of every block reads back exactly the float4s thread ct stored (coalesced).
       {
         float4* mine = reinterpret_cast<float4*>(smem + SMEM_PARTIAL) + ct;
 #pragma unroll
         for (int j = 0; j < SLABS; ++j)
 #pragma unroll
-          for (int q = 0; q < WGMMA_N / 8; ++q)   // fragment unit j * (WGMMA_N / 8) + q
-            mine[(j * (WGMMA_N / 8) + q) * CONSUMER_THREADS] =
-                make_float4(acc[j][4 * q], acc[j][4 * q + 1], acc[j][4 * q + 2], acc[j][4 * q + 3]);
+          for (int c = 0; c < WGMMA_N / 8; ++c) {
+            const int fragment = ((j * 16) + c);   // ClusterReduce.unit
+            mine[fragment * CONSUMER_THREADS] =
+                make_float4(acc[j][4 * c], acc[j][4 * c + 1], acc[j][4 * c + 2], acc[j][4 * c + 3]);
+          }
       }
       // Release this block's partial to the cluster; acquire every other block's (they all arrive here).
       cluster_arrive();
@@ -355,8 +353,8 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
 #pragma unroll
       for (int j = 0; j < SLABS; ++j) {
 #pragma unroll
-        for (int q = 0; q < WGMMA_N / 8; ++q) {
-          const int fragment = j * (WGMMA_N / 8) + q;
+        for (int c = 0; c < WGMMA_N / 8; ++c) {
+          const int fragment = ((j * 16) + c);   // ClusterReduce.unit
           if ((fragment % 16) != slice) continue;   // ClusterReduce.owner
           const uint32_t local = smem_base + SMEM_PARTIAL + (uint32_t)(fragment * CONSUMER_THREADS + ct) * 16u;
           float4 v[SLICES];
@@ -365,7 +363,7 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
           float4 sum = v[0];
 #pragma unroll
           for (int r = 1; r < SLICES; ++r) { sum.x += v[r].x; sum.y += v[r].y; sum.z += v[r].z; sum.w += v[r].w; }
-          acc[j][4 * q] = sum.x; acc[j][4 * q + 1] = sum.y; acc[j][4 * q + 2] = sum.z; acc[j][4 * q + 3] = sum.w;
+          acc[j][4 * c] = sum.x; acc[j][4 * c + 1] = sum.y; acc[j][4 * c + 2] = sum.z; acc[j][4 * c + 3] = sum.w;
         }
       }
       // Done reading the cluster's shared memory: arrive now, wait (below) only before the block exits, so the
@@ -379,7 +377,7 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
       for (int j = 0; j < SLABS; ++j) {
 #pragma unroll
         for (int c = 0; c < WGMMA_N / 8; ++c) {
-          const int fragment = j * (WGMMA_N / 8) + c;
+          const int fragment = ((j * 16) + c);   // ClusterReduce.unit
           if ((fragment % 16) != slice) continue;   // reduce=cluster: another block stores this unit
           const int col = col0 + 8 * c;
 #pragma unroll

@@ -210,7 +210,8 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
   // The one block-wide barrier: no thread may wait on or arrive at an mbarrier before it is initialized.
-  // After it the warpgroups meet only through mbarriers (and named barriers inside a warpgroup).
+  // After it the warpgroups meet only through mbarriers, named barriers among the consumers and, with
+  // splitk reduce=cluster, the cluster barriers.
   __syncthreads();
 
   if (wg == 0) {
