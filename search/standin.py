@@ -89,10 +89,13 @@ def kernel_time_us(kernel: Kernel, problem: Problem, sms: int = SMS) -> float:
     else:
         compute = math.ceil(work / sms) * tile_us
     traffic = 2.0 * (m * k * ceil_div(n, t.bn) ** 0.5 + k * n * ceil_div(m, t.bm) ** 0.5 + m * n)
-    if slices > 1:
+    in_cluster = sk is not None and sk.reduce == "cluster"
+    if slices > 1 and not in_cluster:
         traffic += 2 * 4.0 * m * n * slices                          # fp32 partials written and read back
     memory = traffic / (HBM_TBPS * 1e6)
-    return LAUNCH_US + max(compute, memory) + (1.5 if slices > 1 else 0.0)
+    # A workspace reduction pays fences and dependent L2 round trips; a cluster's partials stay on chip (one barrier).
+    reduce_us = 0.0 if slices == 1 else (0.5 if in_cluster else 1.5)
+    return LAUNCH_US + max(compute, memory) + reduce_us
 
 
 def baseline_time_us(problem: Problem) -> float:
