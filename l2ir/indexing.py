@@ -297,6 +297,13 @@ def splitk_range(slices: int) -> tuple[Expr, Expr]:
     return begin, end
 
 
+def leaves_empty_slice(k_tiles: int, slices: int) -> bool:
+    """True when splitk_range gives some slice no k tile (the last one: the ranges are in order). Every split-K
+    slice must own a k tile; the verifier refuses such a split and the seeds and rules pick fewer slices."""
+    begin, _ = splitk_range(slices)
+    return int(begin.eval({"slice": slices - 1, "k_tiles": k_tiles})) >= k_tiles
+
+
 LEVEL, BASE = Var("level"), Var("base")
 
 

@@ -242,6 +242,16 @@ class _Schedule:
             _check_once(ws_writes, "the split-K workspace", ws_expected)
         return InterpResult(c, order, writes, ws_writes, k_cover)
 
+    def _slice_partial(self, tm: int, tn: int, slice_: int, slices: int, k_cover: dict) -> np.ndarray:
+        """One split-K block's fp32 partial: output tile (tm, tn) over its slice's k tiles (l2ir.indexing.splitk_range),
+        whose range it records in `k_cover`."""
+        begin, end = splitk_range(slices)
+        env = {"slice": slice_, "k_tiles": self.k_tiles}
+        kb, ke = int(begin.eval(env)), int(end.eval(env))
+        if ke > kb:
+            k_cover.setdefault((tm, tn), []).append((kb, ke))
+        return self.mainloop(tm, tn, kb, ke).astype(np.float32)
+
     def _split_k(self, c, writes, order, slices, k_cover):
         """Split-K as the backends run it (l2ir.indexing.SplitKTree): each (tile, slice) block accumulates its slice's
         k tiles, then climbs the tile's pairwise tree: at each pair it stores its registers to workspace slot
@@ -255,14 +265,9 @@ class _Schedule:
         ws = np.full((slices, p.m, p.n), np.nan, dtype=np.float32)
         ws_writes = np.zeros((slices, p.m, p.n), dtype=np.int32)
         counters = {tile: np.zeros(tree.counters, dtype=np.int64) for tile in order}
-        eb, ee = splitk_range(slices)
         for unit in _splitk_arrivals(len(order) * slices):
             s, (tm, tn) = unit // len(order), order[unit % len(order)]   # unit = slice * num_tiles + tile
-            env = {"slice": s, "k_tiles": self.k_tiles}
-            kb, ke = int(eb.eval(env)), int(ee.eval(env))
-            acc = self.mainloop(tm, tn, kb, ke).astype(np.float32)
-            if ke > kb:
-                k_cover.setdefault((tm, tn), []).append((kb, ke))
+            acc = self._slice_partial(tm, tn, s, slices, k_cover)
             r0, c0 = tm * self.bm, tn * self.bn
             vr, vc = min(self.bm, p.m - r0), min(self.bn, p.n - c0)
             root = True
@@ -302,16 +307,8 @@ class _Schedule:
         rows, cols = np.arange(self.bm)[:, None], np.arange(self.bn)[None, :]
         fragment = cr.fragment_of(self.bm // warpgroups, self.bn).eval({"row": rows, "col": cols})
         owner = np.broadcast_to(cr.owner.eval({"fragment": fragment}), (self.bm, self.bn))
-        eb, ee = splitk_range(slices)
         for tm, tn in order:
-            partials = []
-            for s in range(slices):
-                env = {"slice": s, "k_tiles": self.k_tiles}
-                kb, ke = int(eb.eval(env)), int(ee.eval(env))
-                partials.append(self.mainloop(tm, tn, kb, ke).astype(np.float32))
-                if ke > kb:
-                    k_cover.setdefault((tm, tn), []).append((kb, ke))
-            total = cr.reduce(partials)
+            total = cr.reduce([self._slice_partial(tm, tn, s, slices, k_cover) for s in range(slices)])
             for rank in range(slices):
                 self.store(c, writes, tm, tn, total, mask=owner == rank)
 

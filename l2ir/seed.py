@@ -7,7 +7,7 @@ split-K / stream-K only when there are too few output tiles to fill the GPU. The
 from __future__ import annotations
 
 from .nodes import (ARCHS, Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile)
-from .indexing import ceil_div
+from .indexing import ceil_div, leaves_empty_slice
 from .analysis import realigned_ring_bytes
 from .target import H200_SMS, SMEM_LIMIT
 from .verify import check_problem, leading_dims, verify_problem
@@ -37,7 +37,7 @@ def _split(problem: Problem, bm: int, bn: int, bk: int, num_sms: int) -> int:
         return 1
     slices = max(1, min(8, k_tiles // 4, ceil_div(num_sms, tiles)))
     # The split-K partition gives each slice ceil(k_tiles / slices) tiles; fewer slices if the last would get none.
-    while slices > 1 and (slices - 1) * ceil_div(k_tiles, slices) >= k_tiles:
+    while slices > 1 and leaves_empty_slice(k_tiles, slices):
         slices -= 1
     return slices
 

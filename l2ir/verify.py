@@ -17,7 +17,7 @@ from typing import Callable
 
 from .errors import (EpilogueError, ExprError, MmaError, PadError, PipelineError, ProblemError, ResourceError,
                      SourceError, SplitKError, SwizzleError, TargetError, TileError, VerifyError)
-from .indexing import LAUNCH_VARS, ceil_div
+from .indexing import LAUNCH_VARS, ceil_div, leaves_empty_slice
 from .nodes import SCHEDULE_NODES, Kernel, Problem
 from .analysis import (acc_registers, cluster_reduce, elem_bytes, epilogue_smem_bytes, estimated_registers,
                        resolved_stages, ring_bytes, ring_description, smem_bytes, threads)
@@ -552,7 +552,7 @@ def _slices_vs_k(k: Kernel, p: Problem):
     slices = k.splitk.slices
     k_tiles = ceil_div(p.k, k.tile.bk)
     per = ceil_div(k_tiles, slices)   # the partition of indexing.splitk_range
-    if (slices - 1) * per >= k_tiles:
+    if leaves_empty_slice(k_tiles, slices):
         return (f"split_k slices={slices} over K={p.k} ({k_tiles} tile(s) of BK={k.tile.bk}, {per} per slice) "
                 f"leaves the last slice(s) without a k tile")
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from l2ir.indexing import ceil_div
+from l2ir.indexing import ceil_div, leaves_empty_slice
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
 from l2ir.seed import alignment, store_vector
 from l2ir.target import MAX_CLUSTER_NONPORTABLE
@@ -68,7 +68,7 @@ def split_slices(problem: Problem, tiles: int, bk: int, sms: int) -> int:
     if tiles * 2 > sms or k_tiles < 8:
         return 1
     slices = max(1, min(16, k_tiles // 4, sms // tiles))
-    while slices > 1 and (slices - 1) * ceil_div(k_tiles, slices) >= k_tiles:
+    while slices > 1 and leaves_empty_slice(k_tiles, slices):
         slices -= 1
     return slices
 
@@ -114,7 +114,7 @@ def cluster_split_kernel(problem: Problem, sms: int) -> Kernel | None:
     tiles = tiles_of(problem, 64, 64)
     slices = min(split_slices(problem, tiles, 64, sms), MAX_CLUSTER_NONPORTABLE)
     k_tiles = ceil_div(problem.k, 64)
-    while slices > 1 and (slices & (slices - 1) or (slices - 1) * ceil_div(k_tiles, slices) >= k_tiles):
+    while slices > 1 and (slices & (slices - 1) or leaves_empty_slice(k_tiles, slices)):
         slices -= 1              # the next lower power of two that leaves no slice empty
     if slices < 2:
         return None
