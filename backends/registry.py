@@ -55,6 +55,7 @@ class Schedule:
     op: str
     mode: str
     reduces: tuple[str, ...] | None = None     # the splitk.reduce kinds it lowers (None: every kind)
+    repacks: bool = False                       # lowers the repack node (the operand copy before the GEMM)
 
     def mismatch(self, k: Kernel) -> str | None:
         """None if the backend takes `k`, else the fields that rule it out."""
@@ -64,6 +65,8 @@ class Schedule:
                  (("mma.op", k.mma.op, self.op), ("pipeline.mode", k.pipeline.mode, self.mode)) if have != want]
         if self.reduces is not None and k.splitk is not None and k.splitk.reduce not in self.reduces:
             wrong.append(f"splitk.reduce={k.splitk.reduce} (lowers {' or '.join(self.reduces)})")
+        if k.repack is not None and not self.repacks:
+            wrong.append("repack (not lowered here)")
         return ", ".join(wrong) or None
 
     def __call__(self, k: Kernel) -> bool:
@@ -76,9 +79,9 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("cutlass_sm90", "l2ir.backends.cutlass_sm90", Schedule("wgmma", "tma_ws", ("workspace", "atomic"))),
     # Raw CUDA + inline PTX, asked for by name. Rules are keyed by what the kernel computes with, not by its
     # target: an mma.sync + cp.async schedule on sm90 is the sm80 rule's kernel. The sm90a rule is also the default
-    # for what only it lowers: split-K reduced in a thread-block cluster.
-    Backend("cuda_ptx", "l2ir.backends.cuda_ptx.sm90a", Schedule("wgmma", "tma_ws"),
-            default=cluster_reduce),
+    # for what only it lowers: split-K reduced in a thread-block cluster, and the repack node.
+    Backend("cuda_ptx", "l2ir.backends.cuda_ptx.sm90a", Schedule("wgmma", "tma_ws", repacks=True),
+            default=lambda k: cluster_reduce(k) or k.repack is not None),
     Backend("cuda_ptx_sm80", "l2ir.backends.cuda_ptx.sm80", Schedule("mma_sync", "multistage"), default=False),
 )}
 

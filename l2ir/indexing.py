@@ -466,6 +466,74 @@ class ClusterReduce:
         return total
 
 
+# Operand repacking (the repack node).
+M, N, K = Var("m"), Var("n"), Var("k")
+COLS = Var("cols")
+REPACK_ALIGN = 8          # elements: 16 bytes of f16/bf16, what TMA strides and 16-byte cp.async need
+REPACK_COPY_ALIGN = 64    # elements: each copy, and what follows it, starts 128-byte aligned
+
+
+@dataclass(frozen=True)
+class Repack:
+    """The repack node's copies: where each operand goes in the workspace and where each element goes in its copy.
+
+    An operand is stored as `rows` x `cols` with `cols` contiguous (`extent`: A row-major is M x K, B column-major
+    N x K). When `cols` is not a multiple of REPACK_ALIGN (`needed` = 1) and the operand is in `operands`, the repack
+    kernel copies it to rows of `pitch` elements: element (row, col) to `dst`, and zeros to the pad columns
+    [cols, pitch), so every element of the copy is written once. The GEMM reads the copy with the same extents and a
+    `pitch` stride. An aligned operand is not copied and takes no workspace (`copy_elems` = 0).
+
+    Workspace, in elements of the input dtype: A's copy at 0, B's at `offset("B")` = A's copy size, each copy rounded
+    up to REPACK_COPY_ALIGN elements; whatever else the kernel keeps in the workspace (split-K) starts at `end`.
+    backends/cuda_ptx/sm90a.py renders these expressions into the host shim and the repack kernel; l2ir.interp runs
+    the same copy and reads the operands back through it."""
+
+    operands: str = "ab"                # the node's field: which operands may be copied
+    a_layout: str = "row"               # the problem's layouts
+    b_layout: str = "col"
+
+    @staticmethod
+    def pitch(cols) -> Expr:
+        """Elements per row of a copy: cols rounded up to REPACK_ALIGN."""
+        return cdiv(cols, REPACK_ALIGN) * REPACK_ALIGN
+
+    @staticmethod
+    def needed(cols) -> Expr:
+        """1 when rows of `cols` elements are not REPACK_ALIGN-aligned (the operand must be copied), else 0."""
+        return cdiv(lift(cols) % REPACK_ALIGN, REPACK_ALIGN)   # no min(): C++ has no min(long long, int)
+
+    @staticmethod
+    def dst() -> Expr:
+        """Offset in the copy of element (row, col) of an operand with `cols` contiguous columns."""
+        return ROW * Repack.pitch(COLS) + COL
+
+    @staticmethod
+    def src() -> Expr:
+        """Offset of element (row, col) in the operand itself."""
+        return ROW * COLS + COL
+
+    def extent(self, operand: str) -> tuple[Expr, Expr]:
+        """(rows, cols) of operand "A" or "B" as stored, cols contiguous."""
+        logical, layout = {"A": ((M, K), self.a_layout), "B": ((K, N), self.b_layout)}[operand]
+        return logical if layout == "row" else (logical[1], logical[0])
+
+    def copy_elems(self, operand: str) -> Expr:
+        """Workspace elements of the operand's copy: 0 when it is not in `operands` or already aligned."""
+        if operand.lower() not in self.operands:
+            return Const(0)
+        rows, cols = self.extent(operand)
+        return self.needed(cols) * cdiv(rows * self.pitch(cols), REPACK_COPY_ALIGN) * REPACK_COPY_ALIGN
+
+    def offset(self, operand: str) -> Expr:
+        """Element offset of the operand's copy in the workspace."""
+        return Const(0) if operand == "A" else self.copy_elems("A")
+
+    @property
+    def end(self) -> Expr:
+        """Elements taken by both copies: the split-K workspace starts here."""
+        return self.copy_elems("A") + self.copy_elems("B")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Launch-geometry expressions of m, n, k (Source kernels, launch plans).
 # ---------------------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from .errors import InterpError
-from .indexing import ClusterReduce, SplitKTree, ceil_div, rasterize, smem_swizzle, splitk_range
+from .indexing import REPACK_ALIGN, ClusterReduce, Repack, SplitKTree, ceil_div, rasterize, smem_swizzle, splitk_range
 from .nodes import Kernel, Problem
 from .analysis import cluster_reduce, resolved_stages, warpgroups_m
 from .target import H200_SMS, UNIT_ROUNDOFF
@@ -41,6 +41,7 @@ class InterpResult:
     c_writes: np.ndarray                   # times each element of C was written (all ones when correct)
     workspace_writes: np.ndarray | None = None
     k_ranges: dict = field(default_factory=dict)   # (tile_m, tile_n) -> the k-tile ranges accumulated into it
+    repack_writes: np.ndarray | None = None        # writes of each workspace element by the repack kernel
 
 
 def random_inputs(problem: Problem, rng: np.random.Generator, integers: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -207,6 +208,9 @@ class _Schedule:
 
     def run(self, workers: int) -> InterpResult:
         p = self.problem
+        repack_writes = None
+        if self.kernel.repack is not None:
+            self.a, self.b, repack_writes = _repack(self.kernel, p, self.a, self.b)
         c = np.full((p.m, p.n), np.nan, dtype=self.out_dtype)
         writes = np.zeros((p.m, p.n), dtype=np.int32)
         order = self.tile_order()
@@ -240,7 +244,7 @@ class _Schedule:
         _check_once(writes, "C")
         if ws_writes is not None:
             _check_once(ws_writes, "the split-K workspace", ws_expected)
-        return InterpResult(c, order, writes, ws_writes, k_cover)
+        return InterpResult(c, order, writes, ws_writes, k_cover, repack_writes)
 
     def _slice_partial(self, tm: int, tn: int, slice_: int, slices: int, k_cover: dict) -> np.ndarray:
         """One split-K block's fp32 partial: output tile (tm, tn) over its slice's k tiles (l2ir.indexing.splitk_range),
@@ -333,6 +337,47 @@ class _Schedule:
             for _, _, part in segs:
                 acc += part.astype(np.float32)
             self.store(c, writes, tm, tn, acc)
+
+
+def _repack(kernel: Kernel, problem: Problem, a: np.ndarray, b: np.ndarray):
+    """The repack kernel, then the operands as the GEMM reads them (l2ir.indexing.Repack). Each operand the node
+    copies and whose rows are misaligned is written element by element into a flat workspace (poisoned with NaN)
+    at its copy's offset plus `dst`, zeros in the pad columns, and read back as rows of `pitch` elements from the
+    copy's offset. A wrong offset, pitch or element map reads poison or another operand, and shows in C; every
+    element of a copy must be written exactly once and nothing outside the copies at all; copies start and rows
+    step on REPACK_ALIGN elements (what the GEMM's 16-byte loads need).
+    Returns (A, B, the workspace's write counts)."""
+    rp = Repack(kernel.repack.operands, problem.a[1], problem.b[1])
+    env = {"m": problem.m, "n": problem.n, "k": problem.k}
+    total = int(rp.end.eval(env))
+    ws = np.full(total, np.nan, dtype=a.dtype)
+    writes = np.zeros(total, dtype=np.int32)
+    expected = np.zeros(total, dtype=np.int32)
+    read = {}
+    for op, logical, layout in (("A", a, problem.a[1]), ("B", b, problem.b[1])):
+        stored = logical if layout == "row" else logical.T
+        if int(rp.copy_elems(op).eval(env)) == 0:
+            read[op] = logical                       # aligned, or not the node's: read in place
+            continue
+        rows, cols = stored.shape
+        pitch = int(rp.pitch(cols).eval({}))
+        base = int(rp.offset(op).eval(env))
+        if pitch % REPACK_ALIGN or base % REPACK_ALIGN:
+            raise InterpError(f"repack copy of {op} at element {base} with rows of {pitch}: the GEMM's 16-byte loads "
+                              f"need both to be multiples of {REPACK_ALIGN}")
+        r, c = np.arange(rows)[:, None], np.arange(pitch)[None, :]
+        dst = base + Repack.dst().eval({"row": r, "col": c, "cols": cols})
+        if dst.min() < 0 or dst.max() >= total:
+            raise InterpError(f"repack of {op} writes workspace elements [{dst.min()}, {dst.max()}] outside the "
+                              f"{total} the copies take")
+        src = Repack.src().eval({"row": r, "col": np.minimum(c, cols - 1), "cols": cols})
+        ws[dst] = np.where(c < cols, stored.ravel()[src], 0)
+        np.add.at(writes, dst.ravel(), 1)
+        expected[base:base + rows * pitch] = 1
+        view = ws[base:base + rows * pitch].reshape(rows, pitch)[:, :cols]
+        read[op] = view if layout == "row" else view.T
+    _check_once(writes, "the repack workspace", expected)
+    return read["A"], read["B"], writes
 
 
 def _splitk_arrivals(units: int) -> range:

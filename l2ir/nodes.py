@@ -427,6 +427,21 @@ class Pad(Node):
 
 
 @dataclass(frozen=True)
+class Repack(Node):
+    """Copy operands whose rows are not 16-byte aligned into the workspace first, so the GEMM keeps its wide loads.
+
+    An odd K leaves every row of a K-major A and B on a 2-byte boundary: TMA (16-byte strides) and 16-byte cp.async
+    cannot read them, and a narrow-load path runs at a fraction of the tensor cores' rate. With this node, an
+    operand in `operands` whose leading dimension is not a multiple of 8 elements is copied, at run time, by a
+    small kernel launched before the GEMM into rows padded to a multiple of 8 (l2ir.indexing.Repack: the copy's
+    layout and the workspace it takes); the GEMM then reads the copy. An aligned operand is read in place, so the
+    same kernel runs aligned shapes at no extra cost."""
+
+    kind: ClassVar[str] = "repack"
+    operands: str = f(Choice(("a", "b", "ab")), "ab")
+
+
+@dataclass(frozen=True)
 class SplitK(Node):
     """split_k: `slices` blocks share one output tile along K; their fp32 partials are reduced and one sum written
     to C: through a workspace (reduce=workspace: a fixed-order reduction, in the GEMM kernel or a second one), fp32
@@ -470,19 +485,19 @@ class Source(Node):
 
 
 NODE_TYPES: dict[str, type[Node]] = {
-    cls.kind: cls for cls in (Target, Tile, Mma, Pipeline, Swizzle, Pad, SplitK, Epilogue, Source)
+    cls.kind: cls for cls in (Target, Tile, Mma, Pipeline, Swizzle, Pad, Repack, SplitK, Epilogue, Source)
 }
 
 # Print order of a kernel's nodes, and which nodes may be absent (absent = the node's default behaviour).
-KERNEL_ORDER = ("target", "tile", "mma", "pipeline", "swizzle", "pad", "splitk", "epilogue", "source")
+KERNEL_ORDER = ("target", "tile", "mma", "pipeline", "swizzle", "pad", "repack", "splitk", "epilogue", "source")
 SCHEDULE_NODES = ("tile", "mma", "pipeline", "pad", "epilogue")   # required unless the kernel is a Source kernel
-OPTIONAL_NODES = ("swizzle", "splitk")                              # may be inserted and removed freely
+OPTIONAL_NODES = ("swizzle", "repack", "splitk")                    # may be inserted and removed freely
 
 
 @dataclass(frozen=True)
 class Kernel:
     """A problem-independent kernel: a Target plus either a schedule (tile, mma, pipeline, pad, epilogue and the
-    optional swizzle and splitk) or a Source node. A Swizzle equal to its defaults is stored as absent, so each
+    optional swizzle, repack and splitk) or a Source node. A Swizzle equal to its defaults is stored as absent, so each
     schedule has exactly one representation."""
 
     target: Target
@@ -494,6 +509,7 @@ class Kernel:
     splitk: SplitK | None = None
     epilogue: Epilogue | None = None
     source: Source | None = None
+    repack: Repack | None = None     # last, so positional construction of the older fields is unchanged
 
     def __post_init__(self):
         for name in KERNEL_ORDER:

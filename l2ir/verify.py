@@ -17,8 +17,8 @@ from typing import Callable
 
 from .errors import (EpilogueError, ExprError, MmaError, PadError, PipelineError, ProblemError, ResourceError,
                      SourceError, SplitKError, SwizzleError, TargetError, TileError, VerifyError)
-from .indexing import LAUNCH_VARS, ceil_div, leaves_empty_slice
-from .nodes import SCHEDULE_NODES, Kernel, Problem
+from .indexing import LAUNCH_VARS, REPACK_ALIGN, ceil_div, leaves_empty_slice
+from .nodes import OPTIONAL_NODES, SCHEDULE_NODES, Kernel, Problem
 from .analysis import (acc_registers, cluster_reduce, elem_bytes, epilogue_smem_bytes, estimated_registers,
                        resolved_stages, ring_bytes, ring_description, smem_bytes, threads)
 from .target import (BLOCK_DIM_MAX, CLUSTER_ARCHS, DTYPE_BYTES, KB, MAX_CLUSTER, MAX_CLUSTER_NONPORTABLE, MAX_REGS,
@@ -105,7 +105,7 @@ def applicable(kernel: Kernel, problem: Problem) -> bool:
 
 
 def _structure(kernel: Kernel) -> VerifyError | None:
-    present = [n for n in SCHEDULE_NODES + ("swizzle", "splitk") if getattr(kernel, n) is not None]
+    present = [n for n in SCHEDULE_NODES + OPTIONAL_NODES if getattr(kernel, n) is not None]
     if kernel.is_source:
         if present:
             return SourceError("source", "source_excludes_schedule",
@@ -388,6 +388,15 @@ def _tma_pad(k: Kernel):
         return f"TMA needs 16-byte aligned global strides: pad.align must be 8, not {k.pad.align}"
 
 
+@rule("repack", "copies_are_aligned", PadError)
+def _repack(k: Kernel):
+    """The repack kernel pads copied rows to 8 elements (l2ir.indexing.REPACK_ALIGN): the GEMM reads them with
+    8-element (16-byte) loads, so pad.align must say so; a narrower align would give up what the copy buys."""
+    if k.repack is not None and k.pad.align != REPACK_ALIGN:
+        return (f"repack copies misaligned operands into rows of a multiple of {REPACK_ALIGN} elements; set "
+                f"pad.align={REPACK_ALIGN}, not {k.pad.align}")
+
+
 @rule("splitk", "mode_settings", SplitKError)
 def _splitk(k: Kernel):
     """split_k needs >= 2 slices; stream_k is a persistent tile scheduler of the warp-specialized kernels."""
@@ -535,9 +544,13 @@ def leading_dims(p: Problem) -> dict[str, tuple[str, int]]:
 def _alignment(k: Kernel, p: Problem):
     """Loads of `pad.align` elements need every row of A and B to start on such a boundary; stores of
     `epilogue.vector` elements need every row of C to. The two are separate because an odd N (a vocabulary of
-    50257) leaves A and B rows 16-byte aligned when B is K-major: only C's stores narrow, the loads stay wide."""
+    50257) leaves A and B rows 16-byte aligned when B is K-major: only C's stores narrow, the loads stay wide. An
+    operand the repack node copies is exempt: the GEMM reads its aligned copy."""
     layouts = {"A": p.a[1], "B": p.b[1], "C": p.c[1]}
+    copied = k.repack.operands.upper() if k.repack is not None else ""   # rows re-laid out by the repack kernel
     for op, (dim, size) in leading_dims(p).items():
+        if op in copied:
+            continue
         field, width = ("epilogue.vector", k.epilogue.vector) if op == "C" else ("pad.align", k.pad.align)
         if size % width:
             return (f"{field}={width} assumes {width * elem_bytes(p)}-byte aligned rows: {op} is {layouts[op]}-major, "

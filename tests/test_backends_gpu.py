@@ -527,3 +527,70 @@ def test_odd_n_with_wide_loads_passes_every_gate(evaluator, tmp_path, name):
     art = _build_for_this_gpu(plan, tmp_path)
     _assert_passes_every_gate(evaluator, kernel, F16, plan, art, ((256, 1001, 512), (100, 50257, 64), (333, 999, 1000)),
                               name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cuda_ptx sm90a with the repack node: an odd K copies A and B into aligned rows before the GEMM, which then runs on
+# TMA like an aligned problem. Every gate at odd-K, odd-N and aligned shapes; then the copy in the workspace is
+# checked against l2ir.indexing.Repack's layout (the operand's bits at `dst`, zeros in the pad columns).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _repack_kernels() -> dict[str, Kernel]:
+    from l2ir.nodes import Repack
+
+    sweep = load_sweep("cuda_ptx")
+    vec1 = Epilogue("direct", 1)
+    return {
+        "coop_128x128x64": sweep["ptx_coop_128x128x64"].replace(repack=Repack(), epilogue=vec1),
+        "w4x1_64x128x64": sweep["ptx_w4x1_64x128x64"].replace(repack=Repack(), epilogue=vec1),
+        "tree_w4x1_64x64x64_s4_st4": sweep["ptx_splitk_w4x1_64x64x64_s4_st4"].replace(repack=Repack(),
+                                                                                      epilogue=vec1),
+        "cluster_w4x1_64x64x64_s8": sweep["ptx_splitk_cluster_w4x1_64x64x64_s8"].replace(repack=Repack(),
+                                                                                         epilogue=vec1),
+    }
+
+
+REPACK = _repack_kernels()
+REPACK_SHAPES = ((512, 512, 4097), (1023, 1025, 1027), (333, 555, 777), (130, 200, 4104), (64, 64, 1))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", list(REPACK))
+def test_cuda_ptx_repack_passes_every_gate(evaluator, tmp_path_factory, name):
+    import torch
+
+    from l2ir.indexing import Repack
+    from l2ir.runtime import load
+    from l2ir.search.gates import admits
+
+    major, minor = torch.cuda.get_device_capability(0)
+    if (major, minor) < (9, 0):
+        pytest.skip(f"the sm90a kernels need a Hopper GPU; this one is sm_{major}{minor}")
+    kernel = REPACK[name]
+    plan = lower(kernel, F16, "cuda_ptx")
+    art = _build_for_this_gpu(plan, tmp_path_factory.mktemp("repack"))
+    shapes = [s for s in REPACK_SHAPES if admits(kernel, F16.with_shape(*s))[0]]
+    assert (512, 512, 4097) in shapes and (130, 200, 4104) in shapes, shapes
+    _assert_passes_every_gate(evaluator, kernel, F16, plan, art, shapes, name,
+                              {"accuracy", "ulp", "all_written", "guard_bands", "ragged_shapes"})
+    # The copies the GEMM read: rows of `pitch` at Repack's offsets, the operand's bits then zeros.
+    mm, nn, kk = 333, 555, 777
+    a = torch.randn((mm, kk), device="cuda").half()
+    b = torch.randn((nn, kk), device="cuda").half()
+    c = torch.empty((mm, nn), device="cuda").half()
+    ws_bytes = plan.workspace_for(mm, nn, kk)
+    ws = torch.full((ws_bytes // 2,), float("nan"), dtype=torch.half, device="cuda")
+    launcher = load(plan, art.binary)
+    try:
+        launcher(a.data_ptr(), b.data_ptr(), c.data_ptr(), mm, nn, kk, ws.data_ptr(), ws_bytes)
+        torch.cuda.synchronize()
+    finally:
+        launcher.close()
+    rp, env, pitch = Repack(), {"m": mm, "n": nn, "k": kk}, -(-kk // 8) * 8
+    for op, x in (("A", a), ("B", b)):
+        off = int(rp.offset(op).eval(env))
+        copy = ws[off:off + x.shape[0] * pitch].view(x.shape[0], pitch)
+        assert torch.equal(copy[:, :kk].view(torch.int16), x.view(torch.int16)), op
+        assert int(copy[:, kk:].view(torch.int16).count_nonzero()) == 0, op

@@ -27,8 +27,8 @@ from l2ir.backends.cuda_ptx.common import UnsupportedLowering  # noqa: E402
 from l2ir.target import SMEM_LIMIT  # noqa: E402
 from l2ir.runtime import STATUS_BAD_ARGUMENT, STATUS_MISALIGNED  # noqa: E402
 from l2ir.errors import L2IRError  # noqa: E402
-from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target,  # noqa: E402
-                        Tile)
+from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, Repack, SplitK, Swizzle,  # noqa: E402
+                        Target, Tile)
 from l2ir.analysis import resolved_stages  # noqa: E402
 
 PROBLEM = Problem(m=4096, n=4096, k=4096)
@@ -81,6 +81,12 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
     "coop_128x128x64_splitk4_cluster_nonpersistent": (
         coop((128, 128, 64), pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=False),
              splitk=SplitK("split_k", 4, "cluster")), PROBLEM),
+    "coop_128x128x64_repack": (coop((128, 128, 64), repack=Repack()), Problem(m=512, n=512, k=4097)),
+    "w4x1_64x64x64_s4_two_per_sm_splitk4_repack_b": (
+        lat((64, 64, 64), pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False), splitk=SplitK("split_k", 4),
+            repack=Repack("b")), PROBLEM),
+    "w4x1_64x64x64_splitk8_cluster_repack": (
+        lat((64, 64, 64), splitk=SplitK("split_k", 8, "cluster"), repack=Repack()), PROBLEM),
 }
 
 
@@ -149,6 +155,8 @@ FIELD_CASES = [
     ("problem.dtype", coop(), Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col")),
      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"),
     ("problem.c", coop(), Problem(m=1, n=1, k=1, c=("bf16", "row")), "using OutT = __nv_bfloat16;"),
+    ("repack", coop(repack=Repack()), PROBLEM, "l2ir_cuda_ptx_sm90a_repack<<<blocks, 256, 0,"),
+    ("repack.operands", coop(repack=Repack("a")), PROBLEM, "const bool copy_b = (0) != 0;"),
 ]
 
 
@@ -215,7 +223,7 @@ def test_short_prologue(name):
     assert kernel_src.index("prefetch.tensormap") < kernel_src.index("mbar_init(")
     host = src[src.index('extern "C" int l2ir_run'):]
     assert "thread_local MapCache cache_a, cache_b;" in host and "encode_operand" not in host
-    assert "operand_map(cache_a, A, M, K, BM)" in host and "operand_map(cache_b, B, N, K, BN)" in host
+    assert "operand_map(cache_a, a_read, M, K, lda, BM)" in host and "operand_map(cache_b, b_read, N, K, ldb, BN)" in host
     helper = src[src.index("const CUtensorMap* operand_map("):src.index('extern "C" int l2ir_run')]
     assert helper.index("return &cache.map;") < helper.index("encode_operand(")   # the hit returns before encoding
 
@@ -421,6 +429,38 @@ def test_grid_is_explicit_sm_count():
     assert "constexpr int NUM_SMS = 114;" in lower(coop(), PROBLEM, num_sms=114).source
 
 
+def test_repack_renders_the_copy_and_reads_it():
+    """repack: the copy kernel's stores and loads and the shim's offsets are l2ir.indexing.Repack's expressions;
+    the GEMM's tensor maps read the copy with its pitch; the plan's workspace is the copies' bytes and nothing on an
+    aligned K; other backends refuse the node, and the registry makes cuda_ptx its default."""
+    from l2ir.indexing import Repack as RepackLayout
+
+    kernel, problem = CASES["coop_128x128x64_repack"]
+    plan = lower(kernel, problem)
+    rp = RepackLayout()
+    assert f"dst + {RepackLayout.dst().to_cpp()}" in plan.source
+    assert f"src[{RepackLayout.src().to_cpp()}]" in plan.source
+    assert f"ws_elems + ({rp.offset('B').to_cpp()})" in plan.source
+    assert "operand_map(cache_a, a_read, M, K, lda, BM)" in plan.source
+    assert "cuuint64_t(ld) * sizeof(InT)" in plan.source
+    for m, n, k in ((512, 512, 4097), (1, 1, 1), (4096, 1001, 4096), (1023, 1025, 1027)):
+        pitch = -(-k // 8) * 8
+        copies = 0 if k % 8 == 0 else (-(-m * pitch // 64) + -(-n * pitch // 64)) * 64 * 2
+        assert plan.workspace_for(m, n, k) == copies, (m, n, k)
+    assert not plan.zero_workspace
+    # The split-K tree's workspace follows the copies, 128-byte aligned.
+    tree = lower(*CASES["w4x1_64x64x64_s4_two_per_sm_splitk4_repack_b"])
+    plain = lower(lat((64, 64, 64), pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False),
+                      splitk=SplitK("split_k", 4)), PROBLEM)
+    for m, n, k in ((64, 1024, 16383), (100, 3000, 4104)):
+        b_copy = 0 if k % 8 == 0 else -(-n * (-(-k // 8) * 8) // 64) * 64 * 2
+        assert tree.workspace_for(m, n, k) == b_copy + plain.workspace_for(m, n, k)
+    assert tree.zero_workspace
+    assert registry.backend_for(kernel).name == "cuda_ptx"
+    with pytest.raises(NotImplementedError, match="repack"):
+        registry.backend_for(kernel, "cutlass_sm90")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Refusals: every field this rule does not implement raises, naming the field.
 # ---------------------------------------------------------------------------------------------------------------
@@ -440,6 +480,21 @@ REFUSALS = [
     ("problem.acc", coop(), Problem(m=1, n=1, k=1, acc="f16")),
     ("swizzle.smem", coop((128, 256, 96), pipeline=Pipeline("tma_ws", 2, "cooperative", persistent=True)), PROBLEM),
 ]
+
+
+def test_other_backends_refuse_repack():
+    """Only the cuda_ptx sm90a rule generates the copy; the others name the node rather than ignore it."""
+    from l2ir.backends import cutlass_sm90
+    from l2ir.backends.cuda_ptx import sm80
+    from l2ir.backends.cute_sm80 import config as cute_config
+
+    sm80_kernel = Kernel(target=Target("sm80"), tile=Tile((128, 128, 32), (2, 2)), mma=Mma("mma_sync", (16, 8, 16)),
+                         pipeline=Pipeline("multistage", 3), pad=Pad(), epilogue=Epilogue("smem", 8), repack=Repack())
+    for fn, kernel in ((cutlass_sm90.canonicalize, coop(repack=Repack())), (sm80.canonicalize, sm80_kernel),
+                       (cute_config.derive, sm80_kernel)):
+        with pytest.raises(NotImplementedError) as info:
+            fn(kernel, PROBLEM)
+        assert getattr(info.value, "field", "repack") == "repack" and "repack" in str(info.value)
 
 
 @pytest.mark.parametrize("field,kernel,problem", REFUSALS, ids=[r[0] for r in REFUSALS])
@@ -491,7 +546,9 @@ def _sweep_splitk_cases() -> dict[str, tuple[Kernel, Problem]]:
 NVCC_CASES = ["coop_128x256x64_direct", "coop_256x128x64_smem8_along_m8", "w4x1_64x128x64_direct",
               "w4x1_64x256x64_smem8_bf16", "w4x1_64x128x64_splitk8", "coop_128x128x64_splitk3_persistent_smem8",
               "w4x1_64x128x64_s4_two_per_sm", "w4x1_64x64x64_s4_two_per_sm_splitk5", "w4x1_64x64x64_splitk8_cluster",
-              "w4x1_64x128x64_s4_two_per_sm_splitk16_cluster", "coop_128x128x64_splitk4_cluster_nonpersistent"]
+              "w4x1_64x128x64_s4_two_per_sm_splitk16_cluster", "coop_128x128x64_splitk4_cluster_nonpersistent",
+              "coop_128x128x64_repack", "w4x1_64x64x64_s4_two_per_sm_splitk4_repack_b",
+              "w4x1_64x64x64_splitk8_cluster_repack"]
 BUILD_CASES = {**{name: CASES[name] for name in NVCC_CASES}, **_sweep_splitk_cases()}
 
 
@@ -564,6 +621,29 @@ def test_splitk_shim_workspace_contract(builds):
     assert so.l2ir_run(16, 16, 16, 64, 1024, 16384, 256, need - 1, None) == STATUS_WORKSPACE_TOO_SMALL
     assert so.l2ir_run(16, 16, 16, 64, 1024, 16384, None, need, None) == STATUS_WORKSPACE_TOO_SMALL
     assert so.l2ir_run(16, 16, 16, 64, 1024, 16384, 264, need, None) == STATUS_MISALIGNED
+
+
+@pytest.mark.nvcc
+def test_repack_shim_workspace_contract(builds):
+    """The repack shim's workspace size is the plan's expression; on an odd K it needs the workspace for its copies
+    and refuses without one; with operands=b, A's misaligned rows are still refused (MISALIGNED); an aligned K
+    needs no workspace at all."""
+    from l2ir.runtime import STATUS_WORKSPACE_TOO_SMALL
+
+    for name in ("coop_128x128x64_repack", "w4x1_64x64x64_s4_two_per_sm_splitk4_repack_b"):
+        plan = lower(*CASES[name])
+        so = shim_library(built(builds[name]).binary)
+        for m, n, k in ((512, 512, 4097), (1023, 1025, 1027), (17, 9999, 3333), (64, 64, 64), (1, 1, 1)):
+            assert so.l2ir_workspace_size(m, n, k) == plan.workspace_for(m, n, k), (name, m, n, k)
+    so = shim_library(built(builds["coop_128x128x64_repack"]).binary)
+    need = so.l2ir_workspace_size(512, 512, 4097)
+    assert need > 0 and so.l2ir_workspace_size(512, 512, 4096) == 0
+    assert so.l2ir_run(16, 16, 16, 512, 512, 4097, None, need, None) == STATUS_WORKSPACE_TOO_SMALL
+    assert so.l2ir_run(16, 16, 16, 512, 512, 4097, 256, need - 1, None) == STATUS_WORKSPACE_TOO_SMALL
+    assert so.l2ir_run(16, 16, 16, 512, 512, 4097, 264, need, None) == STATUS_MISALIGNED
+    only_b = shim_library(built(builds["w4x1_64x64x64_s4_two_per_sm_splitk4_repack_b"]).binary)
+    big = only_b.l2ir_workspace_size(512, 512, 4097) + 1024
+    assert only_b.l2ir_run(16, 16, 16, 512, 512, 4097, 256, big, None) == STATUS_MISALIGNED   # A not copied
 
 
 if __name__ == "__main__":

@@ -364,3 +364,65 @@ def test_cluster_reduction_fuzzed(slices, m, n_half, k_extra, coop, rnd):
     result = interpret(kernel, problem, a, b)
     np.testing.assert_array_equal(result.c.astype(np.float64), reference(a, b))
     assert (result.c_writes == 1).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# repack: the operand copy before the GEMM (l2ir.indexing.Repack).
+# ---------------------------------------------------------------------------------------------------------------
+
+def _repack_kernel(operands="ab"):
+    from l2ir.nodes import Repack
+
+    return parse_kernel(open("examples/sm90a_splitk_cluster_64x64.l2").read()).replace(
+        splitk=None, repack=Repack(operands))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 150), st.integers(1, 150), st.integers(1, 300), st.sampled_from(["a", "b", "ab"]),
+       st.sampled_from(["row", "col"]), st.sampled_from(["row", "col"]), st.integers(0, 2 ** 32 - 1))
+def test_repack_fuzzed(m, n, k, operands, a_layout, b_layout, seed):
+    """Any M, N, K and operand layout the verifier admits: exact on small integers; every element of each copy
+    (pad columns included) written once, nothing else in the workspace; the workspace is the copies' size."""
+    from hypothesis import assume
+    from l2ir.indexing import Repack
+    from l2ir.verify import applicable
+
+    kernel = _repack_kernel(operands)
+    problem = Problem(m, n, k, a=("f16", a_layout), b=("f16", b_layout))
+    assume(applicable(kernel, problem))
+    a, b = random_inputs(problem, np.random.default_rng(seed), integers=True)
+    result = interpret(kernel, problem, a, b)
+    np.testing.assert_array_equal(result.c.astype(np.float64), reference(a, b))
+    assert (result.c_writes == 1).all()
+    rp = Repack(operands, a_layout, b_layout)
+    env = {"m": m, "n": n, "k": k}
+    assert result.repack_writes.size == int(rp.end.eval(env))
+    copied = sum(rows * -(-cols // 8) * 8 for op, (rows, cols) in
+                 (("A", (m, k) if a_layout == "row" else (k, m)), ("B", (k, n) if b_layout == "row" else (n, k)))
+                 if op.lower() in operands and cols % 8)
+    assert int(result.repack_writes.sum()) == copied and result.repack_writes.max(initial=0) <= 1
+
+
+def test_repack_on_an_aligned_k_copies_nothing():
+    p = Problem(70, 130, 256)
+    result = interpret(_repack_kernel(), p, *random_inputs(p, np.random.default_rng(0), integers=True))
+    assert result.repack_writes.size == 0
+
+
+@pytest.mark.parametrize("attr,broken,match", [
+    ("dst", lambda: Var("row") * Var("cols") + Var("col"), "written a wrong number of times"),   # pitch ignored
+    ("offset", lambda: (lambda self, op: Const(0)), "written a wrong number of times"),          # B over A
+    ("pitch", lambda: staticmethod(lambda cols: cols if isinstance(cols, Var) else Const(cols)),
+     "need both to be multiples of 8"),                                                           # rows unpadded
+], ids=["dst_without_pitch", "b_copy_over_a", "pitch_unpadded"])
+def test_broken_repack_is_caught(monkeypatch, attr, broken, match):
+    """A copy that ignores the pitch or a B copy placed over A's writes some workspace element twice or never; rows
+    left unpadded would break the GEMM's 16-byte loads. The interpreter refuses all three."""
+    from l2ir.indexing import Repack
+
+    members = {"dst": staticmethod(broken), "offset": broken(), "pitch": broken()}
+    bad = type("BrokenRepack", (Repack,), {attr: members[attr]})
+    monkeypatch.setattr(interp_mod, "Repack", bad)
+    p = Problem(70, 130, 1027)
+    with pytest.raises(InterpError, match=match):
+        interpret(_repack_kernel(), p, *random_inputs(p, np.random.default_rng(0), integers=True))

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from l2ir.errors import (EpilogueError, L2IRError, MmaError, PadError, PipelineError, ProblemError, ResourceError,
                          SourceError, SplitKError, SwizzleError, TargetError, TileError, VerifyError)
 from l2ir.indexing import Const, Var
-from l2ir.nodes import Kernel, Problem, Source, SplitK, Swizzle, Target
+from l2ir.nodes import Kernel, Problem, Repack, Source, SplitK, Swizzle, Target
 from l2ir.text import parse_kernel
 from l2ir.analysis import smem_bytes
 from l2ir.verify import check_problem, verify, violations
@@ -144,7 +144,27 @@ PROBLEM_ILLEGAL = [
     ("source grid limit", SOURCE.replace(source=dataclasses.replace(SOURCE.source, grid=(Const(1), Var("m"),
                                                                                          Const(1)))),
      Problem(70000, 8, 8), SourceError, "allowed 1..65535"),
+    # repack operands=b copies B only: A's odd-K rows still break pad.align=8.
+    ("repack b only", SM90.replace(repack=Repack("b")), Problem(128, 128, 100), PadError,
+     "A is row-major, so K must be a multiple of 8, got K=100"),
+    ("repack leaves C", SM90.replace(repack=Repack()), Problem(128, 100, 128), PadError,
+     "C is row-major, so N must be"),
 ]
+
+
+def test_repack_exempts_the_copied_operands():
+    """An odd K is legal once both K-major operands are copied; an aligned K needs no copy and stays legal; the
+    node asks for pad.align=8 (the copies' alignment) and is refused on a Source kernel."""
+    for k in (100, 4097, 1, 7):
+        check_problem(SM90.replace(repack=Repack()), Problem(128, 128, k))
+    check_problem(SM90.replace(repack=Repack()), Problem(128, 128, 4096))
+    check_problem(SM90.replace(repack=Repack("a")), Problem(128, 128, 100, b=("f16", "row")))  # B row: N aligned
+    with pytest.raises(PadError) as info:
+        verify(rep(SM80, "pad", align=2).replace(repack=Repack()))
+    assert info.value.rule == "copies_are_aligned" and "pad.align=8" in str(info.value)
+    with pytest.raises(SourceError, match="remove repack"):
+        verify(SOURCE.replace(repack=Repack()))
+    assert parse_kernel(SM90.replace(repack=Repack("b")).text()) == SM90.replace(repack=Repack("b"))
 
 
 @pytest.mark.parametrize("kernel,problem,cls,text", [pytest.param(*c[1:], id=c[0]) for c in PROBLEM_ILLEGAL])

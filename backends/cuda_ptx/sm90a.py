@@ -79,7 +79,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from l2ir.errors import ResourceError
-from l2ir.indexing import ClusterReduce, Const, Expr, SplitKTree, Var, cdiv, rasterize, splitk_range
+from l2ir.indexing import (REPACK_ALIGN, ClusterReduce, Const, Expr, Repack, SplitKTree, Var, cdiv, rasterize,
+                           splitk_range)
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.text import print_problem_class
 from l2ir.target import (KB, CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, H200_SMS,
@@ -133,6 +134,7 @@ class PtxConfig:
     vector: int
     slices: int = 1           # splitk mode=split_k slices (1: no split)
     cluster_reduce: bool = False   # splitk reduce=cluster: the slices reduce in a cluster's shared memory
+    repack: str = ""          # repack operands=a|b|ab: operands copied to aligned rows when K % 8 != 0 ("" = none)
 
     @property
     def split(self) -> bool:
@@ -142,6 +144,16 @@ class PtxConfig:
     def tree(self) -> bool:
         """split-K through the workspace's pairwise tree (reduce=workspace), with its slots and counters."""
         return self.split and not self.cluster_reduce
+
+    @property
+    def uses_workspace(self) -> bool:
+        """Whether l2ir_run may need the workspace: repack's copies or the split-K tree's partials."""
+        return self.tree or bool(self.repack)
+
+    @property
+    def repack_layout(self) -> Repack:
+        """Where the copies live (the problem class is K-major A and B: both copies are rows x K)."""
+        return Repack(self.repack or "ab", "row", "col")
 
     @property
     def k_first(self) -> str:
@@ -360,6 +372,7 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
         divisible=(pad.m == "divisible", pad.n == "divisible", pad.k == "divisible"),
         epilogue=epi.path, vector=epi.vector, slices=slices,
         cluster_reduce=cluster_reduce(kernel),
+        repack=kernel.repack.operands if kernel.repack is not None else "",
     )
     total, limit = cfg.layout["total"], SMEM_LIMIT["sm90a"]
     if total > limit:
@@ -673,7 +686,7 @@ def _config(cfg: PtxConfig) -> list[str]:
         "namespace {",
         "",
         *status_constants_cpp("MISALIGNED", *(["NOT_DIVISIBLE"] if any(cfg.divisible) else []), "BAD_ARGUMENT",
-                              "CUDA_ERROR", "TENSOR_MAP", *(["WORKSPACE_TOO_SMALL"] if cfg.tree else [])),
+                              "CUDA_ERROR", "TENSOR_MAP", *(["WORKSPACE_TOO_SMALL"] if cfg.uses_workspace else [])),
         "",
         f"using InT = {in_t};     // problem a/b",
         f"using OutT = {out_t};   // problem c",
@@ -1042,6 +1055,97 @@ def _kernel(cfg: PtxConfig) -> list[str]:
     ]
 
 
+REPACK_ENTRY = "l2ir_cuda_ptx_sm90a_repack"
+REPACK_THREADS = 256
+REPACK_BLOCKS_PER_SM = 8     # grid-stride cap: enough blocks in flight to cover DRAM latency on every SM
+
+
+def _repack_kernel(cfg: PtxConfig) -> list[str]:
+    """repack: the copy kernel launched before the GEMM (l2ir.indexing.Repack renders its index arithmetic)."""
+    if not cfg.repack:
+        return []
+    chunk = REPACK_ALIGN
+    return [
+        f"// ---- repack operands={cfg.repack}: misaligned operands copied to aligned rows (l2ir.indexing.Repack) ----",
+        "// A K-major operand with K % 8 != 0 starts each row on a 2-byte boundary, which TMA (16-byte strides) cannot",
+        f"// read. This kernel copies it to rows of pitch = K rounded up to {chunk}: one thread per {chunk}-element chunk",
+        f"// of a copy's row, {chunk} 2-byte loads (the source rows have no wider alignment) and one 16-byte store, zeros",
+        "// in the pad columns. A grid-stride loop covers A's chunks, then B's; a null dst means the operand is not",
+        "// copied this call.",
+        "struct RepackOperand {",
+        "  const uint16_t* src;   // the operand's bits (f16 and bf16 alike: a copy moves bits)",
+        "  uint16_t* dst;         // its copy in the workspace, 16-byte aligned; nullptr: not copied",
+        "  long long rows;",
+        "  long long cols;",
+        "};",
+        "",
+        f"__global__ void __launch_bounds__({REPACK_THREADS}) {REPACK_ENTRY}(RepackOperand op_a, RepackOperand op_b) {{",
+        f"  const long long chunks_a = op_a.dst ? op_a.rows * ({Repack.pitch(Var('op_a.cols')).to_cpp()} / {chunk}) : 0;",
+        f"  const long long chunks_b = op_b.dst ? op_b.rows * ({Repack.pitch(Var('op_b.cols')).to_cpp()} / {chunk}) : 0;",
+        f"  for (long long i = blockIdx.x * (long long){REPACK_THREADS} + threadIdx.x; i < chunks_a + chunks_b;",
+        f"       i += (long long)gridDim.x * {REPACK_THREADS}) {{",
+        "    const bool in_a = i < chunks_a;",
+        "    const uint16_t* src = in_a ? op_a.src : op_b.src;",
+        "    uint16_t* dst = in_a ? op_a.dst : op_b.dst;",
+        "    const long long cols = in_a ? op_a.cols : op_b.cols;",
+        "    const long long j = in_a ? i : i - chunks_a;",
+        f"    const long long per_row = {Repack.pitch(Var('cols')).to_cpp()} / {chunk};",
+        "    const long long row = j / per_row;",
+        f"    const long long col0 = (j % per_row) * {chunk};",
+        f"    alignas(16) uint16_t v[{chunk}];",
+        "#pragma unroll",
+        f"    for (int e = 0; e < {chunk}; ++e) {{",
+        "      const long long col = col0 + e;",
+        f"      v[e] = col < cols ? src[{Repack.src().to_cpp()}] : uint16_t(0);   // pad columns: +0.0",
+        "    }",
+        "    {",
+        "      const long long col = col0;",
+        f"      *reinterpret_cast<uint4*>(dst + {Repack.dst().to_cpp()}) = *reinterpret_cast<const uint4*>(v);",
+        "    }",
+        "  }",
+        "}",
+        "",
+    ]
+
+
+def _repack_setup(cfg: PtxConfig) -> list[str]:
+    """l2ir_run's repack step: which operands are copied this call, where, and the copy kernel's launch."""
+    rp = cfg.repack_layout
+    return [
+        f"  // repack operands={cfg.repack}: an operand whose rows are not {REPACK_ALIGN}-element aligned is copied into the",
+        "  // workspace (l2ir.indexing.Repack: offsets and pitch) and the GEMM reads the copy.",
+        "  const long long m = M, n = N, k = K;",
+        f"  const bool copy_a = ({rp.copy_elems('A').to_cpp()}) != 0;",
+        f"  const bool copy_b = ({rp.copy_elems('B').to_cpp()}) != 0;",
+        f"  const int pitch = int({Repack.pitch(Var('k')).to_cpp()});",
+        "  if ((copy_a || copy_b) && (workspace == nullptr || workspace_bytes < l2ir_workspace_size(M, N, K))) {",
+        "    return L2IR_STATUS_WORKSPACE_TOO_SMALL;",
+        "  }",
+        "  if ((copy_a || copy_b) && reinterpret_cast<uintptr_t>(workspace) % 16 != 0) return L2IR_STATUS_MISALIGNED;",
+        "  uint16_t* ws_elems = static_cast<uint16_t*>(workspace);",
+        f"  const void* a_read = copy_a ? static_cast<const void*>(ws_elems + ({rp.offset('A').to_cpp()})) : A;",
+        f"  const void* b_read = copy_b ? static_cast<const void*>(ws_elems + ({rp.offset('B').to_cpp()})) : B;",
+        "  const int lda = copy_a ? pitch : K, ldb = copy_b ? pitch : K;",
+    ]
+
+
+def _repack_launch(cfg: PtxConfig) -> list[str]:
+    cap = cfg.num_sms * REPACK_BLOCKS_PER_SM
+    return [
+        "  if (copy_a || copy_b) {",
+        "    const RepackOperand op_a{static_cast<const uint16_t*>(A), copy_a ? const_cast<uint16_t*>(",
+        "        static_cast<const uint16_t*>(a_read)) : nullptr, M, K};",
+        "    const RepackOperand op_b{static_cast<const uint16_t*>(B), copy_b ? const_cast<uint16_t*>(",
+        "        static_cast<const uint16_t*>(b_read)) : nullptr, N, K};",
+        f"    const long long chunks = (copy_a ? m : 0) * (pitch / {REPACK_ALIGN}) + "
+        f"(copy_b ? n : 0) * (pitch / {REPACK_ALIGN});",
+        f"    const long long want = (chunks + {REPACK_THREADS} - 1) / {REPACK_THREADS};",
+        f"    const int blocks = int(want < {cap} ? want : {cap});   // {REPACK_BLOCKS_PER_SM} blocks per SM at most",
+        f"    {REPACK_ENTRY}<<<blocks, {REPACK_THREADS}, 0, static_cast<cudaStream_t>(stream)>>>(op_a, op_b);",
+        "  }",
+    ]
+
+
 def _host_shim(cfg: PtxConfig) -> list[str]:
     """Trusted host code: tensor-map encoding, argument checks (pad, align), the launch."""
     dm, dn, dk = cfg.divisible
@@ -1076,9 +1180,11 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "",
         "// A K-major operand (rows x K, K contiguous) as a 2D tensor {K, rows}; each box is ATOM_K x box_rows, written",
         f"// to shared memory with the {cfg.row_bytes}-byte swizzle the wgmma descriptors expect. OOB_FILL_NONE fills zeros.",
-        "bool encode_operand(EncodeTiledFn encode, CUtensorMap* map, const void* ptr, int rows, int K, int box_rows) {",
+        "bool encode_operand(EncodeTiledFn encode, CUtensorMap* map, const void* ptr, int rows, int K, int ld,",
+        "                    int box_rows) {",
         "  cuuint64_t dims[2] = {cuuint64_t(K), cuuint64_t(rows)};",
-        "  cuuint64_t strides[1] = {cuuint64_t(K) * sizeof(InT)};   // bytes between rows; must be a multiple of 16",
+        "  cuuint64_t strides[1] = {cuuint64_t(ld) * sizeof(InT)};   // bytes between rows (K, or a repack copy's pitch):",
+        "  //                                                             a multiple of 16",
         "  cuuint32_t box[2] = {cuuint32_t(ATOM_K), cuuint32_t(box_rows)};",
         "  cuuint32_t elem_strides[2] = {1, 1};",
         f"  CUresult r = encode(map, {TMA_DTYPE[cfg.in_dtype]}, 2, const_cast<void*>(ptr), dims, strides, box,",
@@ -1092,19 +1198,19 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "struct MapCache {",
         "  CUtensorMap map;",
         "  const void* ptr = nullptr;",
-        "  int rows = 0, k = 0;",
+        "  int rows = 0, k = 0, ld = 0;",
         "  bool valid = false;",
         "};",
         "",
         "// The operand's map, encoded only when the pointer or the sizes changed since this thread's previous call: the",
         "// map holds only the address, the extents and the box, so these decide it (the unified address implies the",
         "// device). nullptr if the driver refuses the operand.",
-        "const CUtensorMap* operand_map(MapCache& cache, const void* ptr, int rows, int K, int box_rows) {",
-        "  if (cache.valid && cache.ptr == ptr && cache.rows == rows && cache.k == K) return &cache.map;",
+        "const CUtensorMap* operand_map(MapCache& cache, const void* ptr, int rows, int K, int ld, int box_rows) {",
+        "  if (cache.valid && cache.ptr == ptr && cache.rows == rows && cache.k == K && cache.ld == ld) return &cache.map;",
         "  cache.valid = false;",
         "  EncodeTiledFn encode = tensor_map_encoder();",
-        "  if (encode == nullptr || !encode_operand(encode, &cache.map, ptr, rows, K, box_rows)) return nullptr;",
-        "  cache.ptr = ptr; cache.rows = rows; cache.k = K; cache.valid = true;",
+        "  if (encode == nullptr || !encode_operand(encode, &cache.map, ptr, rows, K, ld, box_rows)) return nullptr;",
+        "  cache.ptr = ptr; cache.rows = rows; cache.k = K; cache.ld = ld; cache.valid = true;",
         "  return &cache.map;",
         "}",
         "",
@@ -1137,23 +1243,24 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "",
         "}  // namespace",
         "",
-        *(_workspace_size_split() if cfg.tree else [
-            'extern "C" size_t l2ir_workspace_size(int M, int N, int K) {',
-            "  (void)M; (void)N; (void)K;",
-            "  return 0;",
-            "}"]),
+        *_workspace_size(cfg),
         "",
         'extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,',
         "                        void* workspace, size_t workspace_bytes, void* stream) {",
-        *([] if cfg.tree else ["  (void)workspace; (void)workspace_bytes;"]),
+        *([] if cfg.uses_workspace else ["  (void)workspace; (void)workspace_bytes;"]),
         "  if (A == nullptr || B == nullptr || C == nullptr || M <= 0 || N <= 0 || K <= 0) return L2IR_STATUS_BAD_ARGUMENT;",
     ]
     for flag, var, size, fld in ((dm, "M", "BM", "pad.m"), (dn, "N", "BN", "pad.n"), (dk, "K", "BK", "pad.k")):
         if flag:
             L.append(f"  if ({var} % {size} != 0) return L2IR_STATUS_NOT_DIVISIBLE;   // {fld}=divisible")
     L += [
-        "  // TMA: 16-byte aligned base addresses and row strides (pad.align=8: K % 8 == 0).",
-        "  if (reinterpret_cast<uintptr_t>(A) % 16 != 0 || reinterpret_cast<uintptr_t>(B) % 16 != 0 || K % 8 != 0) {",
+        *(_repack_setup(cfg) if cfg.repack else [
+            "  const void* a_read = A;",
+            "  const void* b_read = B;",
+            "  const int lda = K, ldb = K;"]),
+        "  // TMA: 16-byte aligned base addresses and row strides (pad.align=8: K % 8 == 0, or a repack copy).",
+        "  if (reinterpret_cast<uintptr_t>(a_read) % 16 != 0 || reinterpret_cast<uintptr_t>(b_read) % 16 != 0 ||",
+        "      lda % 8 != 0 || ldb % 8 != 0) {",
         "    return L2IR_STATUS_MISALIGNED;",
         "  }",
         f"  // epilogue.vector={cfg.vector}: {store_bytes}-byte stores need aligned rows and base.",
@@ -1172,14 +1279,17 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
             "    return L2IR_STATUS_WORKSPACE_TOO_SMALL;",
             "  }",
             "  if (reinterpret_cast<uintptr_t>(workspace) % 16 != 0) return L2IR_STATUS_MISALIGNED;",
-            "  float* ws = static_cast<float*>(workspace);",
+            ("  float* ws = reinterpret_cast<float*>(static_cast<char*>(workspace) + "
+             f"({cfg.repack_layout.end.to_cpp()}) * sizeof(InT));   // after the repack copies"
+             if cfg.repack else "  float* ws = static_cast<float*>(workspace);"),
             "  unsigned* counters = reinterpret_cast<unsigned*>(ws + num_tiles * SLICES * PARTIAL_FLOATS);"]),
         "  // Encoding a tensor map is a driver call: a repeated call on the same operand re-uses its map.",
         "  thread_local MapCache cache_a, cache_b;",
-        "  const CUtensorMap* tmap_a = operand_map(cache_a, A, M, K, BM);",
-        "  const CUtensorMap* tmap_b = operand_map(cache_b, B, N, K, BN);",
+        "  const CUtensorMap* tmap_a = operand_map(cache_a, a_read, M, K, lda, BM);",
+        "  const CUtensorMap* tmap_b = operand_map(cache_b, b_read, N, K, ldb, BN);",
         "  if (tmap_a == nullptr || tmap_b == nullptr) return L2IR_STATUS_TENSOR_MAP;",
         "  if (!configure_kernel()) return L2IR_STATUS_CUDA_ERROR;",
+        *(_repack_launch(cfg) if cfg.repack else []),
         grid_line,
         *(_cluster_launch() if cfg.cluster_reduce else [
             f"  {ENTRY}<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(",
@@ -1215,30 +1325,36 @@ def _cluster_launch() -> list[str]:
     ]
 
 
-def _workspace_size_split() -> list[str]:
+def _workspace_size(cfg: PtxConfig) -> list[str]:
+    """l2ir_workspace_size: workspace_bytes(cfg) rendered, so the shim and LaunchPlan.workspace_bytes agree."""
+    expr = workspace_bytes(cfg)
+    parts = ["repack's copies"] * bool(cfg.repack) + ["split-K's partials and pair counters"] * cfg.tree
     return [
-        "// splitk: every (tile, slot)'s fp32 partial (SLICES slots per tile), then TREE_NODES = SLICES - 1 4-byte pair",
-        "// counters per tile. The same number as LaunchPlan.workspace_bytes (workspace_bytes() in sm90a.py).",
+        f"// {' then '.join(parts) or 'nothing'} (workspace_bytes() in sm90a.py, the plan's workspace_bytes).",
         'extern "C" size_t l2ir_workspace_size(int M, int N, int K) {',
-        "  (void)K;",
-        "  const size_t tiles = (size_t)((M + BM - 1) / BM) * (size_t)((N + BN - 1) / BN);",
-        "  return tiles * ((size_t)SLICES * PARTIAL_FLOATS * sizeof(float) + (size_t)TREE_NODES * sizeof(unsigned));",
+        *([f"  (void){v.upper()};" for v in "mnk" if v not in expr.free_vars()]),
+        *([f"  const long long {v} = {v.upper()};" for v in "mnk" if v in expr.free_vars()]),
+        f"  return size_t({expr.to_cpp()});",
         "}",
     ]
 
 
 def workspace_bytes(cfg: PtxConfig) -> Expr:
-    """Workspace as an expression of m, n, k: split-K's partials, then its pair counters (l2ir_workspace_size's
-    number): tiles x (slices x BM x BN fp32 + (slices - 1) 4-byte counters)."""
-    if not cfg.tree:
-        return Const(0)
-    tiles = cdiv(Var("m"), cfg.bm) * cdiv(Var("n"), cfg.bn)
-    return tiles * Const(cfg.slices * cfg.partial_floats * 4 + SplitKTree(cfg.slices).counters * 4)
+    """Workspace as an expression of m, n, k: repack's copies (l2ir.indexing.Repack; 0 bytes on an aligned K), then
+    split-K's partials and pair counters: tiles x (slices x BM x BN fp32 + (slices - 1) 4-byte counters)."""
+    total: Expr = Const(0)
+    if cfg.repack:
+        total = cfg.repack_layout.end * DTYPE_BYTES[cfg.in_dtype]
+    if cfg.tree:
+        tiles = cdiv(Var("m"), cfg.bm) * cdiv(Var("n"), cfg.bn)
+        tree = tiles * Const(cfg.slices * cfg.partial_floats * 4 + SplitKTree(cfg.slices).counters * 4)
+        total = tree if not cfg.repack else total + tree
+    return total
 
 
 def render(cfg: PtxConfig) -> str:
     """The .cu text for one configuration. Deterministic: the same PtxConfig gives the same bytes."""
-    sections = (_header(cfg), _config(cfg), _device_functions(cfg), _kernel(cfg), _host_shim(cfg))
+    sections = (_header(cfg), _config(cfg), _device_functions(cfg), _kernel(cfg), _repack_kernel(cfg), _host_shim(cfg))
     return "\n".join(line for section in sections for line in section)
 
 

@@ -417,9 +417,11 @@ EncodeTiledFn tensor_map_encoder() {
 
 // A K-major operand (rows x K, K contiguous) as a 2D tensor {K, rows}; each box is ATOM_K x box_rows, written
 // to shared memory with the 128-byte swizzle the wgmma descriptors expect. OOB_FILL_NONE fills zeros.
-bool encode_operand(EncodeTiledFn encode, CUtensorMap* map, const void* ptr, int rows, int K, int box_rows) {
+bool encode_operand(EncodeTiledFn encode, CUtensorMap* map, const void* ptr, int rows, int K, int ld,
+                    int box_rows) {
   cuuint64_t dims[2] = {cuuint64_t(K), cuuint64_t(rows)};
-  cuuint64_t strides[1] = {cuuint64_t(K) * sizeof(InT)};   // bytes between rows; must be a multiple of 16
+  cuuint64_t strides[1] = {cuuint64_t(ld) * sizeof(InT)};   // bytes between rows (K, or a repack copy's pitch):
+  //                                                             a multiple of 16
   cuuint32_t box[2] = {cuuint32_t(ATOM_K), cuuint32_t(box_rows)};
   cuuint32_t elem_strides[2] = {1, 1};
   CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<void*>(ptr), dims, strides, box,
@@ -433,19 +435,19 @@ bool encode_operand(EncodeTiledFn encode, CUtensorMap* map, const void* ptr, int
 struct MapCache {
   CUtensorMap map;
   const void* ptr = nullptr;
-  int rows = 0, k = 0;
+  int rows = 0, k = 0, ld = 0;
   bool valid = false;
 };
 
 // The operand's map, encoded only when the pointer or the sizes changed since this thread's previous call: the
 // map holds only the address, the extents and the box, so these decide it (the unified address implies the
 // device). nullptr if the driver refuses the operand.
-const CUtensorMap* operand_map(MapCache& cache, const void* ptr, int rows, int K, int box_rows) {
-  if (cache.valid && cache.ptr == ptr && cache.rows == rows && cache.k == K) return &cache.map;
+const CUtensorMap* operand_map(MapCache& cache, const void* ptr, int rows, int K, int ld, int box_rows) {
+  if (cache.valid && cache.ptr == ptr && cache.rows == rows && cache.k == K && cache.ld == ld) return &cache.map;
   cache.valid = false;
   EncodeTiledFn encode = tensor_map_encoder();
-  if (encode == nullptr || !encode_operand(encode, &cache.map, ptr, rows, K, box_rows)) return nullptr;
-  cache.ptr = ptr; cache.rows = rows; cache.k = K; cache.valid = true;
+  if (encode == nullptr || !encode_operand(encode, &cache.map, ptr, rows, K, ld, box_rows)) return nullptr;
+  cache.ptr = ptr; cache.rows = rows; cache.k = K; cache.ld = ld; cache.valid = true;
   return &cache.map;
 }
 
@@ -476,17 +478,24 @@ bool configure_kernel() {
 
 }  // namespace
 
+// nothing (workspace_bytes() in sm90a.py, the plan's workspace_bytes).
 extern "C" size_t l2ir_workspace_size(int M, int N, int K) {
-  (void)M; (void)N; (void)K;
-  return 0;
+  (void)M;
+  (void)N;
+  (void)K;
+  return size_t(0);
 }
 
 extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,
                         void* workspace, size_t workspace_bytes, void* stream) {
   (void)workspace; (void)workspace_bytes;
   if (A == nullptr || B == nullptr || C == nullptr || M <= 0 || N <= 0 || K <= 0) return L2IR_STATUS_BAD_ARGUMENT;
-  // TMA: 16-byte aligned base addresses and row strides (pad.align=8: K % 8 == 0).
-  if (reinterpret_cast<uintptr_t>(A) % 16 != 0 || reinterpret_cast<uintptr_t>(B) % 16 != 0 || K % 8 != 0) {
+  const void* a_read = A;
+  const void* b_read = B;
+  const int lda = K, ldb = K;
+  // TMA: 16-byte aligned base addresses and row strides (pad.align=8: K % 8 == 0, or a repack copy).
+  if (reinterpret_cast<uintptr_t>(a_read) % 16 != 0 || reinterpret_cast<uintptr_t>(b_read) % 16 != 0 ||
+      lda % 8 != 0 || ldb % 8 != 0) {
     return L2IR_STATUS_MISALIGNED;
   }
   // epilogue.vector=2: 4-byte stores need aligned rows and base.
@@ -497,8 +506,8 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
   if (num_units > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;
   // Encoding a tensor map is a driver call: a repeated call on the same operand re-uses its map.
   thread_local MapCache cache_a, cache_b;
-  const CUtensorMap* tmap_a = operand_map(cache_a, A, M, K, BM);
-  const CUtensorMap* tmap_b = operand_map(cache_b, B, N, K, BN);
+  const CUtensorMap* tmap_a = operand_map(cache_a, a_read, M, K, lda, BM);
+  const CUtensorMap* tmap_b = operand_map(cache_b, b_read, N, K, ldb, BN);
   if (tmap_a == nullptr || tmap_b == nullptr) return L2IR_STATUS_TENSOR_MAP;
   if (!configure_kernel()) return L2IR_STATUS_CUDA_ERROR;
   const int grid = int(num_units);   // pipeline.persistent=false: one block per (tile, slice)
