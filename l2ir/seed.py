@@ -6,7 +6,8 @@ split-K / stream-K only when there are too few output tiles to fill the GPU. The
 
 from __future__ import annotations
 
-from .nodes import (ARCHS, Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile)
+from .nodes import (ARCHS, Epilogue, Kernel, Mma, Pad, Pipeline, Problem, Repack, SplitK, Swizzle, Target,
+                    Tile)
 from .indexing import ceil_div, leaves_empty_slice
 from .analysis import realigned_ring_bytes
 from .target import H200_SMS, SMEM_LIMIT
@@ -111,12 +112,73 @@ def seed_sm90a(problem: Problem, num_sms: int = H200_SMS) -> Kernel:
     return check_problem(kernel, problem)
 
 
+# The repack kernels' tiles, largest first: cooperative 128x256 and 128x128 (two consumer warpgroups, persistent),
+# and one warpgroup per 64x64 tile with a block per tile.
+REPACK_TILES = ((128, 256, 64), (128, 128, 64), (64, 64, 64))
+
+
+def repack_kernel(problem: Problem, block: tuple[int, int, int]) -> Kernel:
+    """TMA + wgmma on copies of A and B with aligned rows (the repack node), for an odd K on Hopper."""
+    bm, bn, bk = block
+    coop = bm >= 128
+    raster = _raster(problem, bm, bn, 8)
+    c_vector = _widest([leading_dims(problem)["C"][1]])
+    return Kernel(
+        target=Target("sm90a"),
+        tile=Tile(block=block, warps=(8, 1) if coop else (4, 1)),
+        mma=Mma("wgmma", (64, bn, 16)),
+        pipeline=Pipeline("tma_ws", "auto", schedule="cooperative" if coop else "pingpong", persistent=coop),
+        swizzle=Swizzle(smem=(3, 3, 3), raster=raster.raster, group=raster.group),
+        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+        repack=Repack("ab"),
+        # Staged 16-byte stores where C's rows allow them; else the accumulator's own pairs or single elements.
+        epilogue=Epilogue("smem", 8) if c_vector == 8 and coop else Epilogue("direct", min(c_vector, 2)),
+    )
+
+
+def repack_tile(problem: Problem, num_sms: int = H200_SMS) -> tuple[int, int, int]:
+    """The repack tile for this output: 128x256 once those tiles fill the GPU, 128x128 for mid-size outputs,
+    64x64 for small ones (bench/results/repack_unaligned_h200.json)."""
+    m, n = problem.m, problem.n
+    if ceil_div(m, 128) * ceil_div(n, 256) >= num_sms:
+        return REPACK_TILES[0]
+    if ceil_div(m, 128) * ceil_div(n, 128) >= REPACK_MID_TILES:
+        return REPACK_TILES[1]
+    return REPACK_TILES[2]
+
+
+def seed_sm90a_repack(problem: Problem, num_sms: int = H200_SMS) -> Kernel:
+    """An odd K on Hopper: copy A and B into aligned rows first (the repack node), then TMA + wgmma on the copies.
+    The narrow-load sm80 path ran 1.2-20x slower than these on the H200 (bench/results/repack_unaligned_h200.json):
+    cooperative 128x256 tiles once they fill the GPU (4096x4096x1001: 4.6x torch.matmul), 128x128 for mid-size
+    outputs (1024x1024x999: 2.0x), and one warpgroup per 64x64 tile, a block per tile, for small ones
+    (333x555x777: 1.7x)."""
+    return check_problem(repack_kernel(problem, repack_tile(problem, num_sms)), problem)
+
+
+# Output tiles of 128x128 from which the cooperative 128x128 repack kernel beat one warpgroup per 64x64 tile on
+# the H200 (1023x1025x1027, 72 tiles: 20.4 vs 26.1 us; 512x512x4097, 16 tiles: 38.3 vs 25.3 us).
+REPACK_MID_TILES = 48
+REPACK_MIN_M = 64
+
+
+def repack_lowered(problem: Problem) -> bool:
+    """The problem class the repack kernels are generated for (backends/cuda_ptx/sm90a.py): K-major A and B, 16-bit
+    inputs and outputs, fp32 accumulation."""
+    return (problem.a[1], problem.b[1], problem.acc) == ("row", "col", "f32") and problem.c[0] in ("f16", "bf16")
+
+
 def seed(problem: Problem, arch: str, num_sms: int = H200_SMS) -> Kernel:
-    """A legal kernel for `problem` on `arch`. TMA needs 16-byte aligned rows; other problems get the sm80 path."""
+    """A legal kernel for `problem` on `arch`. TMA needs 16-byte aligned rows: an odd K on sm90a gets the repack
+    kernels (aligned copies of A and B); other unaligned problems get the sm80 path."""
     if arch not in ARCHS:
         raise ValueError(f"unknown target '{arch}' (targets: {', '.join(ARCHS)})")
     verify_problem(problem)
     # The sm90a seed ends in a TMA store, which needs C's rows 16-byte aligned as well.
     if arch == "sm90a" and store_vector(problem) == 8:
         return seed_sm90a(problem, num_sms)
+    # An odd K misaligns every row of A and B: copy them aligned, then run TMA on the copies. Below 64 rows of A
+    # the copy of B costs more than the GEMM's own pass over it (17x9999x3333: 93 us against the sm80 path's 61).
+    if arch == "sm90a" and alignment(problem) < 8 and problem.m >= REPACK_MIN_M and repack_lowered(problem):
+        return seed_sm90a_repack(problem, num_sms)
     return seed_sm80(problem, arch, num_sms)

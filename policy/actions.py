@@ -21,8 +21,8 @@ from typing import Any
 
 from l2ir.edits import Edit, InsertNode, RemoveNode, ReplaceNode, SetField
 from l2ir.errors import L2IRError
-from l2ir.nodes import (KERNEL_ORDER, Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target,
-                        Tile)
+from l2ir.nodes import (KERNEL_ORDER, Epilogue, Kernel, Mma, Pad, Pipeline, Problem, Repack, SplitK, Swizzle,
+                        Target, Tile)
 from l2ir.seed import alignment, store_vector
 from l2ir.verify import violations
 
@@ -47,6 +47,7 @@ KNOBS: dict[str, tuple[Any, ...]] = {
     "epilogue_vector": (1, 2, 4, 8),
     "pad": tuple((dim, mode) for dim in "mnk" for mode in ("predicate", "zero_fill", "divisible")),
     "align": (1, 2, 4, 8),
+    "repack": (None, "ab"),
     "rules": ("sm80", "sm90a"),
     "arch": ("sm80", "sm90"),
     "backend": ("cutlass_sm90", "cuda_ptx", "cute_sm80", "cuda_ptx_sm80"),
@@ -252,6 +253,13 @@ def apply_action(kernel: Kernel, problem: Problem, action: Action, arch: str = "
         new = kernel.replace(pad=dataclasses.replace(kernel.pad, align=v),
                              epilogue=dataclasses.replace(kernel.epilogue,
                                                           vector=min(kernel.epilogue.vector, v)))
+    elif knob == "repack":
+        if v is not None and not tma:
+            return None              # the copy is generated for the TMA rule (cuda_ptx sm90a)
+        new = kernel.replace(repack=None if v is None else Repack(v))
+        if v is not None:
+            new = new.replace(pad=dataclasses.replace(kernel.pad, align=8))
+            backend = "cuda_ptx"          # the backend that lowers it, kept by name for the children
     elif knob == "rules":
         if v == "sm80":
             if not tma:

@@ -1,7 +1,7 @@
 """Numeric features of a problem and of a kernel on it, for learned policies and cost models.
 
 Problem: log sizes, FLOPs, aspect ratios, divisibility by the common tiles, and how many 128x128 tiles it makes
-per SM. Kernel: tile, stages, schedule, split-K, cluster, epilogue, padding, backend, and what the tile does to
+per SM. Kernel: tile, stages, schedule, split-K, cluster, repack, epilogue, padding, backend, and what the tile does to
 this problem (waves, last-wave fill, wasted edge area, K tiles). All are scaled to roughly [-1, 1].
 """
 
@@ -49,7 +49,7 @@ def kernel_features(kern: Kernel, p: Problem, num_sms: int, backend: str | None 
         float(pipe.mode == "tma_ws"), float(pipe.schedule == "cooperative"), float(pipe.schedule == "pingpong"),
         float(pipe.persistent), float(pipe.prefetch),
         float(sk is None), float(sk is not None and sk.mode == "split_k"), float(sk is not None and sk.mode == "stream_k"),
-        _l2(slices) / 4, float(sk is not None and sk.reduce == "cluster"),
+        _l2(slices) / 4, float(sk is not None and sk.reduce == "cluster"), float(kern.repack is not None),
         _l2(kern.tile.cluster[0]), _l2(kern.tile.cluster[1]),
         float(epi.path == "direct"), float(epi.path == "smem"), float(epi.path == "tma"), epi.vector / 8,
         sum(getattr(pad, d) == "divisible" for d in "mnk") / 3, sum(getattr(pad, d) == "predicate" for d in "mnk") / 3,
@@ -62,7 +62,7 @@ def kernel_features(kern: Kernel, p: Problem, num_sms: int, backend: str | None 
     ]
 
 
-KERNEL_DIM = 34
+KERNEL_DIM = 35
 PROBLEM_DIM = 11
 
 

@@ -13,7 +13,8 @@ how full the last wave is, K tiles per output tile, and the problem's FLOPs.
 - the sm80 rule (cp.async + mma.sync) with few stages for tiny, latency-bound problems: no TMA descriptor
   prefetch, no producer warpgroup, no cluster launch; a short K loop needs no deep ring;
 - rasterize along the longer dimension in groups of 8 tiles (L2 reuse of A/B tiles) once there are many tiles;
-- pad=divisible in each dimension the problem divides (no bounds checks, no OOB fill).
+- pad=divisible in each dimension the problem divides (no bounds checks, no OOB fill);
+- an odd K on Hopper: copy A and B into aligned rows (the repack node) and run TMA + wgmma on the copies.
 
 Each rule makes a whole candidate kernel; the proposal is its difference from the parent as edits. Candidates the
 verifier, the problem or the backend reject, and duplicates, are dropped; the rest keep the rules' priority for this
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 
 from l2ir.indexing import ceil_div, leaves_empty_slice
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
-from l2ir.seed import alignment, store_vector
+from l2ir.seed import (REPACK_MIN_M, REPACK_TILES, alignment, repack_kernel, repack_lowered, repack_tile,
+                       store_vector)
 from l2ir.target import MAX_CLUSTER_NONPORTABLE
 
 from .actions import diff_edits, normal_backend
@@ -183,6 +185,18 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
                 8.0 - rank + score, hopper_kernel(problem, bm, bn, sched, raster=raster_for(problem, bm, bn, sms)),
                 f"waves: {bm}x{bn} {sched} gives {t} tiles = {t / sms:.2f} waves of {sms} SMs "
                 f"({fill:.0%} of SM-slots busy), intensity {intensity(bm, bn):.2f} of 128x256"))
+
+    # An odd K on Hopper: copy A and B aligned (the repack node), then TMA + wgmma; the tile by output size first.
+    if arch == "sm90a" and alignment(problem) < 8 and repack_lowered(problem):
+        best = repack_tile(problem, sms)
+        for block in REPACK_TILES:
+            t = tiles_of(problem, block[0], block[1])
+            out.append(Candidate(
+                (9.9 if block == best else 8.9 - t / (t + sms)), repack_kernel(problem, block),
+                f"repack: K={k} leaves every row of A and B on a 2-byte boundary, which TMA cannot read; copy them "
+                f"to rows of {ceil_div(k, 8) * 8} elements first, then {block[0]}x{block[1]} tiles ({t} tiles)"
+                + (" (skinny M: the copy of B may cost more than it saves)" if m < REPACK_MIN_M else ""),
+                backend="cuda_ptx"))
 
     # Split-K / stream-K when the tiles cannot fill the SMs.
     bm, bn = (128, 128) if hopper else (64, 64)

@@ -67,6 +67,8 @@ def _efficiency(kernel: Kernel) -> float:
         eff *= 1.04                                          # one tile's epilogue hides under the other's loop
     if t.bk == 32 and wgmma:
         eff *= 0.9
+    # Loads narrower than 16 bytes (pad.align < 8) issue more instructions and, realigned, more shared traffic.
+    eff *= {1: 0.35, 2: 0.55, 4: 0.8}.get(kernel.pad.align, 1.0)
     return eff
 
 
@@ -95,7 +97,11 @@ def kernel_time_us(kernel: Kernel, problem: Problem, sms: int = SMS) -> float:
     memory = traffic / (HBM_TBPS * 1e6)
     # A workspace reduction pays fences and dependent L2 round trips; a cluster's partials stay on chip (one barrier).
     reduce_us = 0.0 if slices == 1 else (0.5 if in_cluster else 1.5)
-    return LAUNCH_US + max(compute, memory) + reduce_us
+    # repack on an odd K: a second kernel reads A and B and writes their aligned copies first.
+    repack_us = 0.0
+    if kernel.repack is not None and k % 8:
+        repack_us = 1.0 + 2.0 * 2.0 * (m + n) * (ceil_div(k, 8) * 8) / (HBM_TBPS * 1e6)
+    return LAUNCH_US + max(compute, memory) + reduce_us + repack_us
 
 
 def baseline_time_us(problem: Problem) -> float:

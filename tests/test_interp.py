@@ -387,7 +387,15 @@ def test_repack_fuzzed(m, n, k, operands, a_layout, b_layout, seed):
     from l2ir.indexing import Repack
     from l2ir.verify import applicable
 
-    kernel = _repack_kernel(operands)
+    from l2ir.nodes import Epilogue
+
+    kernel = _repack_kernel(operands).replace(epilogue=Epilogue("direct", 1))     # any N
+    # An operand the node does not copy must be aligned already: round its leading dimension up to 8.
+    dims = {"m": m, "n": n, "k": k}
+    for op, lead in (("a", "k" if a_layout == "row" else "m"), ("b", "n" if b_layout == "row" else "k")):
+        if op not in operands:
+            dims[lead] = -(-dims[lead] // 8) * 8
+    m, n, k = dims["m"], dims["n"], dims["k"]
     problem = Problem(m, n, k, a=("f16", a_layout), b=("f16", b_layout))
     assume(applicable(kernel, problem))
     a, b = random_inputs(problem, np.random.default_rng(seed), integers=True)

@@ -204,6 +204,33 @@ def test_rules_hopper_few_tiles_long_k_splits_in_a_cluster():
     assert not any("thread-block cluster" in q.note for q in Rules().propose(bctx))
 
 
+def test_rules_odd_k_on_hopper_repacks():
+    """An odd K on Hopper: from the sm80 seed the rules' first proposal is the repack kernel for the output size,
+    named for cuda_ptx (the backend that lowers the copy), and the other repack tiles follow; the interpreter agrees
+    with the reference on the first. An aligned K gets no repack proposal."""
+    import numpy as np
+
+    from l2ir.backends.registry import lower
+    from l2ir.interp import error_bound, interpret, random_inputs, reference
+    from l2ir.seed import repack_tile, seed_sm80
+
+    p = Problem(1023, 1025, 1027)
+    ctx = Context(p, seed_sm80(p, "sm90a"), count=8, arch="sm90a")
+    props = Rules().propose(ctx)
+    assert props[0].note.startswith("repack") and props[0].backend == "cuda_ptx", [q.note for q in props]
+    kernel = props[0].apply(ctx.parent, p)
+    assert kernel.repack is not None and kernel.tile.block == repack_tile(p) and kernel.epilogue.vector == 1
+    assert lower(kernel, p, props[0].backend).workspace_for(*p.shape) > 0
+    assert sum(q.note.startswith("repack") for q in props) == 3
+    small = Problem(100, 72, 131)
+    a, b = random_inputs(small, np.random.default_rng(0))
+    c = interpret(kernel, small, a, b).c.astype(np.float64)
+    assert np.all(np.abs(c - reference(a, b)) <= error_bound(small, a, b))
+    aligned = Problem(1024, 1024, 1024)
+    actx = Context(aligned, seed(aligned, "sm90a"), count=8, arch="sm90a")
+    assert not any(q.note.startswith("repack") for q in Rules().propose(actx))
+
+
 def test_rules_huge_shape_fills_waves_with_big_cooperative_tiles_and_clusters():
     p = Problem(8192, 8192, 8192)
     ctx = Context(p, seed(p, "sm80"), count=8)

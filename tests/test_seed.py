@@ -17,9 +17,12 @@ def test_seed_is_legal_and_applicable(problem, arch):
     kernel = seed(problem, arch)
     assert check_problem(kernel, problem) is kernel
     assert kernel.target.arch == arch
-    # TMA needs 16-byte aligned rows (A and B loaded, C stored by TMA): only aligned problems get the wgmma path.
-    from l2ir.seed import store_vector
-    assert (kernel.mma.op == "wgmma") == (arch == "sm90a" and store_vector(problem) == 8)
+    # TMA needs 16-byte aligned rows (A and B loaded, C stored by TMA): aligned problems get the wgmma path, and so
+    # does an odd K with M >= 64 in the class the repack kernels are generated for (A and B copied aligned first).
+    from l2ir.seed import REPACK_MIN_M, repack_lowered, alignment, store_vector
+    repack = arch == "sm90a" and alignment(problem) < 8 and problem.m >= REPACK_MIN_M and repack_lowered(problem)
+    assert (kernel.mma.op == "wgmma") == (arch == "sm90a" and store_vector(problem) == 8 or repack)
+    assert (kernel.repack is not None) == repack
 
 
 @pytest.mark.parametrize("shape,arch,expect", [
@@ -29,7 +32,12 @@ def test_seed_is_legal_and_applicable(problem, arch):
     ((1000, 1000, 1000), "sm90a", ("wgmma", "cooperative", (128, 128, 64), "stream_k")),
     ((64, 4096, 4096), "sm90a", ("wgmma", "cooperative", (128, 128, 64), "stream_k")),
     ((1001, 1000, 1000), "sm90a", ("wgmma", "cooperative", (128, 128, 64), "stream_k")),  # M is no leading dim
-    ((1000, 1000, 1001), "sm90a", ("mma_sync", "none", (128, 128, 64), "split_k")),  # unaligned K rows: no TMA
+    # An odd K: A and B copied to aligned rows (repack), then TMA; by output size 64x64, 128x128 or 128x256 tiles.
+    ((1000, 1000, 1001), "sm90a", ("wgmma", "cooperative", (128, 128, 64), None)),
+    ((333, 555, 777), "sm90a", ("wgmma", "pingpong", (64, 64, 64), None)),
+    ((4096, 4096, 1001), "sm90a", ("wgmma", "cooperative", (128, 256, 64), None)),
+    ((17, 9999, 3333), "sm90a", ("mma_sync", "none", (64, 128, 32), None)),   # skinny M: the copy of B costs more
+    ((1000, 1000, 1001), "sm80", ("mma_sync", "none", (128, 128, 64), "split_k")),  # the sm80 target: narrow loads
     ((4096, 4096, 4096), "sm80", ("mma_sync", "none", (128, 128, 64), None)),
     ((128, 128, 8192), "sm80", ("mma_sync", "none", (64, 128, 32), "split_k")),
     ((4096, 256, 256), "sm80", ("mma_sync", "none", (64, 128, 32), None)),

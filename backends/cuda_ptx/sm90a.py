@@ -965,6 +965,10 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "    // ---- producer warpgroup: TMA only, so it releases its registers (REG_BUDGET) ----",
         f'    asm volatile("setmaxnreg.dec.sync.aligned.u32 {cfg.regs[0]};" ::: "memory");',
         "    if (threadIdx.x == 0) {",
+        *(["      // repack: this grid may start before the copy kernel has finished (programmatic dependent launch):",
+           "      // wait for it, and for its stores to be visible, before the first TMA load reads the copies. A no-op",
+           "      // when the launch did not ask for it (no copy this call).",
+           '      asm volatile("griddepcontrol.wait;" ::: "memory");'] if cfg.repack else []),
         "      int stage = 0;",
         "      uint32_t phase = 0;",
         *_tile_loop(cfg, "      "),
@@ -1080,6 +1084,9 @@ def _repack_kernel(cfg: PtxConfig) -> list[str]:
         "};",
         "",
         f"__global__ void __launch_bounds__({REPACK_THREADS}) {REPACK_ENTRY}(RepackOperand op_a, RepackOperand op_b) {{",
+        "  // The GEMM launched next may start its prologue now (programmatic dependent launch); its producer waits",
+        "  // for this grid's completion before reading the copies.",
+        '  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");',
         f"  const long long chunks_a = op_a.dst ? op_a.rows * ({Repack.pitch(Var('op_a.cols')).to_cpp()} / {chunk}) : 0;",
         f"  const long long chunks_b = op_b.dst ? op_b.rows * ({Repack.pitch(Var('op_b.cols')).to_cpp()} / {chunk}) : 0;",
         f"  for (long long i = blockIdx.x * (long long){REPACK_THREADS} + threadIdx.x; i < chunks_a + chunks_b;",
@@ -1291,7 +1298,7 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "  if (!configure_kernel()) return L2IR_STATUS_CUDA_ERROR;",
         *(_repack_launch(cfg) if cfg.repack else []),
         grid_line,
-        *(_cluster_launch() if cfg.cluster_reduce else [
+        *(_launch_ex(cfg) if cfg.cluster_reduce or cfg.repack else [
             f"  {ENTRY}<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(",
             ("      *tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K, ws, counters);" if cfg.tree else
              "      *tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K);")]),
@@ -1302,27 +1309,45 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
     return L
 
 
-def _cluster_launch() -> list[str]:
-    """reduce=cluster: the launch with a cluster of SLICES blocks along x (one tile's slices)."""
-    return [
-        "  // splitk reduce=cluster: clusters of SLICES consecutive blocks, one per tile; the hardware co-schedules a",
-        "  // cluster's blocks on one GPC, which is what lets them read each other's shared memory.",
-        "  cudaLaunchAttribute attr[1];",
-        "  attr[0].id = cudaLaunchAttributeClusterDimension;",
-        "  attr[0].val.clusterDim.x = SLICES;",
-        "  attr[0].val.clusterDim.y = 1;",
-        "  attr[0].val.clusterDim.z = 1;",
+def _launch_ex(cfg: PtxConfig) -> list[str]:
+    """The GEMM's launch through cudaLaunchKernelEx, for what <<<>>> cannot say: reduce=cluster's cluster of SLICES
+    blocks, and after a repack copy, programmatic dependent launch (the GEMM's blocks may start while the copy
+    finishes; its producer waits for the copy with griddepcontrol.wait before the first TMA load)."""
+    args = "*tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K" + (", ws, counters" if cfg.tree else "")
+    L = ["  cudaLaunchAttribute attr[2];", "  unsigned num_attrs = 0;"]
+    if cfg.cluster_reduce:
+        L += [
+            "  // splitk reduce=cluster: clusters of SLICES consecutive blocks, one per tile; the hardware co-schedules a",
+            "  // cluster's blocks on one GPC, which is what lets them read each other's shared memory.",
+            "  attr[num_attrs].id = cudaLaunchAttributeClusterDimension;",
+            "  attr[num_attrs].val.clusterDim.x = SLICES;",
+            "  attr[num_attrs].val.clusterDim.y = 1;",
+            "  attr[num_attrs].val.clusterDim.z = 1;",
+            "  ++num_attrs;",
+        ]
+    if cfg.repack:
+        L += [
+            "  if (copy_a || copy_b) {",
+            "    // The copy kernel just launched lets this grid start early (griddepcontrol.launch_dependents); the",
+            "    // producer's griddepcontrol.wait orders its TMA loads after the copy's stores.",
+            "    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;",
+            "    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;",
+            "    ++num_attrs;",
+            "  }",
+        ]
+    L += [
         "  cudaLaunchConfig_t config = {};",
         "  config.gridDim = dim3(grid, 1, 1);",
         "  config.blockDim = dim3(THREADS, 1, 1);",
         "  config.dynamicSmemBytes = SMEM_BYTES;",
         "  config.stream = static_cast<cudaStream_t>(stream);",
         "  config.attrs = attr;",
-        "  config.numAttrs = 1;",
-        f"  if (cudaLaunchKernelEx(&config, {ENTRY}, *tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K) != cudaSuccess) {{",
+        "  config.numAttrs = num_attrs;",
+        f"  if (cudaLaunchKernelEx(&config, {ENTRY}, {args}) != cudaSuccess) {{",
         "    return L2IR_STATUS_CUDA_ERROR;",
         "  }",
     ]
+    return L
 
 
 def _workspace_size(cfg: PtxConfig) -> list[str]:

@@ -206,6 +206,10 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
     // ---- producer warpgroup: TMA only, so it releases its registers (REG_BUDGET) ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
     if (threadIdx.x == 0) {
+      // repack: this grid may start before the copy kernel has finished (programmatic dependent launch):
+      // wait for it, and for its stores to be visible, before the first TMA load reads the copies. A no-op
+      // when the launch did not ask for it (no copy this call).
+      asm volatile("griddepcontrol.wait;" ::: "memory");
       int stage = 0;
       uint32_t phase = 0;
       // pipeline.persistent=true: grid = min(tiles, NUM_SMS); each block walks tiles pid, pid + gridDim.x, ...
@@ -321,6 +325,9 @@ struct RepackOperand {
 };
 
 __global__ void __launch_bounds__(256) l2ir_cuda_ptx_sm90a_repack(RepackOperand op_a, RepackOperand op_b) {
+  // The GEMM launched next may start its prologue now (programmatic dependent launch); its producer waits
+  // for this grid's completion before reading the copies.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const long long chunks_a = op_a.dst ? op_a.rows * ((((op_a.cols + 8 - 1) / 8) * 8) / 8) : 0;
   const long long chunks_b = op_b.dst ? op_b.rows * ((((op_b.cols + 8 - 1) / 8) * 8) / 8) : 0;
   for (long long i = blockIdx.x * (long long)256 + threadIdx.x; i < chunks_a + chunks_b;
@@ -470,7 +477,24 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
     l2ir_cuda_ptx_sm90a_repack<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(op_a, op_b);
   }
   const int grid = num_tiles < NUM_SMS ? int(num_tiles) : NUM_SMS;   // pipeline.persistent=true
-  l2ir_cuda_ptx_sm90a_gemm<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(
-      *tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K);
+  cudaLaunchAttribute attr[2];
+  unsigned num_attrs = 0;
+  if (copy_a || copy_b) {
+    // The copy kernel just launched lets this grid start early (griddepcontrol.launch_dependents); the
+    // producer's griddepcontrol.wait orders its TMA loads after the copy's stores.
+    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
+    ++num_attrs;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid, 1, 1);
+  config.blockDim = dim3(THREADS, 1, 1);
+  config.dynamicSmemBytes = SMEM_BYTES;
+  config.stream = static_cast<cudaStream_t>(stream);
+  config.attrs = attr;
+  config.numAttrs = num_attrs;
+  if (cudaLaunchKernelEx(&config, l2ir_cuda_ptx_sm90a_gemm, *tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K) != cudaSuccess) {
+    return L2IR_STATUS_CUDA_ERROR;
+  }
   return cudaGetLastError() == cudaSuccess ? 0 : L2IR_STATUS_CUDA_ERROR;
 }

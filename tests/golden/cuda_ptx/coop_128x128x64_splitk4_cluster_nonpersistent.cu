@@ -501,20 +501,22 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
   if (tmap_a == nullptr || tmap_b == nullptr) return L2IR_STATUS_TENSOR_MAP;
   if (!configure_kernel()) return L2IR_STATUS_CUDA_ERROR;
   const int grid = int(num_units);   // pipeline.persistent=false: one block per (tile, slice)
+  cudaLaunchAttribute attr[2];
+  unsigned num_attrs = 0;
   // splitk reduce=cluster: clusters of SLICES consecutive blocks, one per tile; the hardware co-schedules a
   // cluster's blocks on one GPC, which is what lets them read each other's shared memory.
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = SLICES;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
+  attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
+  attr[num_attrs].val.clusterDim.x = SLICES;
+  attr[num_attrs].val.clusterDim.y = 1;
+  attr[num_attrs].val.clusterDim.z = 1;
+  ++num_attrs;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(grid, 1, 1);
   config.blockDim = dim3(THREADS, 1, 1);
   config.dynamicSmemBytes = SMEM_BYTES;
   config.stream = static_cast<cudaStream_t>(stream);
   config.attrs = attr;
-  config.numAttrs = 1;
+  config.numAttrs = num_attrs;
   if (cudaLaunchKernelEx(&config, l2ir_cuda_ptx_sm90a_gemm, *tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K) != cudaSuccess) {
     return L2IR_STATUS_CUDA_ERROR;
   }
