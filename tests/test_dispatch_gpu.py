@@ -291,11 +291,15 @@ def test_eager_host_cost_is_near_torch(pkg):
 # from the shipped sweeps, in a package of their own (installed for these tests only, then the shared one again).
 # ---------------------------------------------------------------------------------------------------------------
 
-KS, KP = "f1" * 32, "f2" * 32
+KS, KP, KR = "f1" * 32, "f2" * 32, "f3" * 32
 SHIM_SHAPES = {  # kernel -> (tuned shapes, shapes served by the neighbour rule: ragged M, other N and K)
     KS: (((1024, 1024, 1024), (256, 4096, 1024)), ((1001, 1024, 1016), (192, 4096, 1000), (1024, 1152, 1024))),
     KP: (((512, 2048, 4096), (2048, 512, 4096)), ((500, 2048, 4096), (512, 2304, 3584), (1999, 512, 4096))),
+    # The repack kernel: odd K (A and B copied aligned into the route's workspace first), odd N, and an aligned
+    # neighbour that copies nothing.
+    KR: (((1023, 1025, 1027), (512, 512, 4097)), ((1000, 1025, 1031), (512, 512, 4096), (520, 513, 4099))),
 }
+SHIM_KERNELS = {"cutlass_sm90": KS, "cuda_ptx": KP, "cuda_ptx_repack": KR}
 
 
 @pytest.fixture(scope="module")
@@ -313,14 +317,16 @@ def shim_dispatcher(tmp_path_factory):
     note = "hand-written GPU test record (not a timing)"
     rows = [record(key, s, 1.2, env=env, origin=note) for key, (tuned, _) in SHIM_SHAPES.items() for s in tuned]
     irs = {KS: load_sweep("sm90a")["pingpong_128x128x64_c1x1"].text(),
-           KP: load_sweep("cuda_ptx")["ptx_coop_128x128x64"].text()}
+           KP: load_sweep("cuda_ptx")["ptx_coop_128x128x64"].text(),
+           KR: load_sweep("cuda_ptx")["ptx_repack_coop_128x128x64_v1"].text()}
     with make_db(tmp / "r.db", rows, irs) as db:
         db.add_kernel(KS, backend="cutlass_sm90")
         db.add_kernel(KP, backend="cuda_ptx")
+        db.add_kernel(KR, backend="cuda_ptx")
         export.export(db, tmp / "pkg", cache_dir=str(ROOT / ".l2ir-cache"), log=print)
     package = dispatch.read_package(tmp / "pkg")
     forms = {spec.hash: spec.plan["form"] for spec in package.kernels.values()}
-    assert forms == {KS: "host_shim", KP: "host_shim"}, f"both kernels built as host shims: {forms}"
+    assert forms == {KS: "host_shim", KP: "host_shim", KR: "host_shim"}, f"all built as host shims: {forms}"
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     prev = dispatch._STATE["dispatcher"]
     d = dispatch.Dispatcher(package)
@@ -329,13 +335,13 @@ def shim_dispatcher(tmp_path_factory):
     dispatch._reset(prev)
 
 
-@pytest.mark.parametrize("kernel", ["cutlass_sm90", "cuda_ptx"])
+@pytest.mark.parametrize("kernel", list(SHIM_KERNELS))
 def test_host_shim_kernels_eager_against_fp64(shim_dispatcher, kernel):
     import l2ir
     from l2ir import dispatch
 
     d = shim_dispatcher
-    key = KS if kernel == "cutlass_sm90" else KP
+    key = SHIM_KERNELS[kernel]
     tuned, near = SHIM_SHAPES[key]
     for i, (m, n, k) in enumerate(tuned + near):
         a, b = _inputs(m, n, k, CLS_COL, seed=i)
@@ -372,6 +378,6 @@ def test_host_shim_kernels_eager_against_fp64(shim_dispatcher, kernel):
 
 
 def test_host_shim_kernels_under_cuda_graph_capture(shim_dispatcher):
-    cases = [SHIM_SHAPES[KS][0][0], SHIM_SHAPES[KS][1][0], SHIM_SHAPES[KP][0][0], SHIM_SHAPES[KP][1][0]]
+    cases = [SHIM_SHAPES[key][i][0] for key in (KS, KP, KR) for i in (0, 1)]
     _capture_and_replay_on_fresh_inputs(shim_dispatcher, [(m, n, k, CLS_COL) for m, n, k in cases], seed=7,
                                         fresh_seed=200)

@@ -362,3 +362,24 @@ def run_in_loop(name, tmp_path):
     # Random and learned draw anew at every step and fill the budget; the rules run out of new ideas.
     if name != "rules":
         assert states[0].candidates == 12
+
+
+def test_fit_backend_keeps_what_cuda_ptx_lowers():
+    """Moving a wgmma kernel to cuda_ptx keeps its in-kernel split-K (tree or cluster) and a one-warpgroup ping-pong
+    tile (made non-persistent), drops only what the rule does not generate (stream-K, atomics, clusters, the TMA
+    store), and the child lowers; the repack action lands on cuda_ptx too."""
+    from l2ir.backends.registry import lower
+    from l2ir.nodes import Epilogue, SplitK
+    from l2ir.policy.actions import fit_backend
+
+    p = Problem(512, 512, 8192)
+    base = seed(Problem(4096, 4096, 4096), "sm90a")            # CUTLASS-style: ping-pong, persistent, TMA store
+    for sk, kept in ((SplitK("split_k", 4), True), (SplitK("split_k", 4, "cluster"), True),
+                     (SplitK("split_k", 4, "atomic"), False), (SplitK("stream_k"), False), (None, True)):
+        k = fit_backend(base.replace(splitk=sk, epilogue=Epilogue("tma", 8)), "cuda_ptx")
+        assert k.splitk == (sk if kept else None)
+        assert k.pipeline.schedule == "pingpong" and not k.pipeline.persistent and k.tile.cluster == (1, 1)
+        assert k.epilogue.path in ("direct", "smem") and lower(k, p, "cuda_ptx").source
+    odd = Problem(1000, 1000, 1001)
+    child, backend = apply_action(base, odd, Action("repack", "ab"), "sm90a")
+    assert child.repack is not None and backend == "cuda_ptx" and lower(child, odd, backend).source

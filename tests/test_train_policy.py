@@ -143,14 +143,18 @@ def test_the_adapter_changes_and_a_favoured_operator_gains_probability(tiny_mode
     problem, = parse_shapes(["1024x1024x1024"], "test")
     be = load_model(str(tiny_model), "cpu", 4, None, 0)
     parent, backend = start_kernel(problem, "sm90a")
-    # Dropping the shared-memory swizzle: neither the likeliest option of the random model nor a rare one.
-    target = "set swizzle.smem = none"
-    reward = function_rewarder(lambda p, k, b: 1.0 if k.swizzle is None or k.swizzle.smem is None else 0.0)
+    # The favoured edit is the random model's second likeliest option: neither its likeliest nor a rare one (the
+    # prompt, and so the tokenizer trained on it, decide which edit that is).
+    want = {}
+    reward = function_rewarder(lambda p, k, b: 1.0 if k == want["child"] else 0.0)
     tr = Trainer(be, reward, TrainConfig(steps=6, group=8, batch=1, lr=0.05, lora_r=4, seed=1,
                                                 scoring="sum"))
     st = ShapeState(problem, parent, backend, 0.0)
     tr._advance = False
     before_w = _lora_weights(be.lm)
+    opts0, probs0 = tr.option_distribution(st, tr.messages(st))
+    second = opts0[int(np.argsort(-probs0)[1])]
+    target, want["child"] = second.text.strip(), second.child
 
     def p_target():
         opts, probs = tr.option_distribution(st, tr.messages(st))
@@ -158,7 +162,7 @@ def test_the_adapter_changes_and_a_favoured_operator_gains_probability(tiny_mode
         return float(probs[i]), len(opts)
 
     p0, n = p_target()
-    assert n > 10 and p0 < 0.4
+    assert n > 10 and 0.01 < p0 < 0.5, (target, p0)
     for _ in range(6):
         msgs = tr.messages(st)
         samples = tr.sample_group(st, msgs, 8)
@@ -172,7 +176,8 @@ def test_the_adapter_changes_and_a_favoured_operator_gains_probability(tiny_mode
     p1, _ = p_target()
     after_w = _lora_weights(be.lm)
     assert any(not np.allclose(before_w[k].numpy(), after_w[k].numpy()) for k in before_w)
-    assert p1 > 2 * p0, (p0, p1)
+    # The odds of the favoured edit at least double (a measure that does not saturate near a start of one half).
+    assert p1 / (1 - p1) > 2 * p0 / (1 - p0), (target, p0, p1)
 
 
 def test_mean_scoring_ranks_edits_of_any_length_and_a_long_favoured_edit_gains(tiny_model):
