@@ -409,9 +409,10 @@ def fast_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
 
 _EAGER_IN_CAPTURE = "eager route first seen in a capture"   # decide() -> _prepare(), never counted
 _FAST_MAX = 1 << 14          # routes kept per process; dynamic shapes beyond that start the cache over
-# Zeroed workspaces kept per route and stream (split-K pair counters that each launch leaves at zero, so the
-# memset is paid once); past this many bytes per process a route zeroes a fresh one per call instead.
-_ZEROED_WORKSPACE_BUDGET = 256 << 20
+# Workspaces kept per route and stream: split-K pair counters that each launch leaves at zero (the memset is paid
+# once), and repack's copies (one allocation, and a stable address, so the shim's tensor maps of the copies are
+# re-used). Past this many bytes per process a route allocates (and, where needed, zeroes) a fresh one per call.
+_KEPT_WORKSPACE_BUDGET = 256 << 20
 
 
 class _Counts:
@@ -457,7 +458,7 @@ class Dispatcher:
         self._lock = threading.RLock()
         self._routes: dict[tuple, tuple] = {}
         self._fast: dict[tuple, object] = {}
-        self._zeroed_bytes = 0                          # bytes held by routes' kept zeroed workspaces
+        self._kept_bytes = 0                            # bytes held by routes' kept workspaces
         self._devices: dict[int, dict] = {}            # index -> {"ok": bool, "runners": {key: Runner|Exception}}
         self._classes: dict[tuple, str] = {}
         for dt, name in _DTYPES.items():
@@ -641,23 +642,26 @@ class Dispatcher:
         u8 = torch.uint8
         on_cuda = self.device_type == "cuda"
         # A zero_workspace kernel leaves its workspace as it needs it (l2ir/runtime.py), so this route keeps one
-        # zeroed workspace per stream (launches on one stream never overlap) and pays the memset once. Per route,
-        # not shared: another kernel or shape puts its counters where this one keeps partial sums.
+        # zeroed workspace per stream (launches on one stream never overlap) and pays the memset once; any other
+        # workspace is kept too, which saves an allocation a call and keeps its address (and so the shim's tensor
+        # maps of repack's copies) stable. Per route, not shared: another kernel or shape puts its counters where
+        # this one keeps partial sums.
         kept: dict = {}
 
         capturing = self._capturing
+        fresh = (lambda a: a.new_zeros(ws_bytes, dtype=u8)) if zero_ws else (lambda a: a.new_empty(ws_bytes, dtype=u8))
 
         def keep(a, st):
             if a.is_cuda and capturing():
-                # allocated and zeroed inside the graph: the replay zeroes it each time
-                return a.new_zeros(ws_bytes, dtype=u8)
+                # allocated (and zeroed) inside the graph: the replay zeroes it each time
+                return fresh(a)
             with self._lock:
                 w = kept.get(st)                # another thread's first call on this stream kept one already
                 if w is not None:
                     return w
-                w = a.new_zeros(ws_bytes, dtype=u8)
-                if self._zeroed_bytes + ws_bytes <= _ZEROED_WORKSPACE_BUDGET:
-                    self._zeroed_bytes += ws_bytes
+                w = fresh(a)
+                if self._kept_bytes + ws_bytes <= _KEPT_WORKSPACE_BUDGET:
+                    self._kept_bytes += ws_bytes
                     kept[st] = w
             return w
 
@@ -681,7 +685,7 @@ class Dispatcher:
             if ws_bytes:
                 w = kept.get(st)
                 if w is None:
-                    w = keep(a, st) if zero_ws else a.new_empty(ws_bytes, dtype=u8)   # freed after us, stream-ordered
+                    w = keep(a, st)
                 ws = w.data_ptr()
             else:
                 ws = 0

@@ -297,7 +297,7 @@ SHIM_SHAPES = {  # kernel -> (tuned shapes, shapes served by the neighbour rule:
     KP: (((512, 2048, 4096), (2048, 512, 4096)), ((500, 2048, 4096), (512, 2304, 3584), (1999, 512, 4096))),
     # The repack kernel: odd K (A and B copied aligned into the route's workspace first), odd N, and an aligned
     # neighbour that copies nothing.
-    KR: (((1023, 1025, 1027), (512, 512, 4097)), ((1000, 1025, 1031), (512, 512, 4096), (520, 513, 4099))),
+    KR: (((333, 555, 777), (512, 512, 4097)), ((300, 555, 781), (512, 512, 4096), (520, 513, 4099))),
 }
 SHIM_KERNELS = {"cutlass_sm90": KS, "cuda_ptx": KP, "cuda_ptx_repack": KR}
 
