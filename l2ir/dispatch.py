@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import json
 import logging
@@ -54,6 +55,8 @@ REASONS = {
     "cublas": "the table says cuBLAS for this shape (tuned there, or its nearest tuned shape)",
     "untuned": "no tuned shape of this problem class within the package's distance",
     "not_admitted": "no nearby kernel admits the shape (the verifier's problem rules)",
+    "alignment": "every nearby tuned shape is aligned differently (all rows of A, B and C 16-byte aligned on one side "
+                 "only): cuBLAS leaves its fast path there, so their measurements do not carry over",
     "no_package": "no dispatch package loaded",
     "cpu": "a tensor is not on a CUDA device (or the two are on different devices)",
     "dtype": "not fp16/bf16, or A and B differ in dtype",
@@ -120,12 +123,14 @@ class Package:
     eager: dict[tuple[int, int, int, str], str] = field(default_factory=dict)
 
     def _nearest(self, m: int, n: int, k: int, cls: str):
-        """The tuned shapes of `cls` within the package's distance of (m, n, k) in log2 space, nearest first."""
+        """The tuned shapes of `cls` within the package's distance of (m, n, k) in log2 space, nearest first, each
+        with whether it is aligned as (m, n, k) is (`rows_aligned`)."""
         here = (math.log2(m), math.log2(n), math.log2(k))
+        mine = rows_aligned(m, n, k, cls)
         for d, shape in sorted((math.dist(here, logs), shape) for logs, shape in self.by_class.get(cls, ())):
             if d > self.max_distance:
                 return
-            yield shape
+            yield shape, rows_aligned(*shape, cls) == mine
 
     def _decide(self, m: int, n: int, k: int, cls: str) -> tuple[str | None, str, tuple | None]:
         """(kernel key or None, reason, the tuned shape that decided) by the table, else the neighbour rule."""
@@ -134,15 +139,21 @@ class Package:
             return (key, "l2ir", (m, n, k)) if key else (None, "cublas", (m, n, k))
         if cls not in self.by_class:
             return None, "layout", None
-        seen = False
-        for shape in self._nearest(m, n, k, cls):
+        seen = other_alignment = False
+        for shape, same_alignment in self._nearest(m, n, k, cls):
+            if not same_alignment:
+                # An odd K or N sends cuBLAS down a path several times slower, so a kernel that beat it there can
+                # lose to it on an aligned neighbour (0.4-0.8x on the device, bench/results/
+                # dispatch_unaligned_v4_h200.json), and the reverse: only shapes aligned alike are neighbours.
+                other_alignment = True
+                continue
             seen = True
             key = self.tuned[(*shape, cls)]
             if key is None:
                 return None, "cublas", shape
             if self.kernels[key].admits(m, n, k):
                 return key, "l2ir", shape
-        return None, ("not_admitted" if seen else "untuned"), None
+        return None, ("not_admitted" if seen else "alignment" if other_alignment else "untuned"), None
 
     def resolve(self, m: int, n: int, k: int, cls: str) -> tuple[str | None, str]:
         """(kernel key or None, reason) for one shape: the table for a tuned shape, else the neighbour rule."""
@@ -164,6 +175,21 @@ class Package:
             return None
         ekey = self.eager.get((*shape, cls))
         return ekey if ekey is not None and (shape == (m, n, k) or self.kernels[ekey].admits(m, n, k)) else None
+
+
+@functools.lru_cache(maxsize=64)
+def _class_problem(cls: str):
+    from .text import parse_problem
+
+    return parse_problem(f"gemm m=1 n=1 k=1 {cls}")
+
+
+def rows_aligned(m: int, n: int, k: int, cls: str) -> bool:
+    """Whether every row of A, B and C starts 16-byte aligned (each leading dimension a multiple of 8 elements) in
+    problem class `cls`: what keeps cuBLAS on its fast (TMA, 16-byte vector) kernels."""
+    from .verify import leading_dims
+
+    return all(size % 8 == 0 for _, size in leading_dims(_class_problem(cls).with_shape(m, n, k)).values())
 
 
 def read_package(path: str | Path) -> Package:

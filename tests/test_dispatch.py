@@ -7,6 +7,7 @@ the dispatcher passes are checked, not only its decisions.
 """
 
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_export import CLS_COL, CLS_ROW, ENV, fake_build, standard_db
+from test_export import CLS_COL, CLS_ROW, ENV, K3, SOURCE, fake_build, make_db, record, standard_db
 
 import l2ir
 from l2ir import dispatch, export
@@ -125,8 +126,13 @@ def test_nearest_neighbour_rule(disp):
     assert pkg.resolve(248, 256, 256, CLS_COL) == (k1, "l2ir")
     # Nearest tuned shape is 1024x64x64, won by cuBLAS: the measurement there decides.
     assert pkg.resolve(1000, 64, 64, CLS_COL) == (None, "cublas")
-    # Near, but K=255 breaks the kernel's align=8 rule (B is column-major: its rows run along K).
-    assert pkg.resolve(256, 256, 255, CLS_COL) == (None, "not_admitted")
+    # Near, but K=255 leaves A's and B's rows unaligned where every tuned shape nearby has them aligned: cuBLAS's
+    # slow path there says nothing about the kernels measured against its fast one.
+    assert pkg.resolve(256, 256, 255, CLS_COL) == (None, "alignment")
+    assert not dispatch.rows_aligned(256, 256, 255, CLS_COL) and not dispatch.rows_aligned(256, 1001, 256, CLS_COL)
+    assert dispatch.rows_aligned(248, 256, 256, CLS_COL)
+    # A column-major B has its rows along K; a row-major B along N.
+    assert dispatch.rows_aligned(256, 256, 1000, CLS_ROW) and not dispatch.rows_aligned(256, 1001, 256, CLS_ROW)
     # Too far from any tuned shape.
     assert pkg.resolve(16, 16, 16, CLS_COL) == (None, "untuned")
     # Beyond the package's max distance by a hair: untuned; the manifest holds the bound.
@@ -135,6 +141,20 @@ def test_nearest_neighbour_rule(disp):
     assert pkg.resolve(536, 256, 256, CLS_COL) == (None, "untuned")
     # A problem class without kernels in the package.
     assert pkg.resolve(1024, 1024, 1024, "a=bf16:row b=bf16:col c=bf16:row acc=f32") == (None, "layout")
+
+
+def test_neighbours_are_aligned_alike(tmp_path):
+    """A kernel tuned on an unaligned shape (an odd K: cuBLAS's slow path) serves unaligned neighbours, whichever
+    dimension is odd there, but not an aligned one, where cuBLAS runs its fast kernels (the reason says why)."""
+    with make_db(tmp_path / "r.db", [record(K3, (333, 555, 777), 2.0)], {K3: SOURCE}) as db:
+        export.export(db, tmp_path / "pkg", cache_dir=str(tmp_path / "cache"), build=fake_build, log=lambda s: None)
+    pkg = dispatch.read_package(tmp_path / "pkg")
+    key = pkg.tuned[(333, 555, 777, CLS_COL)]
+    assert pkg.resolve(333, 624, 777, CLS_COL) == (key, "l2ir")          # K still odd
+    assert pkg.resolve(333, 555, 776, CLS_COL) == (key, "l2ir")          # N still odd (C's rows)
+    assert pkg.resolve(336, 560, 776, CLS_COL) == (None, "alignment")    # every row aligned
+    manifest = json.loads((tmp_path / "pkg" / "manifest.json").read_text())
+    assert "aligned alike" in manifest["rule"]["untuned"]
 
 
 def test_untuned_shape_through_matmul_is_resolved_once(disp):
@@ -179,12 +199,16 @@ CASES = {
     "empty": lambda: (rand(0, 256), rand(512, 256).t()),
     "cublas": lambda: (rand(64, 64), rand(64, 64).t()),      # no gate-clean kernel measured there: no eager route
     "untuned": lambda: (rand(16, 16), rand(16, 16).t()),
-    "not_admitted": lambda: (rand(256, 255), rand(256, 255).t()),
+    "alignment": lambda: (rand(256, 255), rand(256, 255).t()),       # K=255: unaligned next to aligned 256^3
+    # Near 256^3 and aligned alike; the kernel refuses it (a verifier problem rule, patched below).
+    "not_admitted": lambda: (rand(248, 256), rand(256, 256).t()),
 }
 
 
 @pytest.mark.parametrize("reason", sorted(CASES))
-def test_fallback_reason_is_counted(disp, reason):
+def test_fallback_reason_is_counted(disp, reason, monkeypatch):
+    if reason == "not_admitted":
+        monkeypatch.setattr(dispatch.KernelSpec, "admits", lambda self, m, n, k: False)
     a, b = CASES[reason]()
     c = l2ir.matmul(a, b)
     torch.testing.assert_close(c, torch.matmul(a, b))
