@@ -55,8 +55,8 @@ REASONS = {
     "cublas": "the table says cuBLAS for this shape (tuned there, or its nearest tuned shape)",
     "untuned": "no tuned shape of this problem class within the package's distance",
     "not_admitted": "no nearby kernel admits the shape (the verifier's problem rules)",
-    "alignment": "every nearby tuned shape is aligned differently (all rows of A, B and C 16-byte aligned on one side "
-                 "only): cuBLAS leaves its fast path there, so their measurements do not carry over",
+    "alignment": "the shape's rows are all 16-byte aligned and the nearby tuned shapes' are not: their kernels beat "
+                 "cuBLAS's slow unaligned path, which says nothing against its fast one",
     "no_package": "no dispatch package loaded",
     "cpu": "a tensor is not on a CUDA device (or the two are on different devices)",
     "dtype": "not fp16/bf16, or A and B differ in dtype",
@@ -124,13 +124,14 @@ class Package:
 
     def _nearest(self, m: int, n: int, k: int, cls: str):
         """The tuned shapes of `cls` within the package's distance of (m, n, k) in log2 space, nearest first, each
-        with whether it is aligned as (m, n, k) is (`rows_aligned`)."""
+        with whether its measurement carries to (m, n, k): not from an unaligned shape to an aligned one
+        (`rows_aligned`)."""
         here = (math.log2(m), math.log2(n), math.log2(k))
-        mine = rows_aligned(m, n, k, cls)
+        aligned = rows_aligned(m, n, k, cls)
         for d, shape in sorted((math.dist(here, logs), shape) for logs, shape in self.by_class.get(cls, ())):
             if d > self.max_distance:
                 return
-            yield shape, rows_aligned(*shape, cls) == mine
+            yield shape, not aligned or rows_aligned(*shape, cls)
 
     def _decide(self, m: int, n: int, k: int, cls: str) -> tuple[str | None, str, tuple | None]:
         """(kernel key or None, reason, the tuned shape that decided) by the table, else the neighbour rule."""
@@ -140,11 +141,12 @@ class Package:
         if cls not in self.by_class:
             return None, "layout", None
         seen = other_alignment = False
-        for shape, same_alignment in self._nearest(m, n, k, cls):
-            if not same_alignment:
+        for shape, carries in self._nearest(m, n, k, cls):
+            if not carries:
                 # An odd K or N sends cuBLAS down a path several times slower, so a kernel that beat it there can
                 # lose to it on an aligned neighbour (0.4-0.8x on the device, bench/results/
-                # dispatch_unaligned_v4_h200.json), and the reverse: only shapes aligned alike are neighbours.
+                # dispatch_unaligned_v4_h200.json). The other way round the kernel must admit the unaligned shape
+                # (the verifier's rules), and cuBLAS only gets slower.
                 other_alignment = True
                 continue
             seen = True

@@ -22,8 +22,8 @@ bench/results/dispatch_h200_v2.json, while such a kernel runs 2-5 us), so the ca
 GPU spends up to EAGER_SLACK_US more; a call captured in a CUDA graph, where only device time counts, runs cuBLAS.
 
 Untuned shapes (resolved by the loader, l2ir/dispatch.py, and cached per shape): the tuned shapes of the same problem
-class aligned alike (every row of A, B and C 16-byte aligned, or not: cuBLAS leaves its fast kernels on an unaligned
-row, so a speedup measured on one side does not carry to the other), within
+class (for a shape whose rows of A, B and C are all 16-byte aligned, only tuned shapes aligned so too: cuBLAS leaves
+its fast kernels on an unaligned row, so a speedup measured against its slow path does not carry over), within
 `max_distance` in log2 space of (M, N, K), nearest first; the first one whose winner is cuBLAS decides
 cuBLAS, the first whose kernel admits the shape (the verifier's problem rules: divisibility, alignment, split-K
 slices, Source grid limits) decides that kernel; none within reach: cuBLAS.
@@ -313,9 +313,9 @@ def export(db, out: str | Path, scenario: str = "offline", env: str | None = Non
         "format": FORMAT, "version": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "environment": {"id": eid, **{k: environment.get(k) for k in MANIFEST_ENV_KEYS}},
         "scenario": scenario, "device_sm": device_sm,
-        "rule": {"untuned": "nearest tuned shapes of the same problem class, aligned alike (all rows 16-byte aligned "
-                            "or not), in log2(M, N, K); first cuBLAS winner or first kernel admitting the shape by "
-                            "the verifier's problem rules",
+        "rule": {"untuned": "nearest tuned shapes of the same problem class in log2(M, N, K), none with an unaligned "
+                            "row for a shape whose rows are all 16-byte aligned; first cuBLAS winner or first kernel "
+                            "admitting the shape by the verifier's problem rules",
                  "max_distance": max_distance,
                  "eager": "a cuBLAS shape's eager calls run its fastest gate-clean kernel when that kernel's device "
                           "time is within eager_slack_us of cuBLAS's; CUDA-graph captures run cuBLAS",
