@@ -30,17 +30,24 @@ def store_vector(problem: Problem) -> int:
     return min(alignment(problem), _widest([leading_dims(problem)["C"][1]]))
 
 
-def _split(problem: Problem, bm: int, bn: int, bk: int, num_sms: int) -> int:
-    """Split K when the output tiles fill less than half the SMs and K is long enough to share."""
-    tiles = ceil_div(problem.m, bm) * ceil_div(problem.n, bn)
+def split_slices(problem: Problem, tiles: int, bk: int, num_sms: int, cap: int, cover: bool = False) -> int:
+    """Split-K slices when `tiles` output tiles fill less than half the SMs and K is long enough to share (at least 8
+    k tiles of `bk`): as many as bring the blocks to one wave (`cover`: at least one wave, rounding up; else at
+    most one), each slice keeping at least 4 k tiles, at most `cap`; 1 when not worth it. Fewer if the partition of
+    l2ir.indexing.splitk_range would leave the last slice without a k tile."""
     k_tiles = ceil_div(problem.k, bk)
     if tiles * 2 > num_sms or k_tiles < 8:
         return 1
-    slices = max(1, min(8, k_tiles // 4, ceil_div(num_sms, tiles)))
-    # The split-K partition gives each slice ceil(k_tiles / slices) tiles; fewer slices if the last would get none.
+    waves = ceil_div(num_sms, tiles) if cover else num_sms // tiles
+    slices = max(1, min(cap, k_tiles // 4, waves))
     while slices > 1 and leaves_empty_slice(k_tiles, slices):
         slices -= 1
     return slices
+
+
+def _split(problem: Problem, bm: int, bn: int, bk: int, num_sms: int) -> int:
+    """The seeds' split: up to 8 slices, covering at least one wave."""
+    return split_slices(problem, ceil_div(problem.m, bm) * ceil_div(problem.n, bn), bk, num_sms, 8, cover=True)
 
 
 def _raster(problem: Problem, bm: int, bn: int, group: int) -> Swizzle:

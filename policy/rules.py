@@ -30,6 +30,7 @@ from l2ir.indexing import ceil_div, leaves_empty_slice
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
 from l2ir.seed import (REPACK_MIN_M, REPACK_TILES, alignment, repack_kernel, repack_lowered, repack_tile,
                        store_vector)
+from l2ir.seed import split_slices as seed_split_slices
 from l2ir.target import MAX_CLUSTER_NONPORTABLE
 
 from .actions import diff_edits, normal_backend
@@ -64,15 +65,8 @@ def intensity(bm: int, bn: int) -> float:
 
 
 def split_slices(problem: Problem, tiles: int, bk: int, sms: int) -> int:
-    """Slices that bring the blocks near one wave, each slice keeping at least 4 K tiles; 1 when the tiles fill the
-    SMs or K is short."""
-    k_tiles = ceil_div(problem.k, bk)
-    if tiles * 2 > sms or k_tiles < 8:
-        return 1
-    slices = max(1, min(16, k_tiles // 4, sms // tiles))
-    while slices > 1 and leaves_empty_slice(k_tiles, slices):
-        slices -= 1
-    return slices
+    """The rules' split (l2ir.seed.split_slices): up to 16 slices, at most one wave."""
+    return seed_split_slices(problem, tiles, bk, sms, 16)
 
 
 def hopper_kernel(problem: Problem, bm: int, bn: int, schedule: str, cluster=(1, 1), splitk: SplitK | None = None,
