@@ -303,7 +303,7 @@ def test_splitk_cluster_renders_the_cluster_reduction():
     for absent in ("atomicAdd", "__threadfence", "TREE_", "__stcg", "__ldcg", "float* __restrict__ ws"):
         assert absent not in src, absent
     assert not plan.zero_workspace and plan.workspace_for(64, 1024, 16384) == 0
-    assert "attr[0].val.clusterDim.x = SLICES;" in src and "cudaLaunchKernelEx(&config" in src
+    assert "attr[num_attrs].val.clusterDim.x = SLICES;" in src and "cudaLaunchKernelEx(&config" in src
     assert "NonPortableClusterSize" not in src
     assert "cudaFuncAttributeNonPortableClusterSizeAllowed, 1" in lower(
         lat((64, 64, 64), splitk=SplitK("split_k", 16, "cluster")), PROBLEM).source
