@@ -371,10 +371,13 @@ def test_cluster_reduction_fuzzed(slices, m, n_half, k_extra, coop, rnd):
 # ---------------------------------------------------------------------------------------------------------------
 
 def _repack_kernel(operands="ab"):
-    from l2ir.nodes import Repack
+    from l2ir.nodes import Epilogue, Repack
+    from l2ir.text import parse_kernel_file
 
-    return parse_kernel(open("examples/sm90a_splitk_cluster_64x64.l2").read()).replace(
-        splitk=None, repack=Repack(operands))
+    problem, kernel, _ = parse_kernel_file(open("examples/sm90a_repack_odd_k.l2").read())
+    assert kernel.repack == Repack("ab") and problem.k % 8
+    # Pairs of columns per store (the tests' N are even, not all multiples of 8).
+    return kernel.replace(repack=Repack(operands), epilogue=Epilogue("direct", 2))
 
 
 @settings(max_examples=40, deadline=None)
