@@ -468,7 +468,7 @@ class ClusterReduce:
 
 # Operand repacking (the repack node).
 M, N, K = Var("m"), Var("n"), Var("k")
-COLS = Var("cols")
+COLS, CHUNK = Var("cols"), Var("chunk")
 REPACK_ALIGN = 8          # elements: 16 bytes of f16/bf16, what TMA strides and 16-byte cp.async need
 REPACK_COPY_ALIGN = 64    # elements: each copy, and what follows it, starts 128-byte aligned
 
@@ -479,12 +479,16 @@ class Repack:
 
     An operand is stored as `rows` x `cols` with `cols` contiguous (`extent`: A row-major is M x K, B column-major
     N x K). When `cols` is not a multiple of REPACK_ALIGN (`needed` = 1) and the operand is in `operands`, the repack
-    kernel copies it to rows of `pitch` elements: element (row, col) to `dst`, and zeros to the pad columns
-    [cols, pitch), so every element of the copy is written once. The GEMM reads the copy with the same extents and a
-    `pitch` stride. An aligned operand is not copied and takes no workspace (`copy_elems` = 0).
+    kernel copies it to rows of `pitch` elements, one REPACK_ALIGN-element chunk (a 16-byte store) at a time: chunk
+    `chunk` of the copy is row `chunk_row`, columns `chunk_col` onwards, stored at `dst` of its first element, with
+    zeros in the pad columns [cols, pitch), so every element of the copy is written once. The GEMM reads the copy
+    with the same extents and a `pitch` stride. An aligned operand is not copied and takes no workspace
+    (`copy_elems` = 0).
 
-    Workspace, in elements of the input dtype: A's copy at 0, B's at `offset("B")` = A's copy size, each copy rounded
-    up to REPACK_COPY_ALIGN elements; whatever else the kernel keeps in the workspace (split-K) starts at `end`.
+    Workspace, in elements of the input dtype: B's copy at 0, A's at `offset("A")` = B's copy size, each copy rounded
+    up to REPACK_COPY_ALIGN elements; whatever else the kernel keeps in the workspace (split-K) starts at `end`. B
+    comes first because it is usually a layer's fixed weights: its copy keeps one address whatever M is, so the host
+    shim's cached tensor map of it stays valid while the activations change.
     backends/cuda_ptx/sm90a.py renders these expressions into the host shim and the repack kernel; l2ir.interp runs
     the same copy and reads the operands back through it."""
 
@@ -512,6 +516,22 @@ class Repack:
         """Offset of element (row, col) in the operand itself."""
         return ROW * COLS + COL
 
+    @staticmethod
+    def chunk_row() -> Expr:
+        """The copy's row of chunk `chunk` (REPACK_ALIGN elements, one 16-byte store)."""
+        return CHUNK // (Repack.pitch(COLS) // REPACK_ALIGN)
+
+    @staticmethod
+    def chunk_col() -> Expr:
+        """The first column of chunk `chunk`; the chunk's elements are that column and the next REPACK_ALIGN - 1,
+        stored at `dst` of the first and the following addresses."""
+        return CHUNK % (Repack.pitch(COLS) // REPACK_ALIGN) * REPACK_ALIGN
+
+    @staticmethod
+    def chunks(rows, cols) -> Expr:
+        """Chunks of a copy of `rows` rows of `cols` elements."""
+        return lift(rows) * (Repack.pitch(cols) // REPACK_ALIGN)
+
     def extent(self, operand: str) -> tuple[Expr, Expr]:
         """(rows, cols) of operand "A" or "B" as stored, cols contiguous."""
         logical, layout = {"A": ((M, K), self.a_layout), "B": ((K, N), self.b_layout)}[operand]
@@ -525,13 +545,13 @@ class Repack:
         return self.needed(cols) * cdiv(rows * self.pitch(cols), REPACK_COPY_ALIGN) * REPACK_COPY_ALIGN
 
     def offset(self, operand: str) -> Expr:
-        """Element offset of the operand's copy in the workspace."""
-        return Const(0) if operand == "A" else self.copy_elems("A")
+        """Element offset of the operand's copy in the workspace: B's first, then A's."""
+        return Const(0) if operand.upper() == "B" else self.copy_elems("B")
 
     @property
     def end(self) -> Expr:
         """Elements taken by both copies: the split-K workspace starts here."""
-        return self.copy_elems("A") + self.copy_elems("B")
+        return self.copy_elems("B") + self.copy_elems("A")
 
 
 # ---------------------------------------------------------------------------------------------------------------

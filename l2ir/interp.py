@@ -341,9 +341,9 @@ class _Schedule:
 
 def _repack(kernel: Kernel, problem: Problem, a: np.ndarray, b: np.ndarray):
     """The repack kernel, then the operands as the GEMM reads them (l2ir.indexing.Repack). Each operand the node
-    copies and whose rows are misaligned is written element by element into a flat workspace (poisoned with NaN)
-    at its copy's offset plus `dst`, zeros in the pad columns, and read back as rows of `pitch` elements from the
-    copy's offset. A wrong offset, pitch or element map reads poison or another operand, and shows in C; every
+    copies and whose rows are misaligned is written chunk by chunk, as the kernel's loop does, into a flat workspace
+    (poisoned with NaN) at its copy's offset plus `dst`, zeros in the pad columns, and read back as rows of `pitch`
+    elements from the copy's offset. A wrong offset, pitch or element map reads poison or another operand, and shows in C; every
     element of a copy must be written exactly once and nothing outside the copies at all; copies start and rows
     step on REPACK_ALIGN elements (what the GEMM's 16-byte loads need).
     Returns (A, B, the workspace's write counts)."""
@@ -365,13 +365,22 @@ def _repack(kernel: Kernel, problem: Problem, a: np.ndarray, b: np.ndarray):
         if pitch % REPACK_ALIGN or base % REPACK_ALIGN:
             raise InterpError(f"repack copy of {op} at element {base} with rows of {pitch}: the GEMM's 16-byte loads "
                               f"need both to be multiples of {REPACK_ALIGN}")
-        r, c = np.arange(rows)[:, None], np.arange(pitch)[None, :]
-        dst = base + Repack.dst().eval({"row": r, "col": c, "cols": cols})
-        if dst.min() < 0 or dst.max() >= total:
+        # The kernel's loop: chunk -> (row, first column); one 16-byte store of REPACK_ALIGN elements at `dst` of the
+        # first, the source elements past `cols` replaced by zeros.
+        chunk = np.arange(int(Repack.chunks(rows, cols).eval({})), dtype=np.int64)
+        r = Repack.chunk_row().eval({"chunk": chunk, "cols": cols})
+        c0 = Repack.chunk_col().eval({"chunk": chunk, "cols": cols})
+        start = base + Repack.dst().eval({"row": r, "col": c0, "cols": cols})
+        if np.any(start % REPACK_ALIGN):
+            raise InterpError(f"repack of {op}: a 16-byte store at element {int(start[start % REPACK_ALIGN != 0][0])} "
+                              "is not 16-byte aligned")
+        col = c0[:, None] + np.arange(REPACK_ALIGN)[None, :]
+        dst = start[:, None] + np.arange(REPACK_ALIGN)[None, :]
+        if dst.size and (dst.min() < 0 or dst.max() >= total):
             raise InterpError(f"repack of {op} writes workspace elements [{dst.min()}, {dst.max()}] outside the "
                               f"{total} the copies take")
-        src = Repack.src().eval({"row": r, "col": np.minimum(c, cols - 1), "cols": cols})
-        ws[dst] = np.where(c < cols, stored.ravel()[src], 0)
+        src = Repack.src().eval({"row": r[:, None], "col": np.minimum(col, cols - 1), "cols": cols})
+        ws[dst] = np.where(col < cols, stored.ravel()[src], 0)
         np.add.at(writes, dst.ravel(), 1)
         expected[base:base + rows * pitch] = 1
         view = ws[base:base + rows * pitch].reshape(rows, pitch)[:, :cols]

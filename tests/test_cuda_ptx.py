@@ -82,9 +82,9 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
         coop((128, 128, 64), pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=False),
              splitk=SplitK("split_k", 4, "cluster")), PROBLEM),
     "coop_128x128x64_repack": (coop((128, 128, 64), repack=Repack()), Problem(m=512, n=512, k=4097)),
-    "w4x1_64x64x64_s4_two_per_sm_splitk4_repack_b": (
+    "w4x1_64x64x64_s4_two_per_sm_splitk4_repack": (
         lat((64, 64, 64), pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False), splitk=SplitK("split_k", 4),
-            repack=Repack("b")), PROBLEM),
+            repack=Repack()), PROBLEM),
     "w4x1_64x64x64_splitk8_cluster_repack": (
         lat((64, 64, 64), splitk=SplitK("split_k", 8, "cluster"), repack=Repack()), PROBLEM),
 }
@@ -156,7 +156,6 @@ FIELD_CASES = [
      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"),
     ("problem.c", coop(), Problem(m=1, n=1, k=1, c=("bf16", "row")), "using OutT = __nv_bfloat16;"),
     ("repack", coop(repack=Repack()), PROBLEM, "l2ir_cuda_ptx_sm90a_repack<<<blocks, 256, 0,"),
-    ("repack.operands", coop(repack=Repack("a")), PROBLEM, "const bool copy_b = (0) != 0;"),
 ]
 
 
@@ -433,14 +432,16 @@ def test_repack_renders_the_copy_and_reads_it():
     """repack: the copy kernel's stores and loads and the shim's offsets are l2ir.indexing.Repack's expressions;
     the GEMM's tensor maps read the copy with its pitch; the plan's workspace is the copies' bytes and nothing on an
     aligned K; other backends refuse the node, and the registry makes cuda_ptx its default."""
-    from l2ir.indexing import Repack as RepackLayout
+    from l2ir.indexing import Repack as RepackLayout, Var
 
     kernel, problem = CASES["coop_128x128x64_repack"]
     plan = lower(kernel, problem)
     rp = RepackLayout()
     assert f"dst + {RepackLayout.dst().to_cpp()}" in plan.source
     assert f"src[{RepackLayout.src().to_cpp()}]" in plan.source
-    assert f"ws_elems + ({rp.offset('B').to_cpp()})" in plan.source
+    assert f"ws_elems + ({rp.offset('A').to_cpp()})" in plan.source and rp.offset("B").to_cpp() == "0"
+    for expr in (RepackLayout.chunk_row(), RepackLayout.chunk_col(), RepackLayout.chunks(Var("m"), Var("k"))):
+        assert expr.to_cpp() in plan.source
     assert "operand_map(cache_a, a_read, M, K, lda, BM)" in plan.source
     assert "cuuint64_t(ld) * sizeof(InT)" in plan.source
     # Programmatic dependent launch: the copy lets the GEMM start early, the GEMM's producer waits for the copy
@@ -457,12 +458,12 @@ def test_repack_renders_the_copy_and_reads_it():
         assert plan.workspace_for(m, n, k) == copies, (m, n, k)
     assert not plan.zero_workspace
     # The split-K tree's workspace follows the copies, 128-byte aligned.
-    tree = lower(*CASES["w4x1_64x64x64_s4_two_per_sm_splitk4_repack_b"])
+    tree = lower(*CASES["w4x1_64x64x64_s4_two_per_sm_splitk4_repack"])
     plain = lower(lat((64, 64, 64), pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False),
                       splitk=SplitK("split_k", 4)), PROBLEM)
     for m, n, k in ((64, 1024, 16383), (100, 3000, 4104)):
-        b_copy = 0 if k % 8 == 0 else -(-n * (-(-k // 8) * 8) // 64) * 64 * 2
-        assert tree.workspace_for(m, n, k) == b_copy + plain.workspace_for(m, n, k)
+        copies = 0 if k % 8 == 0 else sum(-(-rows * (-(-k // 8) * 8) // 64) * 64 * 2 for rows in (m, n))
+        assert tree.workspace_for(m, n, k) == copies + plain.workspace_for(m, n, k)
     assert tree.zero_workspace
     assert registry.backend_for(kernel).name == "cuda_ptx"
     with pytest.raises(NotImplementedError, match="repack"):
@@ -487,6 +488,8 @@ REFUSALS = [
     ("problem.c", coop(), Problem(m=1, n=1, k=1, c=("f32", "row"))),
     ("problem.acc", coop(), Problem(m=1, n=1, k=1, acc="f16")),
     ("swizzle.smem", coop((128, 256, 96), pipeline=Pipeline("tma_ws", 2, "cooperative", persistent=True)), PROBLEM),
+    ("repack.operands", coop(repack=Repack("a")), PROBLEM),
+    ("repack.operands", coop(repack=Repack("b")), PROBLEM),
 ]
 
 
@@ -555,7 +558,7 @@ NVCC_CASES = ["coop_128x256x64_direct", "coop_256x128x64_smem8_along_m8", "w4x1_
               "w4x1_64x256x64_smem8_bf16", "w4x1_64x128x64_splitk8", "coop_128x128x64_splitk3_persistent_smem8",
               "w4x1_64x128x64_s4_two_per_sm", "w4x1_64x64x64_s4_two_per_sm_splitk5", "w4x1_64x64x64_splitk8_cluster",
               "w4x1_64x128x64_s4_two_per_sm_splitk16_cluster", "coop_128x128x64_splitk4_cluster_nonpersistent",
-              "coop_128x128x64_repack", "w4x1_64x64x64_s4_two_per_sm_splitk4_repack_b",
+              "coop_128x128x64_repack", "w4x1_64x64x64_s4_two_per_sm_splitk4_repack",
               "w4x1_64x64x64_splitk8_cluster_repack"]
 BUILD_CASES = {**{name: CASES[name] for name in NVCC_CASES}, **_sweep_splitk_cases()}
 
@@ -634,11 +637,11 @@ def test_splitk_shim_workspace_contract(builds):
 @pytest.mark.nvcc
 def test_repack_shim_workspace_contract(builds):
     """The repack shim's workspace size is the plan's expression; on an odd K it needs the workspace for its copies
-    and refuses without one; with operands=b, A's misaligned rows are still refused (MISALIGNED); an aligned K
-    needs no workspace at all."""
+    and refuses without one or with a misaligned one; a K whose padded pitch would not fit an int is refused; an
+    aligned K needs no workspace at all."""
     from l2ir.runtime import STATUS_WORKSPACE_TOO_SMALL
 
-    for name in ("coop_128x128x64_repack", "w4x1_64x64x64_s4_two_per_sm_splitk4_repack_b"):
+    for name in ("coop_128x128x64_repack", "w4x1_64x64x64_s4_two_per_sm_splitk4_repack"):
         plan = lower(*CASES[name])
         so = shim_library(built(builds[name]).binary)
         for m, n, k in ((512, 512, 4097), (1023, 1025, 1027), (17, 9999, 3333), (64, 64, 64), (1, 1, 1)):
@@ -649,9 +652,7 @@ def test_repack_shim_workspace_contract(builds):
     assert so.l2ir_run(16, 16, 16, 512, 512, 4097, None, need, None) == STATUS_WORKSPACE_TOO_SMALL
     assert so.l2ir_run(16, 16, 16, 512, 512, 4097, 256, need - 1, None) == STATUS_WORKSPACE_TOO_SMALL
     assert so.l2ir_run(16, 16, 16, 512, 512, 4097, 264, need, None) == STATUS_MISALIGNED
-    only_b = shim_library(built(builds["w4x1_64x64x64_s4_two_per_sm_splitk4_repack_b"]).binary)
-    big = only_b.l2ir_workspace_size(512, 512, 4097) + 1024
-    assert only_b.l2ir_run(16, 16, 16, 512, 512, 4097, 256, big, None) == STATUS_MISALIGNED   # A not copied
+    assert so.l2ir_run(16, 16, 16, 1, 1, 2 ** 31 - 1, 256, 2 ** 62, None) == STATUS_BAD_ARGUMENT
 
 
 if __name__ == "__main__":

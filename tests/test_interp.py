@@ -421,14 +421,14 @@ def test_repack_on_an_aligned_k_copies_nothing():
 
 
 @pytest.mark.parametrize("attr,broken,match", [
-    ("dst", lambda: Var("row") * Var("cols") + Var("col"), "written a wrong number of times"),   # pitch ignored
+    ("dst", lambda: Var("row") * Var("cols") + Var("col"), "not 16-byte aligned"),    # pitch ignored: rows start anywhere
     ("offset", lambda: (lambda self, op: Const(0)), "written a wrong number of times"),          # B over A
     ("pitch", lambda: staticmethod(lambda cols: cols if isinstance(cols, Var) else Const(cols)),
      "need both to be multiples of 8"),                                                           # rows unpadded
 ], ids=["dst_without_pitch", "b_copy_over_a", "pitch_unpadded"])
 def test_broken_repack_is_caught(monkeypatch, attr, broken, match):
-    """A copy that ignores the pitch or a B copy placed over A's writes some workspace element twice or never; rows
-    left unpadded would break the GEMM's 16-byte loads. The interpreter refuses all three."""
+    """A copy that ignores the pitch puts its 16-byte stores off their boundaries; copies at one offset write workspace
+    elements twice; rows left unpadded would break the GEMM's 16-byte loads. The interpreter refuses all three."""
     from l2ir.indexing import Repack
 
     members = {"dst": staticmethod(broken), "offset": broken(), "pitch": broken()}

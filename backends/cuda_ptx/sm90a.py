@@ -334,6 +334,9 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
 
     # Problem class: K-major A and B are wgmma's native (non-transposed) descriptor layout.
     check_problem_class(problem)
+    if kernel.repack is not None and kernel.repack.operands != "ab":
+        raise UnsupportedLowering("repack.operands", f"{kernel.repack.operands}: K-major A and B share K, so an odd K "
+                                  "misaligns both and a copy of one alone never lets the GEMM run; use ab")
 
     bm, bn, bk = tile.block
     wgs = 2 if pipe.schedule == "cooperative" else 1
@@ -1087,18 +1090,17 @@ def _repack_kernel(cfg: PtxConfig) -> list[str]:
         "  // The GEMM launched next may start its prologue now (programmatic dependent launch); its producer waits",
         "  // for this grid's completion before reading the copies.",
         '  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");',
-        f"  const long long chunks_a = op_a.dst ? op_a.rows * ({Repack.pitch(Var('op_a.cols')).to_cpp()} / {chunk}) : 0;",
-        f"  const long long chunks_b = op_b.dst ? op_b.rows * ({Repack.pitch(Var('op_b.cols')).to_cpp()} / {chunk}) : 0;",
+        f"  const long long chunks_a = op_a.dst ? {Repack.chunks(Var('op_a.rows'), Var('op_a.cols')).to_cpp()} : 0;",
+        f"  const long long chunks_b = op_b.dst ? {Repack.chunks(Var('op_b.rows'), Var('op_b.cols')).to_cpp()} : 0;",
         f"  for (long long i = blockIdx.x * (long long){REPACK_THREADS} + threadIdx.x; i < chunks_a + chunks_b;",
         f"       i += (long long)gridDim.x * {REPACK_THREADS}) {{",
         "    const bool in_a = i < chunks_a;",
         "    const uint16_t* src = in_a ? op_a.src : op_b.src;",
         "    uint16_t* dst = in_a ? op_a.dst : op_b.dst;",
         "    const long long cols = in_a ? op_a.cols : op_b.cols;",
-        "    const long long j = in_a ? i : i - chunks_a;",
-        f"    const long long per_row = {Repack.pitch(Var('cols')).to_cpp()} / {chunk};",
-        "    const long long row = j / per_row;",
-        f"    const long long col0 = (j % per_row) * {chunk};",
+        "    const long long chunk = in_a ? i : i - chunks_a;   // of this operand's copy",
+        f"    const long long row = {Repack.chunk_row().to_cpp()};",
+        f"    const long long col0 = {Repack.chunk_col().to_cpp()};",
         f"    alignas(16) uint16_t v[{chunk}];",
         "#pragma unroll",
         f"    for (int e = 0; e < {chunk}; ++e) {{",
@@ -1124,6 +1126,7 @@ def _repack_setup(cfg: PtxConfig) -> list[str]:
         "  const long long m = M, n = N, k = K;",
         f"  const bool copy_a = ({rp.copy_elems('A').to_cpp()}) != 0;",
         f"  const bool copy_b = ({rp.copy_elems('B').to_cpp()}) != 0;",
+        "  if (K > INT_MAX - 8) return L2IR_STATUS_BAD_ARGUMENT;   // the padded pitch must fit an int",
         f"  const int pitch = int({Repack.pitch(Var('k')).to_cpp()});",
         "  if ((copy_a || copy_b) && (workspace == nullptr || workspace_bytes < l2ir_workspace_size(M, N, K))) {",
         "    return L2IR_STATUS_WORKSPACE_TOO_SMALL;",
@@ -1144,11 +1147,13 @@ def _repack_launch(cfg: PtxConfig) -> list[str]:
         "        static_cast<const uint16_t*>(a_read)) : nullptr, M, K};",
         "    const RepackOperand op_b{static_cast<const uint16_t*>(B), copy_b ? const_cast<uint16_t*>(",
         "        static_cast<const uint16_t*>(b_read)) : nullptr, N, K};",
-        f"    const long long chunks = (copy_a ? m : 0) * (pitch / {REPACK_ALIGN}) + "
-        f"(copy_b ? n : 0) * (pitch / {REPACK_ALIGN});",
+        f"    const long long chunks = (copy_a ? {Repack.chunks(Var('m'), Var('k')).to_cpp()} : 0) + "
+        f"(copy_b ? {Repack.chunks(Var('n'), Var('k')).to_cpp()} : 0);",
         f"    const long long want = (chunks + {REPACK_THREADS} - 1) / {REPACK_THREADS};",
         f"    const int blocks = int(want < {cap} ? want : {cap});   // {REPACK_BLOCKS_PER_SM} blocks per SM at most",
         f"    {REPACK_ENTRY}<<<blocks, {REPACK_THREADS}, 0, static_cast<cudaStream_t>(stream)>>>(op_a, op_b);",
+        "    // A refused copy must not be followed by a GEMM that reads its workspace.",
+        "    if (cudaGetLastError() != cudaSuccess) return L2IR_STATUS_CUDA_ERROR;",
         "  }",
     ]
 

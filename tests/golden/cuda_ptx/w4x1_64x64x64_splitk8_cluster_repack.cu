@@ -411,18 +411,17 @@ __global__ void __launch_bounds__(256) l2ir_cuda_ptx_sm90a_repack(RepackOperand 
   // The GEMM launched next may start its prologue now (programmatic dependent launch); its producer waits
   // for this grid's completion before reading the copies.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  const long long chunks_a = op_a.dst ? op_a.rows * ((((op_a.cols + 8 - 1) / 8) * 8) / 8) : 0;
-  const long long chunks_b = op_b.dst ? op_b.rows * ((((op_b.cols + 8 - 1) / 8) * 8) / 8) : 0;
+  const long long chunks_a = op_a.dst ? (op_a.rows * ((((op_a.cols + 8 - 1) / 8) * 8) / 8)) : 0;
+  const long long chunks_b = op_b.dst ? (op_b.rows * ((((op_b.cols + 8 - 1) / 8) * 8) / 8)) : 0;
   for (long long i = blockIdx.x * (long long)256 + threadIdx.x; i < chunks_a + chunks_b;
        i += (long long)gridDim.x * 256) {
     const bool in_a = i < chunks_a;
     const uint16_t* src = in_a ? op_a.src : op_b.src;
     uint16_t* dst = in_a ? op_a.dst : op_b.dst;
     const long long cols = in_a ? op_a.cols : op_b.cols;
-    const long long j = in_a ? i : i - chunks_a;
-    const long long per_row = (((cols + 8 - 1) / 8) * 8) / 8;
-    const long long row = j / per_row;
-    const long long col0 = (j % per_row) * 8;
+    const long long chunk = in_a ? i : i - chunks_a;   // of this operand's copy
+    const long long row = (chunk / ((((cols + 8 - 1) / 8) * 8) / 8));
+    const long long col0 = ((chunk % ((((cols + 8 - 1) / 8) * 8) / 8)) * 8);
     alignas(16) uint16_t v[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
@@ -514,7 +513,7 @@ extern "C" size_t l2ir_workspace_size(int M, int N, int K) {
   const long long m = M;
   const long long n = N;
   const long long k = K;
-  return size_t((((((((k % 8) + 8 - 1) / 8) * (((m * (((k + 8 - 1) / 8) * 8)) + 64 - 1) / 64)) * 64) + (((((k % 8) + 8 - 1) / 8) * (((n * (((k + 8 - 1) / 8) * 8)) + 64 - 1) / 64)) * 64)) * 2));
+  return size_t((((((((k % 8) + 8 - 1) / 8) * (((n * (((k + 8 - 1) / 8) * 8)) + 64 - 1) / 64)) * 64) + (((((k % 8) + 8 - 1) / 8) * (((m * (((k + 8 - 1) / 8) * 8)) + 64 - 1) / 64)) * 64)) * 2));
 }
 
 extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,
@@ -525,14 +524,15 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
   const long long m = M, n = N, k = K;
   const bool copy_a = ((((((k % 8) + 8 - 1) / 8) * (((m * (((k + 8 - 1) / 8) * 8)) + 64 - 1) / 64)) * 64)) != 0;
   const bool copy_b = ((((((k % 8) + 8 - 1) / 8) * (((n * (((k + 8 - 1) / 8) * 8)) + 64 - 1) / 64)) * 64)) != 0;
+  if (K > INT_MAX - 8) return L2IR_STATUS_BAD_ARGUMENT;   // the padded pitch must fit an int
   const int pitch = int((((k + 8 - 1) / 8) * 8));
   if ((copy_a || copy_b) && (workspace == nullptr || workspace_bytes < l2ir_workspace_size(M, N, K))) {
     return L2IR_STATUS_WORKSPACE_TOO_SMALL;
   }
   if ((copy_a || copy_b) && reinterpret_cast<uintptr_t>(workspace) % 16 != 0) return L2IR_STATUS_MISALIGNED;
   uint16_t* ws_elems = static_cast<uint16_t*>(workspace);
-  const void* a_read = copy_a ? static_cast<const void*>(ws_elems + (0)) : A;
-  const void* b_read = copy_b ? static_cast<const void*>(ws_elems + ((((((k % 8) + 8 - 1) / 8) * (((m * (((k + 8 - 1) / 8) * 8)) + 64 - 1) / 64)) * 64))) : B;
+  const void* a_read = copy_a ? static_cast<const void*>(ws_elems + ((((((k % 8) + 8 - 1) / 8) * (((n * (((k + 8 - 1) / 8) * 8)) + 64 - 1) / 64)) * 64))) : A;
+  const void* b_read = copy_b ? static_cast<const void*>(ws_elems + (0)) : B;
   const int lda = copy_a ? pitch : K, ldb = copy_b ? pitch : K;
   // TMA: 16-byte aligned base addresses and row strides (pad.align=8: K % 8 == 0, or a repack copy).
   if (reinterpret_cast<uintptr_t>(a_read) % 16 != 0 || reinterpret_cast<uintptr_t>(b_read) % 16 != 0 ||
@@ -556,10 +556,12 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
         static_cast<const uint16_t*>(a_read)) : nullptr, M, K};
     const RepackOperand op_b{static_cast<const uint16_t*>(B), copy_b ? const_cast<uint16_t*>(
         static_cast<const uint16_t*>(b_read)) : nullptr, N, K};
-    const long long chunks = (copy_a ? m : 0) * (pitch / 8) + (copy_b ? n : 0) * (pitch / 8);
+    const long long chunks = (copy_a ? (m * ((((k + 8 - 1) / 8) * 8) / 8)) : 0) + (copy_b ? (n * ((((k + 8 - 1) / 8) * 8) / 8)) : 0);
     const long long want = (chunks + 256 - 1) / 256;
     const int blocks = int(want < 1056 ? want : 1056);   // 8 blocks per SM at most
     l2ir_cuda_ptx_sm90a_repack<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(op_a, op_b);
+    // A refused copy must not be followed by a GEMM that reads its workspace.
+    if (cudaGetLastError() != cudaSuccess) return L2IR_STATUS_CUDA_ERROR;
   }
   const int grid = int(num_units);   // pipeline.persistent=false: one block per (tile, slice)
   cudaLaunchAttribute attr[2];
