@@ -55,8 +55,8 @@ REASONS = {
     "cublas": "the table says cuBLAS for this shape (tuned there, or its nearest tuned shape)",
     "untuned": "no tuned shape of this problem class within the package's distance",
     "not_admitted": "no nearby kernel admits the shape (the verifier's problem rules)",
-    "alignment": "the shape's rows are all 16-byte aligned and the nearby tuned shapes' are not: their kernels beat "
-                 "cuBLAS's slow unaligned path, which says nothing against its fast one",
+    "alignment": "the nearby tuned shapes are aligned otherwise: a kernel that beat cuBLAS's slow unaligned path says "
+                 "nothing against its fast one, nor cuBLAS winning on an aligned shape about its slow path",
     "no_package": "no dispatch package loaded",
     "cpu": "a tensor is not on a CUDA device (or the two are on different devices)",
     "dtype": "not fp16/bf16, or A and B differ in dtype",
@@ -124,14 +124,13 @@ class Package:
 
     def _nearest(self, m: int, n: int, k: int, cls: str):
         """The tuned shapes of `cls` within the package's distance of (m, n, k) in log2 space, nearest first, each
-        with whether its measurement carries to (m, n, k): not from an unaligned shape to an aligned one
-        (`rows_aligned`)."""
+        with whether it is aligned as (m, n, k) is (`rows_aligned`)."""
         here = (math.log2(m), math.log2(n), math.log2(k))
         aligned = rows_aligned(m, n, k, cls)
         for d, shape in sorted((math.dist(here, logs), shape) for logs, shape in self.by_class.get(cls, ())):
             if d > self.max_distance:
                 return
-            yield shape, not aligned or rows_aligned(*shape, cls)
+            yield shape, rows_aligned(*shape, cls) == aligned
 
     def _decide(self, m: int, n: int, k: int, cls: str) -> tuple[str | None, str, tuple | None]:
         """(kernel key or None, reason, the tuned shape that decided) by the table, else the neighbour rule."""
@@ -141,16 +140,17 @@ class Package:
         if cls not in self.by_class:
             return None, "layout", None
         seen = other_alignment = False
-        for shape, carries in self._nearest(m, n, k, cls):
-            if not carries:
-                # An odd K or N sends cuBLAS down a path several times slower, so a kernel that beat it there can
-                # lose to it on an aligned neighbour (0.4-0.8x on the device, bench/results/
-                # dispatch_unaligned_v4_h200.json). The other way round the kernel must admit the unaligned shape
-                # (the verifier's rules), and cuBLAS only gets slower.
+        for shape, alike in self._nearest(m, n, k, cls):
+            key = self.tuned[(*shape, cls)]
+            # An odd K or N sends cuBLAS down a path several times slower. So a kernel that beat it on an unaligned
+            # shape can lose to it on an aligned neighbour (0.4-0.8x on the device, bench/results/
+            # dispatch_unaligned_v4_h200.json), and cuBLAS winning on an aligned shape says nothing about its slow
+            # path. What carries across: an aligned shape's kernel to an unaligned neighbour it admits (cuBLAS
+            # only gets slower there).
+            if not alike and (key is None or not rows_aligned(*shape, cls)):
                 other_alignment = True
                 continue
             seen = True
-            key = self.tuned[(*shape, cls)]
             if key is None:
                 return None, "cublas", shape
             if self.kernels[key].admits(m, n, k):
@@ -487,6 +487,9 @@ class Dispatcher:
         self._routes: dict[tuple, tuple] = {}
         self._fast: dict[tuple, object] = {}
         self._kept_bytes = 0                            # bytes held by routes' kept workspaces
+        # (kernel key, m, n, k, device, stream) -> the route's kept workspace: held here, not by the route's
+        # closure, so a route prepared again (the route cache was cleared) finds it and the bytes count once.
+        self._kept_ws: dict = {}
         self._devices: dict[int, dict] = {}            # index -> {"ok": bool, "runners": {key: Runner|Exception}}
         self._classes: dict[tuple, str] = {}
         for dt, name in _DTYPES.items():
@@ -673,24 +676,27 @@ class Dispatcher:
         # zeroed workspace per stream (launches on one stream never overlap) and pays the memset once; any other
         # workspace is kept too, which saves an allocation a call and keeps its address (and so the shim's tensor
         # maps of repack's copies) stable. Per route, not shared: another kernel or shape puts its counters where
-        # this one keeps partial sums.
-        kept: dict = {}
+        # this one keeps partial sums. Held by the dispatcher (`_kept_ws`), so a route prepared again reuses it.
+        kept: dict = {}                 # stream -> workspace: this closure's view of the dispatcher's
+        over = []                       # non-empty once the budget refused this route: allocate per call, no lock
+        prefix = (kkey, m, n, k, index)
 
         capturing = self._capturing
         fresh = (lambda a: a.new_zeros(ws_bytes, dtype=u8)) if zero_ws else (lambda a: a.new_empty(ws_bytes, dtype=u8))
 
         def keep(a, st):
-            if a.is_cuda and capturing():
-                # allocated (and zeroed) inside the graph: the replay zeroes it each time
+            if over:
                 return fresh(a)
             with self._lock:
-                w = kept.get(st)                # another thread's first call on this stream kept one already
-                if w is not None:
-                    return w
-                w = fresh(a)
-                if self._kept_bytes + ws_bytes <= _KEPT_WORKSPACE_BUDGET:
+                w = self._kept_ws.get((*prefix, st))   # another thread, or an earlier closure of this route
+                if w is None:
+                    if self._kept_bytes + ws_bytes > _KEPT_WORKSPACE_BUDGET:
+                        over.append(True)
+                        return fresh(a)
+                    w = fresh(a)
                     self._kept_bytes += ws_bytes
-                    kept[st] = w
+                    self._kept_ws[(*prefix, st)] = w
+                kept[st] = w
             return w
 
         def serve(a, b, out=None):
@@ -711,9 +717,14 @@ class Dispatcher:
             c = a.new_empty(shape) if out is None else out
             st = stream_of(index)
             if ws_bytes:
-                w = kept.get(st)
-                if w is None:
-                    w = keep(a, st)
+                if a.is_cuda and capturing():
+                    # Inside a CUDA-graph capture: the graph's own allocation (and memset), so a replay never
+                    # shares a workspace with eager calls or outlives it.
+                    w = fresh(a)
+                else:
+                    w = kept.get(st)
+                    if w is None:
+                        w = keep(a, st)
                 ws = w.data_ptr()
             else:
                 ws = 0

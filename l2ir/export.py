@@ -22,11 +22,13 @@ bench/results/dispatch_h200_v2.json, while such a kernel runs 2-5 us), so the ca
 GPU spends up to EAGER_SLACK_US more; a call captured in a CUDA graph, where only device time counts, runs cuBLAS.
 
 Untuned shapes (resolved by the loader, l2ir/dispatch.py, and cached per shape): the tuned shapes of the same problem
-class (for a shape whose rows of A, B and C are all 16-byte aligned, only tuned shapes aligned so too: cuBLAS leaves
-its fast kernels on an unaligned row, so a speedup measured against its slow path does not carry over), within
+class within
 `max_distance` in log2 space of (M, N, K), nearest first; the first one whose winner is cuBLAS decides
 cuBLAS, the first whose kernel admits the shape (the verifier's problem rules: divisibility, alignment, split-K
-slices, Source grid limits) decides that kernel; none within reach: cuBLAS.
+slices, Source grid limits) decides that kernel; none within reach: cuBLAS. Alignment: cuBLAS leaves its fast kernels
+when a row of A, B or C is not 16-byte aligned, so a tuned shape aligned otherwise than the untuned one (all rows
+aligned, or not) counts only when it is aligned, the untuned shape is not, and its winner is a kernel that admits
+the shape; a speedup over the slow path, or cuBLAS's win on the fast one, does not carry over (reason `alignment`).
 
 Export is a build tool: it reads the records DB (opened read-only: it never migrates or writes it) and rebuilds binaries from the IR through backends/compile.py (the
 compile cache serves them when it has them). The package it writes needs none of that to load.
@@ -313,9 +315,10 @@ def export(db, out: str | Path, scenario: str = "offline", env: str | None = Non
         "format": FORMAT, "version": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "environment": {"id": eid, **{k: environment.get(k) for k in MANIFEST_ENV_KEYS}},
         "scenario": scenario, "device_sm": device_sm,
-        "rule": {"untuned": "nearest tuned shapes of the same problem class in log2(M, N, K), none with an unaligned "
-                            "row for a shape whose rows are all 16-byte aligned; first cuBLAS winner or first kernel "
-                            "admitting the shape by the verifier's problem rules",
+        "rule": {"untuned": "nearest tuned shapes of the same problem class in log2(M, N, K); first cuBLAS winner or "
+                            "first kernel admitting the shape by the verifier's problem rules; a tuned shape aligned "
+                            "otherwise (all rows 16-byte aligned, or not) counts only with a kernel, and only from an "
+                            "aligned one to an unaligned shape",
                  "max_distance": max_distance,
                  "eager": "a cuBLAS shape's eager calls run its fastest gate-clean kernel when that kernel's device "
                           "time is within eager_slack_us of cuBLAS's; CUDA-graph captures run cuBLAS",

@@ -119,6 +119,12 @@ def seed_sm90a(problem: Problem, num_sms: int = H200_SMS) -> Kernel:
     return check_problem(kernel, problem)
 
 
+# Output tiles of 128x128 from which the cooperative 128x128 repack kernel beat one warpgroup per 64x64 tile on
+# the H200 (1023x1025x1027, 72 tiles: 20.4 vs 26.1 us; 512x512x4097, 16 tiles: 38.3 vs 25.3 us).
+REPACK_MID_TILES = 48
+# Below this many rows of A the copy of B costs more than the GEMM's own pass over it (17x9999x3333: 93 us
+# against the sm80 path's 61).
+REPACK_MIN_M = 64
 # The repack kernels' tiles, largest first: cooperative 128x256 and 128x128 (two consumer warpgroups, persistent),
 # and one warpgroup per 64x64 tile with a block per tile.
 REPACK_TILES = ((128, 256, 64), (128, 128, 64), (64, 64, 64))
@@ -163,10 +169,6 @@ def seed_sm90a_repack(problem: Problem, num_sms: int = H200_SMS) -> Kernel:
     return check_problem(repack_kernel(problem, repack_tile(problem, num_sms)), problem)
 
 
-# Output tiles of 128x128 from which the cooperative 128x128 repack kernel beat one warpgroup per 64x64 tile on
-# the H200 (1023x1025x1027, 72 tiles: 20.4 vs 26.1 us; 512x512x4097, 16 tiles: 38.3 vs 25.3 us).
-REPACK_MID_TILES = 48
-REPACK_MIN_M = 64
 
 
 def repack_lowered(problem: Problem) -> bool:

@@ -185,8 +185,11 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
         best = repack_tile(problem, sms)
         for block in REPACK_TILES:
             t = tiles_of(problem, block[0], block[1])
+            # Below REPACK_MIN_M rows the copy of B costs more than the GEMM's own pass over it (l2ir/seed.py):
+            # proposed, but after the small-tile sm80 kernels.
+            priority = (9.9 if block == best else 8.9 - t / (t + sms)) if m >= REPACK_MIN_M else 5.5 - t / (t + sms)
             out.append(Candidate(
-                (9.9 if block == best else 8.9 - t / (t + sms)), repack_kernel(problem, block),
+                priority, repack_kernel(problem, block),
                 f"repack: K={k} leaves every row of A and B on a 2-byte boundary, which TMA cannot read; copy them "
                 f"to rows of {ceil_div(k, 8) * 8} elements first, then {block[0]}x{block[1]} tiles ({t} tiles)"
                 + (" (skinny M: the copy of B may cost more than it saves)" if m < REPACK_MIN_M else ""),

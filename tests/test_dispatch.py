@@ -152,6 +152,15 @@ def test_neighbours_carry_alignment(tmp_path):
     assert pkg.resolve(333, 624, 777, CLS_COL) == (key, "l2ir")          # K still odd
     assert pkg.resolve(333, 555, 776, CLS_COL) == (key, "l2ir")          # N still odd (C's rows)
     assert pkg.resolve(336, 560, 776, CLS_COL) == (None, "alignment")    # every row aligned
+    # cuBLAS winning on an aligned shape says nothing about its slow path: an unaligned shape between the two walks
+    # past that verdict to the kernel that admits it.
+    with make_db(tmp_path / "r2.db", [record(K3, (333, 555, 777), 2.0), record(K3, (336, 560, 776), 0.9)],
+                 {K3: SOURCE}) as db:
+        export.export(db, tmp_path / "pkg2", cache_dir=str(tmp_path / "cache"), build=fake_build, log=lambda s: None)
+    pkg2 = dispatch.read_package(tmp_path / "pkg2")
+    assert pkg2.tuned[(336, 560, 776, CLS_COL)] is None                   # cuBLAS there
+    assert pkg2.resolve(335, 559, 777, CLS_COL) == (pkg2.tuned[(333, 555, 777, CLS_COL)], "l2ir")
+    assert pkg2.resolve(336, 560, 784, CLS_COL) == (None, "cublas")      # aligned: the aligned verdict decides
     manifest = json.loads((tmp_path / "pkg" / "manifest.json").read_text())
     assert "16-byte aligned" in manifest["rule"]["untuned"]
 
@@ -817,5 +826,10 @@ def test_scratch_workspace_is_kept_per_route_and_stream(pkg_dir):
         for _ in range(3):
             check(d.eager(a, b), a, b)
         assert len(set(ScratchRunner.workspaces)) == 1 and d._kept_bytes == 64 and d.stats == {"l2ir": 3}
+        # The route cache cleared (too many shapes): the route prepared again finds its workspace, counted once.
+        d._fast.clear()
+        dispatch._ROUTES.clear()
+        check(d.eager(a, b), a, b)
+        assert len(set(ScratchRunner.workspaces)) == 1 and d._kept_bytes == 64
     finally:
         dispatch._reset()

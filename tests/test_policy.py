@@ -137,7 +137,7 @@ def test_random_reaches_every_knob_and_backend():
     """Over a few problems and seeds the random policy uses every kind of edit, moves kernels between the sm80 and
     sm90a rules in both directions and asks for the non-default backends."""
     notes, backends = set(), set()
-    for shape in ((4096, 4096, 4096), (128, 128, 8192), (1000, 1000, 1000)):
+    for shape in ((4096, 4096, 4096), (128, 128, 8192), (1000, 1000, 1000), (1000, 1000, 1001)):
         p = Problem(*shape)
         for arch in ("sm90a", "sm80"):
             for s in range(6):
@@ -229,6 +229,11 @@ def test_rules_odd_k_on_hopper_repacks():
     aligned = Problem(1024, 1024, 1024)
     actx = Context(aligned, seed(aligned, "sm90a"), count=8, arch="sm90a")
     assert not any(q.note.startswith("repack") for q in Rules().propose(actx))
+    # Skinny M: the copy of B costs more than it saves, so the repack kernels come after the small sm80 tiles.
+    skinny = Problem(17, 9999, 3333)
+    sprops = Rules().propose(Context(skinny, seed(skinny, "sm90a"), count=8, arch="sm90a"))
+    notes = [q.note for q in sprops]
+    assert not notes[0].startswith("repack") and any(n.startswith("repack") for n in notes), notes
 
 
 def test_rules_huge_shape_fills_waves_with_big_cooperative_tiles_and_clusters():
@@ -383,3 +388,8 @@ def test_fit_backend_keeps_what_cuda_ptx_lowers():
     odd = Problem(1000, 1000, 1001)
     child, backend = apply_action(base, odd, Action("repack", "ab"), "sm90a")
     assert child.repack is not None and backend == "cuda_ptx" and lower(child, odd, backend).source
+    # From the narrow-load sm80 seed of an odd K, the action crosses to the TMA rule with the copy; on an aligned K
+    # it has nothing to copy and does not apply.
+    child, backend = apply_action(seed(odd, "sm80"), odd, Action("repack", "ab"), "sm90a")
+    assert child.repack is not None and child.mma.op == "wgmma" and lower(child, odd, backend).source
+    assert apply_action(base, Problem(1000, 1000, 1000), Action("repack", "ab"), "sm90a") is None

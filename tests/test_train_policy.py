@@ -132,8 +132,8 @@ def test_a_tiny_constrained_run_on_the_standin_trains_records_and_saves(tiny_mod
 
 
 def test_the_adapter_changes_and_a_favoured_operator_gains_probability(tiny_model):
-    """A reward that favours one edit operator (and no other signal): after a few steps the model puts more
-    probability on it. Fails if the sign of the update, the advantages or the log-probs are wrong. Under `sum`
+    """A reward that favours one edit (the random model's second likeliest child, and no other signal): after a few
+    steps the model puts more probability on it. Fails if the sign of the update, the advantages or the log-probs are wrong. Under `sum`
     scoring (the runs before `mean`), where this short edit has a fair share of the mass to start from."""
     import numpy as np
 
