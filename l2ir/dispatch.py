@@ -124,13 +124,12 @@ class Package:
 
     def _nearest(self, m: int, n: int, k: int, cls: str):
         """The tuned shapes of `cls` within the package's distance of (m, n, k) in log2 space, nearest first, each
-        with whether it is aligned as (m, n, k) is (`rows_aligned`)."""
+        with whether its rows are all aligned (`rows_aligned`)."""
         here = (math.log2(m), math.log2(n), math.log2(k))
-        aligned = rows_aligned(m, n, k, cls)
         for d, shape in sorted((math.dist(here, logs), shape) for logs, shape in self.by_class.get(cls, ())):
             if d > self.max_distance:
                 return
-            yield shape, rows_aligned(*shape, cls) == aligned
+            yield shape, rows_aligned(*shape, cls)
 
     def _decide(self, m: int, n: int, k: int, cls: str) -> tuple[str | None, str, tuple | None]:
         """(kernel key or None, reason, the tuned shape that decided) by the table, else the neighbour rule."""
@@ -140,14 +139,15 @@ class Package:
         if cls not in self.by_class:
             return None, "layout", None
         seen = other_alignment = False
-        for shape, alike in self._nearest(m, n, k, cls):
+        aligned = rows_aligned(m, n, k, cls)
+        for shape, shape_aligned in self._nearest(m, n, k, cls):
             key = self.tuned[(*shape, cls)]
             # An odd K or N sends cuBLAS down a path several times slower. So a kernel that beat it on an unaligned
             # shape can lose to it on an aligned neighbour (0.4-0.8x on the device, bench/results/
             # dispatch_unaligned_v4_h200.json), and cuBLAS winning on an aligned shape says nothing about its slow
             # path. What carries across: an aligned shape's kernel to an unaligned neighbour it admits (cuBLAS
             # only gets slower there).
-            if not alike and (key is None or not rows_aligned(*shape, cls)):
+            if shape_aligned != aligned and (key is None or not shape_aligned):
                 other_alignment = True
                 continue
             seen = True
@@ -188,10 +188,11 @@ def _class_problem(cls: str):
 
 def rows_aligned(m: int, n: int, k: int, cls: str) -> bool:
     """Whether every row of A, B and C starts 16-byte aligned (each leading dimension a multiple of 8 elements) in
-    problem class `cls`: what keeps cuBLAS on its fast (TMA, 16-byte vector) kernels."""
-    from .verify import leading_dims
+    problem class `cls`: what keeps cuBLAS on its fast (TMA, 16-byte vector) kernels, and what the seed asks of a
+    TMA problem (l2ir.seed.store_vector)."""
+    from .seed import store_vector
 
-    return all(size % 8 == 0 for _, size in leading_dims(_class_problem(cls).with_shape(m, n, k)).values())
+    return store_vector(_class_problem(cls).with_shape(m, n, k)) == 8
 
 
 def read_package(path: str | Path) -> Package:

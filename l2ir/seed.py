@@ -169,8 +169,6 @@ def seed_sm90a_repack(problem: Problem, num_sms: int = H200_SMS) -> Kernel:
     return check_problem(repack_kernel(problem, repack_tile(problem, num_sms)), problem)
 
 
-
-
 def repack_lowered(problem: Problem) -> bool:
     """The problem class the repack kernels are generated for (backends/cuda_ptx/sm90a.py): K-major A and B, 16-bit
     inputs and outputs, fp32 accumulation."""

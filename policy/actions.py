@@ -311,12 +311,13 @@ def fit_backend(k: Kernel, backend: str) -> Kernel:
         pipe, sk, epi = k.pipeline, k.splitk, k.epilogue
         if sk is not None and (sk.mode != "split_k" or sk.reduce == "atomic"):
             sk = None
-        if pipe.schedule == "pingpong" or (sk is not None and sk.reduce == "cluster"):
+        in_cluster = sk is not None and sk.reduce == "cluster"
+        if pipe.schedule == "pingpong" or in_cluster:
             pipe = dataclasses.replace(pipe, persistent=False)
         if pipe.schedule != "pingpong":
             bm = max(128, bm - bm % 128)
         path = epi.path if epi.path in ("direct", "smem") else "smem"
-        if sk is not None and sk.reduce == "cluster":
+        if in_cluster:
             path = "direct"          # each block stores its share of the tile straight from registers
         vector = min(epi.vector, 2) if path == "direct" else epi.vector
         k = k.replace(tile=dataclasses.replace(k.tile, block=(bm, bn, bk), cluster=(1, 1)), pipeline=pipe,

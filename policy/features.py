@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from l2ir.analysis import cluster_reduce
 from l2ir.indexing import ceil_div
 from l2ir.nodes import Kernel, Problem
 from l2ir.verify import resolved_stages
@@ -49,7 +50,7 @@ def kernel_features(kern: Kernel, p: Problem, num_sms: int, backend: str | None 
         float(pipe.mode == "tma_ws"), float(pipe.schedule == "cooperative"), float(pipe.schedule == "pingpong"),
         float(pipe.persistent), float(pipe.prefetch),
         float(sk is None), float(sk is not None and sk.mode == "split_k"), float(sk is not None and sk.mode == "stream_k"),
-        _l2(slices) / 4, float(sk is not None and sk.reduce == "cluster"), float(kern.repack is not None),
+        _l2(slices) / 4, float(cluster_reduce(kern)), float(kern.repack is not None),
         _l2(kern.tile.cluster[0]), _l2(kern.tile.cluster[1]),
         float(epi.path == "direct"), float(epi.path == "smem"), float(epi.path == "tma"), epi.vector / 8,
         sum(getattr(pad, d) == "divisible" for d in "mnk") / 3, sum(getattr(pad, d) == "predicate" for d in "mnk") / 3,

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from l2ir.indexing import ceil_div
+from l2ir.analysis import cluster_reduce
+from l2ir.indexing import Repack, ceil_div
 from l2ir.nodes import Kernel, Problem
 from l2ir.text import print_problem
 
@@ -91,16 +92,17 @@ def kernel_time_us(kernel: Kernel, problem: Problem, sms: int = SMS) -> float:
     else:
         compute = math.ceil(work / sms) * tile_us
     traffic = 2.0 * (m * k * ceil_div(n, t.bn) ** 0.5 + k * n * ceil_div(m, t.bm) ** 0.5 + m * n)
-    in_cluster = sk is not None and sk.reduce == "cluster"
+    in_cluster = cluster_reduce(kernel)
     if slices > 1 and not in_cluster:
         traffic += 2 * 4.0 * m * n * slices                          # fp32 partials written and read back
     memory = traffic / (HBM_TBPS * 1e6)
     # A workspace reduction pays fences and dependent L2 round trips; a cluster's partials stay on chip (one barrier).
     reduce_us = 0.0 if slices == 1 else (0.5 if in_cluster else 1.5)
-    # repack on an odd K: a second kernel reads A and B and writes their aligned copies first.
+    # repack: a second kernel reads the operands it copies and writes their aligned copies (l2ir.indexing.Repack).
     repack_us = 0.0
-    if kernel.repack is not None and k % 8:
-        repack_us = 1.0 + 2.0 * 2.0 * (m + n) * (ceil_div(k, 8) * 8) / (HBM_TBPS * 1e6)
+    if kernel.repack is not None:
+        copy = Repack(kernel.repack.operands, problem.a[1], problem.b[1]).end.eval({"m": m, "n": n, "k": k}) * 2
+        repack_us = 1.0 + 2.0 * copy / (HBM_TBPS * 1e6) if copy else 0.0
     return LAUNCH_US + max(compute, memory) + reduce_us + repack_us
 
 
