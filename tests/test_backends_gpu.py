@@ -167,13 +167,19 @@ def test_every_registry_backend_is_covered():
 gpu = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def _skip_unless_hopper() -> tuple[int, int]:
+    """The GPU's compute capability; skips the test unless it runs sm90a kernels."""
     import torch
 
     major, minor = torch.cuda.get_device_capability(0)
     if (major, minor) < (9, 0):
         pytest.skip(f"the sm90a kernels need a Hopper GPU; this one is sm_{major}{minor}")
+    return major, minor
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    major, minor = _skip_unless_hopper()
     keys = list(CASES)
     plans = [lower(*CASES[key], key[0]) for key in keys]
     options = CompileOptions(cache_dir=str(tmp_path_factory.mktemp("cache")), device_sm=f"sm_{major}{minor}")
@@ -295,13 +301,9 @@ CUDA_PTX_SMALL_SHAPES = ((64, 1024, 16384), (100, 3000, 4104), (64, 64, 64), (12
 @gpu
 @pytest.mark.parametrize("name", list(CUDA_PTX_SMALL))
 def test_cuda_ptx_small_shape_families_pass_every_gate(evaluator, tmp_path_factory, name):
-    import torch
-
     from l2ir.search.gates import admits
 
-    major, minor = torch.cuda.get_device_capability(0)
-    if (major, minor) < (9, 0):
-        pytest.skip(f"the sm90a kernels need a Hopper GPU; this one is sm_{major}{minor}")
+    _skip_unless_hopper()
     kernel = CUDA_PTX_SMALL[name]
     plan = lower(kernel, F16, "cuda_ptx")
     art = _build_for_this_gpu(plan, tmp_path_factory.mktemp("cuda_ptx_small"))
@@ -365,14 +367,10 @@ SPLITK_SHAPES = ((130, 200, 4096), (1000, 1000, 2048), (64, 2048, 8192), (127, 1
 @gpu
 @pytest.mark.parametrize("name", list(SPLITK))
 def test_cuda_ptx_splitk_reduction(evaluator, tmp_path_factory, name):
-    import torch
-
     from l2ir.indexing import SplitKTree
     from l2ir.search.gates import admits
 
-    major, minor = torch.cuda.get_device_capability(0)
-    if (major, minor) < (9, 0):
-        pytest.skip(f"the sm90a kernels need a Hopper GPU; this one is sm_{major}{minor}")
+    _skip_unless_hopper()
     kernel = SPLITK[name]
     plan = lower(kernel, F16, "cuda_ptx")
     tree = kernel.splitk.reduce == "workspace"
@@ -565,9 +563,7 @@ def test_cuda_ptx_repack_passes_every_gate(evaluator, tmp_path_factory, name):
     from l2ir.runtime import load
     from l2ir.search.gates import admits
 
-    major, minor = torch.cuda.get_device_capability(0)
-    if (major, minor) < (9, 0):
-        pytest.skip(f"the sm90a kernels need a Hopper GPU; this one is sm_{major}{minor}")
+    _skip_unless_hopper()
     kernel = REPACK[name]
     plan = lower(kernel, F16, "cuda_ptx")
     art = _build_for_this_gpu(plan, tmp_path_factory.mktemp("repack"))
