@@ -590,3 +590,49 @@ def test_cuda_ptx_repack_passes_every_gate(evaluator, tmp_path_factory, name):
         copy = ws[off:off + x.shape[0] * pitch].view(x.shape[0], pitch)
         assert torch.equal(copy[:, :kk].view(torch.int16), x.view(torch.int16)), op
         assert int(copy[:, kk:].view(torch.int16).count_nonzero()) == 0, op
+
+
+@pytest.mark.gpu
+@gpu
+def test_cutlass_kept_params_follow_pointers_and_shape(tmp_path_factory):
+    """The CUTLASS shim keeps the kernel parameters of a thread's last few workspace-free calls, keyed by pointers,
+    shape and device. Reused, they must never answer another call: new data behind the same pointers, more output
+    buffers than the shim keeps (so kept entries are replaced), and another shape on the same pointers each give
+    the fp64 product of the call's own operands."""
+    import torch
+
+    from l2ir.backends.cutlass_sm90 import KEPT_PARAMS
+    from l2ir.runtime import load
+    from l2ir.search.gates import relative_error, tolerance
+
+    _skip_unless_hopper()
+    kernel, problem_cls = CUTLASS_SM90["pingpong_128x128x64_c1x1"]
+    plan = lower(kernel, problem_cls, "cutlass_sm90")
+    art = _build_for_this_gpu(plan, tmp_path_factory.mktemp("kept_params"))
+    mm, nn, kk = 384, 256, 192
+    a = torch.empty((mm, kk), dtype=torch.half, device="cuda")
+    b = torch.empty((nn, kk), dtype=torch.half, device="cuda")           # B col: stored N x K, K contiguous
+    outs = [torch.empty((mm, nn), dtype=torch.half, device="cuda") for _ in range(KEPT_PARAMS + 2)]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    launcher = load(plan, art.binary)
+
+    def check(m, c, label):
+        a[:m].copy_(torch.randn((m, kk), generator=gen, device="cuda"))
+        b.copy_(torch.randn((nn, kk), generator=gen, device="cuda"))
+        c.fill_(float("nan"))
+        launcher(a.data_ptr(), b.data_ptr(), c.data_ptr(), m, nn, kk, 0, 0)
+        torch.cuda.synchronize()
+        got = c.view(-1)[:m * nn].view(m, nn)
+        ref = a[:m].double() @ b.double().t()
+        assert relative_error(got, ref) <= tolerance(kk, "f32", "f16"), label
+
+    try:
+        for lap in range(2):                    # 6 outputs through a ring of 4: every call of lap 2 a miss
+            for i, c in enumerate(outs):
+                check(mm, c, f"lap {lap} output {i}")
+        for i in range(3):                      # the same pointers again and again: kept parameters, new data
+            check(mm, outs[-1], f"repeat {i}")
+        check(mm - 128, outs[-1], "fewer rows on the same pointers")
+        check(mm, outs[-1], "the first shape again")
+    finally:
+        launcher.close()

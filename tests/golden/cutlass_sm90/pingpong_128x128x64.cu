@@ -165,6 +165,34 @@ typename Gemm::Arguments make_arguments(const void* A, const void* B, void* C, i
 
 }  // namespace
 
+namespace {
+
+// The kernel parameters of this thread's last few calls that needed no workspace. Building them
+// (to_underlying_arguments: a TMA descriptor per operand, the scheduler's parameters) and initialize()'s
+// shared-memory attribute are host work that a host-bound shape pays on every call; the parameters depend
+// only on the pointers, the shape and the device, so a call that repeats all of them launches the kept ones.
+// A call that needs a workspace (split-K, stream-K) initializes every time: initialize() zeroes that call's
+// barrier flags on its stream.
+struct KeptParams {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* c = nullptr;
+  int m = 0, n = 0, k = 0, device = -1;
+  typename Gemm::Params params;
+};
+
+struct ParamsRing {
+  KeptParams entry[4];   // a few output buffers: the caching allocator cycles C through them
+  int next = 0;
+};
+
+ParamsRing& params_ring() {
+  thread_local ParamsRing ring;
+  return ring;
+}
+
+}  // namespace
+
 extern "C" size_t l2ir_workspace_size(int M, int N, int K) {
   if (M <= 0 || N <= 0 || K <= 0) return 0;
   int sm_count = current_sm_count();
@@ -185,6 +213,15 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
         reinterpret_cast<uintptr_t>(C) % 16 != 0) {
       return int(cutlass::Status::kErrorMisalignedOperand);
     }
+    cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return L2IR_STATUS_CUDA_ERROR;
+    ParamsRing& ring = params_ring();
+    for (KeptParams& e : ring.entry) {
+      if (e.device == device && e.a == A && e.b == B && e.c == C && e.m == M && e.n == N && e.k == K) {
+        return int(Gemm::run(e.params, cuda_stream));   // can_implement and initialize passed for these
+      }
+    }
     int sm_count = current_sm_count();
     if (sm_count <= 0) return L2IR_STATUS_CUDA_ERROR;
     typename Gemm::Arguments args = make_arguments(A, B, C, M, N, K, sm_count);
@@ -195,12 +232,17 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
     if (workspace_bytes < needed || (needed > 0 && workspace == nullptr)) {
       return L2IR_STATUS_WORKSPACE_TOO_SMALL;
     }
-    cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
     Gemm gemm;
     // initialize() builds the TMA descriptors and scheduler parameters, zeroes the stream-K barriers (a memset
     // on this stream), and raises the kernel's dynamic shared-memory limit.
     status = gemm.initialize(args, workspace, cuda_stream);
     if (status != cutlass::Status::kSuccess) return int(status);
+    if (needed == 0) {
+      KeptParams& e = ring.entry[ring.next];
+      ring.next = (ring.next + 1) % 4;
+      e.a = A; e.b = B; e.c = C; e.m = M; e.n = N; e.k = K; e.device = device;
+      e.params = gemm.params();
+    }
     status = gemm.run(cuda_stream);
     return int(status);
   } catch (...) {
