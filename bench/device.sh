@@ -62,6 +62,7 @@ server-check|570|python3 bench/server_check.py --out bench/results/server_check_
 tune-grid|590|bash bench/tune_grid.sh
 loop-gpu|590|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_loop_gpu.py tests/test_pool_gpu.py tests/test_pipeline_gpu.py
 backends-repack|200|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k repack
+backends-cutlass|400|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k "cutlass or kept"
 dispatch-tests|300|python3 -m pytest -q -rs -s -m gpu -p no:cacheprovider tests/test_dispatch_gpu.py
 dispatch|240|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_dispatch_gpu.py && python3 bench/dispatch_bench.py --max-gflop 5 --out bench/results/dispatch_h200_v4.json
 cluster-x2|590|bash -c 'python3 bench/cluster_bench.py --out bench/results/cluster_h200x2_finalists3.json && python3 bench/cluster_bench.py --finalists 1 --out bench/results/cluster_h200x2_finalists1.json'
