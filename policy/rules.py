@@ -126,6 +126,33 @@ def cluster_split_kernel(problem: Problem, sms: int) -> Kernel | None:
     )
 
 
+def coop_cluster_split_kernel(problem: Problem, sms: int) -> Kernel | None:
+    """Split-K in a cluster on cooperative 128x64 tiles (cuda_ptx, sm90a), the tile cuBLAS runs at M <= 128 with a
+    long K (bench/results/cublas_kernels_h200.json): one row of 128-row tiles reads B once, two consumer warpgroups
+    share each tile, and 2 or 4 slices (a power of two, for the GPC) bring the blocks to at most one wave. Measured
+    127x4096x4096 13.8 us against 16.4 us for the best 64x64 or 128x128 tile (bench/results/cublas_tiles_h200.json).
+    None for a taller M, or when the blocks would fill less than half the SMs (the 64x64 cluster split has more)."""
+    if problem.m > 128:
+        return None
+    tiles = tiles_of(problem, 128, 64)
+    slices = seed_split_slices(problem, tiles, 64, sms, 4)
+    k_tiles = ceil_div(problem.k, 64)
+    while slices > 1 and (slices & (slices - 1) or leaves_empty_slice(k_tiles, slices)):
+        slices -= 1
+    if slices < 2 or tiles * slices * 2 < sms:
+        return None
+    return Kernel(
+        target=Target("sm90a"),
+        tile=Tile(block=(128, 64, 64), warps=(8, 1)),
+        mma=Mma("wgmma", (64, 64, 16)),
+        pipeline=Pipeline("tma_ws", "auto", schedule="cooperative", persistent=False),
+        swizzle=Swizzle(smem=(3, 3, 3)),
+        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+        splitk=SplitK("split_k", slices, "cluster"),
+        epilogue=Epilogue("direct", 2),
+    )
+
+
 def raster_for(problem: Problem, bm: int, bn: int, sms: int) -> Swizzle:
     tm, tn = ceil_div(problem.m, bm), ceil_div(problem.n, bn)
     if tm * tn < MANY_WAVES * sms // 2:
@@ -211,6 +238,12 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
                     9.8, cluster, f"split: {tiles_of(problem, 64, 64)} tiles of 64x64 and K={k}: split-K "
                     f"{cluster.splitk.slices} in a thread-block cluster (the slices add up in each other's shared "
                     "memory, one barrier round trip; bench/NOTES.md, cluster split-K)", backend="cuda_ptx"))
+        coop = coop_cluster_split_kernel(problem, sms) if hopper else None
+        if coop is not None:
+            out.append(Candidate(
+                9.9, coop, f"split: {tiles_of(problem, 128, 64)} cooperative tiles of 128x64 and K={k}: split-K "
+                f"{coop.splitk.slices} in a thread-block cluster, {tiles_of(problem, 128, 64) * coop.splitk.slices} "
+                "blocks (cuBLAS's tile for this M; bench/results/cublas_tiles_h200.json)", backend="cuda_ptx"))
         out.append(Candidate(9.0 if not hopper else 7.5,
                              sm80_kernel(problem, (64, 64, 32), (2, 2), 4, slices),
                              why + f": split-K {slices} (sm80 rule, fp32 partials reduced in the workspace)"))

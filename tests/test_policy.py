@@ -26,7 +26,7 @@ from l2ir.policy.base import (Context, Feedback, Proposal, StatelessPolicy, get_
                               policy_names, register_policy)
 from l2ir.policy.episodes import climb
 from l2ir.policy.random_edits import RandomEdits
-from l2ir.policy.rules import Rules, hopper_kernel
+from l2ir.policy.rules import Rules, hopper_kernel, tiles_of
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = st.sampled_from(["sm90a", "sm80"])
@@ -202,6 +202,31 @@ def test_rules_hopper_few_tiles_long_k_splits_in_a_cluster():
     big = Problem(8192, 8192, 8192)
     bctx = Context(big, seed(big, "sm90a"), count=8, arch="sm90a")
     assert not any("thread-block cluster" in q.note for q in Rules().propose(bctx))
+
+
+def test_rules_skinny_m_long_k_splits_cooperative_128x64_tiles_in_a_cluster():
+    """M <= 128 with N and K in the thousands: the rules rank first a cooperative 128x64 tile split in a cluster into
+    as many power-of-two slices as keep the blocks within one wave (64 tiles x 2 slices for 127x4096x4096), named for
+    cuda_ptx, and it lowers with no workspace. A taller M, or too few tiles to fill half the SMs, gets none."""
+    from l2ir.backends.registry import lower
+
+    def coop_split(p):
+        ctx = Context(p, seed(p, "sm90a"), count=12, arch="sm90a")
+        props = Rules().propose(ctx)
+        hits = [q for q in props if "cooperative tiles of 128x64" in q.note]
+        return ctx, props, hits
+
+    for shape, slices in (((127, 4096, 4096), 2), ((128, 4096, 16384), 2), ((100, 3000, 4104), 2)):
+        p = Problem(*shape)
+        ctx, props, hits = coop_split(p)
+        assert hits and props[0] is hits[0], [q.note for q in props]
+        kernel = hits[0].apply(ctx.parent, p)
+        assert kernel.tile.block == (128, 64, 64) and kernel.pipeline.schedule == "cooperative"
+        assert (kernel.splitk.slices, kernel.splitk.reduce, hits[0].backend) == (slices, "cluster", "cuda_ptx")
+        assert tiles_of(p, 128, 64) * slices <= 132
+        assert lower(kernel, p, "cuda_ptx").workspace_for(*p.shape) == 0
+    for shape in ((512, 2048, 4096), (128, 128, 16384), (8192, 8192, 8192)):
+        assert not coop_split(Problem(*shape))[2], shape
 
 
 def test_rules_odd_k_on_hopper_repacks():
