@@ -48,7 +48,7 @@ from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.target import CUTLASS_TYPE, DTYPE_BYTES, MAX_CLUSTER, SMEM_LIMIT
 from l2ir.text import print_problem_class
 
-from l2ir.runtime import LaunchPlan, status_constants_cpp
+from l2ir.runtime import LaunchPlan, run_args_cpp, status_constants_cpp
 
 class UnsupportedLowering(_UnsupportedLowering):
     """cutlass_sm90's UnsupportedLowering: the shared error with the backend's name filled in."""
@@ -697,6 +697,7 @@ def _host_abi(cfg: Sm90Config) -> list[str]:
         "  }",
         "}",
         "",
+        *run_args_cpp(),
     ]
 
 

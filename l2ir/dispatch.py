@@ -337,23 +337,54 @@ class KernelLaunch:
 
 class ShimLaunch:
     """A host_shim plan's library: `bind(m, n, k)` gives (go, workspace bytes) calling l2ir_run. `path` is the
-    shared library (loaded once more, here, without argtypes: ctypes objects in, an int status out)."""
+    shared library (loaded once more, here, without argtypes: ctypes objects in, an int status out). A library that
+    exports l2ir_run_args (l2ir.runtime.RunArgs) takes one pointer to a per-thread block whose shape fields are set
+    once: a call sets five fields, which costs about a third of converting l2ir_run's nine arguments
+    (bench/results/host_parts_probe_h200.json)."""
 
     def __init__(self, path: str | Path, workspace_size=None):
         lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
         self.run = lib.l2ir_run
+        self.run_args = getattr(lib, "l2ir_run_args", None)      # None: a package built before the entry existed
         self.workspace_size = workspace_size or (lambda m, n, k: int(lib.l2ir_workspace_size(m, n, k)))
 
     def bind(self, m: int, n: int, k: int):
-        from .runtime import LaunchError, status_name
+        from .runtime import LaunchError, RunArgs, status_name
 
         ws_bytes = int(self.workspace_size(m, n, k))
-        run, vp, wsb = self.run, ctypes.c_void_p, ctypes.c_size_t(ws_bytes)
+
+        def failed(rc):
+            raise LaunchError(f"l2ir_run returned {rc} ({status_name(rc)}) for m={m} n={n} k={k}")
+
+        if self.run_args is None:
+            run, vp, wsb = self.run, ctypes.c_void_p, ctypes.c_size_t(ws_bytes)
+
+            def go(a: int, b: int, c: int, ws: int, stream: int) -> None:
+                rc = run(vp(a), vp(b), vp(c), m, n, k, vp(ws), wsb, vp(stream))
+                if rc:
+                    failed(rc)
+            return go, ws_bytes
+
+        run_args, tls = self.run_args, threading.local()
+
+        def block():
+            args = RunArgs(None, None, None, m, n, k, None, ws_bytes, None)
+            tls.args = args, ctypes.byref(args)
+            return tls.args
 
         def go(a: int, b: int, c: int, ws: int, stream: int) -> None:
-            rc = run(vp(a), vp(b), vp(c), m, n, k, vp(ws), wsb, vp(stream))
+            try:
+                args, ref = tls.args
+            except AttributeError:
+                args, ref = block()
+            args.a = a
+            args.b = b
+            args.c = c
+            args.workspace = ws
+            args.stream = stream
+            rc = run_args(ref)
             if rc:
-                raise LaunchError(f"l2ir_run returned {rc} ({status_name(rc)}) for m={m} n={n} k={k}")
+                failed(rc)
         return go, ws_bytes
 
 
@@ -684,6 +715,12 @@ class Dispatcher:
 
         capturing = self._capturing
         fresh = (lambda a: a.new_zeros(ws_bytes, dtype=u8)) if zero_ws else (lambda a: a.new_empty(ws_bytes, dtype=u8))
+        # The output: empty_like of a one-element tensor expanded to the output's shape allocates C (contiguous
+        # strides, as torch.empty's) with no shape to parse, ~0.5 us less a call than new_empty(shape)
+        # (bench/results/host_parts_probe_h200.json). Made on first use, on the caller's device and dtype (the route
+        # key holds both).
+        like: list = []
+        empty_like, contiguous = torch.empty_like, torch.contiguous_format
 
         def keep(a, st):
             if over:
@@ -715,7 +752,12 @@ class Dispatcher:
                 # TMA, cp.async and vector loads need 16-byte aligned operands; a view can start anywhere.
                 mine["misaligned"] += 1
                 return fn(a, b) if out is None else fn(a, b, out=out)
-            c = a.new_empty(shape) if out is None else out
+            if out is None:
+                if not like:
+                    like.append(a.new_empty(()).expand(shape))
+                c = empty_like(like[0], memory_format=contiguous)
+            else:
+                c = out
             st = stream_of(index)
             if ws_bytes:
                 if a.is_cuda and capturing():

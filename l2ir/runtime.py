@@ -12,7 +12,10 @@ A LaunchPlan comes in two forms:
       extern "C" size_t l2ir_workspace_size(int M, int N, int K);
       extern "C" int    l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,
                                  void* workspace, size_t workspace_bytes, void* stream);   // 0 = success
-  and returns one of the STATUS codes below.
+  and returns one of the STATUS codes below. It also exports the same call through one pointer,
+      extern "C" int    l2ir_run_args(const L2irRunArgs* args);   // the fields of RunArgs below
+  which l2ir.matmul uses: a route binds the shape once and fills five fields a call (ctypes converts one argument
+  instead of nine).
 
 Launching (GPU side):
 - "kernels" plans: the cubin is loaded with the driver API (cuModuleLoadData) into the primary context that torch
@@ -101,6 +104,36 @@ def status_name(code: int) -> str:
 def status_constants_cpp(*codes: str) -> list[str]:
     """`constexpr int L2IR_STATUS_<NAME> = <code>;` lines for a shim's source, e.g. ("NOT_DIVISIBLE", "BAD_ARGUMENT")."""
     return [f"constexpr int L2IR_STATUS_{name} = {globals()['STATUS_' + name]};" for name in codes]
+
+# l2ir_run's arguments as one block (l2ir_run_args): (name, C type, ctypes type), in l2ir_run's order. The C struct
+# and the ctypes Structure are both made from this list, so their layouts agree (natural alignment on both sides).
+RUN_ARGS_FIELDS = (("a", "const void*", ctypes.c_void_p), ("b", "const void*", ctypes.c_void_p),
+                   ("c", "void*", ctypes.c_void_p), ("m", "int", ctypes.c_int), ("n", "int", ctypes.c_int),
+                   ("k", "int", ctypes.c_int), ("workspace", "void*", ctypes.c_void_p),
+                   ("workspace_bytes", "size_t", ctypes.c_size_t), ("stream", "void*", ctypes.c_void_p))
+
+
+class RunArgs(ctypes.Structure):
+    """The argument block l2ir_run_args reads."""
+    _fields_ = [(name, ctype) for name, _, ctype in RUN_ARGS_FIELDS]
+
+
+def run_args_cpp() -> list[str]:
+    """The C++ lines of l2ir_run_args, which every host shim ends with (after l2ir_run): the block, unpacked."""
+    return [
+        "// l2ir_run through one pointer to its arguments (l2ir.runtime.RUN_ARGS_FIELDS): a caller that binds a shape",
+        "// once fills five fields a call.",
+        "struct L2irRunArgs {",
+        *(f"  {ctype} {name};" for name, ctype, _ in RUN_ARGS_FIELDS),
+        "};",
+        "",
+        'extern "C" int l2ir_run_args(const L2irRunArgs* p) {',
+        "  if (p == nullptr) return L2IR_STATUS_BAD_ARGUMENT;",
+        "  return l2ir_run(" + ", ".join(f"p->{name}" for name, _, _ in RUN_ARGS_FIELDS) + ");",
+        "}",
+        "",
+    ]
+
 
 # Above 48 KiB, dynamic shared memory must be opted into per function (the default carve-out limit of every SM
 # since Volta); H100/H200 allow up to 227 KiB per block.

@@ -619,6 +619,32 @@ def test_host_shim_refuses_without_gpu(builds):
 
 
 @pytest.mark.nvcc
+def test_run_args_block_reaches_l2ir_run_field_by_field(builds):
+    """l2ir_run_args (the shim's one-pointer entry, l2ir.runtime.RunArgs) gives l2ir_run's answer for the same
+    arguments: each refusal below is decided by one field of the block (a, c, m, k, workspace_bytes, workspace), so a
+    layout that disagreed with the C struct would read the wrong field and answer otherwise."""
+    import ctypes
+
+    from l2ir.runtime import STATUS_WORKSPACE_TOO_SMALL, RunArgs
+
+    so = shim_library(built(builds["w4x1_64x128x64_splitk8"]).binary)
+    so.l2ir_run_args.argtypes = [ctypes.POINTER(RunArgs)]
+    need = lower(*CASES["w4x1_64x128x64_splitk8"]).workspace_for(64, 1024, 16384)
+    cases = [((None, 16, 16, 64, 1024, 16384, 256, need, None), STATUS_BAD_ARGUMENT),     # a null
+             ((16, 16, 16, 0, 1024, 16384, 256, need, None), STATUS_BAD_ARGUMENT),        # m
+             ((8, 16, 16, 64, 1024, 16384, 256, need, None), STATUS_MISALIGNED),          # a misaligned
+             ((16, 16, 16, 64, 1024, 16380, 256, need, None), STATUS_MISALIGNED),         # k % 8
+             ((16, 16, 18, 64, 1024, 16384, 256, need, None), STATUS_MISALIGNED),         # c misaligned
+             ((16, 16, 16, 64, 1024, 16384, 256, need - 1, None), STATUS_WORKSPACE_TOO_SMALL),  # workspace_bytes
+             ((16, 16, 16, 64, 1024, 16384, None, need, None), STATUS_WORKSPACE_TOO_SMALL),     # workspace
+             ((16, 16, 16, 64, 1024, 16384, 264, need, None), STATUS_MISALIGNED)]         # workspace misaligned
+    for args, want in cases:
+        assert so.l2ir_run(*args) == want, args
+        assert so.l2ir_run_args(ctypes.byref(RunArgs(*args))) == want, args
+    assert so.l2ir_run_args(None) == STATUS_BAD_ARGUMENT
+
+
+@pytest.mark.nvcc
 def test_splitk_shim_workspace_contract(builds):
     """The library's workspace size is the plan's expression, and l2ir_run refuses a short, missing or misaligned
     workspace before any CUDA call."""

@@ -582,6 +582,9 @@ size_t l2ir_workspace_size(int m, int n, int k) { return (size_t)m * 4096; }
 int l2ir_run(const void* a, const void* b, void* c, int m, int n, int k, void* ws, size_t wsb, void* s) {
   rec[20] = (uint64_t)a; rec[21] = (uint64_t)b; rec[22] = (uint64_t)c; rec[23] = m; rec[24] = n; rec[25] = k;
   rec[26] = (uint64_t)ws; rec[27] = wsb; rec[28] = (uint64_t)s; return stub_rc; }
+struct run_args { const void* a; const void* b; void* c; int m, n, k; void* ws; size_t wsb; void* s; };
+int l2ir_run_args(const struct run_args* p) {
+  rec[29] += 1; return l2ir_run(p->a, p->b, p->c, p->m, p->n, p->k, p->ws, p->wsb, p->s); }
 void stub_record(uint64_t* out) { for (int i = 0; i < 32; i++) out[i] = rec[i]; }
 """
 
@@ -651,18 +654,44 @@ def test_kernel_launch_packs_the_abi(pkg_dir, stub_driver):
         stub_driver.rc.value = 0
 
 
-def test_shim_launch_passes_pointers_sizes_and_stream(stub_driver):
+@pytest.mark.parametrize("packed", [True, False], ids=["l2ir_run_args", "l2ir_run"])
+def test_shim_launch_passes_pointers_sizes_and_stream(stub_driver, packed):
+    """Through l2ir_run_args (one block, l2ir.runtime.RunArgs) where the library has it, else l2ir_run: the same
+    pointers, sizes and stream arrive; two shapes bound side by side and other threads keep their own blocks."""
     from l2ir.runtime import LaunchError
 
     shim = dispatch.ShimLaunch(stub_driver.path)
+    assert shim.run_args is not None
+    if not packed:
+        shim.run_args = None                     # a library built before l2ir_run_args
+    packed_calls = stub_driver.record()[29]
     go, ws = shim.bind(100, 200, 300)
     assert ws == 100 * 4096
     go(0x7F00_0000_0100, 0x7F00_0000_0200, 0x7F00_0000_0300, 0x7F00_0000_0400, 0x7F00_0000_0500)
     assert stub_driver.record()[20:29] == [0x7F00_0000_0100, 0x7F00_0000_0200, 0x7F00_0000_0300, 100, 200, 300,
                                            0x7F00_0000_0400, 100 * 4096, 0x7F00_0000_0500]
+    go2, _ = shim.bind(8, 16, 32)
+    go2(0x10, 0x20, 0x30, 0, 0)
+    assert stub_driver.record()[20:29] == [0x10, 0x20, 0x30, 8, 16, 32, 0, 8 * 4096, 0]
+    go(0x7F00_0000_0100, 0x7F00_0000_0200, 0x7F00_0000_0300, 0, 0x7F00_0000_0500)
+    assert stub_driver.record()[20:29] == [0x7F00_0000_0100, 0x7F00_0000_0200, 0x7F00_0000_0300, 100, 200, 300,
+                                           0, 100 * 4096, 0x7F00_0000_0500]
+    seen = []
+
+    def work(i):
+        go(0x1000 * (i + 1), 0x20, 0x30, 0, 0)
+        seen.append(stub_driver.record()[20:26])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r[3:6] == [100, 200, 300] for r in seen) and len(seen) == 4
+    assert stub_driver.record()[29] - packed_calls == (7 if packed else 0)
     stub_driver.rc.value = 102
     try:
-        with pytest.raises(LaunchError, match=r"l2ir_run returned 102 \(shape violates pad=divisible\)"):
+        with pytest.raises(LaunchError, match=r"l2ir_run returned 102 \(shape violates pad=divisible\) for m=100"):
             go(16, 32, 48, 0, 0)
     finally:
         stub_driver.rc.value = 0

@@ -88,7 +88,7 @@ from l2ir.target import (KB, CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_T
 from l2ir.analysis import cluster_reduce, resolved_stages
 from l2ir.verify import verify, verify_problem
 
-from l2ir.runtime import LaunchPlan, status_constants_cpp
+from l2ir.runtime import LaunchPlan, run_args_cpp, status_constants_cpp
 from .common import UnsupportedLowering, check_problem_class
 
 ENTRY = "l2ir_cuda_ptx_sm90a_gemm"
@@ -1310,6 +1310,7 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "  return cudaGetLastError() == cudaSuccess ? 0 : L2IR_STATUS_CUDA_ERROR;",
         "}",
         "",
+        *run_args_cpp(),
     ]
     return L
 

@@ -522,3 +522,22 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
   }
   return cudaGetLastError() == cudaSuccess ? 0 : L2IR_STATUS_CUDA_ERROR;
 }
+
+// l2ir_run through one pointer to its arguments (l2ir.runtime.RUN_ARGS_FIELDS): a caller that binds a shape
+// once fills five fields a call.
+struct L2irRunArgs {
+  const void* a;
+  const void* b;
+  void* c;
+  int m;
+  int n;
+  int k;
+  void* workspace;
+  size_t workspace_bytes;
+  void* stream;
+};
+
+extern "C" int l2ir_run_args(const L2irRunArgs* p) {
+  if (p == nullptr) return L2IR_STATUS_BAD_ARGUMENT;
+  return l2ir_run(p->a, p->b, p->c, p->m, p->n, p->k, p->workspace, p->workspace_bytes, p->stream);
+}
