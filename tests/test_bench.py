@@ -253,3 +253,51 @@ def test_bench_family_flag_checks_backend_sweep_and_configs(capsys):
         assert main(["bench", "--report-only", "--shapes", "0", "--shape", "64x64x64", "--family", spec,
                      "--out", "/tmp/x"]) != 0
         assert why in capsys.readouterr().err
+
+
+def _derive_module():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("derive_families",
+                                                  Path(__file__).parents[1] / "bench" / "derive_families.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _bench_run(folder, name, rows, evaluated):
+    """A bench result prefix: the summary (shapes with winner and fresh times) and the evaluations' JSONL."""
+    cls = "a=f16:row b=f16:col c=f16:row acc=f32"
+    shapes = [{"shape": list(s), "best_name": f"cfg/{h}", "best_hash": h + "0" * 52,
+               "fresh": {"speedup": x, "kernel_us": 10.0 / x, "torch_us": 10.0}} for s, h, x in rows]
+    (folder / f"{name}.json").write_text(json.dumps({"problem_class": cls, "shapes": shapes, "environment": {}}))
+    lines = [json.dumps({"problem": f"gemm m={m} n={n} k={k} {cls}", "kernel_hash": h + "0" * 52})
+             for (m, n, k), hs in evaluated.items() for h in hs]
+    (folder / f"{name}.jsonl").write_text("\n".join(lines + ['{"cut by a kill']) + "\n")   # a killed run's last line
+    return str(folder / name)
+
+
+def test_derive_families_replaces_a_row_only_where_the_later_run_raced_its_winner(tmp_path):
+    """A later run's row replaces the base row of a shape only if the later run evaluated the base winner on that
+    shape (one selection, not a best-of-runs pick); a shape outside the base set is ignored; the groups are
+    recomputed from the rows kept."""
+    derive = _derive_module()
+    base = _bench_run(tmp_path, "base", [((64, 64, 64), "aaaaaaaaaaaa", 0.8), ((128, 4096, 4096), "bbbbbbbbbbbb", 0.7)],
+                      {(64, 64, 64): ["aaaaaaaaaaaa"], (128, 4096, 4096): ["bbbbbbbbbbbb"]})
+    later = _bench_run(tmp_path, "later",
+                       [((64, 64, 64), "cccccccccccc", 1.2), ((128, 4096, 4096), "dddddddddddd", 1.5),
+                        ((8, 8, 8), "eeeeeeeeeeee", 3.0)],
+                       {(64, 64, 64): ["aaaaaaaaaaaa", "cccccccccccc"], (128, 4096, 4096): ["dddddddddddd"],
+                        (8, 8, 8): ["eeeeeeeeeeee"]})
+    out = derive.derive([base, later])
+    assert [r["shape"] for r in out["replaced"]] == [[64, 64, 64]]
+    speeds = {tuple(r["shape"]): r["fresh"]["speedup"] for r in out["rows"]}
+    assert speeds == {(64, 64, 64): 1.2, (128, 4096, 4096): 0.7}
+    assert out["fresh_by_regime"]["< 1 GFLOP"]["fresh_geomean_speedup"] == pytest.approx(1.2)
+    assert out["below_0.9x"]["1-100 GFLOP"] == [[[128, 4096, 4096], 0.7]]
+    # Bad input: a clear one-line error naming the file, exit status 2.
+    assert derive.main([str(tmp_path / "missing"), "--out", str(tmp_path / "o.json")]) == 2
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(derive.DeriveError, match=r"bad\.json: not JSON"):
+        derive.derive([str(tmp_path / "bad")])

@@ -1,0 +1,121 @@
+"""The families benchmark's groups after later, narrower runs: each shape's row replaced by a later run that raced
+the shape's winner again.
+
+    python3 bench/derive_families.py bench/results/families_small_v3_h200 bench/results/unaligned_v4_h200 \
+        bench/results/cublas_tiles_h200 --out bench/results/families_derived_h200.json
+
+Each argument is a bench prefix (PREFIX.json, the summary, and PREFIX.jsonl, every evaluation). The first is the
+base run; the others follow in the order given. A shape's row (its winner and that winner's fresh-sample times) is
+replaced by a later run's row only when the later run evaluated the current winner itself (the same kernel hash) on
+that shape: the later winner then beat it in one selection, and its fresh times come from one run, so a replaced row
+is never a best-of-runs pick. Shapes of a later run outside the base set are ignored. The groups (FLOP regimes,
+unaligned shapes, DRAM-bound shapes and their roofline shares) are search.report.fresh_summary's, the bench's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from l2ir.search.report import ShapeResult, fresh_summary
+
+
+class DeriveError(Exception):
+    pass
+
+
+def _load(prefix: str) -> tuple[dict, dict[tuple, set[str]]]:
+    """(summary, shape -> kernel hashes evaluated on it) of one bench run."""
+    summary_path, evals_path = Path(prefix + ".json"), Path(prefix + ".jsonl")
+    try:
+        summary = json.loads(summary_path.read_text())
+    except OSError as e:
+        raise DeriveError(f"{summary_path}: cannot read: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise DeriveError(f"{summary_path}: not JSON (line {e.lineno}): {e.msg}") from None
+    if "shapes" not in summary or "problem_class" not in summary:
+        raise DeriveError(f"{summary_path}: not a bench summary (no 'shapes' or 'problem_class')")
+    evaluated: dict[tuple, set[str]] = {}
+    try:
+        lines = evals_path.read_text().splitlines()
+    except OSError as e:
+        raise DeriveError(f"{evals_path}: cannot read: {e.strerror}") from None
+    for line in lines:
+        try:
+            rec = json.loads(line)
+            dims = dict(part.split("=") for part in rec["problem"].split()[1:4])
+            shape = (int(dims["m"]), int(dims["n"]), int(dims["k"]))
+            evaluated.setdefault(shape, set()).add(rec["kernel_hash"][:12])
+        except (json.JSONDecodeError, KeyError, ValueError, TypeError, AttributeError):
+            continue                    # a line cut by a kill, as search.db's import skips it
+    return summary, evaluated
+
+
+def derive(prefixes: list[str]) -> dict:
+    base, _ = _load(prefixes[0])
+    rows = {tuple(r["shape"]): dict(r, source=Path(prefixes[0]).name) for r in base["shapes"] if r.get("fresh")}
+    replaced = []
+    for prefix in prefixes[1:]:
+        later, evaluated = _load(prefix)
+        if later["problem_class"] != base["problem_class"]:
+            raise DeriveError(f"{prefix}.json: problem class {later['problem_class']!r}, not the base run's "
+                              f"{base['problem_class']!r}")
+        for r in later["shapes"]:
+            shape = tuple(r["shape"])
+            now = rows.get(shape)
+            if now is None or not r.get("fresh") or not now.get("best_hash"):
+                continue
+            if now["best_hash"][:12] in evaluated.get(shape, set()):
+                replaced.append({"shape": list(shape), "from": now["source"], "to": Path(prefix).name,
+                                 "speedup_before": now["fresh"].get("speedup"), "speedup_after": r["fresh"].get("speedup"),
+                                 "winner_before": now.get("best_name"), "winner_after": r.get("best_name")})
+                rows[shape] = dict(r, source=Path(prefix).name)
+    results = [ShapeResult(shape=s, best_name=r.get("best_name"), best_hash=r.get("best_hash"),
+                           offline=r.get("offline") or {}, fresh=r["fresh"]) for s, r in sorted(rows.items())]
+    summary = fresh_summary(results, base["problem_class"], base.get("environment") or {})
+    below = {label: sorted([list(r.shape), round(r.fresh["speedup"], 3)] for r in results
+                           if lo <= 2 * r.shape[0] * r.shape[1] * r.shape[2] < hi and r.fresh.get("speedup", 1) < 0.9)
+             for lo, hi, label in ((0, 1e9, "< 1 GFLOP"), (1e9, 1e11, "1-100 GFLOP"))}
+    return {"runs": [Path(p).name for p in prefixes], "problem_class": base["problem_class"],
+            "environment": base.get("environment"), "replaced": replaced, "below_0.9x": below,
+            "rows": [{"shape": list(s), "source": r["source"], "winner": r.get("best_name"),
+                      "fresh": r["fresh"]} for s, r in sorted(rows.items())],
+            **{k: summary[k] for k in ("overall_fresh_geomean_speedup", "fresh_by_regime", "groups",
+                                        "wins_by_family")}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("prefixes", nargs="+", help="bench result prefixes: the base run first, then later runs")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    try:
+        result = derive(args.prefixes)
+    except DeriveError as e:
+        print(f"derive_families: {e}", file=sys.stderr)
+        return 2
+    result = {"command": "python3 bench/derive_families.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    for label, reg in result["fresh_by_regime"].items():
+        if reg["shapes"]:
+            print(f"{label:>12}: {reg['shapes']:3d} shapes, fresh geomean {reg['fresh_geomean_speedup']:.3f}x, "
+                  f"min {reg['fresh_min_speedup']:.3f}x, below 0.9x: {result['below_0.9x'].get(label, '-')}")
+    g = result["groups"]
+    print(f"   unaligned: {g['unaligned']['shapes']} shapes, fresh geomean {g['unaligned']['fresh_geomean_speedup']:.3f}x")
+    if "dram_bound" in g:
+        print(f"  DRAM-bound: {g['dram_bound']['shapes']} shapes, median roofline share kernel "
+              f"{g['dram_bound']['median_kernel_share']:.3f}, torch {g['dram_bound']['median_torch_share']:.3f}")
+    for r in result["replaced"]:
+        print(f"  replaced {r['shape']}: {r['speedup_before']:.3f}x ({r['from']}) -> {r['speedup_after']:.3f}x "
+              f"({r['to']})")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
