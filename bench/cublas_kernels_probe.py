@@ -20,15 +20,7 @@ from pathlib import Path
 
 import torch
 
-
-def parse_shape(text: str) -> tuple[int, int, int]:
-    try:
-        m, n, k = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a shape is MxNxK, e.g. 127x4096x4096") from None
-    if min(m, n, k) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: every dimension must be positive")
-    return m, n, k
+from l2ir.cli import positive_int, shape_arg
 
 
 def kernels_of(m: int, n: int, k: int, calls: int) -> list[dict]:
@@ -79,8 +71,8 @@ def _trace_kernels(prof) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", type=parse_shape, action="append", required=True)
-    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--shape", type=shape_arg, action="append", required=True)
+    ap.add_argument("--calls", type=positive_int, default=20)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -51,7 +51,19 @@ def _load(path: str) -> tuple[Problem | None, Kernel, dict[str, int], str]:
     return problem, kernel, lines, name
 
 
-def _shape(text: str) -> tuple[int, int, int]:
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (counts of calls, trials, shapes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def shape_arg(text: str) -> tuple[int, int, int]:
+    """argparse type: MxNxK with every size at least 1."""
     parts = text.lower().split("x")
     try:
         m, n, k = (int(p) for p in parts)
@@ -312,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("interp", help="run the reference interpreter and compare with float64 A @ B")
     s.add_argument("file")
-    s.add_argument("--shape", type=_shape, help="MxNxK (overrides the file's gemm line)")
+    s.add_argument("--shape", type=shape_arg, help="MxNxK (overrides the file's gemm line)")
     s.add_argument("--problem", help="a full problem line: 'gemm m=.. n=.. k=.. a=f16:row b=f16:col ...'")
     s.add_argument("--seed", type=int, default=0, help="random seed of the inputs")
     s.add_argument("--integers", action="store_true", help="small-integer inputs: the result must be exact")
@@ -320,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_interp)
 
     s = sub.add_parser("seed", help="the rule-based seed kernel for a problem and target")
-    s.add_argument("--shape", type=_shape, required=True)
+    s.add_argument("--shape", type=shape_arg, required=True)
     s.add_argument("--target", choices=ARCHS, default="sm90a")
     s.add_argument("--problem", help="problem line giving dtypes/layouts; --shape sets the sizes")
     s.set_defaults(fn=cmd_seed)
@@ -345,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("bench", help="(GPU) evaluate the seed and a config sweep over grid shapes vs torch.matmul")
     s.add_argument("--target", choices=ARCHS, default="sm80", help="target of the seed kernels and the sweep")
     s.add_argument("--shapes", type=int, default=40, help="how many shapes of the {64..16384}^3 grid (0: none)")
-    s.add_argument("--shape", type=_shape, action="append", help="an explicit MxNxK (repeatable; added to --shapes)")
+    s.add_argument("--shape", type=shape_arg, action="append", help="an explicit MxNxK (repeatable; added to --shapes)")
     s.add_argument("--min-gflop", type=float, default=0.0, help="only grid shapes of at least this many GFLOP")
     s.add_argument("--max-gflop", type=float, default=float("inf"), help="only grid shapes below this many GFLOP")
     s.add_argument("--sweep", nargs="*", help="sweep config names (default: all for the target)")
@@ -371,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from l2ir.search.tune import add_parsers      # tune, runs, best, report, db: the search (search/tune.py)
 
-    add_parsers(sub, _shape)
+    add_parsers(sub, shape_arg)
     from .export import add_parser as add_export  # export: the dispatch package for l2ir.matmul (l2ir/export.py)
 
     add_export(sub)

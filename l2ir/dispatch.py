@@ -718,7 +718,8 @@ class Dispatcher:
         # The output: empty_like of a one-element tensor expanded to the output's shape allocates C (contiguous
         # strides, as torch.empty's) with no shape to parse, ~0.5 us less a call than new_empty(shape)
         # (bench/results/host_parts_probe_h200.json). Made on first use, on the caller's device and dtype (the route
-        # key holds both).
+        # key holds both); one made inside a CUDA-graph capture is not kept (it would hold a block of the graph's
+        # private pool for the route's lifetime).
         like: list = []
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
 
@@ -753,9 +754,13 @@ class Dispatcher:
                 mine["misaligned"] += 1
                 return fn(a, b) if out is None else fn(a, b, out=out)
             if out is None:
-                if not like:
-                    like.append(a.new_empty(()).expand(shape))
-                c = empty_like(like[0], memory_format=contiguous)
+                if like:
+                    c = empty_like(like[0], memory_format=contiguous)
+                else:
+                    template = a.new_empty(()).expand(shape)
+                    if not capturing():
+                        like.append(template)
+                    c = empty_like(template, memory_format=contiguous)
             else:
                 c = out
             st = stream_of(index)

@@ -127,19 +127,19 @@ def cluster_split_kernel(problem: Problem, sms: int) -> Kernel | None:
 
 
 def coop_cluster_split_kernel(problem: Problem, sms: int) -> Kernel | None:
-    """Split-K in a cluster on cooperative 128x64 tiles (cuda_ptx, sm90a), the tile cuBLAS runs at M <= 128 with a
-    long K (bench/results/cublas_kernels_h200.json): one row of 128-row tiles reads B once, two consumer warpgroups
-    share each tile, and 2 or 4 slices (a power of two, for the GPC) bring the blocks to at most one wave. Measured
-    127x4096x4096 13.8 us against 16.4 us for the best 64x64 or 128x128 tile (bench/results/cublas_tiles_h200.json).
-    None for a taller M, or when the blocks would fill less than half the SMs (the 64x64 cluster split has more)."""
-    if problem.m > 128:
+    """Split-K 2 in a cluster on cooperative 128x64 tiles (cuda_ptx, sm90a), for 64 < M <= 128 with a long K: one
+    row of 128-row tiles reads B once, two consumer warpgroups share each tile, and the two slices halve every
+    block's K loop while the blocks stay one wave. The fastest L2IR tile measured there: 127x4096x4096 13.8 us
+    against 16.4 us for the best 64x64 or 128x128 tile (bench/results/cublas_tiles_h200.json; cuBLAS itself runs
+    one wave of 64x64 blocks there, and 128x64 blocks split in two at 128x4096x16384, cublas_kernels_h200.json).
+    None outside that M, when the blocks would not fit one wave or would fill less than half the SMs (the 64x64
+    cluster split has more blocks), or when K is too short to split. Two slices only: four were measured only at
+    two waves (256 blocks), where they lost."""
+    if not 64 < problem.m <= 128:
         return None
     tiles = tiles_of(problem, 128, 64)
-    slices = seed_split_slices(problem, tiles, 64, sms, 4)
-    k_tiles = ceil_div(problem.k, 64)
-    while slices > 1 and (slices & (slices - 1) or leaves_empty_slice(k_tiles, slices)):
-        slices -= 1
-    if slices < 2 or tiles * slices * 2 < sms:
+    slices = seed_split_slices(problem, tiles, 64, sms, 2)    # 1 unless one wave of 2 slices and K allows
+    if slices < 2 or 4 * tiles < sms:
         return None
     return Kernel(
         target=Target("sm90a"),
@@ -243,7 +243,7 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
             out.append(Candidate(
                 9.9, coop, f"split: {tiles_of(problem, 128, 64)} cooperative tiles of 128x64 and K={k}: split-K "
                 f"{coop.splitk.slices} in a thread-block cluster, {tiles_of(problem, 128, 64) * coop.splitk.slices} "
-                "blocks (cuBLAS's tile for this M; bench/results/cublas_tiles_h200.json)", backend="cuda_ptx"))
+                "blocks, half the K loop each (bench/results/cublas_tiles_h200.json)", backend="cuda_ptx"))
         out.append(Candidate(9.0 if not hopper else 7.5,
                              sm80_kernel(problem, (64, 64, 32), (2, 2), 4, slices),
                              why + f": split-K {slices} (sm80 rule, fp32 partials reduced in the workspace)"))

@@ -602,8 +602,9 @@ def test_cuda_ptx_repack_passes_every_gate(evaluator, tmp_path_factory, name):
 def test_cutlass_kept_params_follow_pointers_and_shape(tmp_path_factory):
     """The CUTLASS shim keeps the kernel parameters of a thread's last few workspace-free calls, keyed by pointers,
     shape and device. Reused, they must never answer another call: new data behind the same pointers, more output
-    buffers than the shim keeps (so kept entries are replaced), and another shape on the same pointers each give
-    the fp64 product of the call's own operands."""
+    buffers than the shim keeps (so kept entries are replaced), and another M, N or K on the same pointers (the
+    operands and C laid out densely from the same base addresses) each give the fp64 product of the call's own
+    operands, and leave the rest of C's buffer untouched (parameters of a larger shape would write past it)."""
     import torch
 
     from l2ir.backends.cutlass_sm90 import KEPT_PARAMS
@@ -615,29 +616,33 @@ def test_cutlass_kept_params_follow_pointers_and_shape(tmp_path_factory):
     plan = lower(kernel, problem_cls, "cutlass_sm90")
     art = _build_for_this_gpu(plan, tmp_path_factory.mktemp("kept_params"))
     mm, nn, kk = 384, 256, 192
-    a = torch.empty((mm, kk), dtype=torch.half, device="cuda")
-    b = torch.empty((nn, kk), dtype=torch.half, device="cuda")           # B col: stored N x K, K contiguous
-    outs = [torch.empty((mm, nn), dtype=torch.half, device="cuda") for _ in range(KEPT_PARAMS + 2)]
+    a_buf = torch.empty(mm * kk, dtype=torch.half, device="cuda")
+    b_buf = torch.empty(nn * kk, dtype=torch.half, device="cuda")
+    outs = [torch.empty(mm * nn, dtype=torch.half, device="cuda") for _ in range(KEPT_PARAMS + 2)]
     gen = torch.Generator(device="cuda").manual_seed(7)
     launcher = load(plan, art.binary)
 
-    def check(m, c, label):
-        a[:m].copy_(torch.randn((m, kk), generator=gen, device="cuda"))
-        b.copy_(torch.randn((nn, kk), generator=gen, device="cuda"))
-        c.fill_(float("nan"))
-        launcher(a.data_ptr(), b.data_ptr(), c.data_ptr(), m, nn, kk, 0, 0)
+    def check(m, n, k, c_buf, label):
+        a = a_buf[:m * k].view(m, k)
+        b = b_buf[:n * k].view(n, k)                    # B col: stored N x K, K contiguous
+        a.copy_(torch.randn((m, k), generator=gen, device="cuda"))
+        b.copy_(torch.randn((n, k), generator=gen, device="cuda"))
+        c_buf.fill_(float("nan"))
+        launcher(a_buf.data_ptr(), b_buf.data_ptr(), c_buf.data_ptr(), m, n, k, 0, 0)
         torch.cuda.synchronize()
-        got = c.view(-1)[:m * nn].view(m, nn)
-        ref = a[:m].double() @ b.double().t()
-        assert relative_error(got, ref) <= tolerance(kk, "f32", "f16"), label
+        ref = a.double() @ b.double().t()
+        assert relative_error(c_buf[:m * n].view(m, n), ref) <= tolerance(k, "f32", "f16"), label
+        assert bool(c_buf[m * n:].isnan().all()), f"{label}: wrote past its {m}x{n} output"
 
     try:
         for lap in range(2):                    # 6 outputs through a ring of 4: every call of lap 2 a miss
             for i, c in enumerate(outs):
-                check(mm, c, f"lap {lap} output {i}")
+                check(mm, nn, kk, c, f"lap {lap} output {i}")
         for i in range(3):                      # the same pointers again and again: kept parameters, new data
-            check(mm, outs[-1], f"repeat {i}")
-        check(mm - 128, outs[-1], "fewer rows on the same pointers")
-        check(mm, outs[-1], "the first shape again")
+            check(mm, nn, kk, outs[-1], f"repeat {i}")
+        check(mm - 128, nn, kk, outs[-1], "fewer rows on the same pointers")
+        check(mm, nn - 64, kk, outs[-1], "fewer columns on the same pointers")
+        check(mm, nn, kk - 64, outs[-1], "a shorter K on the same pointers")
+        check(mm, nn, kk, outs[-1], "the first shape again")
     finally:
         launcher.close()

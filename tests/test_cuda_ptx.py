@@ -621,8 +621,9 @@ def test_host_shim_refuses_without_gpu(builds):
 @pytest.mark.nvcc
 def test_run_args_block_reaches_l2ir_run_field_by_field(builds):
     """l2ir_run_args (the shim's one-pointer entry, l2ir.runtime.RunArgs) gives l2ir_run's answer for the same
-    arguments: each refusal below is decided by one field of the block (a, c, m, k, workspace_bytes, workspace), so a
-    layout that disagreed with the C struct would read the wrong field and answer otherwise."""
+    arguments: each refusal below is decided by one field of the block (a, b, c, m, n, k, workspace_bytes,
+    workspace), so a layout that disagreed with the C struct would read the wrong field and answer otherwise. (The
+    stream is passed through to the launch, which needs a GPU: tests/test_dispatch.py checks it with a stub.)"""
     import ctypes
 
     from l2ir.runtime import STATUS_WORKSPACE_TOO_SMALL, RunArgs
@@ -631,6 +632,9 @@ def test_run_args_block_reaches_l2ir_run_field_by_field(builds):
     so.l2ir_run_args.argtypes = [ctypes.POINTER(RunArgs)]
     need = lower(*CASES["w4x1_64x128x64_splitk8"]).workspace_for(64, 1024, 16384)
     cases = [((None, 16, 16, 64, 1024, 16384, 256, need, None), STATUS_BAD_ARGUMENT),     # a null
+             ((16, None, 16, 64, 1024, 16384, 256, need, None), STATUS_BAD_ARGUMENT),     # b null
+             ((16, 16, 16, 64, 0, 16384, 256, need, None), STATUS_BAD_ARGUMENT),          # n
+             ((16, 8, 16, 64, 1024, 16384, 256, need, None), STATUS_MISALIGNED),          # b misaligned
              ((16, 16, 16, 0, 1024, 16384, 256, need, None), STATUS_BAD_ARGUMENT),        # m
              ((8, 16, 16, 64, 1024, 16384, 256, need, None), STATUS_MISALIGNED),          # a misaligned
              ((16, 16, 16, 64, 1024, 16380, 256, need, None), STATUS_MISALIGNED),         # k % 8

@@ -584,7 +584,7 @@ int l2ir_run(const void* a, const void* b, void* c, int m, int n, int k, void* w
   rec[26] = (uint64_t)ws; rec[27] = wsb; rec[28] = (uint64_t)s; return stub_rc; }
 struct run_args { const void* a; const void* b; void* c; int m, n, k; void* ws; size_t wsb; void* s; };
 int l2ir_run_args(const struct run_args* p) {
-  rec[29] += 1; return l2ir_run(p->a, p->b, p->c, p->m, p->n, p->k, p->ws, p->wsb, p->s); }
+  rec[29] += 1; rec[30] = (uint64_t)p; return l2ir_run(p->a, p->b, p->c, p->m, p->n, p->k, p->ws, p->wsb, p->s); }
 void stub_record(uint64_t* out) { for (int i = 0; i < 32; i++) out[i] = rec[i]; }
 """
 
@@ -676,19 +676,30 @@ def test_shim_launch_passes_pointers_sizes_and_stream(stub_driver, packed):
     go(0x7F00_0000_0100, 0x7F00_0000_0200, 0x7F00_0000_0300, 0, 0x7F00_0000_0500)
     assert stub_driver.record()[20:29] == [0x7F00_0000_0100, 0x7F00_0000_0200, 0x7F00_0000_0300, 100, 200, 300,
                                            0, 100 * 4096, 0x7F00_0000_0500]
-    seen = []
+    # Each thread: its own pointers arrive, and (packed) one block of its own, the same on each of its calls. The
+    # stub records globally, so the calls are serialized; the threads stay alive until all have called, so no
+    # finished thread's block can be freed and its address handed to another's.
+    lock, done, seen = threading.Lock(), threading.Barrier(4), {}
 
     def work(i):
-        go(0x1000 * (i + 1), 0x20, 0x30, 0, 0)
-        seen.append(stub_driver.record()[20:26])
+        for _ in range(2):
+            with lock:
+                go(0x1000 * (i + 1), 0x20, 0x30, 0, 0)
+                r = stub_driver.record()
+                seen.setdefault(i, []).append((r[20], r[23:26], r[30]))
+        done.wait()
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert all(r[3:6] == [100, 200, 300] for r in seen) and len(seen) == 4
-    assert stub_driver.record()[29] - packed_calls == (7 if packed else 0)
+    assert all(a == 0x1000 * (i + 1) and mnk == [100, 200, 300] for i, calls in seen.items() for a, mnk, _ in calls)
+    if packed:
+        blocks = {i: {blk for _, _, blk in calls} for i, calls in seen.items()}
+        assert all(len(b) == 1 for b in blocks.values()), blocks               # one block per thread
+        assert len(set.union(*blocks.values())) == 4, blocks                    # no two threads share one
+    assert stub_driver.record()[29] - packed_calls == (11 if packed else 0)
     stub_driver.rc.value = 102
     try:
         with pytest.raises(LaunchError, match=r"l2ir_run returned 102 \(shape violates pad=divisible\) for m=100"):

@@ -205,9 +205,10 @@ def test_rules_hopper_few_tiles_long_k_splits_in_a_cluster():
 
 
 def test_rules_skinny_m_long_k_splits_cooperative_128x64_tiles_in_a_cluster():
-    """M <= 128 with N and K in the thousands: the rules rank first a cooperative 128x64 tile split in a cluster into
-    as many power-of-two slices as keep the blocks within one wave (64 tiles x 2 slices for 127x4096x4096), named for
-    cuda_ptx, and it lowers with no workspace. A taller M, or too few tiles to fill half the SMs, gets none."""
+    """64 < M <= 128 with N and K in the thousands: the rules rank first a cooperative 128x64 tile split in two in a
+    cluster (one wave of blocks: 64 tiles x 2 for 127x4096x4096), named for cuda_ptx, lowering with no workspace.
+    None where it was not measured to pay: M <= 64 or above 128, more tiles than one wave of 2 slices holds, blocks
+    filling less than half the SMs, or a K too short to split."""
     from l2ir.backends.registry import lower
 
     def coop_split(p):
@@ -216,16 +217,21 @@ def test_rules_skinny_m_long_k_splits_cooperative_128x64_tiles_in_a_cluster():
         hits = [q for q in props if "cooperative tiles of 128x64" in q.note]
         return ctx, props, hits
 
-    for shape, slices in (((127, 4096, 4096), 2), ((128, 4096, 16384), 2), ((100, 3000, 4104), 2)):
+    for shape in ((127, 4096, 4096), (128, 4096, 16384), (100, 3000, 4104), (65, 2112, 4096), (128, 2112, 4096), (128, 4224, 4096)):
         p = Problem(*shape)
         ctx, props, hits = coop_split(p)
-        assert hits and props[0] is hits[0], [q.note for q in props]
+        assert hits and props[0] is hits[0], (shape, [q.note for q in props])
         kernel = hits[0].apply(ctx.parent, p)
         assert kernel.tile.block == (128, 64, 64) and kernel.pipeline.schedule == "cooperative"
-        assert (kernel.splitk.slices, kernel.splitk.reduce, hits[0].backend) == (slices, "cluster", "cuda_ptx")
-        assert tiles_of(p, 128, 64) * slices <= 132
+        assert (kernel.splitk.slices, kernel.splitk.reduce, hits[0].backend) == (2, "cluster", "cuda_ptx")
+        assert 66 <= 2 * tiles_of(p, 128, 64) <= 132, shape
         assert lower(kernel, p, "cuda_ptx").workspace_for(*p.shape) == 0
-    for shape in ((512, 2048, 4096), (128, 128, 16384), (8192, 8192, 8192)):
+    for shape in ((64, 4096, 4096),      # M <= 64: half of every 128-row tile would be padding
+                  (256, 2048, 4096),     # M > 128: two rows of tiles
+                  (128, 4352, 4096),     # 68 tiles: two slices would be 136 blocks, more than one wave
+                  (128, 2048, 4096),     # 32 tiles: 64 blocks fill less than half the SMs
+                  (128, 4096, 448),      # 7 k tiles: too short to split
+                  (512, 2048, 4096), (8192, 8192, 8192)):
         assert not coop_split(Problem(*shape))[2], shape
 
 

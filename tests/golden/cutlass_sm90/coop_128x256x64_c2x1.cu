@@ -173,7 +173,9 @@ namespace {
 // shared-memory attribute are host work that a host-bound shape pays on every call; the parameters depend
 // only on the pointers, the shape and the device, so a call that repeats all of them launches the kept ones.
 // A call that needs a workspace (split-K, stream-K) initializes every time: initialize() zeroes that call's
-// barrier flags on its stream.
+// barrier flags on its stream. Keyed by device number, not context: a hit in another context of the same
+// device (a pushed context, after cudaDeviceReset) would miss initialize()'s shared-memory attribute and
+// fail to launch (an error, which l2ir.matmul answers with torch.matmul), never compute wrongly.
 struct KeptParams {
   const void* a = nullptr;
   const void* b = nullptr;
@@ -238,13 +240,13 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
     // on this stream), and raises the kernel's dynamic shared-memory limit.
     status = gemm.initialize(args, workspace, cuda_stream);
     if (status != cutlass::Status::kSuccess) return int(status);
-    if (needed == 0) {
+    status = gemm.run(cuda_stream);
+    if (status == cutlass::Status::kSuccess && needed == 0) {   // kept only once they launched
       KeptParams& e = ring.entry[ring.next];
       ring.next = (ring.next + 1) % 4;
       e.a = A; e.b = B; e.c = C; e.m = M; e.n = N; e.k = K; e.device = device;
       e.params = gemm.params();
     }
-    status = gemm.run(cuda_stream);
     return int(status);
   } catch (...) {
     return L2IR_STATUS_EXCEPTION;
