@@ -219,7 +219,12 @@ def main(argv=None) -> int:
         c = l2ir.matmul(a, b)
         served = next(r for r, v in d.stats.items() if v != before.get(r, 0))
         err = float((c.double() - a.double() @ b.double()).abs().max())
+        kkey = d.package.route(m, n, k, cls)[0]
+        spec = d.package.kernels.get(kkey) if kkey is not None else None
         row = {"m": m, "n": n, "k": k, "kind": kind, "served": served, "max_abs_err_vs_fp64": err,
+               # the package's kernel for the shape and how it launches ("kernels": cuLaunchKernel per entry,
+               # "host_shim": the library's l2ir_run_args), so host costs can be told apart by launch path
+               "kernel": kkey, "launch": spec.plan["form"] if spec is not None else None,
                "eager_only": bool(getattr(d.lookup(a, b), "eager_only", False)),
                "l2ir_device_us": device_us(lambda: l2ir.matmul(a, b), args.reps, args.trials),
                "torch_device_us": device_us(lambda: torch.matmul(a, b), args.reps, args.trials),
@@ -265,6 +270,9 @@ def main(argv=None) -> int:
                                                        for r in by_l2ir),
         "host_no_slower_than_torch_where_served": all(r["l2ir_host_us"] <= r["torch_host_us"] * 1.02
                                                       for r in by_l2ir),
+        "geomean_host_speedup_where_served_by_launch": {
+            form: gmean(r["host_speedup"] for r in by_l2ir if r["launch"] == form)
+            for form in sorted({r["launch"] for r in by_l2ir if r["launch"]})},
         "median_parts_us_where_served": median_parts(by_l2ir),
         "median_parts_us_on_fallback": median_parts([r for r in rows if r["served"] != "l2ir"]),
     }
