@@ -11,7 +11,7 @@ from .nodes import (ARCHS, Epilogue, Kernel, Mma, Pad, Pipeline, Problem, Repack
 from .indexing import ceil_div, leaves_empty_slice
 from .analysis import realigned_ring_bytes
 from .target import H200_SMS, SMEM_LIMIT
-from .verify import check_problem, leading_dims, verify_problem
+from .verify import applicable, check_problem, leading_dims, verify_problem
 
 
 def _widest(sizes) -> int:
@@ -91,11 +91,47 @@ def seed_sm80(problem: Problem, arch: str = "sm80", num_sms: int = H200_SMS) -> 
     return check_problem(kernel, problem)
 
 
+# Rows of A for which the cooperative 128x64 cluster split was measured to win (100, 127 and 128): at most one row
+# of 128-row tiles, more than half of each one real.
+COOP_SPLIT_M = (64, 128)
+
+
+def coop_split_kernel(problem: Problem, num_sms: int = H200_SMS) -> Kernel | None:
+    """Split-K 2 in a thread-block cluster on cooperative 128x64 tiles (lowered by cuda_ptx), for 64 < M <= 128 with
+    a long K: one row of 128-row tiles reads B once, two consumer warpgroups share each tile, and the two slices
+    halve every block's K loop while the blocks stay one wave. On the H200 it ran 127x4096x4096 in 13.8 us against
+    16.4 us for the best 64x64 or 128x128 tile and 23.2 us for the stream-K seed, 128x4096x16384 in 44 us against
+    51, 100x3000x4104 in 18.7 us against 25.8 (bench/results/cublas_tiles_h200.json). None outside that M, when the
+    blocks would not fit one wave or would fill less than half the SMs, or when K is too short to split. Two
+    slices only: four were measured only at two waves (256 blocks), where they lost."""
+    if not COOP_SPLIT_M[0] < problem.m <= COOP_SPLIT_M[1]:
+        return None
+    tiles = ceil_div(problem.m, 128) * ceil_div(problem.n, 64)
+    slices = split_slices(problem, tiles, 64, num_sms, 2)    # 1 unless one wave of 2 slices and K allows
+    if slices < 2 or 4 * tiles < num_sms:
+        return None
+    return Kernel(
+        target=Target("sm90a"),
+        tile=Tile(block=(128, 64, 64), warps=(8, 1)),
+        mma=Mma("wgmma", (64, 64, 16)),
+        pipeline=Pipeline("tma_ws", "auto", schedule="cooperative", persistent=False),
+        swizzle=Swizzle(smem=(3, 3, 3)),
+        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+        splitk=SplitK("split_k", slices, "cluster"),
+        epilogue=Epilogue("direct", 2),
+    )
+
+
 def seed_sm90a(problem: Problem, num_sms: int = H200_SMS) -> Kernel:
     """TMA + wgmma warp-specialized. Ping-pong won 40 of 41 Hopper shapes in the H200 sweep (bench/NOTES.md): its two
     consumer warpgroups alternate tiles, so one tile's epilogue hides under the other's main loop. Thin M takes
     64x256 tiles; when the tiles cannot fill the GPU and K is long, cooperative 128x128 with stream-K (the ping-pong
-    kernel has no stream-K scheduler)."""
+    kernel has no stream-K scheduler), except for 64 < M <= 128 in the raw-PTX problem class, which takes the
+    cooperative 128x64 cluster split (coop_split_kernel) where it applies."""
+    if cuda_ptx_lowered(problem):
+        coop = coop_split_kernel(problem, num_sms)
+        if coop is not None and applicable(coop, problem):
+            return coop
     m = problem.m
     if _split(problem, 128, 128, 64, num_sms) > 1:
         block, warps, schedule, splitk = (128, 128, 64), (8, 1), "cooperative", SplitK("stream_k")
@@ -169,9 +205,9 @@ def seed_sm90a_repack(problem: Problem, num_sms: int = H200_SMS) -> Kernel:
     return check_problem(repack_kernel(problem, repack_tile(problem, num_sms)), problem)
 
 
-def repack_lowered(problem: Problem) -> bool:
-    """The problem class the repack kernels are generated for (backends/cuda_ptx/sm90a.py): K-major A and B, 16-bit
-    inputs and outputs, fp32 accumulation."""
+def cuda_ptx_lowered(problem: Problem) -> bool:
+    """The problem class the raw-PTX Hopper kernels are generated for (backends/cuda_ptx/sm90a.py: the repack and the
+    cluster split-K kernels): K-major A and B, 16-bit inputs and outputs, fp32 accumulation."""
     return (problem.a[1], problem.b[1], problem.acc) == ("row", "col", "f32") and problem.c[0] in ("f16", "bf16")
 
 
@@ -186,6 +222,6 @@ def seed(problem: Problem, arch: str, num_sms: int = H200_SMS) -> Kernel:
         return seed_sm90a(problem, num_sms)
     # An odd K misaligns every row of A and B: copy them aligned, then run TMA on the copies. Below 64 rows of A
     # the copy of B costs more than the GEMM's own pass over it (17x9999x3333: 93 us against the sm80 path's 61).
-    if arch == "sm90a" and alignment(problem) < 8 and problem.m >= REPACK_MIN_M and repack_lowered(problem):
+    if arch == "sm90a" and alignment(problem) < 8 and problem.m >= REPACK_MIN_M and cuda_ptx_lowered(problem):
         return seed_sm90a_repack(problem, num_sms)
     return seed_sm80(problem, arch, num_sms)

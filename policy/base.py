@@ -256,6 +256,19 @@ def get_policy(policy: str | Policy, **kwargs: Any) -> Policy:
     return made
 
 
+def _lowered_as(kernel: Kernel, backend: str | None) -> str:
+    """A kernel and the backend that would lower it: a backend named explicitly and the registry's default for the
+    kernel are the same child (cuda_ptx keeps its name on cluster split-K kernels, which it also lowers by default)."""
+    if backend is None:
+        from l2ir.backends.registry import backend_for
+
+        try:
+            backend = backend_for(kernel).name
+        except NotImplementedError:
+            backend = ""
+    return kernel.content_hash() + "|" + backend
+
+
 @dataclass
 class Dedupe:
     """Keeps proposals whose legal child is new (not the parent, not proposed before in this batch)."""
@@ -265,18 +278,18 @@ class Dedupe:
     seen: set[str] = field(default_factory=set)
 
     def __post_init__(self):
-        self.seen.add(self.parent.content_hash() + "|" + (self.parent_backend or ""))
+        self.seen.add(_lowered_as(self.parent, self.parent_backend))
 
     @classmethod
     def of(cls, context: Context) -> "Dedupe":
         """Also drops the kernels this problem has already seen (the context's history, on the default backend):
         a search counts a repeat as a wasted step, and stops a shape after several."""
         d = cls(context.parent, context.backend)
-        d.seen.update(step.kernel.content_hash() + "|" for step in context.history)
+        d.seen.update(_lowered_as(step.kernel, None) for step in context.history)
         return d
 
     def fresh(self, child: Kernel, backend: str | None = None) -> bool:
-        key = child.content_hash() + "|" + (backend or "")
+        key = _lowered_as(child, backend)
         if key in self.seen:
             return False
         self.seen.add(key)

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 from l2ir.indexing import ceil_div, leaves_empty_slice
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
-from l2ir.seed import (REPACK_MIN_M, REPACK_TILES, alignment, repack_kernel, repack_lowered, repack_tile,
-                       store_vector)
+from l2ir.seed import (REPACK_MIN_M, REPACK_TILES, alignment, coop_split_kernel, cuda_ptx_lowered, repack_kernel,
+                       repack_tile, store_vector)
 from l2ir.seed import split_slices as seed_split_slices
 from l2ir.target import MAX_CLUSTER_NONPORTABLE
 
@@ -126,33 +126,6 @@ def cluster_split_kernel(problem: Problem, sms: int) -> Kernel | None:
     )
 
 
-def coop_cluster_split_kernel(problem: Problem, sms: int) -> Kernel | None:
-    """Split-K 2 in a cluster on cooperative 128x64 tiles (cuda_ptx, sm90a), for 64 < M <= 128 with a long K: one
-    row of 128-row tiles reads B once, two consumer warpgroups share each tile, and the two slices halve every
-    block's K loop while the blocks stay one wave. The fastest L2IR tile measured there: 127x4096x4096 13.8 us
-    against 16.4 us for the best 64x64 or 128x128 tile (bench/results/cublas_tiles_h200.json; cuBLAS itself runs
-    one wave of 64x64 blocks there, and 128x64 blocks split in two at 128x4096x16384, cublas_kernels_h200.json).
-    None outside that M, when the blocks would not fit one wave or would fill less than half the SMs (the 64x64
-    cluster split has more blocks), or when K is too short to split. Two slices only: four were measured only at
-    two waves (256 blocks), where they lost."""
-    if not 64 < problem.m <= 128:
-        return None
-    tiles = tiles_of(problem, 128, 64)
-    slices = seed_split_slices(problem, tiles, 64, sms, 2)    # 1 unless one wave of 2 slices and K allows
-    if slices < 2 or 4 * tiles < sms:
-        return None
-    return Kernel(
-        target=Target("sm90a"),
-        tile=Tile(block=(128, 64, 64), warps=(8, 1)),
-        mma=Mma("wgmma", (64, 64, 16)),
-        pipeline=Pipeline("tma_ws", "auto", schedule="cooperative", persistent=False),
-        swizzle=Swizzle(smem=(3, 3, 3)),
-        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
-        splitk=SplitK("split_k", slices, "cluster"),
-        epilogue=Epilogue("direct", 2),
-    )
-
-
 def raster_for(problem: Problem, bm: int, bn: int, sms: int) -> Swizzle:
     tm, tn = ceil_div(problem.m, bm), ceil_div(problem.n, bn)
     if tm * tn < MANY_WAVES * sms // 2:
@@ -208,7 +181,7 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
                 f"({fill:.0%} of SM-slots busy), intensity {intensity(bm, bn):.2f} of 128x256"))
 
     # An odd K on Hopper: copy A and B aligned (the repack node), then TMA + wgmma; the tile by output size first.
-    if arch == "sm90a" and alignment(problem) < 8 and repack_lowered(problem):
+    if arch == "sm90a" and alignment(problem) < 8 and cuda_ptx_lowered(problem):
         best = repack_tile(problem, sms)
         for block in REPACK_TILES:
             t = tiles_of(problem, block[0], block[1])
@@ -238,7 +211,7 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
                     9.8, cluster, f"split: {tiles_of(problem, 64, 64)} tiles of 64x64 and K={k}: split-K "
                     f"{cluster.splitk.slices} in a thread-block cluster (the slices add up in each other's shared "
                     "memory, one barrier round trip; bench/NOTES.md, cluster split-K)", backend="cuda_ptx"))
-        coop = coop_cluster_split_kernel(problem, sms) if hopper else None
+        coop = coop_split_kernel(problem, sms) if hopper else None
         if coop is not None:
             out.append(Candidate(
                 9.9, coop, f"split: {tiles_of(problem, 128, 64)} cooperative tiles of 128x64 and K={k}: split-K "

@@ -352,7 +352,7 @@ def _splitk_kernels() -> dict[str, Kernel]:
     kernels["cluster_w4x1_64x128x64_auto_s4"] = lat((64, 128, 64), "auto", SplitK("split_k", 4, "cluster"))
     kernels["cluster_coop_128x128x64_nonpersistent_s4"] = ptx(
         block=(128, 128, 64), persistent=False, raster=("along_n", 1)).replace(splitk=SplitK("split_k", 4, "cluster"))
-    # The rules' tile for M <= 128 with a long K (policy/rules.coop_cluster_split_kernel): 128x64, two consumers.
+    # The seed's and the rules' tile for 64 < M <= 128 with a long K (l2ir.seed.coop_split_kernel): 128x64, two consumers.
     for s in (2, 4):
         kernels[f"cluster_coop_128x64x64_nonpersistent_s{s}"] = ptx(
             block=(128, 64, 64), persistent=False, raster=("along_n", 1)).replace(

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from l2ir.edits import parse_edits, print_edits
 from l2ir.indexing import ceil_div
-from l2ir.nodes import Problem
+from l2ir.nodes import Problem, SplitK
 from l2ir.seed import seed
 from l2ir.testing import problems
 from l2ir.verify import resolved_stages
@@ -212,7 +212,10 @@ def test_rules_skinny_m_long_k_splits_cooperative_128x64_tiles_in_a_cluster():
     from l2ir.backends.registry import lower
 
     def coop_split(p):
-        ctx = Context(p, seed(p, "sm90a"), count=12, arch="sm90a")
+        # From the CUTLASS stream-K kernel (the sm90a seed outside this rule's shapes): the seed itself is now the
+        # rule's kernel where the rule applies, and a parent is never proposed again (below).
+        parent = hopper_kernel(p, 128, 128, "cooperative", splitk=SplitK("stream_k"))
+        ctx = Context(p, parent, count=12, arch="sm90a")
         props = Rules().propose(ctx)
         hits = [q for q in props if "cooperative tiles of 128x64" in q.note]
         return ctx, props, hits
@@ -226,6 +229,13 @@ def test_rules_skinny_m_long_k_splits_cooperative_128x64_tiles_in_a_cluster():
         assert (kernel.splitk.slices, kernel.splitk.reduce, hits[0].backend) == (2, "cluster", "cuda_ptx")
         assert 66 <= 2 * tiles_of(p, 128, 64) <= 132, shape
         assert lower(kernel, p, "cuda_ptx").workspace_for(*p.shape) == 0
+    # The seed is the rule's kernel here (l2ir.seed.coop_split_kernel), lowered by cuda_ptx by default; the rules,
+    # which name cuda_ptx, must not propose it again as a child of itself.
+    p = Problem(127, 4096, 4096)
+    parent = seed(p, "sm90a")
+    assert parent.tile.block == (128, 64, 64) and parent.splitk.reduce == "cluster"
+    props = Rules().propose(Context(p, parent, count=12, arch="sm90a"))
+    assert props and all(q.apply(parent, p) != parent for q in props), [q.note for q in props]
     for shape in ((64, 4096, 4096),      # M <= 64: half of every 128-row tile would be padding
                   (256, 2048, 4096),     # M > 128: two rows of tiles
                   (128, 4352, 4096),     # 68 tiles: two slices would be 136 blocks, more than one wave
@@ -405,7 +415,7 @@ def test_fit_backend_keeps_what_cuda_ptx_lowers():
     tile (made non-persistent), drops only what the rule does not generate (stream-K, atomics, clusters, the TMA
     store), and the child lowers; the repack action lands on cuda_ptx too."""
     from l2ir.backends.registry import lower
-    from l2ir.nodes import Epilogue, SplitK
+    from l2ir.nodes import Epilogue
     from l2ir.policy.actions import fit_backend
 
     p = Problem(512, 512, 8192)

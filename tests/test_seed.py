@@ -19,8 +19,8 @@ def test_seed_is_legal_and_applicable(problem, arch):
     assert kernel.target.arch == arch
     # TMA needs 16-byte aligned rows (A and B loaded, C stored by TMA): aligned problems get the wgmma path, and so
     # does an odd K with M >= 64 in the class the repack kernels are generated for (A and B copied aligned first).
-    from l2ir.seed import REPACK_MIN_M, repack_lowered, alignment, store_vector
-    repack = arch == "sm90a" and alignment(problem) < 8 and problem.m >= REPACK_MIN_M and repack_lowered(problem)
+    from l2ir.seed import REPACK_MIN_M, cuda_ptx_lowered, alignment, store_vector
+    repack = arch == "sm90a" and alignment(problem) < 8 and problem.m >= REPACK_MIN_M and cuda_ptx_lowered(problem)
     assert (kernel.mma.op == "wgmma") == (arch == "sm90a" and store_vector(problem) == 8 or repack)
     assert (kernel.repack is not None) == repack
 
@@ -32,6 +32,10 @@ def test_seed_is_legal_and_applicable(problem, arch):
     ((1000, 1000, 1000), "sm90a", ("wgmma", "cooperative", (128, 128, 64), "stream_k")),
     ((64, 4096, 4096), "sm90a", ("wgmma", "cooperative", (128, 128, 64), "stream_k")),
     ((1001, 1000, 1000), "sm90a", ("wgmma", "cooperative", (128, 128, 64), "stream_k")),  # M is no leading dim
+    # 64 < M <= 128 with a long K: cooperative 128x64 tiles, split in two in a cluster, one wave of blocks.
+    ((127, 4096, 4096), "sm90a", ("wgmma", "cooperative", (128, 64, 64), "split_k")),
+    ((100, 3000, 4104), "sm90a", ("wgmma", "cooperative", (128, 64, 64), "split_k")),
+    ((128, 8192, 8192), "sm90a", ("wgmma", "cooperative", (128, 128, 64), "stream_k")),    # 128 tiles: two waves
     # An odd K: A and B copied to aligned rows (repack), then TMA; by output size 64x64, 128x128 or 128x256 tiles.
     ((1000, 1000, 1001), "sm90a", ("wgmma", "cooperative", (128, 128, 64), None)),
     ((333, 555, 777), "sm90a", ("wgmma", "pingpong", (64, 64, 64), None)),
@@ -47,6 +51,19 @@ def test_seed_regimes(shape, arch, expect):
     k = seed(Problem(*shape), arch)
     split = k.splitk.mode if k.splitk else None
     assert (k.mma.op, k.pipeline.schedule, k.tile.block, split) == expect
+
+
+def test_seed_coop_split_computes_the_product_and_keeps_to_its_problem_class():
+    """The cooperative 128x64 cluster split seed (64 < M <= 128; 33 tiles x 2 slices here) computes the product in the
+    interpreter; a B stored K x N (not the raw-PTX kernels' K-major B) keeps the CUTLASS stream-K seed."""
+    p = Problem(65, 2112, 512)
+    k = seed(p, "sm90a")
+    assert (k.tile.block, k.splitk.slices, k.splitk.reduce) == ((128, 64, 64), 2, "cluster")
+    a, b = random_inputs(p, np.random.default_rng(1))
+    c = interpret(k, p, a, b).c.astype(np.float64)
+    assert np.all(np.abs(c - reference(a, b)) <= error_bound(p, a, b))
+    row_b = Problem(65, 2112, 512, b=("f16", "row"))
+    assert seed(row_b, "sm90a").splitk.mode == "stream_k"
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90a"])
