@@ -20,7 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from l2ir.search.report import ShapeResult, fresh_summary
+from l2ir.search.db import split_problem
+from l2ir.search.records import JsonlStore
+from l2ir.search.report import REGIMES, ShapeResult, fresh_summary, gflop
 
 
 class DeriveError(Exception):
@@ -38,19 +40,13 @@ def _load(prefix: str) -> tuple[dict, dict[tuple, set[str]]]:
         raise DeriveError(f"{summary_path}: not JSON (line {e.lineno}): {e.msg}") from None
     if "shapes" not in summary or "problem_class" not in summary:
         raise DeriveError(f"{summary_path}: not a bench summary (no 'shapes' or 'problem_class')")
+    if not evals_path.is_file():
+        raise DeriveError(f"{evals_path}: cannot read: no such file")
     evaluated: dict[tuple, set[str]] = {}
-    try:
-        lines = evals_path.read_text().splitlines()
-    except OSError as e:
-        raise DeriveError(f"{evals_path}: cannot read: {e.strerror}") from None
-    for line in lines:
-        try:
-            rec = json.loads(line)
-            dims = dict(part.split("=") for part in rec["problem"].split()[1:4])
-            shape = (int(dims["m"]), int(dims["n"]), int(dims["k"]))
+    for rec in JsonlStore(evals_path):          # a line cut by a kill is skipped, as every reader of these files does
+        shape = split_problem(str(rec.get("problem", "")))[0]
+        if shape is not None and isinstance(rec.get("kernel_hash"), str):
             evaluated.setdefault(shape, set()).add(rec["kernel_hash"][:12])
-        except (json.JSONDecodeError, KeyError, ValueError, TypeError, AttributeError):
-            continue                    # a line cut by a kill, as search.db's import skips it
     return summary, evaluated
 
 
@@ -70,15 +66,16 @@ def derive(prefixes: list[str]) -> dict:
                 continue
             if now["best_hash"][:12] in evaluated.get(shape, set()):
                 replaced.append({"shape": list(shape), "from": now["source"], "to": Path(prefix).name,
-                                 "speedup_before": now["fresh"].get("speedup"), "speedup_after": r["fresh"].get("speedup"),
+                                 "speedup_before": now["fresh"].get("speedup"),
+                                 "speedup_after": r["fresh"].get("speedup"),
                                  "winner_before": now.get("best_name"), "winner_after": r.get("best_name")})
                 rows[shape] = dict(r, source=Path(prefix).name)
     results = [ShapeResult(shape=s, best_name=r.get("best_name"), best_hash=r.get("best_hash"),
                            offline=r.get("offline") or {}, fresh=r["fresh"]) for s, r in sorted(rows.items())]
     summary = fresh_summary(results, base["problem_class"], base.get("environment") or {})
     below = {label: sorted([list(r.shape), round(r.fresh["speedup"], 3)] for r in results
-                           if lo <= 2 * r.shape[0] * r.shape[1] * r.shape[2] < hi and r.fresh.get("speedup", 1) < 0.9)
-             for lo, hi, label in ((0, 1e9, "< 1 GFLOP"), (1e9, 1e11, "1-100 GFLOP"))}
+                           if lo <= gflop(r.shape) * 1e9 < hi and r.fresh.get("speedup", 1) < 0.9)
+             for lo, hi, label in REGIMES[:2]}       # the families benchmark's regimes: below 100 GFLOP
     return {"runs": [Path(p).name for p in prefixes], "problem_class": base["problem_class"],
             "environment": base.get("environment"), "replaced": replaced, "below_0.9x": below,
             "rows": [{"shape": list(s), "source": r["source"], "winner": r.get("best_name"),
@@ -106,7 +103,8 @@ def main(argv=None) -> int:
             print(f"{label:>12}: {reg['shapes']:3d} shapes, fresh geomean {reg['fresh_geomean_speedup']:.3f}x, "
                   f"min {reg['fresh_min_speedup']:.3f}x, below 0.9x: {result['below_0.9x'].get(label, '-')}")
     g = result["groups"]
-    print(f"   unaligned: {g['unaligned']['shapes']} shapes, fresh geomean {g['unaligned']['fresh_geomean_speedup']:.3f}x")
+    print(f"   unaligned: {g['unaligned']['shapes']} shapes, "
+          f"fresh geomean {g['unaligned']['fresh_geomean_speedup']:.3f}x")
     if "dram_bound" in g:
         print(f"  DRAM-bound: {g['dram_bound']['shapes']} shapes, median roofline share kernel "
               f"{g['dram_bound']['median_kernel_share']:.3f}, torch {g['dram_bound']['median_torch_share']:.3f}")

@@ -723,6 +723,12 @@ class Dispatcher:
         like: list = []
         empty_like, contiguous = torch.empty_like, torch.contiguous_format
 
+        def template(a):
+            t = a.new_empty(()).expand(shape)
+            if not capturing():
+                like.append(t)
+            return t
+
         def keep(a, st):
             if over:
                 return fresh(a)
@@ -753,16 +759,7 @@ class Dispatcher:
                 # TMA, cp.async and vector loads need 16-byte aligned operands; a view can start anywhere.
                 mine["misaligned"] += 1
                 return fn(a, b) if out is None else fn(a, b, out=out)
-            if out is None:
-                if like:
-                    c = empty_like(like[0], memory_format=contiguous)
-                else:
-                    template = a.new_empty(()).expand(shape)
-                    if not capturing():
-                        like.append(template)
-                    c = empty_like(template, memory_format=contiguous)
-            else:
-                c = out
+            c = empty_like(like[0] if like else template(a), memory_format=contiguous) if out is None else out
             st = stream_of(index)
             if ws_bytes:
                 if a.is_cuda and capturing():

@@ -211,12 +211,13 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
                     9.8, cluster, f"split: {tiles_of(problem, 64, 64)} tiles of 64x64 and K={k}: split-K "
                     f"{cluster.splitk.slices} in a thread-block cluster (the slices add up in each other's shared "
                     "memory, one barrier round trip; bench/NOTES.md, cluster split-K)", backend="cuda_ptx"))
-        coop = coop_split_kernel(problem, sms) if hopper else None
-        if coop is not None:
-            out.append(Candidate(
-                9.9, coop, f"split: {tiles_of(problem, 128, 64)} cooperative tiles of 128x64 and K={k}: split-K "
-                f"{coop.splitk.slices} in a thread-block cluster, {tiles_of(problem, 128, 64) * coop.splitk.slices} "
-                "blocks, half the K loop each (bench/results/cublas_tiles_h200.json)", backend="cuda_ptx"))
+            coop = coop_split_kernel(problem, sms)
+            if coop is not None:
+                out.append(Candidate(
+                    9.9, coop, f"split: {tiles_of(problem, 128, 64)} cooperative tiles of 128x64 and K={k}: split-K "
+                    f"{coop.splitk.slices} in a thread-block cluster, "
+                    f"{tiles_of(problem, 128, 64) * coop.splitk.slices} blocks, half the K loop each "
+                    "(bench/results/cublas_tiles_h200.json)", backend="cuda_ptx"))
         out.append(Candidate(9.0 if not hopper else 7.5,
                              sm80_kernel(problem, (64, 64, 32), (2, 2), 4, slices),
                              why + f": split-K {slices} (sm80 rule, fp32 partials reduced in the workspace)"))

@@ -272,7 +272,8 @@ def _bench_run(folder, name, rows, evaluated):
     shapes = [{"shape": list(s), "best_name": f"cfg/{h}", "best_hash": h + "0" * 52,
                "fresh": {"speedup": x, "kernel_us": 10.0 / x, "torch_us": 10.0}} for s, h, x in rows]
     (folder / f"{name}.json").write_text(json.dumps({"problem_class": cls, "shapes": shapes, "environment": {}}))
-    lines = [json.dumps({"problem": f"gemm m={m} n={n} k={k} {cls}", "kernel_hash": h + "0" * 52})
+    lines = [json.dumps({"problem": f"gemm m={m} n={n} k={k} {cls}", "kernel_hash": h + "0" * 52,
+                         "scenario": "offline"})
              for (m, n, k), hs in evaluated.items() for h in hs]
     (folder / f"{name}.jsonl").write_text("\n".join(lines + ['{"cut by a kill']) + "\n")   # a killed run's last line
     return str(folder / name)
