@@ -17,7 +17,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from l2ir.analysis import cluster_reduce
+from l2ir.analysis import block_reduce, cluster_reduce
 from l2ir.errors import L2IRError, LoweringError
 from l2ir.nodes import Kernel, Problem
 from l2ir.runtime import LaunchPlan
@@ -79,9 +79,9 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("cutlass_sm90", "l2ir.backends.cutlass_sm90", Schedule("wgmma", "tma_ws", ("workspace", "atomic"))),
     # Raw CUDA + inline PTX, asked for by name. Rules are keyed by what the kernel computes with, not by its
     # target: an mma.sync + cp.async schedule on sm90 is the sm80 rule's kernel. The sm90a rule is also the default
-    # for what only it lowers: split-K reduced in a thread-block cluster, and the repack node.
+    # for what only it lowers: split-K reduced in a thread-block cluster or inside one block, and the repack node.
     Backend("cuda_ptx", "l2ir.backends.cuda_ptx.sm90a", Schedule("wgmma", "tma_ws", repacks=True),
-            default=lambda k: cluster_reduce(k) or k.repack is not None),
+            default=lambda k: cluster_reduce(k) or block_reduce(k) or k.repack is not None),
     Backend("cuda_ptx_sm80", "l2ir.backends.cuda_ptx.sm80", Schedule("mma_sync", "multistage"), default=False),
 )}
 

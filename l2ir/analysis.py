@@ -115,13 +115,21 @@ def smem_bytes(kernel: Kernel, ebytes: int = 2) -> int:
 
 
 def warpgroups_m(kernel: Kernel) -> int:
-    """wgmma: the consumer warpgroups stacked along M (4 warps each), each owning BM / warpgroups_m rows."""
+    """wgmma: the consumer warpgroups stacked along M (4 warps each), each owning BM / warpgroups_m rows. With
+    reduce=block the two consumer warpgroups split the K loop instead, each over all BM rows."""
+    if block_reduce(kernel):
+        return 1
     return max(1, kernel.tile.warps[0] // 4)
 
 
 def cluster_reduce(kernel: Kernel) -> bool:
     """split-K whose slices reduce inside a thread-block cluster (l2ir.indexing.ClusterReduce)."""
     return kernel.splitk is not None and kernel.splitk.reduce == "cluster"
+
+
+def block_reduce(kernel: Kernel) -> bool:
+    """split-K whose 2 slices are one block's consumer warpgroups (l2ir.indexing.BlockSplit)."""
+    return kernel.splitk is not None and kernel.splitk.reduce == "block"
 
 
 def acc_registers(kernel: Kernel, acc_bytes: int = 4) -> int:

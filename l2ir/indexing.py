@@ -285,14 +285,15 @@ def smem_swizzle(bits: int, base: int, shift: int) -> Expr:
 SLICE, K_TILES = Var("slice"), Var("k_tiles")
 
 
-def splitk_range(slices: int) -> tuple[Expr, Expr]:
+def splitk_range(slices: int, slice_: Expr = SLICE) -> tuple[Expr, Expr]:
     """Split-K partition: slice `slice` of `slices` owns k tiles [begin, end) of k_tiles; the ranges tile [0, k_tiles).
+    `slice_` is the expression that names the slice (the variable `slice` unless a schedule derives it).
 
     Each slice gets cdiv(k_tiles, slices) tiles except the tail; a slice whose range is empty still writes a zero
     partial, so the reduction never reads unwritten workspace.
     """
     per = cdiv(K_TILES, slices)
-    begin = emin(SLICE * per, K_TILES)
+    begin = emin(slice_ * per, K_TILES)
     end = emin(begin + per, K_TILES)
     return begin, end
 
@@ -464,6 +465,40 @@ class ClusterReduce:
         for p in partials[1:]:
             total = total + p
         return total
+
+
+STEP, POSITION = Var("step"), Var("position")
+
+
+@dataclass(frozen=True)
+class BlockSplit:
+    """split-K reduce=block: one block's two consumer warpgroups each take one slice of the tile's K loop
+    (splitk_range with 2 slices: warpgroup `slice` owns k tiles [begin, end), slice 0 the longer range, by at most
+    one tile), fed from one stage ring.
+
+    The producer loads the slices' k tiles in turn: ring position p holds k tile `k_tile` (slice p % 2, its
+    (p / 2)-th tile), for p = 0 .. k_tiles - 1. A consumer finds its `step`-th k tile at ring position `position`
+    (stage = position % STAGES, phase = position / STAGES % 2); l2ir.interp checks every consumer's position
+    against the tile the producer put there. Each warpgroup keeps only its own k tiles in flight, so both run the
+    K loop at once on half of it, as two blocks of a split would, without a second block or a workspace.
+
+    After the loop the warpgroups add their partials through shared memory with ClusterReduce(2)'s fragment
+    ownership: each stores the fragment units the other owns, and each sums and stores the units it owns (slice
+    order 0 + 1; fp32 addition commutes, so C is bit-identical whichever warpgroup adds)."""
+
+    SLICES = 2
+
+    @classmethod
+    def k_tile(cls) -> Expr:
+        """The k tile the producer loads at ring position `position`."""
+        begin, _ = splitk_range(cls.SLICES, POSITION % cls.SLICES)
+        return begin + POSITION // cls.SLICES
+
+    @classmethod
+    def position(cls) -> Expr:
+        """Ring position of slice `slice`'s `step`-th k tile. The slices alternate, and the shorter one (1) is
+        at most one tile shorter, so it never runs out while slice 0 still has two tiles."""
+        return STEP * cls.SLICES + SLICE
 
 
 # Operand repacking (the repack node).

@@ -5,7 +5,8 @@ backends render to C++), the K loop through a ring of `stages` shared-memory slo
 permutation, each dimension's padding mode (zero-filled loads, or predicated loads that leave poison in shared
 memory and are masked out of the MMA and the store), accumulation in the accumulator dtype at the MMA's K step,
 split-K partials through a workspace and their pairwise-tree reduction (l2ir.indexing.SplitKTree) or through a
-cluster's shared memory, each block storing its share (l2ir.indexing.ClusterReduce), stream-K segments and their
+cluster's shared memory, each block storing its share (l2ir.indexing.ClusterReduce), or through one block's shared
+memory from two consumer warpgroups fed by one ring (l2ir.indexing.BlockSplit), stream-K segments and their
 fix-up, and an epilogue that rounds to the output dtype and stores in vectors. It counts every write of C
 and of the workspace and raises InterpError unless each element of C is written exactly once and each workspace slot
 as often as the split-K tree says.
@@ -23,9 +24,10 @@ import ml_dtypes
 import numpy as np
 
 from .errors import InterpError
-from .indexing import REPACK_ALIGN, ClusterReduce, Repack, SplitKTree, ceil_div, rasterize, smem_swizzle, splitk_range
+from .indexing import (REPACK_ALIGN, BlockSplit, ClusterReduce, Repack, SplitKTree, ceil_div, rasterize, smem_swizzle,
+                       splitk_range)
 from .nodes import Kernel, Problem
-from .analysis import cluster_reduce, resolved_stages, warpgroups_m
+from .analysis import block_reduce, cluster_reduce, resolved_stages, warpgroups_m
 from .target import H200_SMS, UNIT_ROUNDOFF
 from .verify import check_problem
 
@@ -136,15 +138,11 @@ class _Schedule:
         ring_a = _Ring(self.stages, self.bm, self.bk, self.perm_a, self.in_dtype, np.nan)
         ring_b = _Ring(self.stages, self.bn, self.bk, self.perm_b, self.in_dtype, np.nan)
         acc = np.zeros((self.bm, self.bn), dtype=self.acc_dtype)
-        bt = self.b.T   # B is consumed K-major (N x K), as the MMA's "col" operand
-        predicate_k = self.kernel.pad.k == "predicate"
         stages, n = self.stages, ke - kb
 
         def produce(i: int) -> None:
             """The copy of k tile kb+i into its ring slot."""
-            kt = kb + i
-            ring_a.store(i % stages, self._tile(self.a, tm * self.bm, self.bm, kt * self.bk, self.bk, "m", "k"))
-            ring_b.store(i % stages, self._tile(bt, tn * self.bn, self.bn, kt * self.bk, self.bk, "n", "k"))
+            self._load(ring_a, ring_b, i % stages, tm, tn, kb + i)
 
         # The producer runs stages-1 tiles ahead: the prologue fills all but one slot, and each iteration refills
         # the slot consumed one iteration earlier before it consumes its own. A wrong slot mapping therefore
@@ -158,21 +156,67 @@ class _Schedule:
                 produce(i + ahead)
             elif not ahead:
                 produce(i)          # one stage: load, wait, compute
-            slot = i % stages
-            a_t = ring_a.load(slot).astype(np.float32)
-            b_t = ring_b.load(slot).astype(np.float32)
-            valid_k = min(self.bk, self.problem.k - kt * self.bk) if predicate_k else self.bk
-            # Rows of A past M and columns of B past N may hold poison under predicate padding: they only reach
-            # accumulator rows/columns that the store masks. K columns past K are masked here, as the residue
-            # iteration of a predicated main loop does.
-            if self.acc_dtype == np.float32:
-                acc += a_t[:, :valid_k] @ b_t[:, :valid_k].T
-            else:
-                for kk in range(0, valid_k, self.mma_k):
-                    kw = min(kk + self.mma_k, valid_k)
-                    prod = a_t[:, kk:kw] @ b_t[:, kk:kw].T
-                    acc = (acc.astype(np.float32) + prod).astype(self.acc_dtype)
+            acc = self._accumulate(acc, ring_a, ring_b, i % stages, kt)
         return acc
+
+    def _load(self, ring_a: _Ring, ring_b: _Ring, slot: int, tm: int, tn: int, kt: int) -> None:
+        """The copy of k tile kt of output tile (tm, tn)'s A rows and B columns into ring slot `slot`."""
+        ring_a.store(slot, self._tile(self.a, tm * self.bm, self.bm, kt * self.bk, self.bk, "m", "k"))
+        ring_b.store(slot, self._tile(self.b.T, tn * self.bn, self.bn, kt * self.bk, self.bk, "n", "k"))
+
+    def _accumulate(self, acc: np.ndarray, ring_a: _Ring, ring_b: _Ring, slot: int, kt: int) -> np.ndarray:
+        """acc += the MMAs over ring slot `slot`, which holds k tile kt."""
+        a_t = ring_a.load(slot).astype(np.float32)
+        b_t = ring_b.load(slot).astype(np.float32)
+        valid_k = min(self.bk, self.problem.k - kt * self.bk) if self.kernel.pad.k == "predicate" else self.bk
+        # Rows of A past M and columns of B past N may hold poison under predicate padding: they only reach
+        # accumulator rows/columns that the store masks. K columns past K are masked here, as the residue
+        # iteration of a predicated main loop does.
+        if self.acc_dtype == np.float32:
+            acc += a_t[:, :valid_k] @ b_t[:, :valid_k].T
+        else:
+            for kk in range(0, valid_k, self.mma_k):
+                kw = min(kk + self.mma_k, valid_k)
+                prod = a_t[:, kk:kw] @ b_t[:, kk:kw].T
+                acc = (acc.astype(np.float32) + prod).astype(self.acc_dtype)
+        return acc
+
+    def _block_split_partials(self, tm: int, tn: int, k_cover: dict) -> list[np.ndarray]:
+        """reduce=block (l2ir.indexing.BlockSplit): the producer fills one ring with k tile BlockSplit.k_tile at
+        ring position 0, 1, ..., and consumer warpgroup `slice` reads its `step`-th tile of its splitk_range at ring
+        position BlockSplit.position. Every slot remembers the k tile the producer put there; a consumer that finds
+        another tile than the one its range says (a wrong position, or a slot overwritten before it was read)
+        raises. Returns the two fp32 partials."""
+        stages, slices, env = self.stages, BlockSplit.SLICES, {"k_tiles": self.k_tiles}
+        begin, end = splitk_range(slices)
+        ranges = [(int(begin.eval({**env, "slice": s})), int(end.eval({**env, "slice": s}))) for s in range(slices)]
+        loads = [int(BlockSplit.k_tile().eval({**env, "position": p})) for p in range(self.k_tiles)]
+        position = BlockSplit.position()
+        reads = sorted((int(position.eval({**env, "step": j, "slice": s})), s, kb + j)
+                       for s, (kb, ke) in enumerate(ranges) for j in range(ke - kb))
+        if [r[0] for r in reads] != list(range(self.k_tiles)):
+            raise InterpError(f"tile ({tm}, {tn}): the consumers' ring positions {[r[0] for r in reads]} are not the "
+                              f"producer's {self.k_tiles} loads")
+        ring_a = _Ring(stages, self.bm, self.bk, self.perm_a, self.in_dtype, np.nan)
+        ring_b = _Ring(stages, self.bn, self.bk, self.perm_b, self.in_dtype, np.nan)
+        tags = [-1] * stages
+        accs = [np.zeros((self.bm, self.bn), dtype=self.acc_dtype) for _ in range(slices)]
+        produced = 0
+        for pos, s, kt in reads:
+            # The producer fills every slot the empty barriers give it: up to `stages` positions from the oldest
+            # unread one, whose slot is the last it may not overwrite.
+            while produced < min(pos + stages, self.k_tiles):
+                self._load(ring_a, ring_b, produced % stages, tm, tn, loads[produced])
+                tags[produced % stages] = loads[produced]
+                produced += 1
+            if tags[pos % stages] != kt:
+                raise InterpError(f"tile ({tm}, {tn}): consumer warpgroup {s} expected k tile {kt} in ring slot "
+                                  f"{pos % stages}, which holds k tile {tags[pos % stages]}")
+            accs[s] = self._accumulate(accs[s], ring_a, ring_b, pos % stages, kt)
+        for kb, ke in ranges:
+            if ke > kb:
+                k_cover.setdefault((tm, tn), []).append((kb, ke))
+        return [acc.astype(np.float32) for acc in accs]
 
     # ---- epilogue -------------------------------------------------------------------------------------------
     def store(self, c: np.ndarray, writes: np.ndarray, tm: int, tn: int, tile: np.ndarray,
@@ -225,8 +269,8 @@ class _Schedule:
             for tm, tn in order:
                 self.store(c, writes, tm, tn, self.mainloop(tm, tn, 0, self.k_tiles))
                 k_cover[(tm, tn)] = [(0, self.k_tiles)]
-        elif cluster_reduce(self.kernel):
-            self._split_k_cluster(c, writes, order, sk.slices, k_cover)
+        elif cluster_reduce(self.kernel) or block_reduce(self.kernel):
+            self._split_k_owned(c, writes, order, sk.slices, k_cover)
         elif sk.mode == "split_k":
             ws_writes, ws_expected = self._split_k(c, writes, order, sk.slices, k_cover)
         else:
@@ -301,18 +345,24 @@ class _Schedule:
         expected[...] = np.array(tree.slot_writes(), dtype=np.int32)[:, None, None]
         return ws_writes, expected
 
-    def _split_k_cluster(self, c, writes, order, slices, k_cover):
-        """Split-K reduced inside a thread-block cluster (l2ir.indexing.ClusterReduce): the tile's `slices` blocks
-        accumulate their slices' k tiles; block `rank` then stores only the fragment units `owner` gives it, each the
-        sum of all the cluster's partials in slice order. An ownership map that hands units to ranks the cluster
-        does not have leaves elements of C unwritten, which the final write count catches."""
+    def _split_k_owned(self, c, writes, order, slices, k_cover):
+        """Split-K reduced through shared memory with the fragment ownership of l2ir.indexing.ClusterReduce: the
+        tile's `slices` blocks of a thread-block cluster (reduce=cluster), or the block's two consumer warpgroups
+        fed from one ring (reduce=block, `_block_split_partials`), accumulate their slices' k tiles; rank `rank`
+        then stores only the fragment units `owner` gives it, each the sum of all the partials in slice order. An
+        ownership map that hands units to ranks that do not exist leaves elements of C unwritten, which the final
+        write count catches."""
         cr = ClusterReduce(slices)
         warpgroups = warpgroups_m(self.kernel)
         rows, cols = np.arange(self.bm)[:, None], np.arange(self.bn)[None, :]
         fragment = cr.fragment_of(self.bm // warpgroups, self.bn).eval({"row": rows, "col": cols})
         owner = np.broadcast_to(cr.owner.eval({"fragment": fragment}), (self.bm, self.bn))
         for tm, tn in order:
-            total = cr.reduce([self._slice_partial(tm, tn, s, slices, k_cover) for s in range(slices)])
+            if block_reduce(self.kernel):
+                partials = self._block_split_partials(tm, tn, k_cover)
+            else:
+                partials = [self._slice_partial(tm, tn, s, slices, k_cover) for s in range(slices)]
+            total = cr.reduce(partials)
             for rank in range(slices):
                 self.store(c, writes, tm, tn, total, mask=owner == rank)
 

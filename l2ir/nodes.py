@@ -447,14 +447,16 @@ class SplitK(Node):
     to C: through a workspace (reduce=workspace: a fixed-order reduction, in the GEMM kernel or a second one), fp32
     atomics (reduce=atomic), or, on sm90, inside one thread-block cluster of the tile's `slices` blocks, which add
     each other's partials from distributed shared memory (reduce=cluster: no workspace, no atomics; see
-    l2ir.indexing.ClusterReduce).
+    l2ir.indexing.ClusterReduce), or inside one block whose two consumer warpgroups each take one of 2 slices of
+    the tile's K loop from one shared stage ring and add each other's partials through shared memory (reduce=block;
+    see l2ir.indexing.BlockSplit).
     stream_k: a persistent grid splits the total MAC-loop iterations evenly over the SMs; tiles cut between two
     blocks are fixed up through the workspace. `slices` caps the pieces per tile (1 = scheduler heuristic)."""
 
     kind: ClassVar[str] = "splitk"
     mode: str = f(Choice(("split_k", "stream_k")))
     slices: int = f(Int(1, 64), 1)
-    reduce: str = f(Choice(("workspace", "atomic", "cluster")), "workspace")
+    reduce: str = f(Choice(("workspace", "atomic", "cluster", "block")), "workspace")
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ from .errors import (EpilogueError, ExprError, MmaError, PadError, PipelineError
                      SourceError, SplitKError, SwizzleError, TargetError, TileError, VerifyError)
 from .indexing import LAUNCH_VARS, REPACK_ALIGN, ceil_div, leaves_empty_slice
 from .nodes import OPTIONAL_NODES, SCHEDULE_NODES, Kernel, Problem
-from .analysis import (acc_registers, cluster_reduce, elem_bytes, epilogue_smem_bytes, estimated_registers,
-                       resolved_stages, ring_bytes, ring_description, smem_bytes, threads)
+from .analysis import (acc_registers, block_reduce, cluster_reduce, elem_bytes, epilogue_smem_bytes,
+                       estimated_registers, resolved_stages, ring_bytes, ring_description, smem_bytes, threads,
+                       warpgroups_m)
 from .target import (BLOCK_DIM_MAX, CLUSTER_ARCHS, DTYPE_BYTES, KB, MAX_CLUSTER, MAX_CLUSTER_NONPORTABLE, MAX_REGS,
                      MAX_THREADS, MAX_WGMMA_ACC_REGS, MMA_SYNC_SHAPES, SMEM_LIMIT, TMA_BOX_MAX)
 
@@ -175,7 +176,7 @@ def _warp_tile(k: Kernel):
     if k.mma.op == "wgmma":
         if wm % 4:
             return f"wgmma is issued by warpgroups of 4 warps stacked along M; warps={wm}x{wn} has {wm} along M"
-        gm = wm // 4
+        gm = warpgroups_m(k)
         if bm % (gm * 64):
             return f"BM={bm} must split into {gm} warpgroup tile(s) of a multiple of 64 rows"
         if bn % wn or bn // wn != mn:
@@ -313,13 +314,14 @@ def _smem(k: Kernel):
 @rule("splitk", "cluster_partial_fits", ResourceError)
 def _cluster_partial(k: Kernel):
     """reduce=cluster leaves each block's fp32 partial tile in its own shared memory, over its finished stage rings
-    (the other blocks of the cluster read it from there), so the rings must hold BM x BN x 4 bytes."""
-    if k.is_source or not cluster_reduce(k):
+    (the other blocks of the cluster read it from there), so the rings must hold BM x BN x 4 bytes. reduce=block
+    needs the same: each consumer warpgroup leaves the half of its partial the other one stores there."""
+    if k.is_source or not (cluster_reduce(k) or block_reduce(k)):
         return None
     partial, ring = k.tile.bm * k.tile.bn * 4, ring_bytes(k)
     if partial > ring:
-        return (f"reduce=cluster keeps the {k.tile.bm}x{k.tile.bn} fp32 partial ({partial / KB:.0f} KB) over the "
-                f"stage rings, which hold {ring / KB:.0f} KB ({ring_description(k)}): raise pipeline.stages")
+        return (f"reduce={k.splitk.reduce} keeps the {k.tile.bm}x{k.tile.bn} fp32 partial ({partial / KB:.0f} KB) "
+                f"over the stage rings, which hold {ring / KB:.0f} KB ({ring_description(k)}): raise pipeline.stages")
 
 
 @rule("tile", "register_budget", ResourceError)
@@ -329,7 +331,7 @@ def _registers(k: Kernel):
         acc = acc_registers(k)
         if acc > MAX_WGMMA_ACC_REGS:
             return (f"{acc} accumulator registers per consumer thread (tile {k.tile.bm}x{k.tile.bn} over "
-                    f"{k.tile.warps[0] // 4} warpgroup(s)) exceeds {MAX_WGMMA_ACC_REGS}")
+                    f"{warpgroups_m(k)} warpgroup(s) along M) exceeds {MAX_WGMMA_ACC_REGS}")
         return None
     est = estimated_registers(k)
     if est > MAX_REGS:
@@ -430,6 +432,24 @@ def _splitk(k: Kernel):
         if k.pipeline.persistent:
             return ("reduce=cluster launches one cluster per tile (one block per slice), not a persistent grid: set "
                     "pipeline.persistent=false")
+    if sk.reduce == "block":
+        # The slices are the block's two consumer warpgroups, fed from one stage ring in turn
+        # (l2ir.indexing.BlockSplit), and they add up through shared memory with the wgmma fragment ownership.
+        if k.mma.op != "wgmma" or k.pipeline.mode != "tma_ws":
+            return ("reduce=block splits the K loop between the consumer warpgroups of a warp-specialized wgmma "
+                    f"kernel, not mma.op={k.mma.op} pipeline.mode={k.pipeline.mode}: use reduce=workspace")
+        if sk.slices != 2:
+            return f"reduce=block gives each of the block's 2 consumer warpgroups one slice: slices=2, not {sk.slices}"
+        if k.pipeline.schedule != "cooperative":
+            return ("reduce=block needs the 2 consumer warpgroups of schedule=cooperative (warps=8x1), not "
+                    f"schedule={k.pipeline.schedule}")
+        if k.pipeline.persistent:
+            return "reduce=block reduces one tile per block: set pipeline.persistent=false"
+        if resolved_stages(k) < 3:
+            # A consumer releases its previous stage only once its next one is full, two ring positions on; with
+            # two stages the producer would wait for a release that waits for its own next load.
+            return (f"reduce=block needs at least 3 stages (has {resolved_stages(k)}): a consumer warpgroup holds "
+                    "its previous stage until its next one, two ring positions on, has landed")
 
 
 @rule("epilogue", "path_and_vector", EpilogueError)

@@ -293,8 +293,10 @@ def _cuda_ptx_small_families() -> dict[str, Kernel]:
 
 CUDA_PTX_SMALL = _cuda_ptx_small_families()
 # Skinny DRAM-bound, ragged (M, N and K tails), tiny, and a few-tiles shape; 100x1000x16264 (255 k tiles) is the
-# ragged shape that every slice count up to 32 admits (every slice owns a k tile).
-CUDA_PTX_SMALL_SHAPES = ((64, 1024, 16384), (100, 3000, 4104), (64, 64, 64), (128, 16384, 4096), (100, 1000, 16264))
+# ragged shape that every slice count up to 32 admits (every slice owns a k tile); 128x3072x4096 is whole tiles of
+# every tile, BN = 48 included.
+CUDA_PTX_SMALL_SHAPES = ((64, 1024, 16384), (100, 3000, 4104), (64, 64, 64), (128, 16384, 4096), (100, 1000, 16264),
+                         (128, 3072, 4096))
 
 
 @pytest.mark.gpu
@@ -316,7 +318,7 @@ def test_cuda_ptx_small_shape_families_pass_every_gate(evaluator, tmp_path_facto
     if kernel.splitk is not None:
         from l2ir.indexing import SplitKTree
 
-        tree = kernel.splitk.reduce == "workspace"      # reduce=cluster asks for no workspace
+        tree = kernel.splitk.reduce == "workspace"      # reduce=cluster and reduce=block ask for no workspace
         _assert_splitk_repeatable(kernel, plan, art, shapes[0], seed=7,
                                   counters_per_tile=SplitKTree(kernel.splitk.slices).counters if tree else None)
 
@@ -357,6 +359,14 @@ def _splitk_kernels() -> dict[str, Kernel]:
         kernels[f"cluster_coop_128x64x64_nonpersistent_s{s}"] = ptx(
             block=(128, 64, 64), persistent=False, raster=("along_n", 1)).replace(
                 splitk=SplitK("split_k", s, "cluster"))
+    # reduce=block (l2ir.indexing.BlockSplit): the two consumer warpgroups of one block split the K loop. The sweep's
+    # tiles at the ring that fills shared memory, the shallowest legal ring (3 stages: each consumer holds a stage
+    # two positions back), two 64-row slabs per warpgroup, and BN = 48 (an odd count of fragment units per slab).
+    for block, stages in (((64, 64, 64), "auto"), ((64, 128, 64), "auto"), ((64, 48, 64), "auto"),
+                          ((64, 64, 64), 3), ((128, 64, 64), 4)):
+        k = ptx(block=block, persistent=False, raster=("along_n", 1))
+        kernels[f"block_coop_{'x'.join(map(str, block))}_st{stages}"] = k.replace(
+            pipeline=dataclasses.replace(k.pipeline, stages=stages), splitk=SplitK("split_k", 2, "block"))
     return kernels
 
 

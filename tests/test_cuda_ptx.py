@@ -87,6 +87,13 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
             repack=Repack()), PROBLEM),
     "w4x1_64x64x64_splitk8_cluster_repack": (
         lat((64, 64, 64), splitk=SplitK("split_k", 8, "cluster"), repack=Repack()), PROBLEM),
+    "coop_64x64x64_splitk2_block": (
+        coop((64, 64, 64), pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=False),
+             splitk=SplitK("split_k", 2, "block")), PROBLEM),
+    "coop_128x48x64_s3_splitk2_block_bf16": (
+        coop((128, 48, 64), pipeline=Pipeline("tma_ws", 3, "cooperative", persistent=False),
+             splitk=SplitK("split_k", 2, "block")),
+        Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col"), c=("bf16", "row"))),
 }
 
 
@@ -306,6 +313,40 @@ def test_splitk_cluster_renders_the_cluster_reduction():
     assert "NonPortableClusterSize" not in src
     assert "cudaFuncAttributeNonPortableClusterSizeAllowed, 1" in lower(
         lat((64, 64, 64), splitk=SplitK("split_k", 16, "cluster")), PROBLEM).source
+
+
+def test_splitk_block_renders_the_block_reduction():
+    """split_k reduce=block: one block per tile (the grid is the tiles), each empty barrier counted by one
+    warpgroup's 4 warps, the producer loading ring position p's k tile (BlockSplit.k_tile) and each consumer reading
+    its step-th tile at BlockSplit.position, over all BM rows. After both warpgroups' last wgmma: a barrier of the
+    consumer threads, the units the other warpgroup owns stored over the ring, a second barrier, the owned units'
+    other half added, the owned units stored. No workspace, cluster, fence to global memory or atomic."""
+    from l2ir.indexing import BlockSplit, ClusterReduce
+
+    plan = lower(coop((64, 64, 64), pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=False),
+                      splitk=SplitK("split_k", 2, "block")), PROBLEM)
+    src = plan.source
+    kernel_src = src[src.index("__launch_bounds__"):src.index("// ---- trusted host code")]
+    producer = kernel_src[kernel_src.index("// ---- producer warpgroup"):kernel_src.index("// ---- consumer warpgroups")]
+    consumer = kernel_src[kernel_src.index("// ---- consumer warpgroups"):]
+    assert "mbar_init(bars + 8 * (STAGES + s), 4);" in kernel_src
+    assert f"const int kt = {BlockSplit.k_tile().to_cpp()};" in producer
+    assert "for (int position = 0; position < k_tiles; ++position) {" in producer
+    assert f"const int position = {BlockSplit.position().to_cpp()};" in consumer
+    assert "stage * A_STAGE_BYTES;   // all BM rows" in consumer and "cw * WG_M" not in consumer
+    owner, unit = ClusterReduce(2).owner.to_cpp(), ClusterReduce.unit(64).to_cpp()
+    order = ["wgmma_wait<0>();", 'asm volatile("bar.sync 3, %0;"', "fence.proxy.async.shared::cta;",
+             f"const int fragment = {unit};", f"if ({owner} == slice) continue;", "share[(fragment / SLICES) * 128] =",
+             'asm volatile("bar.sync 3, %0;"', f"if ({owner} != slice) continue;",
+             "other[(fragment / SLICES) * 128];", f"if ({owner} != slice) continue;", "pack2("]
+    at = 0
+    for x in order:     # each in turn, after the previous one
+        at = consumer.index(x, at) + 1
+    for absent in ("atomicAdd", "__threadfence", "TREE_", "__stcg", "__ldcg", "float* __restrict__ ws", "cluster_",
+                   "clusterDim"):
+        assert absent not in src, absent
+    assert "const int grid = int(num_tiles);" in src
+    assert not plan.zero_workspace and plan.workspace_for(64, 1024, 16384) == 0
 
 
 def test_splitk_cluster_partial_must_fit_over_the_rings():
@@ -559,7 +600,7 @@ NVCC_CASES = ["coop_128x256x64_direct", "coop_256x128x64_smem8_along_m8", "w4x1_
               "w4x1_64x128x64_s4_two_per_sm", "w4x1_64x64x64_s4_two_per_sm_splitk5", "w4x1_64x64x64_splitk8_cluster",
               "w4x1_64x128x64_s4_two_per_sm_splitk16_cluster", "coop_128x128x64_splitk4_cluster_nonpersistent",
               "coop_128x128x64_repack", "w4x1_64x64x64_s4_two_per_sm_splitk4_repack",
-              "w4x1_64x64x64_splitk8_cluster_repack"]
+              "w4x1_64x64x64_splitk8_cluster_repack", "coop_128x48x64_s3_splitk2_block_bf16"]
 BUILD_CASES = {**{name: CASES[name] for name in NVCC_CASES}, **_sweep_splitk_cases()}
 
 

@@ -200,3 +200,20 @@ int main() {{
             env = {"level": level, "base": base}
             want.append(f"{tree.sibling.eval(env)} {tree.merged.eval(env)} {tree.counter.eval(env)}")
     assert got[:-1] == want
+
+
+def test_block_split_positions_are_the_producers_order():
+    """reduce=block: for every k-tile count, the producer's ring positions (BlockSplit.k_tile) load every k tile
+    once, and each consumer's position of its step-th tile (BlockSplit.position), both the expressions the backend
+    renders, is where the producer put that tile."""
+    from l2ir.indexing import BlockSplit, splitk_range
+
+    begin, end = splitk_range(2)
+    for k_tiles in range(1, 300):
+        loads = [int(BlockSplit.k_tile().eval({"position": p, "k_tiles": k_tiles})) for p in range(k_tiles)]
+        assert sorted(loads) == list(range(k_tiles)), k_tiles
+        for s in range(2):
+            kb, ke = (int(e.eval({"slice": s, "k_tiles": k_tiles})) for e in (begin, end))
+            for j in range(ke - kb):
+                p = int(BlockSplit.position().eval({"step": j, "slice": s, "k_tiles": k_tiles}))
+                assert p < k_tiles and loads[p] == kb + j, (k_tiles, s, j)

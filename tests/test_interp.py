@@ -367,6 +367,70 @@ def test_cluster_reduction_fuzzed(slices, m, n_half, k_extra, coop, rnd):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Split-K inside one block (l2ir.indexing.BlockSplit): two consumer warpgroups, one ring, fragment ownership.
+# ---------------------------------------------------------------------------------------------------------------
+
+def _block_kernel(block=(64, 64, 64), stages=4):
+    from l2ir.search.sweeps import load_sweep
+
+    base = load_sweep("cuda_ptx")["ptx_splitk_block_64x64x64"]
+    return base.replace(tile=dataclasses.replace(base.tile, block=block),
+                        mma=dataclasses.replace(base.mma, shape=(64, block[1], 16)),
+                        pipeline=dataclasses.replace(base.pipeline, stages=stages))
+
+
+def test_block_reduction_adds_the_two_slices():
+    """C has the bits of partial(slice 0) + partial(slice 1) over splitk_range's two k ranges, not of one
+    accumulation over all k tiles: slice 0's k tiles are scaled by 2^12 and slice 1's by 2^-12, so each partial is
+    exact in fp32 and only their sum rounds. No workspace is written."""
+    bk, k_tiles = 64, 5          # slice 0: tiles 0-2, slice 1: tiles 3-4
+    problem = Problem(100, 136, bk * k_tiles, c=("f32", "row"))
+    a, b = random_inputs(problem, np.random.default_rng(5), integers=True)
+    scale = np.repeat(2.0 ** np.array([12, 12, 12, -12, -12]), bk)
+    a = (a.astype(np.float64) * scale[None, :]).astype(a.dtype)
+    b = (b.astype(np.float64) * scale[:, None]).astype(b.dtype)
+    result = interpret(_block_kernel(), problem, a, b)
+    parts = [(a[:, lo:hi].astype(np.float64) @ b[lo:hi].astype(np.float64)).astype(np.float32)
+             for lo, hi in ((0, 3 * bk), (3 * bk, 5 * bk))]
+    assert result.c.tobytes() == (parts[0] + parts[1]).tobytes()
+    assert result.workspace_writes is None and (result.c_writes == 1).all()
+    assert result.k_ranges[(0, 0)] == [(0, 3), (3, 5)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([(64, 64, 64), (64, 48, 64), (128, 64, 64), (64, 128, 64)]), st.integers(3, 6),
+       st.integers(1, 150), st.integers(1, 150), st.integers(2, 40), st.integers(0, 7),
+       st.randoms(use_true_random=False))
+def test_block_reduction_fuzzed(block, stages, m, n_half, k_tiles, k_short, rnd):
+    """Any ring depth from 3, ragged M, N and K tails, an even or odd count of k tiles (slice 0 then has one more):
+    exact on small integers, each element of C stored once by the warpgroup that owns it, every k tile
+    accumulated once."""
+    kernel = _block_kernel(block, stages)
+    problem = Problem(m, 2 * n_half, 64 * k_tiles - 8 * k_short)
+    a, b = random_inputs(problem, np.random.default_rng(rnd.randrange(2 ** 32)), integers=True)
+    result = interpret(kernel, problem, a, b)
+    np.testing.assert_array_equal(result.c.astype(np.float64), reference(a, b))
+    assert (result.c_writes == 1).all()
+
+
+@pytest.mark.parametrize("position,match", [
+    (Var("step") + Var("slice"), "not the producer's"),                 # the slices share positions
+    (Var("step") * 2 + (Const(1) - Var("slice")), "expected k tile"),   # the slices' stages swapped
+    (Var("step") * 2 + Var("slice") + 1, "not the producer's"),         # off by one: position 0 is never read
+], ids=["shared_positions", "slices_swapped", "off_by_one"])
+def test_broken_block_position_is_caught(monkeypatch, position, match):
+    """A consumer position that disagrees with the producer's order of loads reads another k tile than its range
+    says (or a stage nobody fills): the interpreter's ring remembers what it holds and raises."""
+    from l2ir.indexing import BlockSplit
+
+    broken = type("BrokenBlockSplit", (BlockSplit,), {"position": classmethod(lambda cls: position)})
+    monkeypatch.setattr(interp_mod, "BlockSplit", broken)
+    p = Problem(64, 64, 64 * 8)         # 8 k tiles: 4 a slice
+    with pytest.raises(InterpError, match=match):
+        interpret(_block_kernel(), p, *random_inputs(p, np.random.default_rng(0), integers=True))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # repack: the operand copy before the GEMM (l2ir.indexing.Repack).
 # ---------------------------------------------------------------------------------------------------------------
 

@@ -24,6 +24,12 @@ def rep(kernel, node, **changes):
     return kernel.replace(**{node: dataclasses.replace(getattr(kernel, node), **changes)})
 
 
+# split-K inside one block: cooperative 64x64 (both consumer warpgroups over all 64 rows), 4 stages, one tile a block.
+BLOCK = rep(rep(rep(rep(SM90, "tile", block=(64, 64, 64), cluster=(1, 1)), "mma", shape=(64, 64, 16)), "pipeline",
+                stages=4, persistent=False), "epilogue", path="direct", vector=2).replace(
+    splitk=SplitK("split_k", 2, "block"))
+
+
 # (name, kernel, error class, text the message must contain, rule)
 ILLEGAL = [
     ("wgmma on sm80", rep(SM80, "mma", op="wgmma", shape=(64, 64, 16)), TargetError, "wgmma needs target sm90a",
@@ -63,6 +69,21 @@ ILLEGAL = [
      .replace(splitk=SplitK("split_k", 4, "cluster")), SplitKError, "set pipeline.persistent=false", "mode_settings"),
     ("cluster reduce stream-k", SM90.replace(splitk=SplitK("stream_k", 1, "cluster")), SplitKError,
      "reduce=cluster is for split_k", "mode_settings"),
+    # reduce=block: the 2 slices are the cooperative block's consumer warpgroups, one tile per block, a ring deep
+    # enough that a consumer holding its previous stage never stalls the producer.
+    ("block reduce of 3", BLOCK.replace(splitk=SplitK("split_k", 3, "block")), SplitKError, "slices=2, not 3",
+     "mode_settings"),
+    ("block reduce pingpong", rep(rep(BLOCK, "pipeline", schedule="pingpong"), "tile", warps=(4, 1)), SplitKError,
+     "needs the 2 consumer warpgroups", "mode_settings"),
+    ("block reduce persistent", rep(BLOCK, "pipeline", persistent=True), SplitKError, "one tile per block",
+     "mode_settings"),
+    ("block reduce two stages", rep(BLOCK, "pipeline", stages=2), SplitKError, "at least 3 stages", "mode_settings"),
+    ("block reduce mma.sync", rep(SM80, "target", arch="sm90a").replace(splitk=SplitK("split_k", 2, "block")),
+     SplitKError, "use reduce=workspace", "mode_settings"),
+    ("block reduce stream-k", BLOCK.replace(splitk=SplitK("stream_k", 1, "block")), SplitKError,
+     "reduce=block is for split_k", "mode_settings"),
+    ("block reduce BM 96", rep(rep(BLOCK, "tile", block=(96, 64, 64)), "mma", shape=(64, 64, 16)), TileError,
+     "1 warpgroup tile(s) of a multiple of 64 rows", "mma_divides_warp_tile"),
     ("smem budget sm80", rep(SM80, "pipeline", stages=13), ResourceError, "sm80 allows 163 KB", "smem_budget"),
     ("smem budget sm90", rep(SM90, "pipeline", stages=6), ResourceError, "sm90a allows 227 KB", "smem_budget"),
     ("registers", rep(SM80, "tile", block=(256, 256, 32)), ResourceError, "exceeds 255", "register_budget"),

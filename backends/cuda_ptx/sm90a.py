@@ -79,13 +79,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from l2ir.errors import ResourceError
-from l2ir.indexing import (REPACK_ALIGN, ClusterReduce, Const, Expr, Repack, SplitKTree, Var, cdiv, rasterize,
-                           splitk_range)
+from l2ir.indexing import (REPACK_ALIGN, BlockSplit, ClusterReduce, Const, Expr, Repack, SplitKTree, Var, cdiv,
+                           rasterize, splitk_range)
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.text import print_problem_class
 from l2ir.target import (KB, CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, H200_SMS,
                          MAX_CLUSTER, SMEM_LIMIT, TMA_BOX_MAX, TMA_DTYPE)
-from l2ir.analysis import cluster_reduce, resolved_stages
+from l2ir.analysis import block_reduce, cluster_reduce, resolved_stages, warpgroups_m
 from l2ir.verify import verify, verify_problem
 
 from l2ir.runtime import LaunchPlan, run_args_cpp, status_constants_cpp
@@ -134,11 +134,19 @@ class PtxConfig:
     vector: int
     slices: int = 1           # splitk mode=split_k slices (1: no split)
     cluster_reduce: bool = False   # splitk reduce=cluster: the slices reduce in a cluster's shared memory
+    block_reduce: bool = False     # splitk reduce=block: the 2 slices are the block's consumer warpgroups
     repack: str = ""          # repack operands=a|b|ab: operands copied to aligned rows when K % 8 != 0 ("" = none)
 
     @property
     def split(self) -> bool:
-        return self.slices > 1
+        """split-K across blocks: the grid has a work unit per (tile, slice). reduce=block splits inside a block."""
+        return self.slices > 1 and not self.block_reduce
+
+    @property
+    def shares_fragments(self) -> bool:
+        """The slices add up through shared memory and each stores the fragment units it owns
+        (l2ir.indexing.ClusterReduce): a cluster's blocks (reduce=cluster) or a block's warpgroups (reduce=block)."""
+        return self.cluster_reduce or self.block_reduce
 
     @property
     def tree(self) -> bool:
@@ -165,6 +173,8 @@ class PtxConfig:
 
     @property
     def schedule_text(self) -> str:
+        if self.block_reduce:
+            return "2 consumer warpgroups split the K loop (splitk reduce=block)"
         if self.consumer_wgs == 2:
             return f"cooperative (2 consumer warpgroups of {self.wg_m} rows)"
         return "one consumer warpgroup (pingpong, one tile per block)"
@@ -194,7 +204,8 @@ class PtxConfig:
 
     @property
     def wg_m(self) -> int:
-        return self.bm // self.consumer_wgs
+        """Rows per consumer warpgroup: BM split between the warpgroups, or all of BM when they split K."""
+        return self.bm if self.block_reduce else self.bm // self.consumer_wgs
 
     @property
     def slabs(self) -> int:
@@ -327,9 +338,10 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
             raise UnsupportedLowering("splitk", f"reduce={sk.reduce}: fp32 atomics into C are not generated (and "
                                       "not deterministic); reduce=workspace or cluster sums the slices in a fixed "
                                       "order")
-        if sk.reduce == "cluster" and epi.path != "direct":
-            raise UnsupportedLowering("epilogue.path", f"{epi.path} with splitk reduce=cluster: each block stores "
-                                      "only its share of the tile's fragments, straight from registers; use direct")
+        if sk.reduce in ("cluster", "block") and epi.path != "direct":
+            raise UnsupportedLowering("epilogue.path", f"{epi.path} with splitk reduce={sk.reduce}: each "
+                                      f"{'block' if sk.reduce == 'cluster' else 'warpgroup'} stores only its share "
+                                      "of the tile's fragments, straight from registers; use direct")
         slices = sk.slices
 
     # Problem class: K-major A and B are wgmma's native (non-transposed) descriptor layout.
@@ -343,9 +355,10 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
     if tile.warps != (4 * wgs, 1):
         raise UnsupportedLowering("tile.warps", f"{tile.warps[0]}x{tile.warps[1]}: {pipe.schedule} uses "
                                   f"{4 * wgs}x1")
-    if bm % (64 * wgs):
-        raise UnsupportedLowering("tile.block", f"BM={bm}: {wgs} warpgroup(s) of whole 64-row wgmma slabs need "
-                                  f"BM % {64 * wgs} == 0")
+    stacked = warpgroups_m(kernel)       # 1 with reduce=block: both warpgroups cover all BM rows
+    if bm % (64 * stacked):
+        raise UnsupportedLowering("tile.block", f"BM={bm}: {stacked} warpgroup(s) of whole 64-row wgmma slabs need "
+                                  f"BM % {64 * stacked} == 0")
     if bm > TMA_BOX_MAX or bn > TMA_BOX_MAX:
         raise UnsupportedLowering("tile.block", f"{bm}x{bn}: one TMA box spans at most {TMA_BOX_MAX} rows")
     if tuple(mma.shape) != (64, bn, 16):
@@ -374,7 +387,7 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
         swizzle_bits=bits, swizzle_field=swizzle_field,
         divisible=(pad.m == "divisible", pad.n == "divisible", pad.k == "divisible"),
         epilogue=epi.path, vector=epi.vector, slices=slices,
-        cluster_reduce=cluster_reduce(kernel),
+        cluster_reduce=cluster_reduce(kernel), block_reduce=block_reduce(kernel),
         repack=kernel.repack.operands if kernel.repack is not None else "",
     )
     total, limit = cfg.layout["total"], SMEM_LIMIT["sm90a"]
@@ -557,15 +570,17 @@ def _epilogue_direct(cfg: PtxConfig) -> list[str]:
     lines = [
         "      // epilogue.path=direct: each thread stores its fragment straight to global memory. Fragment layout of",
         "      // wgmma m64nN f32: d[4c + 2h + e] is row 16*warp + lane/4 + 8h, column 8c + 2*(lane%4) + e.",
-        "      const int row0 = tile_m * BM + cw * WG_M + warp * 16 + lane / 4;",
+        ("      const int row0 = tile_m * BM + warp * 16 + lane / 4;   // reduce=block: each warpgroup spans BM"
+         if cfg.block_reduce else "      const int row0 = tile_m * BM + cw * WG_M + warp * 16 + lane / 4;"),
         "      const int col0 = tile_n * BN + 2 * (lane % 4);",
         "#pragma unroll",
         "      for (int j = 0; j < SLABS; ++j) {",
         "#pragma unroll",
         "        for (int c = 0; c < WGMMA_N / 8; ++c) {",
         *([f"          const int fragment = {ClusterReduce(cfg.slices).unit(cfg.bn).to_cpp()};   // ClusterReduce.unit",
-           f"          if ({ClusterReduce(cfg.slices).owner.to_cpp()} != slice) continue;   // reduce=cluster: another "
-           "block stores this unit"] if cfg.cluster_reduce else []),
+           f"          if ({ClusterReduce(cfg.slices).owner.to_cpp()} != slice) continue;   // reduce="
+           + ("cluster: another block" if cfg.cluster_reduce else "block: the other warpgroup")
+           + " stores this unit"] if cfg.shares_fragments else []),
         "          const int col = col0 + 8 * c;",
         "#pragma unroll",
         "          for (int h = 0; h < 2; ++h) {",
@@ -698,8 +713,10 @@ def _config(cfg: PtxConfig) -> list[str]:
         "// ---- tile (tile.block, tile.warps, mma.shape) ----",
         f"constexpr int BM = {cfg.bm}, BN = {cfg.bn}, BK = {cfg.bk};",
         f"constexpr int CONSUMER_WGS = {cfg.consumer_wgs};        // tile.warps={4 * cfg.consumer_wgs}x1: "
-        + ("two consumer warpgroups split BM" if cfg.consumer_wgs == 2 else "one consumer warpgroup owns the tile"),
-        "constexpr int WG_M = BM / CONSUMER_WGS;   // rows per consumer warpgroup",
+        + ("two consumer warpgroups split the K loop" if cfg.block_reduce else
+           "two consumer warpgroups split BM" if cfg.consumer_wgs == 2 else "one consumer warpgroup owns the tile"),
+        ("constexpr int WG_M = BM;   // rows per consumer warpgroup: splitk reduce=block, each covers the tile"
+         if cfg.block_reduce else "constexpr int WG_M = BM / CONSUMER_WGS;   // rows per consumer warpgroup"),
         "constexpr int SLABS = WG_M / 64;          // wgmma m64 slabs per consumer warpgroup",
         f"constexpr int WGMMA_N = {cfg.bn};            // mma.shape=64x{cfg.bn}x16: one instruction spans BN",
         "constexpr int THREADS = 128 * (1 + CONSUMER_WGS);   // producer warpgroup + consumers",
@@ -708,6 +725,12 @@ def _config(cfg: PtxConfig) -> list[str]:
            + ("cluster: the cluster size" if cfg.cluster_reduce else "workspace"),
            "constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile "
            + ("in its block's shared memory" if cfg.cluster_reduce else "in the workspace")] if cfg.split else []),
+        *(["constexpr int CONSUMER_THREADS = 128 * CONSUMER_WGS;",
+           "constexpr int SLICES = 2;   // splitk mode=split_k slices=2 reduce=block: consumer warpgroup cw is slice cw",
+           "// Fragment units per consumer thread (wgmma slabs x 8-column groups), and the float4 slots each warpgroup",
+           "// leaves for the other: the units the other one owns (ClusterReduce(2).owner), unit u at slot u / SLICES.",
+           "constexpr int UNITS = SLABS * (WGMMA_N / 8);",
+           "constexpr int SHARE_VECS = (UNITS + SLICES - 1) / SLICES;"] if cfg.block_reduce else []),
         *([f"constexpr int TREE_LEVELS = {SplitKTree(cfg.slices).levels};   // ceil(log2 SLICES): pair levels",
            f"constexpr int TREE_NODES = {SplitKTree(cfg.slices).counters};   // SLICES - 1 pair counters per tile"]
           if cfg.tree else []),
@@ -736,6 +759,9 @@ def _config(cfg: PtxConfig) -> list[str]:
         *(["constexpr int SMEM_PARTIAL = 0;   // reduce=cluster: the fp32 partial, over the finished stage rings",
            "static_assert(PARTIAL_FLOATS * 4 <= SMEM_BARS, \"the partial must fit over the rings\");"]
           if cfg.cluster_reduce else []),
+        *(["constexpr int SMEM_PARTIAL = 0;   // reduce=block: both warpgroups' shares, over the finished stage rings",
+           "static_assert(SLICES * SHARE_VECS * 128 * 16 <= SMEM_BARS, \"the shares must fit over the rings\");"]
+          if cfg.block_reduce else []),
         f"constexpr int SMEM_BYTES = {lay['total']};",
         "",
         "// wgmma shared-memory matrix descriptor (PTX ISA, matrix descriptor format):",
@@ -749,7 +775,9 @@ def _config(cfg: PtxConfig) -> list[str]:
         f"constexpr uint64_t DESC_SWIZZLE = {DESC_SWIZZLE_MODE[cfg.swizzle_bits]};   // 1 = 128B, 2 = 64B, 3 = 32B",
         "constexpr uint64_t DESC_TEMPLATE = (DESC_LBO << 16) | (DESC_SBO << 32) | (DESC_SWIZZLE << 62);",
         "",
-        "static_assert(BK % ATOM_K == 0 && BM % (64 * CONSUMER_WGS) == 0 && BN % 8 == 0 && BN <= 256, \"tile.block\");",
+        ("static_assert(BK % ATOM_K == 0 && BM % 64 == 0 && BN % 8 == 0 && BN <= 256, \"tile.block\");"
+         if cfg.block_reduce else
+         "static_assert(BK % ATOM_K == 0 && BM % (64 * CONSUMER_WGS) == 0 && BN % 8 == 0 && BN <= 256, \"tile.block\");"),
         f"static_assert(SMEM_BYTES <= {SMEM_LIMIT['sm90a']}, \"shared memory exceeds the 227 KB sm90 opt-in\");",
         "",
     ]
@@ -892,6 +920,52 @@ def _cluster_reduce(cfg: PtxConfig) -> list[str]:
     ]
 
 
+def _block_reduce(cfg: PtxConfig) -> list[str]:
+    """split-K, reduce=block (l2ir.indexing.BlockSplit): the block's two consumer warpgroups add their partials
+    through shared memory with ClusterReduce(2)'s fragment ownership. Each leaves the units the other owns over the
+    finished stage ring; after a barrier each adds the other's values to the units it owns, which the direct
+    epilogue then stores. acc = own + other is the bits of slice 0 + slice 1 whichever warpgroup adds (fp32
+    addition commutes), the interpreter's sum."""
+    cr = ClusterReduce(BlockSplit.SLICES)
+    unit, owner = cr.unit(cfg.bn).to_cpp(), cr.owner.to_cpp()
+    return [
+        "      // ---- splitk reduce=block: the two warpgroups' partials add up in shared memory ----",
+        "      // Both warpgroups are past their last wgmma, which reads the ring, before a share overwrites it; the",
+        "      // producer is done too (each stage it filled has been waited on). wgmma.wait_group and the mbarrier waits",
+        "      // order the async proxy's accesses before these generic stores; the proxy fence states it.",
+        '      asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");',
+        '      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+        "      // Each warpgroup leaves the units the other owns, unit u at float4 slot u / SLICES of its share, thread",
+        "      // tid's float4s side by side with its warpgroup's (16-byte stores, conflict-free).",
+        "      {",
+        "        float4* share = reinterpret_cast<float4*>(smem + SMEM_PARTIAL) + slice * SHARE_VECS * 128 + tid;",
+        "#pragma unroll",
+        "        for (int j = 0; j < SLABS; ++j)",
+        "#pragma unroll",
+        "          for (int c = 0; c < WGMMA_N / 8; ++c) {",
+        f"            const int fragment = {unit};   // ClusterReduce.unit",
+        f"            if ({owner} == slice) continue;   // ClusterReduce.owner: this warpgroup adds and stores it",
+        "            share[(fragment / SLICES) * 128] =",
+        "                make_float4(acc[j][4 * c], acc[j][4 * c + 1], acc[j][4 * c + 2], acc[j][4 * c + 3]);",
+        "          }",
+        "      }",
+        '      asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");',
+        "      {",
+        "        const float4* other =",
+        "            reinterpret_cast<const float4*>(smem + SMEM_PARTIAL) + (SLICES - 1 - slice) * SHARE_VECS * 128 + tid;",
+        "#pragma unroll",
+        "        for (int j = 0; j < SLABS; ++j)",
+        "#pragma unroll",
+        "          for (int c = 0; c < WGMMA_N / 8; ++c) {",
+        f"            const int fragment = {unit};   // ClusterReduce.unit",
+        f"            if ({owner} != slice) continue;   // ClusterReduce.owner: the other warpgroup stores it",
+        "            const float4 v = other[(fragment / SLICES) * 128];",
+        "            acc[j][4 * c] += v.x; acc[j][4 * c + 1] += v.y; acc[j][4 * c + 2] += v.z; acc[j][4 * c + 3] += v.w;",
+        "          }",
+        "      }",
+    ]
+
+
 def _cluster_functions() -> list[str]:
     """reduce=cluster: the cluster barrier (release/acquire, not .aligned: the producer warpgroup arrives from
     diverged lanes) and a float4 load from another block's shared memory (mapa maps this block's shared-memory
@@ -914,6 +988,43 @@ def _cluster_functions() -> list[str]:
         "  return v;",
         "}",
         "",
+    ]
+
+
+def _block_ranges(cfg: PtxConfig) -> list[str]:
+    """reduce=block: the k tiles of consumer warpgroup `slice` (l2ir.indexing.splitk_range with 2 slices, rendered),
+    which the producer and both consumers use."""
+    if not cfg.block_reduce:
+        return []
+    begin, end = splitk_range(BlockSplit.SLICES)
+    return [
+        "  // splitk reduce=block: consumer warpgroup `slice` owns k tiles [slice_begin(slice), slice_end(slice))",
+        "  // (l2ir.indexing.splitk_range, 2 slices: slice 0 has the longer range).",
+        f"  auto slice_begin = [&](int slice) {{ return {begin.to_cpp()}; }};",
+        f"  auto slice_end = [&](int slice) {{ return {end.to_cpp()}; }};",
+    ]
+
+
+def _block_producer_loop() -> list[str]:
+    """reduce=block: ring position p holds k tile BlockSplit.k_tile (rendered): the slices' tiles in turn. Opens
+    the one brace block the k loop's body closes."""
+    return [
+        "        // splitk reduce=block: ring position p holds slice p % 2's (p / 2)-th k tile, so both consumer",
+        "        // warpgroups find work in every pair of stages (l2ir.indexing.BlockSplit.k_tile).",
+        "        for (int position = 0; position < k_tiles; ++position) {",
+        f"          const int kt = {BlockSplit.k_tile().to_cpp()};   // BlockSplit.k_tile",
+    ]
+
+
+def _block_consumer_loop() -> list[str]:
+    """reduce=block: a consumer warpgroup's k loop over its slice; each k tile's stage and phase come from its ring
+    position (l2ir.indexing.BlockSplit.position, rendered), which the interpreter checks against the producer's order."""
+    return [
+        "      const int kt_begin = slice_begin(slice), kt_end = slice_end(slice);",
+        "      for (int step = 0; step < kt_end - kt_begin; ++step) {",
+        f"        const int position = {BlockSplit.position().to_cpp()};   // BlockSplit.position",
+        "        const int stage = position % STAGES;",
+        "        const uint32_t phase = (position / STAGES) & 1;",
     ]
 
 
@@ -944,6 +1055,7 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         *(["  const int num_units = num_tiles * SLICES;   // (tile, slice) work units; l2ir_run checked the product"]
           if cfg.split else []),
         "  const int k_tiles = (K + BK - 1) / BK;   // the K tail is a zero-filled box (pad.k)",
+        *_block_ranges(cfg),
         "  const int wg = threadIdx.x / 128;",
         "",
         "  if (threadIdx.x == 0) {",
@@ -953,7 +1065,9 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         '    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_b)) : "memory");',
         "    for (int s = 0; s < STAGES; ++s) {",
         "      mbar_init(bars + 8 * s, 1);                           // full: the producer's arrive.expect_tx",
-        "      mbar_init(bars + 8 * (STAGES + s), CONSUMER_WGS * 4);  // empty: one arrival per consumer warp",
+        *(["      mbar_init(bars + 8 * (STAGES + s), 4);   // empty: one warpgroup reads a stage (reduce=block), one "
+           "arrival per warp"] if cfg.block_reduce else
+          ["      mbar_init(bars + 8 * (STAGES + s), CONSUMER_WGS * 4);  // empty: one arrival per consumer warp"]),
         "    }",
         "    // Make the initialized barriers visible to the other threads and to the async proxy (TMA complete_tx).",
         '    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");',
@@ -975,7 +1089,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "      int stage = 0;",
         "      uint32_t phase = 0;",
         *_tile_loop(cfg, "      "),
-        f"        for (int kt = {cfg.k_first}; kt < {cfg.k_last}; ++kt) {{",
+        *(_block_producer_loop() if cfg.block_reduce else
+          [f"        for (int kt = {cfg.k_first}; kt < {cfg.k_last}; ++kt) {{"]),
         "          // Wait until the consumers released this stage. On the first pass (phase 0) parity 1 refers to the",
         "          // phase before initialization, which counts as complete, so the ring fills without waiting.",
         "          mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);",
@@ -1004,23 +1119,28 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         *([f'    asm volatile("setmaxnreg.inc.sync.aligned.u32 {cfg.regs[1]};" ::: "memory");']
           if cfg.regs[1] else
           ["    // 256 threads: the consumer already holds the per-thread maximum and keeps it (REG_BUDGET)."]),
-        "    const int cw = wg - 1;   // consumer warpgroup: rows [cw * WG_M, (cw + 1) * WG_M) of the tile",
+        *(["    const int cw = wg - 1;   // consumer warpgroup: all BM rows, k tiles of slice cw",
+           "    const int slice = cw;    // splitk reduce=block: this warpgroup's half of the K loop"]
+          if cfg.block_reduce else
+          ["    const int cw = wg - 1;   // consumer warpgroup: rows [cw * WG_M, (cw + 1) * WG_M) of the tile"]),
         "    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;",
         f"    float acc[SLABS][{nr}];",
         "#pragma unroll",
         "    for (int j = 0; j < SLABS; ++j)",
         "#pragma unroll",
         f"      for (int i = 0; i < {nr}; ++i) acc[j][i] = 0.f;",
-        "    int stage = 0;",
-        "    uint32_t phase = 0;",
+        *([] if cfg.block_reduce else ["    int stage = 0;", "    uint32_t phase = 0;"]),
         *_tile_loop(cfg, "    "),
         "      int prev = -1;",
-        f"      for (int kt = {cfg.k_first}; kt < {cfg.k_last}; ++kt) {{",
+        *(_block_consumer_loop() if cfg.block_reduce else
+          [f"      for (int kt = {cfg.k_first}; kt < {cfg.k_last}; ++kt) {{"]),
         "        mbar_wait(bars + 8 * stage, phase);",
         "#pragma unroll",
         "        for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
         "        wgmma_fence();   // order earlier register accesses of the accumulators before the async reads",
-        "        const uint32_t a_stage = smem_base + SMEM_A + stage * A_STAGE_BYTES + cw * WG_M * ROW_BYTES;",
+        ("        const uint32_t a_stage = smem_base + SMEM_A + stage * A_STAGE_BYTES;   // all BM rows"
+         if cfg.block_reduce else
+         "        const uint32_t a_stage = smem_base + SMEM_A + stage * A_STAGE_BYTES + cw * WG_M * ROW_BYTES;"),
         "        const uint32_t b_stage = smem_base + SMEM_B + stage * B_STAGE_BYTES;",
         "#pragma unroll",
         "        for (int kk = 0; kk < BK / 16; ++kk) {",
@@ -1032,7 +1152,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "#pragma unroll",
         "          for (int j = 0; j < SLABS; ++j) {",
         "            const uint64_t da = smem_desc(a_stage + kb * A_KBLOCK_BYTES + j * 64 * ROW_BYTES + koff);",
-        f"            wgmma_m64n{cfg.bn}k16(acc[j], da, db, (kt > {cfg.k_first} || kk > 0) ? 1u : 0u);",
+        f"            wgmma_m64n{cfg.bn}k16(acc[j], da, db, "
+        + ("(step > 0 || kk > 0) ? 1u : 0u);" if cfg.block_reduce else f"(kt > {cfg.k_first} || kk > 0) ? 1u : 0u);"),
         "          }",
         "        }",
         "        wgmma_commit();",
@@ -1043,15 +1164,17 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "        for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
         "        if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));",
         "        prev = stage;",
-        "        if (++stage == STAGES) { stage = 0; phase ^= 1; }",
+        *([] if cfg.block_reduce else ["        if (++stage == STAGES) { stage = 0; phase ^= 1; }"]),
         "      }",
         "      wgmma_wait<0>();",
         "#pragma unroll",
         "      for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
-        *(["      if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));"] if cfg.split else
+        *(["      if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));"]
+          if cfg.split or cfg.block_reduce else
           ["      if (lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));"]),
         "",
-        *(_splitk_reduce(cfg) if cfg.tree else _cluster_reduce(cfg) if cfg.cluster_reduce else []),
+        *(_splitk_reduce(cfg) if cfg.tree else _cluster_reduce(cfg) if cfg.cluster_reduce else
+          _block_reduce(cfg) if cfg.block_reduce else []),
         *(_epilogue_direct(cfg) if cfg.epilogue == "direct" else _epilogue_smem(cfg)),
         *(["      cluster_wait();   // no block leaves while another may still read its shared memory"]
           if cfg.cluster_reduce else []),
