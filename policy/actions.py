@@ -301,9 +301,9 @@ def apply_action(kernel: Kernel, problem: Problem, action: Action, arch: str = "
 def fit_backend(k: Kernel, backend: str) -> Kernel:
     """The nearest kernel a backend builds when asked for by name. The raw CUDA/PTX sm90a rule generates cooperative
     kernels (BM a multiple of two 64-row warpgroups) and one-warpgroup ping-pong kernels with a tile per block (not
-    persistent), split-K with an in-kernel reduction (the workspace tree or a cluster) but not stream-K or fp32
-    atomics, no clusters of its own and no TMA store (direct stores of at most 2 elements, or staged through shared
-    memory); CUTLASS sm90 stages C through shared memory only by the TMA store."""
+    persistent), split-K with an in-kernel reduction (the workspace tree, a cluster or the block's two consumer
+    warpgroups) but not stream-K or fp32 atomics, no clusters of its own and no TMA store (direct stores of at most
+    2 elements, or staged through shared memory); CUTLASS sm90 stages C through shared memory only by the TMA store."""
     if k.is_source or k.mma.op != "wgmma":
         return k
     if backend == "cuda_ptx":
@@ -311,14 +311,14 @@ def fit_backend(k: Kernel, backend: str) -> Kernel:
         pipe, sk, epi = k.pipeline, k.splitk, k.epilogue
         if sk is not None and (sk.mode != "split_k" or sk.reduce == "atomic"):
             sk = None
-        in_cluster = sk is not None and sk.reduce == "cluster"
+        in_cluster = sk is not None and sk.reduce in ("cluster", "block")
         if pipe.schedule == "pingpong" or in_cluster:
             pipe = dataclasses.replace(pipe, persistent=False)
-        if pipe.schedule != "pingpong":
-            bm = max(128, bm - bm % 128)
+        if pipe.schedule != "pingpong" and not (sk is not None and sk.reduce == "block"):
+            bm = max(128, bm - bm % 128)     # (reduce=block: both warpgroups span BM, any multiple of 64)
         path = epi.path if epi.path in ("direct", "smem") else "smem"
         if in_cluster:
-            path = "direct"          # each block stores its share of the tile straight from registers
+            path = "direct"          # each block (or warpgroup) stores its share straight from registers
         vector = min(epi.vector, 2) if path == "direct" else epi.vector
         k = k.replace(tile=dataclasses.replace(k.tile, block=(bm, bn, bk), cluster=(1, 1)), pipeline=pipe,
                       splitk=sk, epilogue=Epilogue(path, vector))

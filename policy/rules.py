@@ -126,9 +126,39 @@ def cluster_split_kernel(problem: Problem, sms: int) -> Kernel | None:
     )
 
 
+# reduce=block on 64x32 tiles: where it won (bench/results/families_focus_v5_h200.json: 1024x128x1024, 64 tiles,
+# 16 k tiles, 5.17 us, 0.93x; 256x64x128, 8 tiles, 2 k tiles, 0.95x), the tiles were at most one wave and the K
+# loop at most 16 k tiles; on longer loops one SM's TMA path limits it and the cluster split wins.
+BLOCK_SPLIT_MAX_K_TILES = 16
+
+
+def block_split_kernel(problem: Problem, sms: int) -> Kernel | None:
+    """Split-K inside one block (cuda_ptx, sm90a): the cooperative block's two consumer warpgroups take the two
+    halves of a 64x32 tile's K loop from one ring (l2ir.indexing.BlockSplit). None when the tiles exceed one wave,
+    the K loop is longer than BLOCK_SPLIT_MAX_K_TILES or a single k tile leaves a warpgroup nothing."""
+    k_tiles = ceil_div(problem.k, 64)
+    if tiles_of(problem, 64, 32) > sms or not 2 <= k_tiles <= BLOCK_SPLIT_MAX_K_TILES:
+        return None
+    return Kernel(
+        target=Target("sm90a"),
+        tile=Tile(block=(64, 32, 64), warps=(8, 1)),
+        mma=Mma("wgmma", (64, 32, 16)),
+        pipeline=Pipeline("tma_ws", "auto", schedule="cooperative", persistent=False),
+        swizzle=Swizzle(smem=(3, 3, 3)),
+        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+        splitk=SplitK("split_k", 2, "block"),
+        epilogue=Epilogue("direct", 2),
+    )
+
+
 def raster_for(problem: Problem, bm: int, bn: int, sms: int) -> Swizzle:
+    """Walk the longer output dimension in groups of 8 tile rows (or columns), so blocks that share an A or B tile
+    run side by side and its second read hits L2 while the first is in flight: it pays within one wave too (64x64
+    tiles at 127x4096x4096, 2 tile rows: 17.9 -> 14.2 us with group 8, and no worse on 2048x256x512,
+    512x2048x4096 or 128x4096x16384; bench/results/tma_promotion_probe_h200.json). A single row or column of tiles
+    has nothing to group."""
     tm, tn = ceil_div(problem.m, bm), ceil_div(problem.n, bn)
-    if tm * tn < MANY_WAVES * sms // 2:
+    if tm == 1 or tn == 1:
         return Swizzle()
     return Swizzle(raster="along_n" if tn >= tm else "along_m", group=8)
 
@@ -194,6 +224,15 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
                 f"to rows of {ceil_div(k, 8) * 8} elements first, then {block[0]}x{block[1]} tiles ({t} tiles)"
                 + (" (skinny M: the copy of B may cost more than it saves)" if m < REPACK_MIN_M else ""),
                 backend="cuda_ptx"))
+
+    # Few small tiles with a short K loop: the block's two consumer warpgroups split it (cuda_ptx).
+    if hopper and cuda_ptx_lowered(problem):
+        block = block_split_kernel(problem, sms)
+        if block is not None:
+            out.append(Candidate(
+                7.4, block, f"block split: {tiles_of(problem, 64, 32)} tiles of 64x32 and {ceil_div(k, 64)} k tiles: "
+                "the block's two consumer warpgroups take half the K loop each from one ring and add up in shared "
+                "memory (bench/results/families_focus_v5_h200.json)", backend="cuda_ptx"))
 
     # Split-K / stream-K when the tiles cannot fill the SMs.
     bm, bn = (128, 128) if hopper else (64, 64)
