@@ -44,13 +44,22 @@ The kernel (a producer warpgroup and one or two consumer warpgroups):
                (l2ir.indexing.ClusterReduce) from all S blocks' shared memory (mapa + ld.shared::cluster) in slice
                order into its registers; the direct epilogue stores only those units, and a second barrier keeps
                the shared memory alive until the last remote read. No workspace, no counters.
+               (splitk reduce=block, slices=2) the cooperative block's two consumer warpgroups split one tile's K
+               loop instead of its rows (l2ir.indexing.BlockSplit): the producer fills ring position p with slice
+               p % 2's k tile, consumer cw finds its step-th tile at position 2 step + cw, and each stage's empty
+               barrier counts one warpgroup's 4 warps. After both warpgroups' last wgmma each leaves the fragment
+               units the other owns (ClusterReduce(2).owner) over the ring, a named barrier of the consumer threads
+               publishes them, and each adds the other's half to the units it owns and stores those. One tile per
+               block; the ring needs 3 stages (a consumer holds its previous stage until its next, two positions on,
+               has landed).
   epilogue     registers -> global (path=direct) or registers -> swizzled shared memory -> 16-byte global stores
                (path=smem), predicated on M and N. K tails need nothing: TMA fills out-of-bounds boxes with zeros.
 
 Field -> code map (the generated lines name their field in a comment):
   target.arch=sm90a, mma.op=wgmma, pipeline.mode=tma_ws      the only combination lowered here
   tile.block BMxBNxBK      tile constants, TMA box sizes, wgmma N (= BN), slabs per warpgroup, K steps per stage
-  tile.warps               8x1: two consumer warpgroups split BM (cooperative); 4x1: one consumer warpgroup (pingpong)
+  tile.warps               8x1: two consumer warpgroups split BM (cooperative), or K with reduce=block; 4x1: one
+                           consumer warpgroup (pingpong)
   tile.cluster             1x1 only (no multicast yet): anything else raises
   mma.shape                64xBNx16: the wgmma instruction emitted
   pipeline.schedule        cooperative; pingpong only with persistent=false (one tile per block, nothing to alternate)
@@ -68,7 +77,8 @@ Field -> code map (the generated lines name their field in a comment):
                            every tile's slices x BM x BN fp32 slots, then every tile's slices - 1 4-byte pair
                            counters (SplitKTree.counters), zeroed once (plan.zero_workspace), left zero by every
                            launch; reduce=cluster: grid x slices in clusters of `slices`, no workspace, path=direct
-                           only; reduce=atomic and stream_k raise
+                           only; reduce=block: one block per tile, the 2 slices its consumer warpgroups, no
+                           workspace, path=direct only; reduce=atomic and stream_k raise
   epilogue.path            direct | smem; tma raises (not implemented)
   epilogue.vector          elements per global store (direct: 1 or 2, the accumulator fragment's adjacent pair)
   problem                  a row (K-major), b col (K-major), f16 or bf16 in, f16 or bf16 out, acc f32
