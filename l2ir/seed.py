@@ -10,7 +10,7 @@ from .nodes import (ARCHS, Epilogue, Kernel, Mma, Pad, Pipeline, Problem, Repack
                     Tile)
 from .indexing import ceil_div, leaves_empty_slice
 from .analysis import realigned_ring_bytes
-from .target import H200_SMS, SMEM_LIMIT
+from .target import H200_SMS, MAX_CLUSTER_NONPORTABLE, SMEM_LIMIT
 from .verify import applicable, check_problem, leading_dims, verify_problem
 
 
@@ -122,16 +122,48 @@ def coop_split_kernel(problem: Problem, num_sms: int = H200_SMS) -> Kernel | Non
     )
 
 
+# Rows of A up to which the 64x64 cluster split is the sm90a seed: one row of 64-row tiles (decode and skinny M).
+CLUSTER_SPLIT_MAX_M = 64
+
+
+def cluster_split_kernel(problem: Problem, num_sms: int = H200_SMS) -> Kernel | None:
+    """Split-K reduced inside a thread-block cluster (cuda_ptx, sm90a): one consumer warpgroup per 64x64 tile and
+    slice, as many slices (at least 4 k tiles each) as bring the blocks near one wave, rounded down to a power of two:
+    a cluster's blocks must share one GPC (16-18 SMs on an H200), and 2, 4, 8 or 16 of them pack a GPC with no SMs
+    left over. None when the tiles alone fill the SMs or K is short. Against the stream-K seed it replaces for
+    M <= 64 (bench/results/unaligned_v4_h200.json, families_small_v3_h200.json, splitk_cluster_h200.json):
+    1x4096x4096 15.8 us against 27.5, 64x2048x8192 18.2 (4 slices) against 31.4, 64x256x2048 4.6-5.0 against 15.8."""
+    tiles = ceil_div(problem.m, 64) * ceil_div(problem.n, 64)
+    slices = min(split_slices(problem, tiles, 64, num_sms, 16), MAX_CLUSTER_NONPORTABLE)
+    k_tiles = ceil_div(problem.k, 64)
+    while slices > 1 and (slices & (slices - 1) or leaves_empty_slice(k_tiles, slices)):
+        slices -= 1              # the next lower power of two that leaves no slice empty
+    if slices < 2:
+        return None
+    return Kernel(
+        target=Target("sm90a"),
+        tile=Tile(block=(64, 64, 64), warps=(4, 1)),
+        mma=Mma("wgmma", (64, 64, 16)),
+        pipeline=Pipeline("tma_ws", "auto", schedule="pingpong", persistent=False),
+        swizzle=Swizzle(smem=(3, 3, 3)),
+        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+        splitk=SplitK("split_k", slices, "cluster"),
+        epilogue=Epilogue("direct", 2),
+    )
+
+
 def seed_sm90a(problem: Problem, num_sms: int = H200_SMS) -> Kernel:
     """TMA + wgmma warp-specialized. Ping-pong won 40 of 41 Hopper shapes in the H200 sweep (bench/NOTES.md): its two
     consumer warpgroups alternate tiles, so one tile's epilogue hides under the other's main loop. Thin M takes
     64x256 tiles; when the tiles cannot fill the GPU and K is long, cooperative 128x128 with stream-K (the ping-pong
-    kernel has no stream-K scheduler), except for 64 < M <= 128 in the raw-PTX problem class, which takes the
-    cooperative 128x64 cluster split (coop_split_kernel) where it applies."""
+    kernel has no stream-K scheduler), except in the raw-PTX problem class, where M <= 64 takes the 64x64 cluster
+    split (cluster_split_kernel) and 64 < M <= 128 the cooperative 128x64 cluster split (coop_split_kernel) where
+    they apply."""
     if cuda_ptx_lowered(problem):
-        coop = coop_split_kernel(problem, num_sms)
-        if coop is not None and applicable(coop, problem):
-            return coop
+        split = (cluster_split_kernel(problem, num_sms) if problem.m <= CLUSTER_SPLIT_MAX_M else
+                 coop_split_kernel(problem, num_sms))
+        if split is not None and applicable(split, problem):
+            return split
     m = problem.m
     if _split(problem, 128, 128, 64, num_sms) > 1:
         block, warps, schedule, splitk = (128, 128, 64), (8, 1), "cooperative", SplitK("stream_k")

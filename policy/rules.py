@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 from l2ir.indexing import ceil_div, leaves_empty_slice
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
-from l2ir.seed import (REPACK_MIN_M, REPACK_TILES, alignment, coop_split_kernel, cuda_ptx_lowered, repack_kernel,
-                       repack_tile, store_vector)
+from l2ir.seed import (REPACK_MIN_M, REPACK_TILES, alignment, cluster_split_kernel, coop_split_kernel,
+                       cuda_ptx_lowered, repack_kernel, repack_tile, store_vector)
 from l2ir.seed import split_slices as seed_split_slices
 from l2ir.target import MAX_CLUSTER_NONPORTABLE
 
@@ -99,30 +99,6 @@ def sm80_kernel(problem: Problem, block, warps, stages: int, slices: int = 1, ra
         pad=Pad("predicate", "predicate", "zero_fill", align),
         splitk=SplitK("split_k", slices) if slices > 1 else None,
         epilogue=Epilogue(epilogue, store_vector(problem)),
-    )
-
-
-def cluster_split_kernel(problem: Problem, sms: int) -> Kernel | None:
-    """Split-K reduced inside a thread-block cluster (cuda_ptx, sm90a): one consumer warpgroup per 64x64 tile and
-    slice, as many slices (at least 4 k tiles each) as bring the blocks near one wave, rounded down to a power of two:
-    a cluster's blocks must share one GPC (16-18 SMs on an H200), and 2, 4, 8 or 16 of them pack a GPC with no SMs
-    left over. None when the tiles alone fill the SMs or K is short."""
-    tiles = tiles_of(problem, 64, 64)
-    slices = min(split_slices(problem, tiles, 64, sms), MAX_CLUSTER_NONPORTABLE)
-    k_tiles = ceil_div(problem.k, 64)
-    while slices > 1 and (slices & (slices - 1) or leaves_empty_slice(k_tiles, slices)):
-        slices -= 1              # the next lower power of two that leaves no slice empty
-    if slices < 2:
-        return None
-    return Kernel(
-        target=Target("sm90a"),
-        tile=Tile(block=(64, 64, 64), warps=(4, 1)),
-        mma=Mma("wgmma", (64, 64, 16)),
-        pipeline=Pipeline("tma_ws", "auto", schedule="pingpong", persistent=False),
-        swizzle=Swizzle(smem=(3, 3, 3)),
-        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
-        splitk=SplitK("split_k", slices, "cluster"),
-        epilogue=Epilogue("direct", 2),
     )
 
 

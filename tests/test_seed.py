@@ -30,7 +30,10 @@ def test_seed_is_legal_and_applicable(problem, arch):
     ((64, 16384, 512), "sm90a", ("wgmma", "pingpong", (64, 256, 64), None)),
     # 64 (resp. 4) output tiles cannot fill 132 SMs and K is long: stream-K spreads the K loop over the SMs.
     ((1000, 1000, 1000), "sm90a", ("wgmma", "cooperative", (128, 128, 64), "stream_k")),
-    ((64, 4096, 4096), "sm90a", ("wgmma", "cooperative", (128, 128, 64), "stream_k")),
+    # M <= 64 with few tiles and a long K: 64x64 tiles, split in a cluster, one wave of blocks.
+    ((64, 4096, 4096), "sm90a", ("wgmma", "pingpong", (64, 64, 64), "split_k")),
+    ((1, 4096, 4096), "sm90a", ("wgmma", "pingpong", (64, 64, 64), "split_k")),
+    ((64, 16384, 16384), "sm90a", ("wgmma", "pingpong", (64, 256, 64), None)),     # 256 tiles fill the SMs
     ((1001, 1000, 1000), "sm90a", ("wgmma", "cooperative", (128, 128, 64), "stream_k")),  # M is no leading dim
     # 64 < M <= 128 with a long K: cooperative 128x64 tiles, split in two in a cluster, one wave of blocks.
     ((127, 4096, 4096), "sm90a", ("wgmma", "cooperative", (128, 64, 64), "split_k")),
@@ -64,6 +67,18 @@ def test_seed_coop_split_computes_the_product_and_keeps_to_its_problem_class():
     assert np.all(np.abs(c - reference(a, b)) <= error_bound(p, a, b))
     row_b = Problem(65, 2112, 512, b=("f16", "row"))
     assert seed(row_b, "sm90a").splitk.mode == "stream_k"
+
+
+def test_seed_cluster_split_for_m_up_to_64_computes_the_product_and_keeps_to_its_problem_class():
+    """The 64x64 cluster split seed (M <= 64: 33 tiles here, split so the blocks near one wave) computes the product
+    in the interpreter; a B stored K x N (not the raw-PTX kernels' K-major B) keeps the CUTLASS stream-K seed."""
+    p = Problem(3, 2112, 1024)
+    k = seed(p, "sm90a")
+    assert (k.tile.block, k.splitk.reduce) == ((64, 64, 64), "cluster") and k.splitk.slices in (2, 4)
+    a, b = random_inputs(p, np.random.default_rng(2))
+    c = interpret(k, p, a, b).c.astype(np.float64)
+    assert np.all(np.abs(c - reference(a, b)) <= error_bound(p, a, b))
+    assert seed(Problem(3, 2112, 1024, b=("f16", "row")), "sm90a").splitk.mode == "stream_k"
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90a"])
