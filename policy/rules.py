@@ -12,7 +12,8 @@ how full the last wave is, K tiles per output tile, and the problem's FLOPs.
 - small tiles for small outputs, so there are enough blocks to occupy the GPU;
 - the sm80 rule (cp.async + mma.sync) with few stages for tiny, latency-bound problems: no TMA descriptor
   prefetch, no producer warpgroup, no cluster launch; a short K loop needs no deep ring;
-- rasterize along the longer dimension in groups of 8 tiles (L2 reuse of A/B tiles) once there are many tiles;
+- rasterize along the longer dimension in groups of 8 tiles (L2 reuse of A/B tiles) once there are many tiles, and
+  within one wave when a few tile rows face many tile columns (the blocks that read each B tile side by side);
 - pad=divisible in each dimension the problem divides (no bounds checks, no OOB fill);
 - an odd K on Hopper: copy A and B into aligned rows (the repack node) and run TMA + wgmma on the copies.
 
@@ -44,6 +45,8 @@ SMALL_OUTPUT = 512 * 512
 SHORT_K_TILES = 16
 # Output tiles per SM above which clusters and rasterization pay.
 MANY_WAVES = 2
+# Within one wave, grouping pays when at most this many tile rows face at least SKINNY_LONG tile columns.
+SKINNY_SHORT, SKINNY_LONG = 8, 16
 
 HOPPER_TILES = ((128, 256, "cooperative"), (256, 128, "cooperative"), (128, 128, "cooperative"),
                 (128, 128, "pingpong"), (64, 256, "pingpong"), (64, 128, "pingpong"), (64, 64, "pingpong"))
@@ -128,15 +131,19 @@ def block_split_kernel(problem: Problem, sms: int) -> Kernel | None:
 
 
 def raster_for(problem: Problem, bm: int, bn: int, sms: int) -> Swizzle:
-    """Walk the longer output dimension in groups of 8 tile rows (or columns), so blocks that share an A or B tile
-    run side by side and its second read hits L2 while the first is in flight: it pays within one wave too (64x64
-    tiles at 127x4096x4096, 2 tile rows: 17.9 -> 14.2 us with group 8, and no worse on 2048x256x512,
-    512x2048x4096 or 128x4096x16384; bench/results/tma_promotion_probe_h200.json). A single row or column of tiles
-    has nothing to group."""
+    """Walk the longer output dimension in groups of 8 tiles once there are many tiles (concurrent blocks share A/B
+    tiles in L2). Within one wave only where a few tile rows face many tile columns: group 1 puts the blocks that
+    read each B tile a whole row of tiles apart, group 8 side by side, so the second read meets the first in L2
+    (cuda_ptx 64x64 on the H200: 127x4096x4096, 2 x 64 tiles, 17.9 -> 14.2 us; 128x4096x16384 54.5 -> 52.3;
+    512x2048x4096, 8 x 32, 27.6 -> 27.0; bench/results/tma_promotion_probe_h200.json). On squarer few-tile grids
+    it cost 2-5% (128x128x16384, 512x512x2048, 1024x128x1024, 1024x256x256: families_focus_v5_h200.json), so they
+    keep group 1; so does the mirror case (few tile columns, many rows), which was not measured."""
     tm, tn = ceil_div(problem.m, bm), ceil_div(problem.n, bn)
-    if tm == 1 or tn == 1:
-        return Swizzle()
-    return Swizzle(raster="along_n" if tn >= tm else "along_m", group=8)
+    if tm * tn >= MANY_WAVES * sms // 2:
+        return Swizzle(raster="along_n" if tn >= tm else "along_m", group=8)
+    if 2 <= tm <= SKINNY_SHORT and tn >= SKINNY_LONG:
+        return Swizzle(raster="along_n", group=8)
+    return Swizzle()
 
 
 @dataclass(frozen=True)
