@@ -421,7 +421,7 @@ class ClusterReduce:
     """split-K reduce=cluster: the `slices` blocks of one output tile run as one thread-block cluster (sm90) and
     reduce through distributed shared memory instead of a workspace.
 
-    Protocol (backends/cuda_ptx/sm90a.py renders it; l2ir.interp's `_split_k_cluster` is its reference): block
+    Protocol (backends/cuda_ptx/sm90a.py renders it; l2ir.interp's `_split_k_owned` is its reference): block
     `slice` (its rank in the cluster) accumulates its slice's k tiles, stores its fp32 partial in its own shared
     memory and arrives at a cluster barrier. After the barrier every block owns a share of the tile's elements: for
     each fragment unit it owns it reads that unit from all `slices` blocks' shared memory and adds the partials in

@@ -182,37 +182,53 @@ class _Schedule:
         return acc
 
     def _block_split_partials(self, tm: int, tn: int, k_cover: dict) -> list[np.ndarray]:
-        """reduce=block (l2ir.indexing.BlockSplit): the producer fills one ring with k tile BlockSplit.k_tile at
-        ring position 0, 1, ..., and consumer warpgroup `slice` reads its `step`-th tile of its splitk_range at ring
-        position BlockSplit.position. Every slot remembers the k tile the producer put there; a consumer that finds
-        another tile than the one its range says (a wrong position, or a slot overwritten before it was read)
-        raises. Returns the two fp32 partials."""
+        """reduce=block (l2ir.indexing.BlockSplit), run as the protocol runs: the producer fills ring position p with
+        k tile BlockSplit.k_tile once the position `stages` back has been released; consumer warpgroup `slice` reads
+        its `step`-th tile of its splitk_range at ring position BlockSplit.position once it has landed, and releases
+        its previous position only then (it keeps one k tile's MMAs in flight), its last one when it is done. Every
+        slot remembers the k tile the producer put there: a consumer that finds another tile than its range says
+        raises, and so does a ring on which neither the producer nor a consumer can move (too few stages for the
+        release-after-next protocol). Returns the two fp32 partials."""
         stages, slices, env = self.stages, BlockSplit.SLICES, {"k_tiles": self.k_tiles}
         begin, end = splitk_range(slices)
         ranges = [(int(begin.eval({**env, "slice": s})), int(end.eval({**env, "slice": s}))) for s in range(slices)]
         loads = [int(BlockSplit.k_tile().eval({**env, "position": p})) for p in range(self.k_tiles)]
         position = BlockSplit.position()
-        reads = sorted((int(position.eval({**env, "step": j, "slice": s})), s, kb + j)
-                       for s, (kb, ke) in enumerate(ranges) for j in range(ke - kb))
-        if [r[0] for r in reads] != list(range(self.k_tiles)):
-            raise InterpError(f"tile ({tm}, {tn}): the consumers' ring positions {[r[0] for r in reads]} are not the "
-                              f"producer's {self.k_tiles} loads")
+        plans = [[int(position.eval({**env, "step": j, "slice": s})) for j in range(ke - kb)]
+                 for s, (kb, ke) in enumerate(ranges)]
+        if sorted(p for plan in plans for p in plan) != list(range(self.k_tiles)):
+            raise InterpError(f"tile ({tm}, {tn}): the consumers' ring positions {plans} are not the producer's "
+                              f"{self.k_tiles} loads, each once")
         ring_a = _Ring(stages, self.bm, self.bk, self.perm_a, self.in_dtype, np.nan)
         ring_b = _Ring(stages, self.bn, self.bk, self.perm_b, self.in_dtype, np.nan)
         tags = [-1] * stages
         accs = [np.zeros((self.bm, self.bn), dtype=self.acc_dtype) for _ in range(slices)]
-        produced = 0
-        for pos, s, kt in reads:
-            # The producer fills every slot the empty barriers give it: up to `stages` positions from the oldest
-            # unread one, whose slot is the last it may not overwrite.
-            while produced < min(pos + stages, self.k_tiles):
+        released: set[int] = set()
+        produced, steps = 0, [0] * slices
+        while any(steps[s] < len(plans[s]) for s in range(slices)):
+            moved = False
+            while produced < self.k_tiles and (produced < stages or produced - stages in released):
                 self._load(ring_a, ring_b, produced % stages, tm, tn, loads[produced])
                 tags[produced % stages] = loads[produced]
-                produced += 1
-            if tags[pos % stages] != kt:
-                raise InterpError(f"tile ({tm}, {tn}): consumer warpgroup {s} expected k tile {kt} in ring slot "
-                                  f"{pos % stages}, which holds k tile {tags[pos % stages]}")
-            accs[s] = self._accumulate(accs[s], ring_a, ring_b, pos % stages, kt)
+                produced, moved = produced + 1, True
+            for s in range(slices):
+                j = steps[s]
+                if j == len(plans[s]) or plans[s][j] >= produced:
+                    continue
+                pos, kt = plans[s][j], ranges[s][0] + j
+                if tags[pos % stages] != kt:
+                    raise InterpError(f"tile ({tm}, {tn}): consumer warpgroup {s} expected k tile {kt} in ring slot "
+                                      f"{pos % stages}, which holds k tile {tags[pos % stages]}")
+                accs[s] = self._accumulate(accs[s], ring_a, ring_b, pos % stages, kt)
+                if j > 0:
+                    released.add(plans[s][j - 1])      # the previous tile's MMAs are done once this one is issued
+                steps[s], moved = j + 1, True
+                if steps[s] == len(plans[s]):
+                    released.add(pos)                  # the last one after the loop's final wait
+            if not moved:
+                raise InterpError(f"tile ({tm}, {tn}): the ring of {stages} stages deadlocks: the producer waits for "
+                                  f"position {produced - stages} to be released, and its consumer for position "
+                                  f"{produced}")
         for kb, ke in ranges:
             if ke > kb:
                 k_cover.setdefault((tm, tn), []).append((kb, ke))

@@ -346,7 +346,8 @@ class Tile(Node):
     """Block tile BMxBNxBK, the warp layout over (M, N), and the thread-block cluster (M, N).
 
     With wgmma, four consecutive warps (one warpgroup) stack along M and share a 64-row wgmma, so warps=8x1 is two
-    consumer warpgroups along M (CUTLASS's cooperative 128xN tile).
+    consumer warpgroups along M (CUTLASS's cooperative 128xN tile), or, with splitk reduce=block, two warpgroups
+    over the same rows that split the K loop.
     """
 
     kind: ClassVar[str] = "tile"

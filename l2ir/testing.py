@@ -72,15 +72,11 @@ def mma_sync_kernels(draw, archs=MMA_SYNC_ARCHS) -> Kernel:
 def wgmma_kernels(draw) -> Kernel:
     """wgmma fed by TMA, warp-specialized (cooperative or ping-pong), on sm90a."""
     schedule = draw(st.sampled_from(["cooperative", "pingpong"]))
-    # reduce=block: the two consumer warpgroups of a cooperative block split the K loop, each over all BM rows.
-    in_block = schedule == "cooperative" and draw(st.integers(0, 4)) == 0
-    if in_block:
-        warps, bm = (8, 1), draw(st.sampled_from([64, 128]))
-    elif schedule == "cooperative":
+    if schedule == "cooperative":
         warps, bm = (8, 1), draw(st.sampled_from([128, 256]))
     else:
         warps, bm = (4, 1), draw(st.sampled_from([64, 128]))
-    bn = draw(st.sampled_from([48, 64, 128, 256] if in_block else [64, 128, 256]))
+    bn = draw(st.sampled_from([64, 128, 256]))
     bk = draw(st.sampled_from([32, 64]))
     # TMA swizzles whole BK rows: 128-byte rows (BK=64 halves) take <3,3,3>, 64-byte rows <2,3,3>; that is what the
     # CUTLASS builder lays out, so it comes up most often. The others are legal and stay in the mix.
@@ -92,12 +88,9 @@ def wgmma_kernels(draw) -> Kernel:
                                    SplitK("split_k", 2, "cluster")]))
     if splitk is not None and splitk.reduce == "cluster":
         splitk = SplitK("split_k", draw(st.integers(2, 16)), "cluster")
-    if in_block:
-        splitk = SplitK("split_k", 2, "block")
     # stream-K is a persistent tile scheduler (a non-persistent grid has nothing to hand partial tiles to), and
-    # CUTLASS runs split-K on that same scheduler; a cluster reduction is one cluster per tile, a block reduction
-    # one tile per block: neither is persistent.
-    in_cluster = splitk is not None and splitk.reduce in ("cluster", "block")
+    # CUTLASS runs split-K on that same scheduler; a cluster reduction is one cluster per tile, never persistent.
+    in_cluster = splitk is not None and splitk.reduce == "cluster"
     persistent = (not in_cluster) if splitk is not None else draw(st.booleans())
     pad_modes = ("zero_fill", "divisible")
     kernel = Kernel(
@@ -105,18 +98,29 @@ def wgmma_kernels(draw) -> Kernel:
         tile=Tile(block=(bm, bn, bk), warps=warps,
                   cluster=(1, 1) if in_cluster else draw(st.sampled_from([(1, 1), (2, 1), (1, 2)]))),
         mma=Mma("wgmma", (64, bn, 16)),
-        pipeline=Pipeline("tma_ws", draw(st.sampled_from(["auto", 3, 4, 5] if in_block else ["auto", 2, 3, 4, 5])),
-                          schedule=schedule, persistent=persistent),
+        pipeline=Pipeline("tma_ws", draw(st.sampled_from(["auto", 2, 3, 4, 5])), schedule=schedule,
+                          persistent=persistent),
         swizzle=Swizzle(smem=smem, raster=draw(st.sampled_from(["along_m", "along_n"])),
                         group=draw(st.sampled_from([1, 2, 4, 8]))),
         pad=Pad(draw(st.sampled_from(pad_modes)), draw(st.sampled_from(pad_modes)), draw(st.sampled_from(pad_modes)), 8),
         splitk=splitk,
         # the TMA store is how Hopper kernels write C; staging through shared memory or storing directly stay in
-        # a cluster or block reduction stores each block's or warpgroup's share straight from registers (the others
-        # are legal IR that the backends refuse, naming the field)
+        # a cluster reduction stores each block's share straight from registers (the others are legal IR that the
+        # backends refuse, naming the field)
         epilogue=(draw(st.sampled_from([Epilogue("direct", 2)] * 3 + [Epilogue("smem", 8)])) if in_cluster else
                   Epilogue(draw(st.sampled_from(["tma", "tma", "smem", "direct"])), 8)),
     )
+    # reduce=block: the two consumer warpgroups of a cooperative block split one tile's K loop, each over all BM
+    # rows (BM 64 or 128, one tile per block, at least 3 stages, direct stores). Made, with no draw of its own,
+    # from the cooperative kernels that stage C through shared memory outside a cluster split, which CUTLASS
+    # refuses anyway (its shared-memory epilogue is the TMA store), so the other kernels stay as they were.
+    if schedule == "cooperative" and kernel.epilogue.path == "smem" and not in_cluster:
+        bm = 64 if bk == 64 else 128
+        stages = kernel.pipeline.stages if kernel.pipeline.stages in ("auto", 3, 4, 5) else 3
+        kernel = kernel.replace(
+            tile=Tile(block=(bm, bn, bk), warps=warps, cluster=(1, 1)),
+            pipeline=Pipeline("tma_ws", stages, schedule=schedule, persistent=False),
+            splitk=SplitK("split_k", 2, "block"), epilogue=Epilogue("direct", 2))
     assume(not violations(kernel))
     return kernel
 

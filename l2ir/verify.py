@@ -399,6 +399,10 @@ def _repack(k: Kernel):
                 f"pad.align={REPACK_ALIGN}, not {k.pad.align}")
 
 
+# reduce=block: accumulators per consumer thread (BM x BN / 128, both warpgroups span the tile) that still fit.
+BLOCK_REDUCE_MAX_ACC = 128
+
+
 @rule("splitk", "mode_settings", SplitKError)
 def _splitk(k: Kernel):
     """split_k needs >= 2 slices; stream_k is a persistent tile scheduler of the warp-specialized kernels."""
@@ -445,6 +449,15 @@ def _splitk(k: Kernel):
                     f"schedule={k.pipeline.schedule}")
         if k.pipeline.persistent:
             return "reduce=block reduces one tile per block: set pipeline.persistent=false"
+        if k.tile.cluster != (1, 1):
+            return (f"reduce=block reduces inside one block; tile.cluster={k.tile.cluster[0]}x{k.tile.cluster[1]} "
+                    "is not generated with it (use 1x1)")
+        if acc_registers(k) > BLOCK_REDUCE_MAX_ACC:
+            # ptxas allocates for the 384-thread launch bound (168 registers) before setmaxnreg: 192 accumulators
+            # and the share loop's float4s spilled (128x192 and 256x96 tiles, 8 bytes each).
+            return (f"reduce=block keeps all {acc_registers(k)} accumulators of its {k.tile.bm}x{k.tile.bn} tile per "
+                    f"consumer thread (each warpgroup spans BM); above {BLOCK_REDUCE_MAX_ACC} they spill: use a "
+                    "smaller tile")
         if resolved_stages(k) < 3:
             # A consumer releases its previous stage only once its next one is full, two ring positions on; with
             # two stages the producer would wait for a release that waits for its own next load.

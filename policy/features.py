@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from l2ir.analysis import cluster_reduce
+from l2ir.analysis import block_reduce, cluster_reduce
 from l2ir.indexing import ceil_div
 from l2ir.nodes import Kernel, Problem
 from l2ir.verify import resolved_stages
@@ -43,7 +43,7 @@ def kernel_features(kern: Kernel, p: Problem, num_sms: int, backend: str | None 
     sw = kern.swizzle
     tiles = ceil_div(p.m, bm) * ceil_div(p.n, bn)
     slices = 1 if sk is None else (sk.slices if sk.mode == "split_k" else max(1, num_sms // max(tiles, 1)))
-    units = tiles * slices
+    units = tiles if block_reduce(kern) else tiles * slices     # reduce=block: the slices share one block
     waves = ceil_div(units, num_sms)
     return [
         _l2(bm) / 8, _l2(bn) / 8, _l2(bk) / 8, min(resolved_stages(kern), 16) / 8,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from l2ir.analysis import cluster_reduce
+from l2ir.analysis import block_reduce, cluster_reduce
 from l2ir.indexing import Repack, ceil_div
 from l2ir.nodes import Kernel, Problem
 from l2ir.text import print_problem
@@ -83,6 +83,12 @@ def kernel_time_us(kernel: Kernel, problem: Problem, sms: int = SMS) -> float:
     sk = kernel.splitk
     slices = sk.slices if (sk is not None and sk.mode == "split_k") else 1
     k_per = ceil_div(ceil_div(k, t.bk), slices) * t.bk
+    in_block = block_reduce(kernel)
+    if in_block:
+        # reduce=block: the slices are one block's two consumer warpgroups, so the grid is the tiles; the two halve
+        # the tile's MMA time (k_per), not the bytes it loads (the memory term below; on the H200 the loads were
+        # the limit: bench/NOTES.md, the block split); the partials meet in shared memory.
+        slices = 1
     per_sm = PEAK_TFLOPS * 1e6 / sms * _efficiency(kernel)           # FLOP per microsecond per SM
     tile_us = 2.0 * t.bm * t.bn * k_per / per_sm + 0.4
     work = tiles * slices
@@ -97,7 +103,7 @@ def kernel_time_us(kernel: Kernel, problem: Problem, sms: int = SMS) -> float:
         traffic += 2 * 4.0 * m * n * slices                          # fp32 partials written and read back
     memory = traffic / (HBM_TBPS * 1e6)
     # A workspace reduction pays fences and dependent L2 round trips; a cluster's partials stay on chip (one barrier).
-    reduce_us = 0.0 if slices == 1 else (0.5 if in_cluster else 1.5)
+    reduce_us = 0.2 if in_block else 0.0 if slices == 1 else (0.5 if in_cluster else 1.5)
     # repack: a second kernel reads the operands it copies and writes their aligned copies (l2ir.indexing.Repack).
     repack_us = 0.0
     if kernel.repack is not None:

@@ -101,6 +101,11 @@ def test_every_kernel_kind_has_one_default_backend():
     assert cluster and {backend_for(k).name for k in cluster} == {"cuda_ptx"}
     with pytest.raises(NotImplementedError, match="splitk.reduce=cluster"):
         backend_for(cluster[0], "cutlass_sm90")
+    # Split-K inside one block likewise.
+    block = [k for k in load_sweep("cuda_ptx").values() if k.splitk is not None and k.splitk.reduce == "block"]
+    assert block and {backend_for(k).name for k in block} == {"cuda_ptx"}
+    with pytest.raises(NotImplementedError, match="splitk.reduce=block"):
+        backend_for(block[0], "cutlass_sm90")
     # The repack node likewise: cuda_ptx is the one default of every repack kernel.
     repack = [k for k in load_sweep("cuda_ptx").values() if k.repack is not None]
     assert repack and {backend_for(k).name for k in repack} == {"cuda_ptx"}

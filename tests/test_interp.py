@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import l2ir.interp as interp_mod
-from l2ir.errors import InterpError, PadError
+from l2ir.errors import InterpError, L2IRError, PadError
 from l2ir.interp import error_bound, interpret, random_inputs, reference
 from l2ir.indexing import BASE, LEVEL, Const, Var
 from l2ir.nodes import Problem, SplitK
@@ -411,6 +411,20 @@ def test_block_reduction_fuzzed(block, stages, m, n_half, k_tiles, k_short, rnd)
     result = interpret(kernel, problem, a, b)
     np.testing.assert_array_equal(result.c.astype(np.float64), reference(a, b))
     assert (result.c_writes == 1).all()
+
+
+def test_block_reduction_needs_three_stages():
+    """With two stages the release-after-next protocol deadlocks (the producer waits for a stage whose consumer waits
+    for the producer's next load): the verifier refuses such a ring, and the interpreter, run past it, raises."""
+    kernel = _block_kernel(stages=2)
+    p = Problem(64, 64, 64 * 6)
+    with pytest.raises(L2IRError, match="at least 3 stages"):
+        interpret(kernel, p, *random_inputs(p, np.random.default_rng(0), integers=True))
+    sched = interp_mod._Schedule(kernel, p, *random_inputs(p, np.random.default_rng(0), integers=True))
+    with pytest.raises(InterpError, match="deadlocks"):
+        sched._block_split_partials(0, 0, {})
+    sched.stages = 3
+    assert len(sched._block_split_partials(0, 0, {})) == 2
 
 
 @pytest.mark.parametrize("position,match", [

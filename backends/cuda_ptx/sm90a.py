@@ -21,7 +21,8 @@ The kernel (a producer warpgroup and one or two consumer warpgroups):
   prologue     thread 0 prefetches both tensor maps, initializes the mbarriers; one __syncthreads.
   warpgroup 0  producer: setmaxnreg.dec to 40 registers; one thread issues, per stage, the TMA box copies of the A and
                B tiles into the stage's buffers and arms the stage's `full` mbarrier with the byte count.
-  consumers    cooperative (tile.warps=8x1, 384 threads): warpgroups 1, 2 setmaxnreg.inc to 232, each owns BM/2 rows.
+  consumers    cooperative (tile.warps=8x1, 384 threads): warpgroups 1, 2 setmaxnreg.inc to 232, each owns BM/2 rows
+               (with splitk reduce=block: all BM rows and half the K loop, below).
                latency-bound (tile.warps=4x1, schedule=pingpong, persistent=false; 256 threads): warpgroup 1 owns the
                whole tile, one tile per block. With a ring that leaves room for a second block (explicit stages,
                at most half the SM's shared memory) the launch bounds promise two blocks per SM and setmaxnreg hands
