@@ -79,6 +79,14 @@ def test_seed_cluster_split_for_m_up_to_64_computes_the_product_and_keeps_to_its
     c = interpret(k, p, a, b).c.astype(np.float64)
     assert np.all(np.abs(c - reference(a, b)) <= error_bound(p, a, b))
     assert seed(Problem(3, 2112, 1024, b=("f16", "row")), "sm90a").splitk.mode == "stream_k"
+    # The seed is, byte for byte, the sweep configuration its measurements name (l2ir.seed.cluster_split_kernel).
+    from l2ir.search.sweeps import load_sweep
+
+    sweep = load_sweep("cuda_ptx")
+    for shape, config in (((1, 4096, 4096), "ptx_splitk_cluster_w4x1_64x64x64_s2"),
+                          ((64, 2048, 8192), "ptx_splitk_cluster_w4x1_64x64x64_s4"),
+                          ((64, 256, 2048), "ptx_splitk_cluster_w4x1_64x64x64_s8")):
+        assert seed(Problem(*shape), "sm90a").content_hash() == sweep[config].content_hash(), shape
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90a"])
