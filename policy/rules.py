@@ -105,6 +105,26 @@ def sm80_kernel(problem: Problem, block, warps, stages: int, slices: int = 1, ra
     )
 
 
+# Rows of A up to which an odd K takes the decode kernel with realigned loads (measured at M=17).
+DECODE_ROWS = 32
+
+
+def decode_align_kernel(problem: Problem, arch: str) -> Kernel:
+    """The cuda_ptx_sm80 decode kernel for unaligned rows (search/sweeps/cuda_ptx_sm80/
+    ptx_sm80_32x128x64_w2x4_s4_splitk4_align1_decode.l2, on the problem's target): 32x128 tiles over 8 warps, 4
+    stages, split-K 4 reduced in the kernel, direct stores of single elements."""
+    return Kernel(
+        target=Target(arch),
+        tile=Tile(block=(32, 128, 64), warps=(2, 4)),
+        mma=Mma("mma_sync", (16, 8, 16)),
+        pipeline=Pipeline("multistage", 4, prefetch=True),
+        swizzle=Swizzle(smem=(3, 3, 3)),
+        pad=Pad("predicate", "zero_fill", "zero_fill", 1),
+        splitk=SplitK("split_k", 4),
+        epilogue=Epilogue("direct", 1),
+    )
+
+
 # reduce=block on 64x32 tiles: where it won (bench/results/families_focus_v5_h200.json: 1024x128x1024, 64 tiles,
 # 16 k tiles, 5.17 us, 0.93x; 256x64x128, 8 tiles, 2 k tiles, 0.95x), the tiles were at most one wave and the K
 # loop at most 16 k tiles; on longer loops one SM's TMA path limits it and the cluster split wins.
@@ -207,6 +227,16 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
                 f"to rows of {ceil_div(k, 8) * 8} elements first, then {block[0]}x{block[1]} tiles ({t} tiles)"
                 + (" (skinny M: the copy of B may cost more than it saves)" if m < REPACK_MIN_M else ""),
                 backend="cuda_ptx"))
+
+    # An odd K with few rows of A (decode): 16-byte cp.async blocks realigned in shared memory (cuda_ptx_sm80, asked
+    # for by name: the default mma.sync backend, CuTe, loads such rows narrowly and ran the seed at 17x9999x3333 in
+    # 1.5 ms against 60 us here; bench/results/unaligned_v4_h200.json).
+    if arch in ("sm80", "sm90a") and alignment(problem) < 8 and m <= DECODE_ROWS:
+        out.append(Candidate(
+            9.2, decode_align_kernel(problem, arch),
+            f"decode, odd K: {m} row(s) of A, every row of A and B on a 2-byte boundary; 32x128 tiles stage the "
+            "aligned 16-byte blocks around each row by cp.async and realign them in shared memory, 4 split-K slices",
+            backend="cuda_ptx_sm80"))
 
     # Few small tiles with a short K loop: the block's two consumer warpgroups split it (cuda_ptx).
     if hopper and cuda_ptx_lowered(problem):

@@ -220,6 +220,26 @@ def test_rules_few_tiles_short_k_split_inside_the_block():
         assert block_split_kernel(q, 132) is None, q
 
 
+def test_rules_odd_k_decode_takes_the_realigned_sm80_kernel_by_name():
+    """17x9999x3333 (odd K, 17 rows): the rules propose the cuda_ptx_sm80 decode kernel with realigned loads, by name
+    (the default mma.sync backend loads unaligned rows narrowly), and it is the sweep's measured configuration;
+    an aligned K or 64 rows of A does not get it."""
+    from l2ir.backends.registry import lower
+    from l2ir.search.sweeps import load_sweep
+
+    p = Problem(17, 9999, 3333)
+    ctx = Context(p, seed(p, "sm90a"), count=16, arch="sm90a")
+    props = [q for q in Rules().propose(ctx) if q.note.startswith("decode, odd K")]
+    assert len(props) == 1 and props[0].backend == "cuda_ptx_sm80"
+    kernel = props[0].apply(ctx.parent, p)
+    swept = load_sweep("cuda_ptx_sm80")["ptx_sm80_32x128x64_w2x4_s4_splitk4_align1_decode"]
+    assert kernel.replace(target=swept.target) == swept
+    lower(kernel, p, "cuda_ptx_sm80")
+    for q in (Problem(17, 9999, 3336), Problem(64, 9999, 3333)):
+        qctx = Context(q, seed(q, "sm90a"), count=16, arch="sm90a")
+        assert not any(x.note.startswith("decode, odd K") for x in Rules().propose(qctx)), q
+
+
 def test_rules_hopper_few_tiles_long_k_splits_in_a_cluster():
     """On Hopper, few output tiles and a long K get split-K reduced in a thread-block cluster, which lowers (on
     cuda_ptx, the only backend that lowers it); a shape whose tiles fill the SMs does not."""
