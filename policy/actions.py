@@ -42,7 +42,7 @@ KNOBS: dict[str, tuple[Any, ...]] = {
     "splitk": (None, ("split_k", 2, "workspace"), ("split_k", 3, "workspace"), ("split_k", 4, "workspace"),
                ("split_k", 8, "workspace"), ("split_k", 16, "workspace"), ("split_k", 4, "atomic"),
                ("stream_k", 1, "workspace"), ("split_k", 4, "cluster"), ("split_k", 8, "cluster"),
-               ("split_k", 16, "cluster")),
+               ("split_k", 16, "cluster"), ("split_k", 2, "block")),
     "epilogue_path": ("direct", "smem", "tma"),
     "epilogue_vector": (1, 2, 4, 8),
     "pad": tuple((dim, mode) for dim in "mnk" for mode in ("predicate", "zero_fill", "divisible")),
@@ -242,6 +242,17 @@ def apply_action(kernel: Kernel, problem: Problem, action: Action, arch: str = "
                               pipeline=dataclasses.replace(p, persistent=False),
                               epilogue=Epilogue("direct", 2))
             backend = "cuda_ptx"          # the backend that lowers it, kept by name for the children
+        if sk is not None and sk.reduce == "block":
+            if not tma:
+                return None
+            # The cooperative block's two consumer warpgroups split one tile's K loop, each over all BM rows: one
+            # tile per block, a ring of at least 3 stages, each warpgroup storing its share from registers.
+            stages = p.stages if p.stages == "auto" or p.stages >= 3 else 3
+            new = new.replace(tile=dataclasses.replace(t, block=(t.bm if t.bm in (64, 128) else 64, t.bn, t.bk),
+                                                       cluster=(1, 1)),
+                              pipeline=dataclasses.replace(p, schedule="cooperative", persistent=False, stages=stages),
+                              epilogue=Epilogue("direct", 2))
+            backend = "cuda_ptx"
     elif knob == "epilogue_path":
         new = kernel.replace(epilogue=dataclasses.replace(kernel.epilogue, path=v))
     elif knob == "epilogue_vector":

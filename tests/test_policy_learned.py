@@ -54,11 +54,49 @@ def test_learned_is_deterministic_and_its_state_round_trips():
     assert json.dumps(loaded.state_dict()) == blob
     untrained = Learned(seed=3)
     assert [x.text() for x in untrained.propose(ctx)] != want
-    with pytest.raises(ValueError, match="action space"):
-        bad = dict(state, actions=state["actions"][:-1])
-        Learned().load_state_dict(bad)
+    with pytest.raises(ValueError, match="feature set"):
+        Learned().load_state_dict(dict(state, state_dim=state["state_dim"] + 1))
     with pytest.raises(ValueError, match="not a learned-policy state"):
         Learned().load_state_dict({"policy": "random"})
+
+
+def test_a_state_saved_before_an_action_was_added_keeps_what_it_learned():
+    """A state from a smaller action space (here: saved before the last action existed, its heads one row short)
+    loads: every action it knows keeps its learned rows, weights and Adam moments alike; the added action starts
+    where a fresh policy starts it (the random policy's prior); the shared layers load as saved."""
+    from l2ir.policy.learned import _decode
+
+    p = Problem(2048, 1024, 1024)
+    pol = Learned(seed=4)
+    climb(pol, p, synthetic_speedup, seed(p, "sm80"), budget=16, seed=2)
+    state = json.loads(json.dumps(pol.state_dict()))
+    old = dict(state, actions=state["actions"][:-1],
+               weights={k: (_encode_rows(_decode(v)[:-1]) if k.startswith(("policy.", "value.")) else v)
+                        for k, v in state["weights"].items()})
+    old["optimizer"] = {i: {key: (_encode_rows(_decode(v)[:-1]) if _decode(v).ndim and int(i) >= 4 else v)
+                            for key, v in st.items()} for i, st in state["optimizer"].items()}
+    fresh = Learned(seed=4)
+    loaded = Learned(seed=4)
+    loaded.load_state_dict(old)
+    got, want, new = loaded.state_dict(), state, fresh.state_dict()
+    for name in want["weights"]:
+        w, g = _decode(want["weights"][name]), _decode(got["weights"][name])
+        if name.startswith(("policy.", "value.")):
+            np.testing.assert_array_equal(g[:-1], w[:-1])
+            np.testing.assert_array_equal(g[-1], _decode(new["weights"][name])[-1])
+        else:
+            np.testing.assert_array_equal(g, w)
+    moments = _decode(got["optimizer"]["4"]["exp_avg"])    # the policy head's weight: the added row starts at zero
+    assert not moments[-1].any()
+    np.testing.assert_array_equal(moments[:-1], _decode(state["optimizer"]["4"]["exp_avg"])[:-1])
+
+
+def _encode_rows(arr):
+    import torch
+
+    from l2ir.policy.learned import _encode
+
+    return _encode(torch.from_numpy(np.ascontiguousarray(arr)))
 
 
 def test_a_restored_learned_policy_keeps_learning_as_the_original():
