@@ -132,6 +132,12 @@ def block_reduce(kernel: Kernel) -> bool:
     return kernel.splitk is not None and kernel.splitk.reduce == "block"
 
 
+def shares_fragments(kernel: Kernel) -> bool:
+    """split-K whose slices add up through shared memory, each storing the fragment units it owns
+    (l2ir.indexing.ClusterReduce): a cluster's blocks (reduce=cluster) or a block's warpgroups (reduce=block)."""
+    return cluster_reduce(kernel) or block_reduce(kernel)
+
+
 def acc_registers(kernel: Kernel, acc_bytes: int = 4) -> int:
     """fp32 accumulator registers per math thread."""
     bm, bn, _ = kernel.tile.block

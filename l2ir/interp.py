@@ -27,7 +27,7 @@ from .errors import InterpError
 from .indexing import (REPACK_ALIGN, BlockSplit, ClusterReduce, Repack, SplitKTree, ceil_div, rasterize, smem_swizzle,
                        splitk_range)
 from .nodes import Kernel, Problem
-from .analysis import block_reduce, cluster_reduce, resolved_stages, warpgroups_m
+from .analysis import block_reduce, resolved_stages, shares_fragments, warpgroups_m
 from .target import H200_SMS, UNIT_ROUNDOFF
 from .verify import check_problem
 
@@ -285,7 +285,7 @@ class _Schedule:
             for tm, tn in order:
                 self.store(c, writes, tm, tn, self.mainloop(tm, tn, 0, self.k_tiles))
                 k_cover[(tm, tn)] = [(0, self.k_tiles)]
-        elif cluster_reduce(self.kernel) or block_reduce(self.kernel):
+        elif shares_fragments(self.kernel):
             self._split_k_owned(c, writes, order, sk.slices, k_cover)
         elif sk.mode == "split_k":
             ws_writes, ws_expected = self._split_k(c, writes, order, sk.slices, k_cover)

@@ -91,6 +91,22 @@ def seed_sm80(problem: Problem, arch: str = "sm80", num_sms: int = H200_SMS) -> 
     return check_problem(kernel, problem)
 
 
+def split_tile_kernel(block: tuple[int, int, int], schedule: str, splitk: SplitK) -> Kernel:
+    """One output tile per block on the cuda_ptx sm90a rule, its K loop split in the kernel (a cluster's blocks or
+    the block's two consumer warpgroups): a TMA ring that fills shared memory, the 128-byte swizzle, zero-filled
+    edges, and each block or warpgroup storing its share of the tile straight from registers."""
+    return Kernel(
+        target=Target("sm90a"),
+        tile=Tile(block=block, warps=(8, 1) if schedule == "cooperative" else (4, 1)),
+        mma=Mma("wgmma", (64, block[1], 16)),
+        pipeline=Pipeline("tma_ws", "auto", schedule=schedule, persistent=False),
+        swizzle=Swizzle(smem=(3, 3, 3)),
+        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+        splitk=splitk,
+        epilogue=Epilogue("direct", 2),
+    )
+
+
 # Rows of A for which the cooperative 128x64 cluster split was measured to win (100, 127 and 128): at most one row
 # of 128-row tiles, more than half of each one real.
 COOP_SPLIT_M = (64, 128)
@@ -110,16 +126,7 @@ def coop_split_kernel(problem: Problem, num_sms: int = H200_SMS) -> Kernel | Non
     slices = split_slices(problem, tiles, 64, num_sms, 2)    # 1 unless one wave of 2 slices and K allows
     if slices < 2 or 4 * tiles < num_sms:
         return None
-    return Kernel(
-        target=Target("sm90a"),
-        tile=Tile(block=(128, 64, 64), warps=(8, 1)),
-        mma=Mma("wgmma", (64, 64, 16)),
-        pipeline=Pipeline("tma_ws", "auto", schedule="cooperative", persistent=False),
-        swizzle=Swizzle(smem=(3, 3, 3)),
-        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
-        splitk=SplitK("split_k", slices, "cluster"),
-        epilogue=Epilogue("direct", 2),
-    )
+    return split_tile_kernel((128, 64, 64), "cooperative", SplitK("split_k", slices, "cluster"))
 
 
 # Rows of A up to which the 64x64 cluster split is the sm90a seed: one row of 64-row tiles (decode and skinny M).
@@ -140,16 +147,7 @@ def cluster_split_kernel(problem: Problem, num_sms: int = H200_SMS) -> Kernel | 
         slices -= 1              # the next lower power of two that leaves no slice empty
     if slices < 2:
         return None
-    return Kernel(
-        target=Target("sm90a"),
-        tile=Tile(block=(64, 64, 64), warps=(4, 1)),
-        mma=Mma("wgmma", (64, 64, 16)),
-        pipeline=Pipeline("tma_ws", "auto", schedule="pingpong", persistent=False),
-        swizzle=Swizzle(smem=(3, 3, 3)),
-        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
-        splitk=SplitK("split_k", slices, "cluster"),
-        epilogue=Epilogue("direct", 2),
-    )
+    return split_tile_kernel((64, 64, 64), "pingpong", SplitK("split_k", slices, "cluster"))
 
 
 def seed_sm90a(problem: Problem, num_sms: int = H200_SMS) -> Kernel:

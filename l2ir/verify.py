@@ -17,10 +17,10 @@ from typing import Callable
 
 from .errors import (EpilogueError, ExprError, MmaError, PadError, PipelineError, ProblemError, ResourceError,
                      SourceError, SplitKError, SwizzleError, TargetError, TileError, VerifyError)
-from .indexing import LAUNCH_VARS, REPACK_ALIGN, ceil_div, leaves_empty_slice
+from .indexing import LAUNCH_VARS, REPACK_ALIGN, BlockSplit, ceil_div, leaves_empty_slice
 from .nodes import OPTIONAL_NODES, SCHEDULE_NODES, Kernel, Problem
-from .analysis import (acc_registers, block_reduce, cluster_reduce, elem_bytes, epilogue_smem_bytes,
-                       estimated_registers, resolved_stages, ring_bytes, ring_description, smem_bytes, threads,
+from .analysis import (acc_registers, elem_bytes, epilogue_smem_bytes, estimated_registers,
+                       resolved_stages, ring_bytes, ring_description, shares_fragments, smem_bytes, threads,
                        warpgroups_m)
 from .target import (BLOCK_DIM_MAX, CLUSTER_ARCHS, DTYPE_BYTES, KB, MAX_CLUSTER, MAX_CLUSTER_NONPORTABLE, MAX_REGS,
                      MAX_THREADS, MAX_WGMMA_ACC_REGS, MMA_SYNC_SHAPES, SMEM_LIMIT, TMA_BOX_MAX)
@@ -316,7 +316,7 @@ def _cluster_partial(k: Kernel):
     """reduce=cluster leaves each block's fp32 partial tile in its own shared memory, over its finished stage rings
     (the other blocks of the cluster read it from there), so the rings must hold BM x BN x 4 bytes. reduce=block
     needs the same: each consumer warpgroup leaves the half of its partial the other one stores there."""
-    if k.is_source or not (cluster_reduce(k) or block_reduce(k)):
+    if k.is_source or not shares_fragments(k):
         return None
     partial, ring = k.tile.bm * k.tile.bn * 4, ring_bytes(k)
     if partial > ring:
@@ -442,8 +442,9 @@ def _splitk(k: Kernel):
         if k.mma.op != "wgmma" or k.pipeline.mode != "tma_ws":
             return ("reduce=block splits the K loop between the consumer warpgroups of a warp-specialized wgmma "
                     f"kernel, not mma.op={k.mma.op} pipeline.mode={k.pipeline.mode}: use reduce=workspace")
-        if sk.slices != 2:
-            return f"reduce=block gives each of the block's 2 consumer warpgroups one slice: slices=2, not {sk.slices}"
+        if sk.slices != BlockSplit.SLICES:
+            return (f"reduce=block gives each of the block's {BlockSplit.SLICES} consumer warpgroups one slice: "
+                    f"slices={BlockSplit.SLICES}, not {sk.slices}")
         if k.pipeline.schedule != "cooperative":
             return ("reduce=block needs the 2 consumer warpgroups of schedule=cooperative (warps=8x1), not "
                     f"schedule={k.pipeline.schedule}")

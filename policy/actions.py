@@ -23,6 +23,7 @@ from l2ir.edits import Edit, InsertNode, RemoveNode, ReplaceNode, SetField
 from l2ir.errors import L2IRError
 from l2ir.nodes import (KERNEL_ORDER, Epilogue, Kernel, Mma, Pad, Pipeline, Problem, Repack, SplitK, Swizzle,
                         Target, Tile)
+from l2ir.analysis import block_reduce, shares_fragments
 from l2ir.seed import alignment, store_vector
 from l2ir.verify import violations
 
@@ -322,13 +323,13 @@ def fit_backend(k: Kernel, backend: str) -> Kernel:
         pipe, sk, epi = k.pipeline, k.splitk, k.epilogue
         if sk is not None and (sk.mode != "split_k" or sk.reduce == "atomic"):
             sk = None
-        in_cluster = sk is not None and sk.reduce in ("cluster", "block")
-        if pipe.schedule == "pingpong" or in_cluster:
+        shares = shares_fragments(k)     # one unit per block, each share stored from registers
+        if pipe.schedule == "pingpong" or shares:
             pipe = dataclasses.replace(pipe, persistent=False)
-        if pipe.schedule != "pingpong" and not (sk is not None and sk.reduce == "block"):
+        if pipe.schedule != "pingpong" and not block_reduce(k):
             bm = max(128, bm - bm % 128)     # (reduce=block: both warpgroups span BM, any multiple of 64)
         path = epi.path if epi.path in ("direct", "smem") else "smem"
-        if in_cluster:
+        if shares:
             path = "direct"          # each block (or warpgroup) stores its share straight from registers
         vector = min(epi.vector, 2) if path == "direct" else epi.vector
         k = k.replace(tile=dataclasses.replace(k.tile, block=(bm, bn, bk), cluster=(1, 1)), pipeline=pipe,

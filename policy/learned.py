@@ -265,39 +265,36 @@ class Learned:
             raise ValueError(f"saved hidden={state['config']['hidden']} but this policy has hidden={self.hidden}")
         # An action space that grew (a new IR choice became an edit) keeps what was learned: each head's row of an
         # action the state knows is copied, a new action keeps its fresh row (the random policy's prior, no opinion
-        # on its reward), an action this version no longer has is dropped. Only the heads have rows per action.
+        # on its reward; zero Adam moments), an action this version no longer has is dropped. Only the heads have
+        # rows per action; everything else loads as saved.
         actions = [str(a) for a in ACTIONS]
         known = {a: i for i, a in enumerate(state["actions"])}
-        rows = [(j, known[a]) for j, a in enumerate(actions) if a in known]
-        if not rows:
+        rows = None if state["actions"] == actions else [(j, known[a]) for j, a in enumerate(actions) if a in known]
+        if rows == []:
             raise ValueError("the saved learned policy shares no action with this version of L2IR")
         named = self._named()
+
+        def placed(name: str, spec: dict, fresh):
+            saved = torch.from_numpy(_decode(spec))
+            if rows is None or saved.ndim == 0 or not name.startswith(("policy.", "value.")):
+                return saved
+            out = fresh.detach().clone()
+            for j, i in rows:
+                out[j] = saved[i]
+            return out
+
         with torch.no_grad():
             for name, spec in state["weights"].items():
-                named[name].copy_(self._rows(name, named[name], _decode(spec), rows, torch))
-        # States saved before the moments were kept load with fresh ones; an added action's moments start at zero.
+                named[name].copy_(placed(name, spec, named[name]))
+        # States saved before the moments were kept load with fresh ones.
         opt_state = self.opt.state_dict()
         params = list(named.items())
-        opt_state["state"] = {int(i): {key: self._rows(params[int(i)][0], torch.zeros_like(params[int(i)][1]),
-                                                       _decode(spec), rows, torch) if _decode(spec).ndim else
-                                       torch.from_numpy(_decode(spec))
+        opt_state["state"] = {int(i): {key: placed(params[int(i)][0], spec, torch.zeros_like(params[int(i)][1]))
                                        for key, spec in st.items()}
                               for i, st in state.get("optimizer", {}).items()}
         self.opt.load_state_dict(opt_state)
         self.baseline = float(state["baseline"])
         self.updates = int(state["updates"])
-
-    @staticmethod
-    def _rows(name: str, current, saved: np.ndarray, rows: list[tuple[int, int]], torch):
-        """`saved` laid out for this policy's tensor `current`: the heads' per-action rows (dimension 0) moved to
-        this action space (`rows`: (this index, saved index)), starting from `current`; any other tensor as saved."""
-        if not name.startswith(("policy.", "value.")) or saved.shape == tuple(current.shape) and \
-                all(j == i for j, i in rows) and len(rows) == current.shape[0]:
-            return torch.from_numpy(saved)
-        out = current.detach().clone()
-        for j, i in rows:
-            out[j] = torch.from_numpy(np.ascontiguousarray(saved[i]))
-        return out
 
     @classmethod
     def from_state(cls, state: dict | bytes) -> "Learned":

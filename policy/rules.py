@@ -27,12 +27,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from l2ir.indexing import ceil_div, leaves_empty_slice
+from l2ir.indexing import BlockSplit, ceil_div
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
 from l2ir.seed import (REPACK_MIN_M, REPACK_TILES, alignment, cluster_split_kernel, coop_split_kernel,
-                       cuda_ptx_lowered, repack_kernel, repack_tile, store_vector)
+                       cuda_ptx_lowered, repack_kernel, repack_tile, split_tile_kernel, store_vector)
 from l2ir.seed import split_slices as seed_split_slices
-from l2ir.target import MAX_CLUSTER_NONPORTABLE
 
 from .actions import diff_edits, normal_backend
 from .base import Context, Dedupe, Proposal, StatelessPolicy, try_legalize
@@ -138,16 +137,7 @@ def block_split_kernel(problem: Problem, sms: int) -> Kernel | None:
     k_tiles = ceil_div(problem.k, 64)
     if tiles_of(problem, 64, 32) > sms or not 2 <= k_tiles <= BLOCK_SPLIT_MAX_K_TILES:
         return None
-    return Kernel(
-        target=Target("sm90a"),
-        tile=Tile(block=(64, 32, 64), warps=(8, 1)),
-        mma=Mma("wgmma", (64, 32, 16)),
-        pipeline=Pipeline("tma_ws", "auto", schedule="cooperative", persistent=False),
-        swizzle=Swizzle(smem=(3, 3, 3)),
-        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
-        splitk=SplitK("split_k", 2, "block"),
-        epilogue=Epilogue("direct", 2),
-    )
+    return split_tile_kernel((64, 32, 64), "cooperative", SplitK("split_k", BlockSplit.SLICES, "block"))
 
 
 def raster_for(problem: Problem, bm: int, bn: int, sms: int) -> Swizzle:
