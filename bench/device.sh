@@ -76,11 +76,13 @@ tune-grid|590|bash bench/tune_grid.sh
 loop-gpu|590|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_loop_gpu.py tests/test_pool_gpu.py tests/test_pipeline_gpu.py
 backends-repack|200|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k repack
 backends-cutlass|400|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k "cutlass or kept"
-dispatch-tests|300|python3 -m pytest -q -rs -s -m gpu -p no:cacheprovider tests/test_dispatch_gpu.py
+dispatch-tests|480|python3 -m pytest -q -rs -s -m gpu -p no:cacheprovider tests/test_dispatch_gpu.py
 dispatch|240|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_dispatch_gpu.py && python3 bench/dispatch_bench.py --max-gflop 5 --out bench/results/dispatch_h200_v4.json
 cluster-x2|590|bash -c 'python3 bench/cluster_bench.py --out bench/results/cluster_h200x2_finalists3.json && python3 bench/cluster_bench.py --finalists 1 --out bench/results/cluster_h200x2_finalists1.json'
 policy-compare|540|python3 bench/policy_compare.py --state bench/results/policy_compare_standin_learned_state.json --train-shapes 24 --held-shapes 8 --limit-held 4 --budget 10 --seeds 0 --budget-seconds 230 --out bench/results/policy_compare_h200_s0
 train-policy|420|bash -c 'bash bench/stage_model.sh assemble && python3 bench/train_policy.py --out bench/results/train_policy_mean_h200'
+dispatch-unaligned-v5-fast|420|bash -c 'rm -f /tmp/unaligned_v4.db && python3 -m l2ir.cli db import --db /tmp/unaligned_v4.db bench/results/unaligned_v4_h200.jsonl bench/results/unaligned_v4_h200-fresh.jsonl && python3 bench/dispatch_bench.py --db /tmp/unaligned_v4.db --target sm80 --target sm90a --max-gflop 100 --out bench/results/dispatch_unaligned_v5_fast_h200.json'
+dispatch-families-v4-fast|420|bash -c 'rm -f /tmp/families_v3.db && python3 -m l2ir.cli db import --db /tmp/families_v3.db bench/results/families_small_v3_h200.jsonl bench/results/families_small_v3_h200-fresh.jsonl && python3 bench/dispatch_bench.py --db /tmp/families_v3.db --target sm80 --target sm90a --max-gflop 5 --out bench/results/dispatch_families_v4_fast_h200.json'
 EOF
 }
 

@@ -22,12 +22,16 @@ layout):
   served      "l2ir" or the fallback reason of the dispatcher for that shape
   eager_only  a cuBLAS shape whose eager calls run its eager kernel (l2ir/export.py): device_us is then cuBLAS's
               (a CUDA graph captures the table's choice) while eager_us and host_us are the L2IR kernel's
+  *_python    l2ir.matmul's eager and host time with the compiled fast path detached (the Python path alone), in
+              the same run; the unsuffixed l2ir times use the package's compiled fast path when it loaded
+              (`fastpath` in the JSON says whether it did)
 torch.matmul runs with fp16 reduced-precision reductions off (fp32 accumulation, the contract both are held to).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -157,6 +161,21 @@ def parts_us(d, a, b, host: float, eager: float, calls: int, trials: int) -> dic
     return {k: round(v, 3) for k, v in parts.items()}
 
 
+@contextlib.contextmanager
+def python_path(d):
+    """l2ir.matmul without the compiled fast path (the routes stay kept; only the table is detached)."""
+    from l2ir import dispatch
+
+    native = d._native
+    d._native = None
+    dispatch._install(d)
+    try:
+        yield
+    finally:
+        d._native = native
+        dispatch._install(d)
+
+
 def near_shapes(shape):
     m, n, k = shape
     out = []
@@ -232,6 +251,10 @@ def main(argv=None) -> int:
                "torch_eager_us": eager_us(lambda: torch.matmul(a, b), args.calls, args.trials),
                "l2ir_host_us": issue_us(lambda: l2ir.matmul(a, b), args.calls, args.trials),
                "torch_host_us": issue_us(lambda: torch.matmul(a, b), args.calls, args.trials)}
+        with python_path(d):
+            row["l2ir_eager_us_python"] = eager_us(lambda: l2ir.matmul(a, b), args.calls, args.trials)
+            row["l2ir_host_us_python"] = issue_us(lambda: l2ir.matmul(a, b), args.calls, args.trials)
+        row["host_speedup_python"] = row["torch_host_us"] / row["l2ir_host_us_python"]
         row["device_speedup"] = row["torch_device_us"] / row["l2ir_device_us"]
         row["eager_speedup"] = row["torch_eager_us"] / row["l2ir_eager_us"]
         row["host_speedup"] = row["torch_host_us"] / row["l2ir_host_us"]
@@ -240,7 +263,8 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{m:>6}x{n:<6}x{k:<6} {kind:<28} {served + ('/eager' if row['eager_only'] else ''):<12} device {row['l2ir_device_us']:8.2f} vs "
               f"{row['torch_device_us']:8.2f} us  eager {row['l2ir_eager_us']:7.2f} vs {row['torch_eager_us']:7.2f} us"
-              f"  host {row['l2ir_host_us']:6.2f} vs {row['torch_host_us']:6.2f} us  "
+              f"  host {row['l2ir_host_us']:6.2f} (python {row['l2ir_host_us_python']:6.2f}) vs "
+              f"{row['torch_host_us']:6.2f} us  "
               + " ".join(f"{p} {v:.2f}" for p, v in row["parts_us"].items()), flush=True)
 
     def median_parts(rs):
@@ -266,6 +290,13 @@ def main(argv=None) -> int:
         "geomean_eager_speedup_all": gmean(r["eager_speedup"] for r in rows),
         "geomean_host_speedup_all": gmean(r["host_speedup"] for r in rows),
         "geomean_host_speedup_on_fallback": gmean(r["host_speedup"] for r in rows if r["served"] != "l2ir"),
+        "python_path": {
+            "geomean_host_speedup_where_served": gmean(r["host_speedup_python"] for r in by_l2ir),
+            "geomean_host_speedup_on_fallback": gmean(r["host_speedup_python"] for r in rows
+                                                      if r["served"] != "l2ir"),
+            "geomean_host_speedup_all": gmean(r["host_speedup_python"] for r in rows)},
+        "host_no_slower_than_torch_all": all(r["l2ir_host_us"] <= r["torch_host_us"] * 1.02 for r in rows),
+        "shapes_host_slower_than_torch": sum(1 for r in rows if r["l2ir_host_us"] > r["torch_host_us"]),
         "eager_no_slower_than_torch_where_served": all(r["l2ir_eager_us"] <= r["torch_eager_us"] * 1.02
                                                        for r in by_l2ir),
         "host_no_slower_than_torch_where_served": all(r["l2ir_host_us"] <= r["torch_host_us"] * 1.02
@@ -282,7 +313,7 @@ def main(argv=None) -> int:
                           "kernels": len(d.package.kernels), "export_seconds": round(export_s, 1), **provenance},
               "settings": {"reps": args.reps, "calls": args.calls, "trials": args.trials,
                            "layout": "a row-major (M, K), b = W.t() with W row-major (N, K): problem " + cls},
-              "dispatch_stats": dispatch.dispatch_stats(), "summary": summary, "rows": rows}
+              "fastpath": d.fastpath, "dispatch_stats": dispatch.dispatch_stats(), "summary": summary, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(summary, indent=1))

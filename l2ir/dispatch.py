@@ -75,6 +75,7 @@ REASONS = {
 log = logging.getLogger("l2ir.dispatch")
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+COUNTERS = tuple(REASONS)           # the compiled fast path's counters, in this order
 
 
 class PackageError(Exception):
@@ -334,6 +335,13 @@ class KernelLaunch:
                         failed(rc)
         return go, ws_bytes
 
+    def native(self, m: int, n: int, k: int) -> tuple:
+        """The same launches for the compiled fast path (l2ir/fastpath.cpp): entry-point addresses and grids."""
+        addr = lambda f: ctypes.cast(f, ctypes.c_void_p).value        # noqa: E731
+        grids = tuple((fn, *ln.grid_for(m, n, k), *ln.block, ln.smem) for fn, ln in zip(self.funcs, self.plan.launches))
+        return ("kernel", addr(self.driver.launch), addr(self.driver.set_ctx), self.ctx.value or 0,
+                tuple(g for g in grids if g[1] * g[2] * g[3]))
+
 
 class ShimLaunch:
     """A host_shim plan's library: `bind(m, n, k)` gives (go, workspace bytes) calling l2ir_run. `path` is the
@@ -387,6 +395,10 @@ class ShimLaunch:
                 failed(rc)
         return go, ws_bytes
 
+    def native(self, m: int, n: int, k: int) -> tuple | None:
+        """l2ir_run_args's address for the compiled fast path (None: a library without it)."""
+        return None if self.run_args is None else ("shim", ctypes.cast(self.run_args, ctypes.c_void_p).value)
+
 
 def launch_plan(spec: KernelSpec):
     """The runtime's LaunchPlan of a package kernel (its table entry: form, entries, grid expressions, workspace)."""
@@ -430,6 +442,10 @@ class Runner:
         def go(a: int, b: int, c: int, ws: int, stream: int) -> None:
             launcher(a, b, c, m, n, k, ws, ws_bytes, stream)      # clusters: cuLaunchKernelEx through cuda-python
         return go, ws_bytes
+
+    def native(self, m: int, n: int, k: int) -> tuple | None:
+        """The launch for the compiled fast path, or None (it calls `go` back: clusters launch through cuda-python)."""
+        return None if self._fast is None else self._fast.native(m, n, k)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -534,11 +550,40 @@ class Dispatcher:
         capt = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)   # torch.cuda's wrapper, one call less
         self._capturing = (capt if capt is not None and type(self).capturing is Dispatcher.capturing
                            else self.capturing)
+        # The compiled fast path's route table (l2ir/fastpath.cpp), or None with the reason in `fastpath`: every
+        # route kept in `_fast` is also added there, and both are cleared together.
+        self._native = None
+        self.fastpath = "not attached"
+
+    def attach_fastpath(self, module=None) -> str:
+        """Serve repeated eager calls through the compiled fast path: `module` (an imported l2ir_fastpath), or the
+        package's own build (`fastpath/` in the package, l2ir/fastpath.py). Returns what `fastpath` then says."""
+        from . import fastpath
+
+        if module is None:
+            if self.package is None:
+                self.fastpath = "python (no package)"
+                return self.fastpath
+            module, why = fastpath.load(self.package.path / "fastpath")
+            if module is None:
+                self.fastpath = f"python ({why})"
+                log.info("l2ir.matmul fast path: %s", self.fastpath)
+                return self.fastpath
+        with self._lock:
+            self._native = module.Table(COUNTERS, self._stream_of, self._capturing)
+            self._fast.clear()
+        self.fastpath = f"compiled ({Path(module.__file__).name})"
+        if _STATE["dispatcher"] is self:
+            _install(self)
+        return self.fastpath
 
     @property
     def stats(self) -> Counter:
         """Calls per path: "l2ir" or the fallback reason (see REASONS)."""
-        return self._counts.total()
+        total = self._counts.total()
+        if self._native is not None:
+            total.update({name: c for name, c in zip(COUNTERS, self._native.counts()) if c})
+        return total
 
     # -- what the GPU is, and whether the package was measured on one like it --------------------------------
 
@@ -681,8 +726,26 @@ class Dispatcher:
                               reason, f"torch.matmul ({reason})"), key)
             if len(self._fast) >= _FAST_MAX:
                 self._fast.clear()
+                if self._native is not None:
+                    self._native.clear()
             self._fast[key] = entry
+            if self._native is not None:
+                self._add_native(a, b, entry, two_d)
             return entry
+
+    def _add_native(self, a: torch.Tensor, b: torch.Tensor, entry, two_d: bool) -> None:
+        """The kept route, for the compiled fast path too (under the lock). One it cannot hold (a B that is not 2-D,
+        more than six dimensions of A) stays with the Python path."""
+        try:
+            if entry.reason != "l2ir":
+                self._native.add_fallback(a, b, COUNTERS.index(entry.reason), not two_d)
+                return
+            launch = entry.launch or ("python", entry.go)
+            self._native.add_served(a, b, launch, self.device_type == "cuda", bool(getattr(entry, "eager_only", False)),
+                                    not two_d, entry.index, tuple(entry.shape), *entry.mnk, entry.workspace[0],
+                                    entry.keep_workspace, entry.launch_failed)
+        except (TypeError, ValueError) as e:
+            log.debug("l2ir.matmul route not compiled (%s); the Python path serves it", e)
 
     def _fallback(self, reason: str, fn):
         tls, mine_slow = self._counts.tls, self._counts.mine
@@ -700,6 +763,8 @@ class Dispatcher:
 
     def _served(self, runner, kkey: str, m: int, n: int, k: int, index: int, shape: tuple, fn):
         go, ws_bytes = runner.bind(m, n, k)
+        native = getattr(runner, "native", None)
+        launch = native(m, n, k) if native is not None else None
         zero_ws = bool(getattr(runner, "zero_workspace", False))
         tls, mine_slow, stream_of = self._counts.tls, self._counts.mine, self._stream_of
         u8 = torch.uint8
@@ -784,6 +849,16 @@ class Dispatcher:
 
         serve.reason, serve.go, serve.shape, serve.index, serve.workspace = "l2ir", go, shape, index, (ws_bytes,
                                                                                                       zero_ws)
+        # For the compiled fast path (`_add_native`): the launch (None: it calls `go`), the shape, the kept
+        # workspace with whether the budget kept it, and what a refused launch does.
+        serve.launch, serve.mnk = launch, (m, n, k)
+        serve.keep_workspace = lambda a, st: (keep(a, st), not over)
+
+        def launch_failed(message: str) -> None:
+            from .runtime import LaunchError
+
+            self._launch_failed(kkey, index, LaunchError(f"{message} for m={m} n={n} k={k}"))
+        serve.launch_failed = launch_failed
         return serve
 
     def _eager_only(self, served, fallback):
@@ -802,6 +877,8 @@ class Dispatcher:
         with self._lock:
             self._devices[index]["runners"][kkey] = err
             self._fast.clear()              # every route bound to that runner decides again: load_failed
+            if self._native is not None:
+                self._native.clear()
         warnings.warn(f"l2ir: launch failed ({err}); this kernel's shapes go to torch.matmul", RuntimeWarning,
                       stacklevel=4)
 
@@ -839,14 +916,17 @@ def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
 _STATE: dict = {"dispatcher": None}
 _STATE_LOCK = threading.Lock()
 # The loaded dispatcher's route dict (Dispatcher._fast, cleared in place, never replaced), a module global so that
-# the eager call reaches it in one lookup; rebound by `_install` whenever the dispatcher changes.
+# the eager call reaches it in one lookup; rebound by `_install` whenever the dispatcher changes. `_NATIVE` is the
+# compiled fast path's call (None: the Python path only).
 _ROUTES: dict = {}
+_NATIVE = None
 
 
 def _install(dispatcher: Dispatcher | None) -> None:
-    global _ROUTES
+    global _ROUTES, _NATIVE
     _STATE["dispatcher"] = dispatcher
     _ROUTES = dispatcher._fast if dispatcher is not None else {}
+    _NATIVE = dispatcher._native.call if dispatcher is not None and dispatcher._native is not None else None
 
 
 def load(path: str | Path) -> dict:
@@ -860,7 +940,9 @@ def load(path: str | Path) -> dict:
                 return d.package.manifest
             raise PackageError(f"a dispatch package is already loaded ({d.package.path}); one per process")
         pkg = read_package(path)
-        _install(Dispatcher(pkg))
+        d = Dispatcher(pkg)
+        d.attach_fastpath()
+        _install(d)
         log.info("loaded dispatch package %s (%d tuned shapes, %d kernels)", path, len(pkg.tuned), len(pkg.kernels))
         return pkg.manifest
 
@@ -878,7 +960,9 @@ def _dispatcher() -> Dispatcher:
                     pkg = read_package(Path(where).resolve())
                 except PackageError as e:
                     warnings.warn(f"l2ir: {ENV_VAR}={where}: {e}; l2ir.matmul runs torch.matmul", RuntimeWarning)
-            _install(Dispatcher(pkg))
+            d = Dispatcher(pkg)
+            d.attach_fastpath()
+            _install(d)
         return _STATE["dispatcher"]
 
 
@@ -926,6 +1010,10 @@ _Tensor = torch.Tensor
 
 def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """torch.matmul(a, b, out=out), through L2IR's tuned kernels where the loaded package serves the shape."""
+    if out is None and _NATIVE is not None and not _is_compiling():
+        c = _NATIVE(a, b)           # the compiled fast path: a route kept for these operands, else None
+        if c is not None:
+            return c
     if type(a) is _Tensor and type(b) is _Tensor and not _is_compiling():
         # Eager: Dispatcher.eager inlined, without the op dispatch (a few microseconds a call). Every step here is
         # paid by every call, the fallback included: each Python call, attribute and global lookup is ~0.05-0.1 us

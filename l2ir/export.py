@@ -9,6 +9,8 @@ A package is a folder:
                        (form, entries, grid expressions of m, n, k, block, smem, cluster, workspace) and binary
     kernels/<hash>/    kernel.cubin or kernel.so, kernel.l2 (the IR: the loader checks the verifier's problem rules
                        on it before serving an untuned shape), kernel.cu (for reading only)
+    fastpath/          l2ir.matmul's compiled eager path for the exporting machine's Python and torch
+                       (l2ir/fastpath.py; without a matching build the loader runs the Python path)
 
 Which kernel a tuned shape gets: among the kernels whose every measurement in the chosen environment passed every
 gate (and whose class gates passed), the fastest on that shape in the chosen scenario (the re-timed rows when the
@@ -240,9 +242,11 @@ def content_hash(files: dict[str, str]) -> str:
 
 
 def export(db, out: str | Path, scenario: str = "offline", env: str | None = None, cache_dir: str = ".l2ir-cache",
-           max_distance: float = DEFAULT_MAX_DISTANCE, accept=None, build=build_binary, log=print) -> dict:
+           max_distance: float = DEFAULT_MAX_DISTANCE, accept=None, build=build_binary, log=print,
+           fastpath: bool = True) -> dict:
     """Write the package; returns its manifest. `build(ir, problem_class, backend, device_sm, cache_dir)` makes
-    (plan, artifact); a kernel that does not build leaves its shapes to cuBLAS, with the reason in the table."""
+    (plan, artifact); a kernel that does not build leaves its shapes to cuBLAS, with the reason in the table.
+    `fastpath` also builds l2ir.matmul's compiled eager path into the package (a warning if it cannot)."""
     if scenario not in ("offline", "server"):
         raise ExportError(f"--scenario {scenario}: expected offline or server")
     eid = choose_environment(db, env)
@@ -308,6 +312,14 @@ def export(db, out: str | Path, scenario: str = "offline", env: str | None = Non
     entries = [ch.to_json() for ch in choices]
     table = {"environment": eid, "scenario": scenario, "entries": entries, "kernels": kernels}
     (out / "table.json").write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    fast = None
+    if fastpath:
+        from l2ir import fastpath as fp
+
+        try:
+            fast = fp.build(out / "fastpath").name
+        except fp.FastPathError as e:
+            log(f"warning: {e}; l2ir.matmul will run its Python path")
 
     files = {str(p.relative_to(out)): sha256_file(p) for p in sorted(out.rglob("*"))
              if p.is_file() and p.name != "manifest.json"}
@@ -323,6 +335,7 @@ def export(db, out: str | Path, scenario: str = "offline", env: str | None = Non
                  "eager": "a cuBLAS shape's eager calls run its fastest gate-clean kernel when that kernel's device "
                           "time is within eager_slack_us of cuBLAS's; CUDA-graph captures run cuBLAS",
                  "eager_slack_us": EAGER_SLACK_US},
+        "fastpath": fast,
         "files": files, "content_hash": content_hash(files),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
@@ -331,7 +344,8 @@ def export(db, out: str | Path, scenario: str = "offline", env: str | None = Non
     log(f"{out}: {len(entries)} tuned shapes ({served} served by L2IR kernels, {len(entries) - served} by cuBLAS, "
         f"{eager} of those by an L2IR kernel on eager calls), "
         f"{len(kernels)} binaries, environment {eid} ({environment.get('gpu')}), scenario {scenario}, "
-        f"content hash {manifest['content_hash'][:16]}")
+        f"content hash {manifest['content_hash'][:16]}"
+        + (f", compiled fast path {fast}" if fast else ""))
     return manifest
 
 
@@ -354,7 +368,8 @@ def cmd_export(args) -> int:
             return None if arch in targets else f"target {arch} not in --target {','.join(sorted(targets))}"
     try:
         with open_readonly(args.db) as db:
-            export(db, args.out, args.scenario, args.env, args.cache_dir, args.max_distance, accept)
+            export(db, args.out, args.scenario, args.env, args.cache_dir, args.max_distance, accept,
+                   fastpath=not args.no_fastpath)
     except (ExportError, DBError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -373,4 +388,6 @@ def add_parser(sub) -> None:
                    help="untuned shapes borrow a kernel only from tuned shapes this close in log2(M, N, K)")
     s.add_argument("--target", action="append",
                    help="export only kernels of this target (repeatable, e.g. sm80 for builds of seconds)")
+    s.add_argument("--no-fastpath", action="store_true",
+                   help="leave out l2ir.matmul's compiled eager path (built for this machine's Python and torch)")
     s.set_defaults(fn=cmd_export)

@@ -76,7 +76,7 @@ class CpuDispatcher(dispatch.Dispatcher):
 def pkg_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dispatch")
     with standard_db(tmp / "r.db") as db:
-        export.export(db, tmp / "pkg", cache_dir=str(tmp / "cache"), build=fake_build, log=lambda s: None)
+        export.export(db, tmp / "pkg", cache_dir=str(tmp / "cache"), build=fake_build, fastpath=False, log=lambda s: None)
     return tmp / "pkg"
 
 
@@ -146,7 +146,7 @@ def test_neighbours_carry_alignment(tmp_path):
     """A kernel tuned on an unaligned shape (an odd K: cuBLAS's slow path) serves unaligned neighbours, whichever
     dimension is odd there, but not an aligned one, where cuBLAS runs its fast kernels (the reason says why)."""
     with make_db(tmp_path / "r.db", [record(K3, (333, 555, 777), 2.0)], {K3: SOURCE}) as db:
-        export.export(db, tmp_path / "pkg", cache_dir=str(tmp_path / "cache"), build=fake_build, log=lambda s: None)
+        export.export(db, tmp_path / "pkg", cache_dir=str(tmp_path / "cache"), build=fake_build, fastpath=False, log=lambda s: None)
     pkg = dispatch.read_package(tmp_path / "pkg")
     key = pkg.tuned[(333, 555, 777, CLS_COL)]
     assert pkg.resolve(333, 624, 777, CLS_COL) == (key, "l2ir")          # K still odd
@@ -156,7 +156,7 @@ def test_neighbours_carry_alignment(tmp_path):
     # past that verdict to the kernel that admits it.
     with make_db(tmp_path / "r2.db", [record(K3, (333, 555, 777), 2.0), record(K3, (336, 560, 776), 0.9)],
                  {K3: SOURCE}) as db:
-        export.export(db, tmp_path / "pkg2", cache_dir=str(tmp_path / "cache"), build=fake_build, log=lambda s: None)
+        export.export(db, tmp_path / "pkg2", cache_dir=str(tmp_path / "cache"), build=fake_build, fastpath=False, log=lambda s: None)
     pkg2 = dispatch.read_package(tmp_path / "pkg2")
     assert pkg2.tuned[(336, 560, 776, CLS_COL)] is None                   # cuBLAS there
     assert pkg2.resolve(335, 559, 777, CLS_COL) == (pkg2.tuned[(333, 555, 777, CLS_COL)], "l2ir")
@@ -552,7 +552,7 @@ def test_one_package_per_process(pkg_dir, tmp_path):
         assert l2ir.load(str(pkg_dir)) is man                   # the same package: already loaded
         other = tmp_path / "other"
         with standard_db(tmp_path / "r.db") as db:
-            export.export(db, other, cache_dir=str(tmp_path / "c"), build=fake_build, log=lambda s: None)
+            export.export(db, other, cache_dir=str(tmp_path / "c"), build=fake_build, fastpath=False, log=lambda s: None)
         with pytest.raises(dispatch.PackageError, match="already loaded"):
             l2ir.load(other)
     finally:

@@ -4,7 +4,8 @@ CUDA graph capture and replay, torch.compile(fullgraph=True), a small Linear mod
 The DB is built here with hand-written measurements (origin says so; they are not timings) in this machine's
 environment, so the package matches the GPU it runs on. The kernels are real: two sm80 CuTe kernels that won small
 shapes on the H200 (their IR from bench/results/tune_grid48_h200.db) for b=col, and a Source kernel for b=row. They
-build in seconds. Run on the device:  python -m pytest -q -m gpu tests/test_dispatch_gpu.py
+build in seconds. Every test runs twice: with the package's compiled eager path (l2ir/fastpath.cpp, built by the
+export) and with the Python path alone. Run on the device:  python -m pytest -q -m gpu tests/test_dispatch_gpu.py
 """
 
 import sqlite3
@@ -28,8 +29,31 @@ def _real_ir(prefix):
         return c.execute("SELECT ir FROM kernels WHERE hash LIKE ?", (prefix + "%",)).fetchone()[0]
 
 
-@pytest.fixture(scope="module")
-def pkg(tmp_path_factory):
+@pytest.fixture(autouse=True)
+def _installed(request):
+    """The test's dispatcher is the process's (l2ir.matmul's) for its duration: the parametrized module fixtures
+    of this file live side by side."""
+    from l2ir import dispatch
+
+    mine = next((name for name in ("pkg", "shim_dispatcher") if name in request.fixturenames), None)
+    if mine is None:
+        yield
+        return
+    prev = dispatch._STATE["dispatcher"]
+    dispatch._reset(request.getfixturevalue(mine))
+    yield
+    dispatch._reset(prev)
+
+
+def _attach(d, path: str) -> None:
+    """The compiled eager path (the package's own build: it must be there) or the Python path alone."""
+    if path == "compiled":
+        assert d.attach_fastpath().startswith("compiled"), d.fastpath
+        assert d.package.manifest["fastpath"]
+
+
+@pytest.fixture(scope="module", params=["compiled", "python"])
+def pkg(tmp_path_factory, request):
     import torch
 
     from l2ir import dispatch, export
@@ -50,9 +74,14 @@ def pkg(tmp_path_factory):
     table = dispatch.read_package(tmp / "pkg")
     assert len(table.kernels) == 3, "every kernel built"
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-    dispatch._reset()
-    dispatch.load(tmp / "pkg")
-    yield dispatch._dispatcher()
+    d = dispatch.Dispatcher(dispatch.read_package(tmp / "pkg"))
+    _attach(d, request.param)
+    dispatch._reset(d)
+    yield d
+    if request.param == "compiled":     # the repeated calls of the tests were answered by the compiled table
+        served = dict(zip(dispatch.COUNTERS, d._native.counts()))
+        print(f"compiled fast path served {served}")
+        assert served["l2ir"] > 0
     dispatch._reset()
     assert man
 
@@ -281,7 +310,8 @@ def test_eager_host_cost_is_near_torch(pkg):
         a, b = _inputs(m, n, k, CLS_COL)
         path = pkg.lookup(a, b).reason
         ours, theirs = issue_us(l2ir.matmul, a, b), issue_us(torch.matmul, a, b)
-        print(f"{m}x{n}x{k} ({path}): l2ir.matmul {ours:.2f} us, torch.matmul {theirs:.2f} us per eager call")
+        print(f"{m}x{n}x{k} ({path}, {pkg.fastpath}): l2ir.matmul {ours:.2f} us, torch.matmul {theirs:.2f} us "
+              f"per eager call")
         assert (path == "l2ir") == ((m, n, k) == (64, 64, 64))
         assert ours <= bound * theirs, f"{m}x{n}x{k} ({path}): {ours:.2f} us vs torch.matmul's {theirs:.2f} us"
 
@@ -302,8 +332,8 @@ SHIM_SHAPES = {  # kernel -> (tuned shapes, shapes served by the neighbour rule:
 SHIM_KERNELS = {"cutlass_sm90": KS, "cuda_ptx": KP, "cuda_ptx_repack": KR}
 
 
-@pytest.fixture(scope="module")
-def shim_dispatcher(tmp_path_factory):
+@pytest.fixture(scope="module", params=["compiled", "python"])
+def shim_dispatcher(tmp_path_factory, request):
     import torch
 
     from l2ir import dispatch, export
@@ -330,8 +360,11 @@ def shim_dispatcher(tmp_path_factory):
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     prev = dispatch._STATE["dispatcher"]
     d = dispatch.Dispatcher(package)
+    _attach(d, request.param)
     dispatch._reset(d)
     yield d
+    if request.param == "compiled":
+        assert dict(zip(dispatch.COUNTERS, d._native.counts()))["l2ir"] > 0
     dispatch._reset(prev)
 
 

@@ -89,7 +89,7 @@ def standard_db(path):
 @pytest.fixture
 def package(tmp_path):
     with standard_db(tmp_path / "r.db") as db:
-        export.export(db, tmp_path / "pkg", cache_dir=str(tmp_path / "cache"), build=fake_build, log=lambda s: None)
+        export.export(db, tmp_path / "pkg", cache_dir=str(tmp_path / "cache"), build=fake_build, fastpath=False, log=lambda s: None)
     return tmp_path / "pkg"
 
 
@@ -114,7 +114,7 @@ def test_cublas_shapes_name_an_eager_kernel_within_the_slack(tmp_path, package):
     # Slower than cuBLAS by more than the slack (12.5 us against 10): no eager kernel; within it (10.53): one.
     rows = [record(K1, (256, 256, 256), 0.80), record(K1, (512, 256, 256), 0.95)]
     with make_db(tmp_path / "slack.db", rows, {K1: SM80}) as db:
-        export.export(db, tmp_path / "pkg2", cache_dir=str(tmp_path / "cache"), build=fake_build, log=lambda s: None)
+        export.export(db, tmp_path / "pkg2", cache_dir=str(tmp_path / "cache"), build=fake_build, fastpath=False, log=lambda s: None)
     got2, table2 = entries(tmp_path / "pkg2")
     assert got2[(256, 256, 256, CLS_COL)]["eager_kernel"] is None
     assert got2[(512, 256, 256, CLS_COL)]["eager_kernel"] == K1 and len(table2["kernels"]) == 1
@@ -172,7 +172,7 @@ def test_round_trip_reads_the_table(package):
 def test_export_is_deterministic(package, tmp_path):
     first = json.loads((package / "manifest.json").read_text())["content_hash"]
     with RecordsDB(tmp_path / "r.db") as db:
-        export.export(db, package, cache_dir=str(tmp_path / "cache"), build=fake_build, log=lambda s: None)
+        export.export(db, package, cache_dir=str(tmp_path / "cache"), build=fake_build, fastpath=False, log=lambda s: None)
     assert json.loads((package / "manifest.json").read_text())["content_hash"] == first
 
 
@@ -217,9 +217,9 @@ def test_environment_must_be_named_when_several(tmp_path):
     with make_db(tmp_path / "r.db", [record(K1, (1024,) * 3, 1.2), record(K1, (1024,) * 3, 1.3, env=other)],
                  {K1: SM80}) as db:
         with pytest.raises(export.ExportError, match="several environments"):
-            export.export(db, tmp_path / "pkg", build=fake_build, log=lambda s: None)
+            export.export(db, tmp_path / "pkg", build=fake_build, fastpath=False, log=lambda s: None)
         a100 = [eid for eid, e, _ in db.environments() if e["sms"] == 108][0]
-        man = export.export(db, tmp_path / "pkg", env=a100[:6], cache_dir=str(tmp_path / "c"), build=fake_build,
+        man = export.export(db, tmp_path / "pkg", env=a100[:6], cache_dir=str(tmp_path / "c"), build=fake_build, fastpath=False,
                             log=lambda s: None)
     assert man["environment"]["gpu"] == "NVIDIA A100-SXM4-80GB" and man["device_sm"] == "sm_80"
     got, _ = entries(tmp_path / "pkg")
@@ -269,12 +269,12 @@ def test_scenario_and_target_filter(tmp_path, capsys):
     rows = [record(K1, (256, 256, 256), 1.2), record(K1, (256, 256, 256), 0.9, scenario="server"),
             record(K3, (128, 128, 128), 1.3, scenario="server"), record(K3, (128, 128, 128), 1.3)]
     with make_db(tmp_path / "r.db", rows, {K1: SM80, K3: SOURCE}) as db:
-        export.export(db, tmp_path / "srv", scenario="server", cache_dir=str(tmp_path / "c"), build=fake_build,
+        export.export(db, tmp_path / "srv", scenario="server", cache_dir=str(tmp_path / "c"), build=fake_build, fastpath=False,
                       log=lambda s: None)
         got, _ = entries(tmp_path / "srv")
         assert got[(256, 256, 256, CLS_COL)]["kernel"] is None              # offline's win does not count here
         assert got[(128, 128, 128, CLS_COL)]["kernel"] == K3
-        export.export(db, tmp_path / "off", cache_dir=str(tmp_path / "c"), build=fake_build, log=lambda s: None,
+        export.export(db, tmp_path / "off", cache_dir=str(tmp_path / "c"), build=fake_build, fastpath=False, log=lambda s: None,
                       accept=lambda row: None if "source" not in row["ir"] else "no Source kernels")
         got, _ = entries(tmp_path / "off")
         assert got[(256, 256, 256, CLS_COL)]["kernel"] == K1
@@ -304,7 +304,7 @@ def test_export_opens_the_db_read_only(tmp_path, capsys):
                      str(tmp_path / "c"), "--target", "sm90a"]) == 0
         assert "0 served by L2IR kernels" in capsys.readouterr().out
         with export.open_readonly(db_file) as db:
-            man = export.export(db, tmp_path / "pkg2", cache_dir=str(tmp_path / "c"), build=fake_build,
+            man = export.export(db, tmp_path / "pkg2", cache_dir=str(tmp_path / "c"), build=fake_build, fastpath=False,
                                 log=lambda s: None)
             with pytest.raises(sqlite3.OperationalError, match="readonly"):
                 db.conn.execute("DELETE FROM measurements")
@@ -330,7 +330,7 @@ def test_export_reads_an_older_schema_without_migrating_it(tmp_path):
     before = (tmp_path / "r.db").read_bytes()
     with export.open_readonly(tmp_path / "r.db") as db:
         assert db.version == len(__import__("l2ir.search.db", fromlist=["MIGRATIONS"]).MIGRATIONS)
-        export.export(db, tmp_path / "pkg", cache_dir=str(tmp_path / "c"), build=fake_build, log=lambda s: None)
+        export.export(db, tmp_path / "pkg", cache_dir=str(tmp_path / "c"), build=fake_build, fastpath=False, log=lambda s: None)
     assert (tmp_path / "r.db").read_bytes() == before
     got, _ = entries(tmp_path / "pkg")
     assert got[(256, 256, 256, CLS_COL)]["kernel"] == K1

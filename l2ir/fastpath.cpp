@@ -1,0 +1,519 @@
+// The compiled eager path of l2ir.matmul: the route table of l2ir/dispatch.py, looked up and run in C++.
+//
+// An eager l2ir.matmul call on a small GEMM is host-bound: torch.matmul's own call costs ~10 us of host time and the
+// kernel ~2-5 us. In Python, building the route key (shapes, strides, dtypes, devices), the closure and the ctypes
+// launch cost ~1-3 us per call, so a call that ends in cuBLAS costs more than torch.matmul and a served call pays
+// ctypes. Here a call is: two tensor unpacks, a key of integers hashed into an unordered_map, then either the
+// fallback op (at::mm or at::matmul, called without torch's Python argument parser) or the output allocation and
+// the launch through the driver's or the host shim's C entry point.
+//
+// The table holds only what l2ir/dispatch.py decided (Dispatcher._prepare adds each route as it keeps it); a call
+// it does not cover returns None and the Python path runs, so every decision, warning and error stays in one place.
+// It never compiles or loads anything, and is built per Python and torch version (l2ir/fastpath.py).
+
+#include <Python.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/mm.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// The route key: both operands' dimensions, sizes and strides, dtypes and devices (the fields of
+// l2ir.dispatch.fast_key). A with more than kMaxDims dimensions is left to Python.
+constexpr int kMaxDims = 6;
+constexpr int kKeyLen = 6 + 2 * kMaxDims + 4;
+using Key = std::array<int64_t, kKeyLen>;
+
+struct KeyHash {
+  size_t operator()(const Key& k) const noexcept {
+    uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
+    for (int64_t v : k) {
+      h ^= static_cast<uint64_t>(v);
+      h *= 1099511628211ull;
+    }
+    return static_cast<size_t>(h);
+  }
+};
+
+int64_t device_word(const at::Tensor& t) {
+  const c10::Device d = t.device();
+  return (static_cast<int64_t>(d.type()) << 16) | static_cast<int64_t>(d.index() + 1);
+}
+
+bool make_key(const at::Tensor& a, const at::Tensor& b, Key& key) {
+  const int64_t da = a.dim(), db = b.dim();
+  if (da > kMaxDims || db != 2) return false;  // B is 2-D on every route the package serves or counts
+  key.fill(0);
+  key[0] = da;
+  key[1] = db;
+  key[2] = static_cast<int64_t>(a.scalar_type());
+  key[3] = static_cast<int64_t>(b.scalar_type());
+  key[4] = device_word(a);
+  key[5] = device_word(b);
+  const auto sa = a.sizes(), ta = a.strides(), sb = b.sizes(), tb = b.strides();
+  for (int64_t i = 0; i < da; ++i) {
+    key[6 + i] = sa[i];
+    key[6 + kMaxDims + i] = ta[i];
+  }
+  key[6 + 2 * kMaxDims + 0] = sb[0];
+  key[6 + 2 * kMaxDims + 1] = sb[1];
+  key[6 + 2 * kMaxDims + 2] = tb[0];
+  key[6 + 2 * kMaxDims + 3] = tb[1];
+  return true;
+}
+
+// The two launch entry points, declared here so that no CUDA header is needed (the CPU build serves the tests).
+using LaunchKernelFn = int (*)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                               unsigned smem, void* stream, void** params, void** extra);
+using SetCtxFn = int (*)(void* ctx);
+
+// l2ir_run_args's block: the field order of l2ir.runtime.RUN_ARGS_FIELDS (a test checks the sizes agree).
+struct RunArgs {
+  const void* a;
+  const void* b;
+  void* c;
+  int m, n, k;
+  void* workspace;
+  size_t workspace_bytes;
+  void* stream;
+};
+using RunArgsFn = int (*)(const RunArgs*);
+
+struct Grid {
+  void* fn;
+  unsigned gx, gy, gz, bx, by, bz, smem;
+};
+
+enum Kind { kFallback = 0, kKernel = 1, kShim = 2, kPython = 3 };
+
+// Owned references to Python objects, released with the GIL held (routes die inside calls from Python).
+struct PyRef {
+  PyObject* p = nullptr;
+  PyRef() = default;
+  explicit PyRef(PyObject* o) : p(o) { Py_XINCREF(p); }
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  ~PyRef() { Py_XDECREF(p); }
+  void reset(PyObject* o) {
+    Py_XINCREF(o);
+    Py_XDECREF(p);
+    p = o;
+  }
+};
+
+struct Route {
+  int kind = kFallback;
+  int reason = 0;             // the counter of a fallback route
+  bool matmul = false;        // fallback op: at::matmul (batched A) or at::mm (2-D)
+  // A served route:
+  bool want_cuda = true;      // the dispatcher's device type (CPU stands in for CUDA in the tests)
+  bool eager_only = false;    // cuBLAS inside a CUDA-graph capture (l2ir/export.py's eager kernels)
+  int64_t index = 0;          // device index, for the stream
+  std::vector<int64_t> shape; // the output's shape
+  int m = 0, n = 0, k = 0;
+  size_t ws_bytes = 0;
+  LaunchKernelFn launch = nullptr;
+  SetCtxFn set_ctx = nullptr;
+  void* ctx = nullptr;
+  std::vector<Grid> grids;
+  RunArgsFn run_args = nullptr;
+  PyRef go;                   // kPython: go(a, b, c, ws, stream), the runner's own launch
+  PyRef keep;                 // keep(a, stream) -> (workspace tensor, kept: bool), the dispatcher's budget
+  PyRef failed;               // failed(message): the dispatcher forgets this runner (and clears this table)
+  std::vector<std::pair<int64_t, at::Tensor>> kept;  // stream -> the route's kept workspace
+};
+
+using RouteMap = std::unordered_map<Key, std::shared_ptr<Route>, KeyHash>;
+
+struct Table {
+  PyObject_HEAD
+  RouteMap* routes;
+  std::vector<int64_t>* counts;
+  PyObject* stream_of;   // index -> raw stream handle
+  PyObject* capturing;   // () -> bool
+  int c_l2ir, c_cpu, c_misaligned, c_launch_failed, c_cublas;
+};
+
+// Released around the op and the launch, as torch's own bindings do: a cuBLAS call or an allocation never holds
+// other Python threads.
+struct NoGil {
+  PyThreadState* state;
+  NoGil() : state(PyEval_SaveThread()) {}
+  ~NoGil() { PyEval_RestoreThread(state); }
+};
+
+PyObject* fallback(Table* self, const Route& r, const at::Tensor& a, const at::Tensor& b, int counter) {
+  at::Tensor c;
+  try {
+    NoGil no_gil;
+    c = r.matmul ? at::matmul(a, b) : at::mm(a, b);
+  } catch (const std::exception&) {
+    Py_RETURN_NONE;  // torch's own error, raised again by the Python path's torch call
+  }
+  (*self->counts)[counter] += 1;
+  return THPVariable_Wrap(std::move(c));
+}
+
+bool truth(PyObject* fn) {  // fn() as a bool; an error counts as true (the cautious answer) and is cleared
+  PyObject* v = PyObject_CallNoArgs(fn);
+  if (v == nullptr) {
+    PyErr_Clear();
+    return true;
+  }
+  const int t = PyObject_IsTrue(v);
+  Py_DECREF(v);
+  if (t < 0) PyErr_Clear();
+  return t != 0;
+}
+
+PyObject* serve(Table* self, const std::shared_ptr<Route>& rp, PyObject* oa, const at::Tensor& a,
+                const at::Tensor& b) {
+  Route& r = *rp;
+  if (a.is_cuda() != r.want_cuda || b.is_cuda() != r.want_cuda) return fallback(self, r, a, b, self->c_cpu);
+  const uintptr_t pa = reinterpret_cast<uintptr_t>(a.data_ptr()), pb = reinterpret_cast<uintptr_t>(b.data_ptr());
+  // TMA, cp.async and vector loads need 16-byte aligned operands; a view can start anywhere.
+  if ((pa | pb) & 15) return fallback(self, r, a, b, self->c_misaligned);
+  if (r.eager_only || r.ws_bytes) {
+    const bool capt = truth(self->capturing);
+    if (capt && r.eager_only) return fallback(self, r, a, b, self->c_cublas);
+    if (capt) Py_RETURN_NONE;  // a captured workspace is the graph's own allocation: the Python route makes it
+  }
+  PyObject* idx = PyLong_FromLongLong(r.index);
+  PyObject* st_obj = idx ? PyObject_CallOneArg(self->stream_of, idx) : nullptr;
+  Py_XDECREF(idx);
+  if (st_obj == nullptr) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  const int64_t st = static_cast<int64_t>(PyLong_AsUnsignedLongLongMask(st_obj));
+  void* ws = nullptr;
+  if (r.ws_bytes) {
+    for (auto& kv : r.kept)
+      if (kv.first == st) ws = kv.second.data_ptr();
+    if (ws == nullptr) {
+      PyObject* got = PyObject_CallFunctionObjArgs(r.keep.p, oa, st_obj, nullptr);
+      if (got == nullptr || !PyTuple_Check(got) || PyTuple_GET_SIZE(got) != 2 ||
+          !THPVariable_Check(PyTuple_GET_ITEM(got, 0))) {
+        Py_XDECREF(got);
+        Py_DECREF(st_obj);
+        PyErr_Clear();
+        Py_RETURN_NONE;
+      }
+      const at::Tensor w = THPVariable_Unpack(PyTuple_GET_ITEM(got, 0));
+      ws = w.data_ptr();
+      // Kept under the dispatcher's budget: reused by this route on this stream. Over the budget: this call's
+      // alone (it is referenced by `got` until the launch is issued, then freed to the caching allocator, which
+      // orders its reuse after this stream's work).
+      if (PyObject_IsTrue(PyTuple_GET_ITEM(got, 1)) == 1) r.kept.emplace_back(st, w);
+      Py_DECREF(got);
+    }
+  }
+  at::Tensor c;
+  try {
+    NoGil no_gil;
+    c = at::empty(r.shape, a.options());
+  } catch (const std::exception&) {
+    Py_DECREF(st_obj);
+    Py_RETURN_NONE;
+  }
+  void* pc = c.data_ptr();
+  int rc = 0;
+  std::string why;
+  if (r.kind == kKernel) {
+    void* va = reinterpret_cast<void*>(pa);
+    void* vb = reinterpret_cast<void*>(pb);
+    int m = r.m, n = r.n, k = r.k;
+    void* params[7] = {&va, &vb, &pc, &m, &n, &k, &ws};  // the L2IR kernel ABI: (A, B, C, M, N, K, workspace)
+    NoGil no_gil;
+    // torch binds the primary context to a thread lazily; the module lives there, so make it current.
+    rc = r.set_ctx(r.ctx);
+    for (size_t i = 0; rc == 0 && i < r.grids.size(); ++i) {
+      const Grid& g = r.grids[i];
+      rc = r.launch(g.fn, g.gx, g.gy, g.gz, g.bx, g.by, g.bz, g.smem, reinterpret_cast<void*>(st), params, nullptr);
+    }
+    if (rc) why = "cuLaunchKernel returned CUresult " + std::to_string(rc);
+  } else if (r.kind == kShim) {
+    const RunArgs args{reinterpret_cast<const void*>(pa), reinterpret_cast<const void*>(pb), pc, r.m, r.n, r.k, ws,
+                       r.ws_bytes, reinterpret_cast<void*>(st)};
+    NoGil no_gil;
+    rc = r.run_args(&args);
+    if (rc) why = "l2ir_run returned " + std::to_string(rc);
+  } else {
+    PyObject* res = PyObject_CallFunction(r.go.p, "KKKKO", static_cast<unsigned long long>(pa),
+                                          static_cast<unsigned long long>(pb),
+                                          static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(pc)),
+                                          static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(ws)), st_obj);
+    if (res == nullptr) {
+      PyObject *type, *value, *tb;
+      PyErr_Fetch(&type, &value, &tb);
+      PyObject* s = value ? PyObject_Str(value) : nullptr;
+      why = s ? PyUnicode_AsUTF8(s) : "the runner's launch raised";
+      if (why.empty()) why = "the runner's launch raised";
+      Py_XDECREF(s);
+      Py_XDECREF(type);
+      Py_XDECREF(value);
+      Py_XDECREF(tb);
+      PyErr_Clear();
+      rc = -1;
+    }
+    Py_XDECREF(res);
+  }
+  Py_DECREF(st_obj);
+  if (rc) {
+    // The dispatcher warns once and forgets the runner (its routes decide again: load_failed); this call is
+    // answered by torch.
+    PyObject* res = PyObject_CallFunction(r.failed.p, "s", why.c_str());
+    if (res == nullptr) PyErr_Clear();
+    Py_XDECREF(res);
+    return fallback(self, r, a, b, self->c_launch_failed);
+  }
+  (*self->counts)[self->c_l2ir] += 1;
+  return THPVariable_Wrap(std::move(c));
+}
+
+// table(a, b): the result, or None where the Python path must run (no route kept for these operands, a subclass,
+// an input that requires grad, a captured workspace, an error it leaves to torch's own call to raise).
+PyObject* Table_call(Table* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) Py_RETURN_NONE;
+  PyObject *oa = args[0], *ob = args[1];
+  if (!THPVariable_CheckExact(oa) || !THPVariable_CheckExact(ob)) Py_RETURN_NONE;
+  const at::Tensor& a = THPVariable_Unpack(oa);
+  const at::Tensor& b = THPVariable_Unpack(ob);
+  if ((a.requires_grad() || b.requires_grad()) && c10::GradMode::is_enabled()) Py_RETURN_NONE;
+  Key key;
+  if (!make_key(a, b, key)) Py_RETURN_NONE;
+  auto it = self->routes->find(key);
+  if (it == self->routes->end()) Py_RETURN_NONE;
+  std::shared_ptr<Route> r = it->second;  // alive through this call even if a failure clears the table
+  if (r->kind == kFallback) return fallback(self, *r, a, b, r->reason);
+  return serve(self, r, oa, a, b);
+}
+
+bool key_of(PyObject* oa, PyObject* ob, Key& key) {
+  if (!THPVariable_Check(oa) || !THPVariable_Check(ob)) {
+    PyErr_SetString(PyExc_TypeError, "l2ir fast path: the operands must be tensors");
+    return false;
+  }
+  if (!make_key(THPVariable_Unpack(oa), THPVariable_Unpack(ob), key)) {
+    PyErr_SetString(PyExc_ValueError, "l2ir fast path: B must be 2-D and A at most 6-D");
+    return false;
+  }
+  return true;
+}
+
+bool put(Table* self, const Key& key, std::shared_ptr<Route> r) {
+  (*self->routes)[key] = std::move(r);
+  return true;
+}
+
+// add_fallback(a, b, counter, matmul)
+PyObject* Table_add_fallback(Table* self, PyObject* args) {
+  PyObject *oa, *ob;
+  int counter, mm;
+  if (!PyArg_ParseTuple(args, "OOip", &oa, &ob, &counter, &mm)) return nullptr;
+  Key key;
+  if (!key_of(oa, ob, key)) return nullptr;
+  if (counter < 0 || counter >= static_cast<int>(self->counts->size())) {
+    PyErr_SetString(PyExc_ValueError, "l2ir fast path: counter index out of range");
+    return nullptr;
+  }
+  auto r = std::make_shared<Route>();
+  r->kind = kFallback;
+  r->reason = counter;
+  r->matmul = mm != 0;
+  put(self, key, std::move(r));
+  Py_RETURN_NONE;
+}
+
+// add_served(a, b, launch, want_cuda, eager_only, matmul, index, shape, m, n, k, ws_bytes, keep, failed)
+// launch: ("kernel", launch_addr, set_ctx_addr, ctx, ((fn, gx, gy, gz, bx, by, bz, smem), ...)),
+//         ("shim", run_args_addr) or ("python", go).
+PyObject* Table_add_served(Table* self, PyObject* args) {
+  PyObject *oa, *ob, *launch, *shape, *keep, *failed;
+  int want_cuda, eager_only, mm, m, n, k;
+  long long index;
+  unsigned long long ws_bytes;
+  if (!PyArg_ParseTuple(args, "OOOpppLO!iiiKOO", &oa, &ob, &launch, &want_cuda, &eager_only, &mm, &index,
+                        &PyTuple_Type, &shape, &m, &n, &k, &ws_bytes, &keep, &failed))
+    return nullptr;
+  Key key;
+  if (!key_of(oa, ob, key)) return nullptr;
+  auto r = std::make_shared<Route>();
+  r->want_cuda = want_cuda != 0;
+  r->eager_only = eager_only != 0;
+  r->matmul = mm != 0;
+  r->index = index;
+  r->m = m;
+  r->n = n;
+  r->k = k;
+  r->ws_bytes = static_cast<size_t>(ws_bytes);
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shape); ++i) {
+    r->shape.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i)));
+    if (PyErr_Occurred()) return nullptr;
+  }
+  if (!PyCallable_Check(failed) || (r->ws_bytes && !PyCallable_Check(keep))) {
+    PyErr_SetString(PyExc_TypeError, "l2ir fast path: failed (and keep, with a workspace) must be callables");
+    return nullptr;
+  }
+  r->keep.reset(keep);
+  r->failed.reset(failed);
+  const char* kind = nullptr;
+  PyObject *p1 = nullptr, *p2 = nullptr, *p3 = nullptr, *p4 = nullptr;
+  if (!PyTuple_Check(launch) || PyTuple_GET_SIZE(launch) < 2 ||
+      !PyArg_ParseTuple(launch, "s|OOOO", &kind, &p1, &p2, &p3, &p4)) {
+    PyErr_Clear();
+    PyErr_SetString(PyExc_ValueError, "l2ir fast path: launch must be ('kernel', ...), ('shim', addr) or ('python', go)");
+    return nullptr;
+  }
+  const std::string kd(kind);
+  auto addr = [](PyObject* o) { return reinterpret_cast<void*>(PyLong_AsUnsignedLongLongMask(o)); };
+  if (kd == "kernel" && p4 != nullptr && PyTuple_Check(p4)) {
+    r->kind = kKernel;
+    r->launch = reinterpret_cast<LaunchKernelFn>(addr(p1));
+    r->set_ctx = reinterpret_cast<SetCtxFn>(addr(p2));
+    r->ctx = addr(p3);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(p4); ++i) {
+      PyObject* g = PyTuple_GET_ITEM(p4, i);
+      unsigned long long fn;
+      Grid grid{};
+      if (!PyArg_ParseTuple(g, "KIIIIIII", &fn, &grid.gx, &grid.gy, &grid.gz, &grid.bx, &grid.by, &grid.bz,
+                            &grid.smem))
+        return nullptr;
+      grid.fn = reinterpret_cast<void*>(fn);
+      r->grids.push_back(grid);
+    }
+  } else if (kd == "shim" && p1 != nullptr) {
+    r->kind = kShim;
+    r->run_args = reinterpret_cast<RunArgsFn>(addr(p1));
+  } else if (kd == "python" && p1 != nullptr && PyCallable_Check(p1)) {
+    r->kind = kPython;
+    r->go.reset(p1);
+  } else {
+    PyErr_SetString(PyExc_ValueError, "l2ir fast path: launch must be ('kernel', ...), ('shim', addr) or ('python', go)");
+    return nullptr;
+  }
+  if (PyErr_Occurred()) return nullptr;
+  if ((r->kind == kKernel && (!r->launch || !r->set_ctx)) || (r->kind == kShim && !r->run_args)) {
+    PyErr_SetString(PyExc_ValueError, "l2ir fast path: a null entry point");
+    return nullptr;
+  }
+  put(self, key, std::move(r));
+  Py_RETURN_NONE;
+}
+
+PyObject* Table_clear(Table* self, PyObject*) {
+  RouteMap old;
+  old.swap(*self->routes);  // routes (and their Python references) die here, with the GIL held
+  Py_RETURN_NONE;
+}
+
+PyObject* Table_counts(Table* self, PyObject*) {
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(self->counts->size()));
+  if (out == nullptr) return nullptr;
+  for (size_t i = 0; i < self->counts->size(); ++i)
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), PyLong_FromLongLong((*self->counts)[i]));
+  return out;
+}
+
+PyObject* Table_len(Table* self, PyObject*) { return PyLong_FromSize_t(self->routes->size()); }
+
+// Table(counter_names, stream_of, capturing): counter_names must include l2ir, cpu, misaligned, launch_failed and
+// cublas, the reasons a served route counts itself.
+PyObject* Table_new(PyTypeObject* type, PyObject* args, PyObject*) {
+  PyObject *names, *stream_of, *capturing;
+  if (!PyArg_ParseTuple(args, "O!OO", &PyTuple_Type, &names, &stream_of, &capturing)) return nullptr;
+  if (!PyCallable_Check(stream_of) || !PyCallable_Check(capturing)) {
+    PyErr_SetString(PyExc_TypeError, "l2ir fast path: stream_of and capturing must be callables");
+    return nullptr;
+  }
+  int found[5] = {-1, -1, -1, -1, -1};
+  const char* want[5] = {"l2ir", "cpu", "misaligned", "launch_failed", "cublas"};
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); ++i) {
+    const char* s = PyUnicode_AsUTF8(PyTuple_GET_ITEM(names, i));
+    if (s == nullptr) return nullptr;
+    for (int j = 0; j < 5; ++j)
+      if (std::strcmp(s, want[j]) == 0) found[j] = static_cast<int>(i);
+  }
+  for (int j = 0; j < 5; ++j)
+    if (found[j] < 0) {
+      PyErr_Format(PyExc_ValueError, "l2ir fast path: counter_names lacks '%s'", want[j]);
+      return nullptr;
+    }
+  Table* self = reinterpret_cast<Table*>(type->tp_alloc(type, 0));
+  if (self == nullptr) return nullptr;
+  self->routes = new RouteMap();
+  self->counts = new std::vector<int64_t>(static_cast<size_t>(PyTuple_GET_SIZE(names)), 0);
+  Py_INCREF(stream_of);
+  Py_INCREF(capturing);
+  self->stream_of = stream_of;
+  self->capturing = capturing;
+  self->c_l2ir = found[0];
+  self->c_cpu = found[1];
+  self->c_misaligned = found[2];
+  self->c_launch_failed = found[3];
+  self->c_cublas = found[4];
+  return reinterpret_cast<PyObject*>(self);
+}
+
+void Table_dealloc(Table* self) {
+  delete self->routes;
+  delete self->counts;
+  Py_XDECREF(self->stream_of);
+  Py_XDECREF(self->capturing);
+  Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+PyMethodDef Table_methods[] = {
+    {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(Table_call)), METH_FASTCALL,
+     "call(a, b): the result, or None where the Python path must run"},
+    {"add_fallback", reinterpret_cast<PyCFunction>(Table_add_fallback), METH_VARARGS,
+     "add_fallback(a, b, counter, matmul): these operands' calls go to at::mm (at::matmul), counted"},
+    {"add_served", reinterpret_cast<PyCFunction>(Table_add_served), METH_VARARGS,
+     "add_served(a, b, launch, want_cuda, eager_only, matmul, index, shape, m, n, k, ws_bytes, keep, failed)"},
+    {"clear", reinterpret_cast<PyCFunction>(Table_clear), METH_NOARGS, "forget every route"},
+    {"counts", reinterpret_cast<PyCFunction>(Table_counts), METH_NOARGS, "calls per counter, in counter_names order"},
+    {"size", reinterpret_cast<PyCFunction>(Table_len), METH_NOARGS, "routes kept"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyTypeObject TableType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "l2ir_fastpath",
+                          "The compiled eager path of l2ir.matmul (l2ir/fastpath.cpp).", -1, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_l2ir_fastpath(void) {
+  TableType.tp_name = "l2ir_fastpath.Table";
+  TableType.tp_basicsize = sizeof(Table);
+  TableType.tp_flags = Py_TPFLAGS_DEFAULT;
+  TableType.tp_new = Table_new;
+  TableType.tp_dealloc = reinterpret_cast<destructor>(Table_dealloc);
+  TableType.tp_methods = Table_methods;
+  TableType.tp_doc = "Table(counter_names, stream_of, capturing): the route table of l2ir.dispatch, in C++";
+  if (PyType_Ready(&TableType) < 0) return nullptr;
+  PyObject* m = PyModule_Create(&module_def);
+  if (m == nullptr) return nullptr;
+  Py_INCREF(&TableType);
+  if (PyModule_AddObject(m, "Table", reinterpret_cast<PyObject*>(&TableType)) < 0) {
+    Py_DECREF(&TableType);
+    Py_DECREF(m);
+    return nullptr;
+  }
+  PyModule_AddIntConstant(m, "RUN_ARGS_SIZE", static_cast<long>(sizeof(RunArgs)));
+  PyModule_AddIntConstant(m, "MAX_DIMS", kMaxDims);
+  return m;
+}

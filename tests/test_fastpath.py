@@ -1,0 +1,292 @@
+# ruff: noqa: F401, F811 - the fixtures imported from test_dispatch (pkg_dir, stub_driver) are parameters below
+"""The compiled eager path of `l2ir.matmul` (l2ir/fastpath.cpp) on the CPU: built here with g++ against torch's
+headers, attached to the CPU stand-in dispatcher of tests/test_dispatch.py. The first call of a route is decided by
+the Python path, which adds the route to the compiled table; the tests check that every later call is answered by
+the table (the Python route is made unreachable), with the same pointers, sizes, counters and fallbacks."""
+
+import ctypes
+import threading
+import warnings
+
+import pytest
+import torch
+from test_dispatch import (CpuDispatcher, HostRunner, ScratchRunner, _misaligned, check, pkg_dir,
+                           rand, stub_driver)
+
+import l2ir
+from l2ir import dispatch, fastpath
+from l2ir.runtime import RunArgs
+
+
+@pytest.fixture(scope="module")
+def fast_module(tmp_path_factory):
+    try:
+        path = fastpath.build(tmp_path_factory.mktemp("fastpath"))
+    except fastpath.FastPathError as e:
+        pytest.skip(f"fast path not buildable here: {e}")
+    mod, why = fastpath.load(path.parent)
+    assert mod is not None, why
+    return mod
+
+
+def attached(pkg_dir, runner=HostRunner, module=None):
+    d = CpuDispatcher(dispatch.read_package(pkg_dir), runner=runner)
+    dispatch._reset(d)
+    assert d.attach_fastpath(module).startswith("compiled")
+    return d
+
+
+@pytest.fixture
+def fdisp(pkg_dir, fast_module):
+    d = attached(pkg_dir, module=fast_module)
+    yield d
+    dispatch._reset()
+
+
+def python_path_gone(d):
+    """Make every kept Python route raise: a call that reaches one was not answered by the compiled table."""
+    def boom(*args, **kw):
+        raise AssertionError("the Python route ran")
+
+    for key in list(d._fast):
+        d._fast[key] = boom
+
+
+def test_build_names_python_torch_and_source(tmp_path, fast_module, monkeypatch):
+    name = fastpath.file_name()
+    assert name.startswith("l2ir_fastpath.cpython-") and torch.__version__.split("+")[0] in name
+    assert fast_module.RUN_ARGS_SIZE == ctypes.sizeof(RunArgs)            # l2ir_run_args's block, same layout
+    assert fastpath.load(tmp_path) == (None, f"no build for this Python and torch in {tmp_path} (expected {name})")
+    monkeypatch.setenv(fastpath.ENV_VAR, "0")
+    assert fastpath.load(tmp_path)[0] is None and not fastpath.enabled()
+    # A changed fastpath.cpp is another build: its tag carries the source's hash.
+    monkeypatch.setattr(fastpath, "SOURCE", tmp_path / "other.cpp")
+    (tmp_path / "other.cpp").write_text("// another version\n")
+    assert fastpath.file_name() != name
+
+
+def test_build_without_a_compiler_is_one_line(tmp_path):
+    with pytest.raises(fastpath.FastPathError, match="failed to build the fast path|no C"):
+        fastpath.build(tmp_path, cxx="/bin/false")
+
+
+def test_repeated_calls_are_served_by_the_table(fdisp):
+    a, w = rand(64, 256), rand(512, 256)
+    check(l2ir.matmul(a, w.t()), a, w.t())          # decided by Python, added to the table
+    assert fdisp._native.size() == 1
+    python_path_gone(fdisp)
+    for _ in range(3):
+        a = rand(64, 256)
+        check(l2ir.matmul(a, w.t()), a, w.t())      # the runner gets this call's pointers from C++
+    (state,) = fdisp._devices.values()
+    runner = next(iter(state["runners"].values()))
+    assert runner.calls == 4 and runner.binds == [(64, 512, 256)]
+    assert fdisp.stats == {"l2ir": 4}
+    assert dict(zip(dispatch.COUNTERS, fdisp._native.counts()))["l2ir"] == 3
+
+
+def test_fallback_routes_run_torch_from_the_table(fdisp):
+    cases = {"cublas": (rand(64, 64), rand(64, 64).t()), "untuned": (rand(16, 16), rand(16, 16).t()),
+             "dtype": (rand(64, 256, dtype=torch.float32), rand(512, 256, dtype=torch.float32).t()),
+             "noncontiguous": (rand(64, 512)[:, ::2], rand(512, 256).t())}
+    for a, b in cases.values():
+        torch.testing.assert_close(l2ir.matmul(a, b), torch.matmul(a, b))
+    python_path_gone(fdisp)
+    for a, b in cases.values():
+        torch.testing.assert_close(l2ir.matmul(a, b), torch.matmul(a, b))
+    a3, b3 = rand(2, 16, 16), rand(16, 16)          # batched A: at::matmul, not at::mm
+    torch.testing.assert_close(l2ir.matmul(a3, b3), torch.matmul(a3, b3))
+    fdisp._fast.clear()
+    dispatch._ROUTES.clear()
+    torch.testing.assert_close(l2ir.matmul(a3, b3), torch.matmul(a3, b3))
+    assert fdisp.stats == {"cublas": 2, "untuned": 4, "dtype": 2, "noncontiguous": 2}
+
+
+def test_misaligned_pointer_on_a_kept_route_falls_back_per_call(fdisp):
+    a, w = rand(64, 256), rand(512, 256)
+    check(l2ir.matmul(a, w.t()), a, w.t())
+    python_path_gone(fdisp)
+    mis = _misaligned(64, 256)
+    mis.copy_(a)
+    torch.testing.assert_close(l2ir.matmul(mis, w.t()), torch.matmul(mis, w.t()))
+    check(l2ir.matmul(a, w.t()), a, w.t())
+    assert fdisp.stats == {"l2ir": 2, "misaligned": 1}
+
+
+def test_what_the_table_leaves_to_python(fdisp):
+    a, w = rand(64, 256), rand(512, 256)
+    check(l2ir.matmul(a, w.t()), a, w.t())
+    # An input that requires grad (grad mode on), a tensor subclass and out= go to the Python path.
+    ag = a.clone().requires_grad_()
+    assert fdisp._native.call(ag, w.t()) is None
+    with torch.no_grad():
+        assert fdisp._native.call(ag, w.t()) is not None            # no graph to keep: served
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert fdisp._native.call(a.as_subclass(Sub), w.t()) is None
+    assert fdisp._native.call(a, w.t().contiguous()) is None       # another key: not decided yet
+    l2ir.matmul(ag, w.t())
+    assert fdisp.stats["autograd"] == 1
+
+
+def test_eager_only_route_runs_torch_inside_a_capture(fdisp):
+    a, b = rand(1024, 64), rand(64, 64).t()        # cuBLAS in the table, an eager kernel on eager calls
+    check(l2ir.matmul(a, b), a, b)
+    python_path_gone(fdisp)
+    check(l2ir.matmul(a, b), a, b)
+    fdisp.capture = True
+    torch.testing.assert_close(l2ir.matmul(a, b), torch.matmul(a, b))
+    fdisp.capture = False
+    assert fdisp.stats == {"l2ir": 2, "cublas": 1}
+
+
+def test_kept_workspace_comes_from_the_dispatcher_once(pkg_dir, fast_module):
+    ScratchRunner.workspaces = []
+    d = attached(pkg_dir, ScratchRunner, fast_module)
+    try:
+        a, b = rand(256, 256), rand(256, 256).t()
+        for _ in range(4):
+            check(l2ir.matmul(a, b), a, b)
+        assert len(set(ScratchRunner.workspaces)) == 1 and d._kept_bytes == 64 and d.stats == {"l2ir": 4}
+        python_path_gone(d)
+        d.capture = True                           # a captured call with a workspace: the Python route makes it
+        with pytest.raises(AssertionError, match="the Python route ran"):
+            l2ir.matmul(a, b)
+    finally:
+        dispatch._reset()
+
+
+def test_refused_launch_warns_clears_the_table_and_falls_back(pkg_dir, fast_module):
+    class RefusesLater(HostRunner):
+        refuse = False
+
+        def __call__(self, *args):
+            if RefusesLater.refuse:
+                raise RuntimeError("CUresult 700")
+            return super().__call__(*args)
+
+    d = attached(pkg_dir, RefusesLater, fast_module)
+    try:
+        a, w = rand(64, 256), rand(512, 256)
+        check(l2ir.matmul(a, w.t()), a, w.t())
+        RefusesLater.refuse = True
+        with pytest.warns(RuntimeWarning, match="launch failed .*CUresult 700"):
+            torch.testing.assert_close(l2ir.matmul(a, w.t()), torch.matmul(a, w.t()))
+        assert d._native.size() == 0 and not d._fast
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch.testing.assert_close(l2ir.matmul(a, w.t()), torch.matmul(a, w.t()))
+        assert d.stats == {"l2ir": 1, "launch_failed": 1, "load_failed": 1}
+    finally:
+        RefusesLater.refuse = False
+        dispatch._reset()
+
+
+def test_threads_count_every_call(fdisp):
+    a, w = rand(64, 256), rand(512, 256)
+    check(l2ir.matmul(a, w.t()), a, w.t())
+    python_path_gone(fdisp)
+    errors = []
+
+    def work():
+        try:
+            for _ in range(25):
+                check(l2ir.matmul(a, w.t()), a, w.t())
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and fdisp.stats == {"l2ir": 201}
+
+
+class StubKernelRunner:
+    """The package kernel through dispatch.KernelLaunch on the stub libcuda: what the driver receives is recorded."""
+
+    driver = None
+
+    def __init__(self, spec, index):
+        self.launch = dispatch.KernelLaunch(dispatch.Driver(self.driver), 0x7F00_1234_5000, [0x7F00_AAAA_0000],
+                                            dispatch.launch_plan(spec))
+
+    def bind(self, m, n, k):
+        return self.launch.bind(m, n, k)
+
+    def native(self, m, n, k):
+        return self.launch.native(m, n, k)
+
+
+def test_kernel_route_calls_the_driver_with_the_abi(pkg_dir, fast_module, stub_driver):
+    StubKernelRunner.driver = stub_driver.path
+    d = attached(pkg_dir, StubKernelRunner, fast_module)
+    d.current_stream = lambda index: 0x5555_0000_1234
+    d._stream_of = d.current_stream
+    d.attach_fastpath(fast_module)                 # the table takes the stream function it is made with
+    try:
+        a, w = rand(64, 256), rand(512, 256)
+        l2ir.matmul(a, w.t())                      # Python: KernelLaunch through ctypes
+        py = stub_driver.record()
+        assert d._native.size() == 1
+        python_path_gone(d)
+        c = l2ir.matmul(a, w.t())                  # C++: the same launch
+        r = stub_driver.record()
+        assert r[18] == py[18] + 1                 # one more launch
+        assert r[0:11] == py[0:11]                 # context, function, grid, block, smem, stream, extra
+        assert r[11:13] == [a.data_ptr(), w.t().data_ptr()] and r[13] == c.data_ptr()
+        assert r[14:18] == [64, 512, 256, 0] and c.shape == (64, 512) and c.dtype == a.dtype
+        stub_driver.rc.value = 700
+        with pytest.warns(RuntimeWarning, match="CUresult 700"):
+            torch.testing.assert_close(l2ir.matmul(a, w.t()), torch.matmul(a, w.t()))
+        assert d._native.size() == 0 and d.stats == {"l2ir": 2, "launch_failed": 1}
+    finally:
+        stub_driver.rc.value = 0
+        dispatch._reset()
+
+
+class StubShimRunner(StubKernelRunner):
+    """The package kernel as a host shim (dispatch.ShimLaunch on the stub library: workspace m * 4096 bytes)."""
+
+    def __init__(self, spec, index):
+        self.launch = dispatch.ShimLaunch(self.driver)
+
+
+def test_shim_route_passes_pointers_sizes_workspace_and_stream(pkg_dir, fast_module, stub_driver):
+    StubShimRunner.driver = stub_driver.path
+    d = attached(pkg_dir, StubShimRunner, fast_module)
+    d.current_stream = lambda index: 0x7F00_0000_0500
+    d._stream_of = d.current_stream
+    d.attach_fastpath(fast_module)
+    try:
+        a, w = rand(64, 256), rand(512, 256)
+        l2ir.matmul(a, w.t())
+        py = stub_driver.record()
+        python_path_gone(d)
+        c = l2ir.matmul(a, w.t())
+        r = stub_driver.record()
+        assert r[29] == py[29] + 1 and r[30] != py[30]     # l2ir_run_args, from C++'s own block
+        assert r[20:26] == [a.data_ptr(), w.t().data_ptr(), c.data_ptr(), 64, 512, 256]
+        assert r[26] == py[26] != 0 and r[27] == 64 * 4096 and r[28] == 0x7F00_0000_0500   # the kept workspace
+        assert d._kept_bytes == 64 * 4096 and d.stats == {"l2ir": 2}
+    finally:
+        dispatch._reset()
+
+
+def test_package_loads_its_own_build(tmp_path, pkg_dir, fast_module, monkeypatch):
+    import shutil
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(pkg_dir, pkg)
+    d = dispatch.Dispatcher(dispatch.read_package(pkg))
+    assert d.attach_fastpath().startswith("python (no build")
+    (pkg / "fastpath").mkdir()
+    shutil.copy(fast_module.__file__, pkg / "fastpath" / fastpath.file_name())
+    d = dispatch.Dispatcher(dispatch.read_package(pkg))
+    assert d.attach_fastpath() == f"compiled ({fastpath.file_name()})"
+    monkeypatch.setenv(fastpath.ENV_VAR, "0")
+    d = dispatch.Dispatcher(dispatch.read_package(pkg))
+    assert d.attach_fastpath() == "python (L2IR_FASTPATH=0)"
