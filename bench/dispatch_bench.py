@@ -22,6 +22,8 @@ layout):
   served      "l2ir" or the fallback reason of the dispatcher for that shape
   eager_only  a cuBLAS shape whose eager calls run its eager kernel (l2ir/export.py): device_us is then cuBLAS's
               (a CUDA graph captures the table's choice) while eager_us and host_us are the L2IR kernel's
+  host_aa_ratio  torch.matmul's host time over the same measurement repeated after l2ir's (A/A: the noise of a
+              host_speedup)
   *_python    l2ir.matmul's eager and host time with the compiled fast path detached (the Python path alone), in
               the same run; the unsuffixed l2ir times use the package's compiled fast path when it loaded
               (`fastpath` in the JSON says whether it did)
@@ -255,6 +257,9 @@ def main(argv=None) -> int:
             row["l2ir_eager_us_python"] = eager_us(lambda: l2ir.matmul(a, b), args.calls, args.trials)
             row["l2ir_host_us_python"] = issue_us(lambda: l2ir.matmul(a, b), args.calls, args.trials)
         row["host_speedup_python"] = row["torch_host_us"] / row["l2ir_host_us_python"]
+        # A/A: torch.matmul's host time measured again, after l2ir's: the run-to-run noise of one host_us ratio.
+        row["torch_host_us_aa"] = issue_us(lambda: torch.matmul(a, b), args.calls, args.trials)
+        row["host_aa_ratio"] = row["torch_host_us"] / row["torch_host_us_aa"]
         row["device_speedup"] = row["torch_device_us"] / row["l2ir_device_us"]
         row["eager_speedup"] = row["torch_eager_us"] / row["l2ir_eager_us"]
         row["host_speedup"] = row["torch_host_us"] / row["l2ir_host_us"]
@@ -295,6 +300,13 @@ def main(argv=None) -> int:
             "geomean_host_speedup_on_fallback": gmean(r["host_speedup_python"] for r in rows
                                                       if r["served"] != "l2ir"),
             "geomean_host_speedup_all": gmean(r["host_speedup_python"] for r in rows)},
+        # torch.matmul against itself (the same measurement repeated): how far a host_speedup of 1 strays
+        "aa_host_ratio": {"geomean": gmean(r["host_aa_ratio"] for r in rows),
+                          "min": min((r["host_aa_ratio"] for r in rows), default=None),
+                          "max": max((r["host_aa_ratio"] for r in rows), default=None),
+                          "median": statistics.median(r["host_aa_ratio"] for r in rows) if rows else None},
+        "median_host_speedup_on_fallback": statistics.median(
+            [r["host_speedup"] for r in rows if r["served"] != "l2ir"] or [float("nan")]),
         "host_no_slower_than_torch_all": all(r["l2ir_host_us"] <= r["torch_host_us"] * 1.02 for r in rows),
         "shapes_host_slower_than_torch": sum(1 for r in rows if r["l2ir_host_us"] > r["torch_host_us"]),
         "eager_no_slower_than_torch_where_served": all(r["l2ir_eager_us"] <= r["torch_eager_us"] * 1.02

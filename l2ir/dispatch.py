@@ -17,6 +17,12 @@ argument block, workspace size). A shape the table gives to cuBLAS may name an e
 EAGER_SLACK_US): its route runs that kernel on eager calls, which are host-bound on small GEMMs and issue an L2IR
 launch sooner than torch.matmul, and cuBLAS when captured into a CUDA graph, where only device time counts.
 
+The compiled eager path (l2ir/fastpath.cpp, built into the package by `l2ir export`, loaded by l2ir/fastpath.py when
+the running Python and torch are the ones it was built for) holds the same routes in C++: `_prepare` adds each route
+it keeps, and a repeated eager call without out= is answered there (a key of the operands' sizes, strides, dtypes and
+devices; then at::mm, or the output allocation and the launch through the entry point the Python route bound), with
+no Python executed past `matmul`'s first test. What it does not hold returns None and runs the Python route.
+
 It never gives a wrong answer: whatever it cannot serve goes to torch.matmul, and each such call is counted under
 its reason (REASONS below; a thread counts into its own dict, summed by `dispatch_stats()`); each route is logged
 at DEBUG level on the "l2ir.dispatch" logger when it is decided. A call captured in a CUDA graph is counted once,
