@@ -66,7 +66,7 @@ REASONS = {
     "no_package": "no dispatch package loaded",
     "cpu": "a tensor is not on a CUDA device (or the two are on different devices)",
     "dtype": "not fp16/bf16, or A and B differ in dtype",
-    "layout": "a problem class (layouts, dtype) the package has no kernels for",
+    "layout": "a problem class (layouts, dtype) the package has no kernels for, or an operand without strides (sparse)",
     "noncontiguous": "an operand is neither row- nor column-major contiguous",
     "misaligned": "an operand's data pointer is not 16-byte aligned",
     "batch": "batch dimensions not covered (B batched, A batched but not contiguous, or a 1-D operand)",
@@ -1029,8 +1029,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) ->
             return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
         if out is not None:
             return (_STATE["dispatcher"] or _dispatcher()).run(a, b, out)
-        entry = _ROUTES.get((a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.get_device(),
-                             b.get_device()))
+        try:
+            entry = _ROUTES.get((a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.get_device(),
+                                 b.get_device()))
+        except RuntimeError:        # no strides (a sparse operand): torch's own op, or its own error
+            (_STATE["dispatcher"] or _dispatcher())._count("layout")
+            return torch.matmul(a, b)
         if entry is None:
             entry = (_STATE["dispatcher"] or _dispatcher())._prepare(a, b)
         return entry(a, b)

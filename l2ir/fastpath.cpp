@@ -13,6 +13,7 @@
 
 #include <Python.h>
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/matmul.h>
@@ -156,11 +157,27 @@ struct NoGil {
   ~NoGil() { PyEval_RestoreThread(state); }
 };
 
+// Whether autograd has nothing to record or propagate for these operands: neither has autograd metadata (no
+// requires_grad, no grad_fn, no forward-mode tangent, not a view that tracks its base's version). Then the op may
+// dispatch below the autograd keys, as torch's own autograd kernels do for the op they wrap; the result is what
+// torch.mm returns for such operands (no graph).
+bool plain(const at::Tensor& a, const at::Tensor& b) {
+  return a.unsafeGetTensorImpl()->autograd_meta() == nullptr && b.unsafeGetTensorImpl()->autograd_meta() == nullptr;
+}
+
+at::Tensor fallback_op(const Route& r, const at::Tensor& a, const at::Tensor& b) {
+  if (plain(a, b)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return r.matmul ? at::matmul(a, b) : at::mm(a, b);
+  }
+  return r.matmul ? at::matmul(a, b) : at::mm(a, b);
+}
+
 PyObject* fallback(Table* self, const Route& r, const at::Tensor& a, const at::Tensor& b, int counter) {
   at::Tensor c;
   try {
     NoGil no_gil;
-    c = r.matmul ? at::matmul(a, b) : at::mm(a, b);
+    c = fallback_op(r, a, b);
   } catch (const std::exception&) {
     Py_RETURN_NONE;  // torch's own error, raised again by the Python path's torch call
   }
@@ -225,6 +242,7 @@ PyObject* serve(Table* self, const std::shared_ptr<Route>& rp, PyObject* oa, con
   at::Tensor c;
   try {
     NoGil no_gil;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;   // a fresh output: nothing for autograd to record
     c = at::empty(r.shape, a.options());
   } catch (const std::exception&) {
     Py_DECREF(st_obj);
@@ -287,7 +305,7 @@ PyObject* serve(Table* self, const std::shared_ptr<Route>& rp, PyObject* oa, con
 
 // table(a, b): the result, or None where the Python path must run (no route kept for these operands, a subclass,
 // an input that requires grad, a captured workspace, an error it leaves to torch's own call to raise).
-PyObject* Table_call(Table* self, PyObject* const* args, Py_ssize_t nargs) {
+PyObject* lookup_and_run(Table* self, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2) Py_RETURN_NONE;
   PyObject *oa = args[0], *ob = args[1];
   if (!THPVariable_CheckExact(oa) || !THPVariable_CheckExact(ob)) Py_RETURN_NONE;
@@ -301,6 +319,16 @@ PyObject* Table_call(Table* self, PyObject* const* args, Py_ssize_t nargs) {
   std::shared_ptr<Route> r = it->second;  // alive through this call even if a failure clears the table
   if (r->kind == kFallback) return fallback(self, *r, a, b, r->reason);
   return serve(self, r, oa, a, b);
+}
+
+PyObject* Table_call(Table* self, PyObject* const* args, Py_ssize_t nargs) {
+  try {
+    return lookup_and_run(self, args, nargs);
+  } catch (const std::exception&) {
+    // A tensor without strides or storage (sparse, a functorch wrapper): the Python path answers, or raises torch's
+    // own error. Nothing is held here: every Python reference is taken after the last call that can throw.
+    Py_RETURN_NONE;
+  }
 }
 
 bool key_of(PyObject* oa, PyObject* ob, Key& key) {

@@ -290,3 +290,29 @@ def test_package_loads_its_own_build(tmp_path, pkg_dir, fast_module, monkeypatch
     monkeypatch.setenv(fastpath.ENV_VAR, "0")
     d = dispatch.Dispatcher(dispatch.read_package(pkg))
     assert d.attach_fastpath() == "python (L2IR_FASTPATH=0)"
+
+
+def test_sparse_operands_go_to_torch(fdisp):
+    """A sparse A (strides reported as 0): a fallback route, in Python and then in the table, answered by torch."""
+    a, b = rand(64, 256).float().to_sparse(), rand(256, 512).float()
+    for _ in range(2):
+        torch.testing.assert_close(l2ir.matmul(a, b), torch.matmul(a, b))
+    assert fdisp._native.size() == 1 and sum(fdisp.stats.values()) == 2 and "l2ir" not in fdisp.stats
+
+
+def test_fallback_result_is_what_torch_returns_for_autograd(fdisp):
+    """The table's fallback dispatches below autograd only for operands with no autograd metadata; an operand that
+    requires grad under no_grad, or a forward-mode dual tensor, keeps torch's full dispatch."""
+    import torch.autograd.forward_ad as fwAD
+
+    a, b = rand(16, 16).float(), rand(16, 16).float().t()
+    torch.testing.assert_close(l2ir.matmul(a, b), a @ b)            # decided: dtype fallback, kept in the table
+    c = fdisp._native.call(a, b)
+    assert c is not None and c.grad_fn is None and not c.requires_grad
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(a, torch.ones_like(a))
+        out = fdisp._native.call(dual, b)
+        assert out is not None
+        tangent = fwAD.unpack_dual(out).tangent
+        assert tangent is not None
+        torch.testing.assert_close(tangent, torch.ones_like(a) @ b)
