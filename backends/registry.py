@@ -4,6 +4,9 @@ Each entry names one lowering rule (a module's `lower(kernel, problem) -> Launch
 kernels it takes; `lower` demands exactly one default match (or the entry named by the caller), so adding a backend
 can never silently change which code an existing kernel gets. A kernel no entry accepts is a clear
 NotImplementedError. There is no second level: a backend module does canonicalize -> render and nothing else.
+Kernels are problem-independent, so the default is chosen by the kernel; only a default that generates fewer
+problem classes than the backend it displaces hands the problems outside them back to that backend
+(Backend.yields_to).
 
 The registry does what every backend would otherwise repeat: it attaches the kernel's IR text and the problem class
 to the plan (they travel with the source into the compile cache), and wraps a backend's own bugs as a LoweringError
@@ -32,6 +35,9 @@ class Backend:
     default: bool | Callable[[Kernel], bool] = True   # False: only when asked for by name; a predicate: the
     #                                                   default for the kernels it selects (among those accepted)
     function: str = "lower"             # the module's (kernel, problem, **options) -> LaunchPlan
+    # A predicate default that generates fewer problem classes than the backend it displaces: (the problem classes
+    # it generates, that backend's name). A problem outside them is lowered by that backend.
+    yields_to: tuple[Callable[[Problem], bool], str] | None = None
 
     def lower(self, kernel: Kernel, problem: Problem, **options) -> LaunchPlan:
         """The backend's lowering, with the IR and the problem class attached. Unsupported features are
@@ -73,20 +79,48 @@ class Schedule:
         return self.mismatch(k) is None
 
 
+def realigned_sm80(k: Kernel) -> bool:
+    """An mma.sync kernel whose rows may start on any 2-byte boundary (pad.align=1: an odd K) that the cuda_ptx sm80
+    rule lowers. CuTe reads such rows with one 2-byte load per element (no cp.async form copies 2 bytes); the raw
+    rule stages the aligned 16-byte blocks around each row by cp.async and realigns them in shared memory. On an
+    H200 the seeds ran 3-15x faster on the raw rule (17x9999x3333: 1.56 ms -> 103 us; 333x555x777: 58.5 -> 21.1 us;
+    1024x1024x999: 177 -> 39 us). At pad.align 2 and 4 both copy with 4- or 8-byte cp.async, and CuTe was the
+    faster on every seed measured, by 1.1-5.8x (the raw rule's kernels used 192-255 registers against CuTe's
+    146-255 and spilled up to 1.3 KB on the 128x128 tiles), so those stay CuTe's. The check is the rule's own list
+    of kernel refusals (cuda_ptx.sm80.refusal): this default never picks a kernel the rule refuses whatever the
+    problem."""
+    if k.pad.align != 1:
+        return False
+    from l2ir.backends.cuda_ptx.sm80 import refusal
+    return refusal(k) is None
+
+
+def _cuda_ptx_problems(problem: Problem) -> bool:
+    """The problem class the cuda_ptx rules generate (K-major A and B, 16-bit in and out, fp32 accumulation)."""
+    from l2ir.backends.cuda_ptx.common import problem_refusal
+    return problem_refusal(problem) is None
+
+
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("source", "l2ir.backends.source", lambda k: k.is_source, function="lower_source"),
-    Backend("cute_sm80", "l2ir.backends.cute_sm80", Schedule("mma_sync", "multistage")),
+    # mma.sync + cp.async kernels: CuTe, except the odd-K ones the raw sm80 rule lowers (realigned_sm80).
+    Backend("cute_sm80", "l2ir.backends.cute_sm80", Schedule("mma_sync", "multistage"),
+            default=lambda k: not realigned_sm80(k)),
     Backend("cutlass_sm90", "l2ir.backends.cutlass_sm90", Schedule("wgmma", "tma_ws", ("workspace", "atomic"))),
-    # Raw CUDA + inline PTX, asked for by name. Rules are keyed by what the kernel computes with, not by its
-    # target: an mma.sync + cp.async schedule on sm90 is the sm80 rule's kernel. The sm90a rule is also the default
-    # for what only it lowers: split-K reduced in a thread-block cluster or inside one block, and the repack node.
+    # Raw CUDA + inline PTX. Rules are keyed by what the kernel computes with, not by its target: an mma.sync +
+    # cp.async schedule on sm90 is the sm80 rule's kernel. The sm90a rule is the default for what only it lowers:
+    # split-K reduced in a thread-block cluster or inside one block, and the repack node; the sm80 rule for the
+    # mma.sync kernels with pad.align=1 it lowers, except in a problem class it does not generate (CuTe's then).
     Backend("cuda_ptx", "l2ir.backends.cuda_ptx.sm90a", Schedule("wgmma", "tma_ws", repacks=True),
             default=lambda k: cluster_reduce(k) or block_reduce(k) or k.repack is not None),
-    Backend("cuda_ptx_sm80", "l2ir.backends.cuda_ptx.sm80", Schedule("mma_sync", "multistage"), default=False),
+    Backend("cuda_ptx_sm80", "l2ir.backends.cuda_ptx.sm80", Schedule("mma_sync", "multistage"),
+            default=realigned_sm80, yields_to=(_cuda_ptx_problems, "cute_sm80")),
 )}
 
 
-def backend_for(kernel: Kernel, name: str | None = None) -> Backend:
+def backend_for(kernel: Kernel, name: str | None = None, problem: Problem | None = None) -> Backend:
+    """The backend named, else the one default for `kernel`; given the problem, a default outside whose problem
+    classes it lies yields to the backend it displaced (Backend.yields_to)."""
     if name is not None:
         if name not in BACKENDS:
             raise NotImplementedError(f"unknown backend '{name}' (backends: {', '.join(BACKENDS)})")
@@ -101,8 +135,11 @@ def backend_for(kernel: Kernel, name: str | None = None) -> Backend:
         names = ", ".join(b.name for b in matches) or "none"
         raise NotImplementedError(f"{len(matches)} default backends accept this kernel ({names}); name one:\n"
                                   f"{kernel.text()}")
-    return matches[0]
+    backend = matches[0]
+    if problem is not None and backend.yields_to is not None and not backend.yields_to[0](problem):
+        return BACKENDS[backend.yields_to[1]]
+    return backend
 
 
 def lower(kernel: Kernel, problem: Problem, backend: str | None = None, **options) -> LaunchPlan:
-    return backend_for(kernel, backend).lower(kernel, problem, **options)
+    return backend_for(kernel, backend, problem).lower(kernel, problem, **options)

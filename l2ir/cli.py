@@ -216,7 +216,7 @@ def cmd_compile(args) -> int:
         print(_located(e, lines, name), file=sys.stderr)
         return 1
     try:
-        backend = backend_for(kernel, args.backend)
+        backend = backend_for(kernel, args.backend, problem)
         plan = backend.lower(kernel, problem)
     except NotImplementedError as e:
         raise CliError(f"{name}: not lowered: {e}") from None

@@ -97,7 +97,7 @@ class PassPipeline:
         from l2ir.backends.registry import backend_for
 
         kernel, stages = self.apply(kernel)
-        backend = backend_for(kernel, self.backend)
+        backend = backend_for(kernel, self.backend, problem)
         plan = backend.lower(kernel, problem, **options)
         tail = (Stage("plan", describe_plan(plan), ".txt"), Stage(f"source {backend.name}", plan.source, ".cu"))
         return Lowered(kernel, plan, backend.name, stages + tail)

@@ -218,9 +218,10 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
                 + (" (skinny M: the copy of B may cost more than it saves)" if m < REPACK_MIN_M else ""),
                 backend="cuda_ptx"))
 
-    # An odd K with few rows of A (decode): 16-byte cp.async blocks realigned in shared memory (cuda_ptx_sm80, asked
-    # for by name: the default mma.sync backend, CuTe, loads such rows narrowly and ran the seed at 17x9999x3333 in
-    # 1.5 ms against 60 us here; bench/results/unaligned_v4_h200.json).
+    # An odd K with few rows of A (decode): 16-byte cp.async blocks realigned in shared memory (cuda_ptx_sm80; CuTe
+    # loads such rows narrowly and ran the seed at 17x9999x3333 in 1.5 ms against 60 us here; bench/results/
+    # unaligned_v4_h200.json). cuda_ptx_sm80 is this kernel's default backend too; it is named so that its children
+    # stay on it (policy.actions.normal_backend), e.g. one whose align edit would make it CuTe's.
     if arch in ("sm80", "sm90a") and alignment(problem) < 8 and m <= DECODE_ROWS:
         out.append(Candidate(
             9.2, decode_align_kernel(problem, arch),

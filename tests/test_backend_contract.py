@@ -7,7 +7,9 @@
   threads, a positive grid for every shape and a cluster of at most 8 blocks;
 - a "host_shim" plan defines the ABI's two C functions and uses the runtime's status codes (l2ir/runtime.py), so
   the launcher can name every refusal;
-- every shipped sweep lowers with the backend it is meant for.
+- every shipped sweep lowers with the backend it is meant for;
+- every mma.sync kernel has one default: cuda_ptx_sm80 exactly for the pad.align=1 kernels it lowers, CuTe
+  otherwise.
 """
 
 import re
@@ -19,9 +21,10 @@ from hypothesis import given, settings
 from l2ir import runtime
 from l2ir.analysis import smem_bytes
 from l2ir.backends.registry import BACKENDS, backend_for, lower
-from l2ir.nodes import Problem
+from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
 from l2ir.target import SMEM_LIMIT
-from l2ir.testing import kernels
+from l2ir.testing import kernels, mma_sync_kernels
+from l2ir.verify import verify
 from l2ir.text import print_problem_class
 
 PROBLEM = Problem(1, 1, 1)
@@ -124,3 +127,55 @@ def test_every_shipped_sweep_lowers_with_its_backend():
             plan = lower(kernel, PROBLEM, backend)
             check_plan(kernel, plan) if backend is None else None
             assert plan.source and plan.ir_text == kernel.text(), f"{sweep}/{name}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The mma.sync default: cuda_ptx_sm80 for the pad.align=1 kernels it lowers, CuTe for the rest.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _sm80(block=(64, 128, 32), warps=(2, 2), align=1, **changes) -> Kernel:
+    k = Kernel(target=Target("sm80"), tile=Tile(block, warps), mma=Mma("mma_sync", (16, 8, 16)),
+               pipeline=Pipeline("multistage", 3, prefetch=True), swizzle=Swizzle((2, 3, 3)),
+               pad=Pad("predicate", "predicate", "zero_fill", align), epilogue=Epilogue("smem", min(align, 8)))
+    return verify(k.replace(**changes))
+
+
+@settings(max_examples=200, database=None, derandomize=True)
+@given(mma_sync_kernels())
+def test_mma_sync_default_is_the_raw_rule_exactly_where_it_lowers_odd_rows(kernel):
+    """One default for every generated mma.sync kernel (never "2 default backends"), and it is cuda_ptx_sm80 exactly
+    when pad.align=1 and that rule lowers the kernel: its predicate is the rule's own refusals."""
+    default = backend_for(kernel).name
+    try:
+        lower(kernel, PROBLEM, "cuda_ptx_sm80")
+        lowers = True
+    except NotImplementedError:
+        lowers = False
+    assert default == ("cuda_ptx_sm80" if kernel.pad.align == 1 and lowers else "cute_sm80")
+
+
+@pytest.mark.parametrize("align", [8, 4, 2])
+def test_mma_sync_kernels_with_wider_rows_default_to_cute(align):
+    """The raw rule lowers these too; CuTe stays their default (at align 2 and 4 its kernels were the faster on an
+    H200: backends/registry.py)."""
+    for arch in ("sm80", "sm86", "sm90a"):
+        k = _sm80((128, 128, 32), align=align).replace(target=Target(arch))
+        lower(k, PROBLEM, "cuda_ptx_sm80")
+        assert backend_for(k).name == "cute_sm80"
+        assert "l2ir_cute_sm80_gemm" in lower(k, PROBLEM).source
+
+
+@pytest.mark.parametrize("field,kernel", [
+    ("splitk.reduce", _sm80(splitk=SplitK("split_k", 2, "atomic"))),
+    # align 1 realigns 8-element chunks per thread: 16x32 A tiles are not whole passes of 8 x 128 threads
+    ("pad.align", _sm80((16, 128, 32), (1, 4))),
+    # one ldmatrix.x4 yields the B fragments of two n8 blocks: BN/WN = 8 is refused
+    ("tile.warps", _sm80((64, 64, 32), (1, 8))),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_odd_k_kernels_the_raw_rule_refuses_stay_on_cute(field, kernel):
+    assert kernel.pad.align == 1
+    with pytest.raises(NotImplementedError, match=field):
+        lower(kernel, PROBLEM, "cuda_ptx_sm80")
+    assert backend_for(kernel).name == "cute_sm80"
+    assert "l2ir_cute_sm80_gemm" in lower(kernel, PROBLEM).source

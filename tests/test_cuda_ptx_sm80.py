@@ -192,8 +192,62 @@ def test_dispatch_on_mma_op_and_pipeline():
 
 
 def test_registry_entry():
-    assert registry.backend_for(ms()).name == "cute_sm80"       # not a default backend
+    assert registry.backend_for(ms()).name == "cute_sm80"       # aligned rows: CuTe is the default
     assert lower(ms(), PROBLEM).source == sm80.lower(ms(), PROBLEM).source
+    unaligned = CASES["64x64x32_w2x2_s4_align1_splitk2_smem1"][0]
+    assert registry.backend_for(unaligned).name == "cuda_ptx_sm80"
+    assert registry.lower(unaligned, PROBLEM).source == lower(unaligned, PROBLEM).source
+
+
+# Seeds of odd-K problems: with fewer than REPACK_MIN_M rows of A on sm90a (the repack's copy of B would cost more
+# than the GEMM) and on sm80 they are pad.align=1 mma.sync kernels, which this rule lowers by default. CuTe ran the
+# 17x9999x3333 seed in 1.56 ms, this rule in 103 us (backends/registry.py).
+ODD_K_SEEDS = {"17x9999x3333_sm90a": (Problem(m=17, n=9999, k=3333), "sm90a"),
+                   "333x555x777_sm80": (Problem(m=333, n=555, k=777), "sm80"),
+                   "64x128x1025_sm80_bf16": (Problem(m=64, n=128, k=1025, a=("bf16", "row"), b=("bf16", "col"),
+                                                     c=("bf16", "row")), "sm80")}
+
+
+def _seed_plans():
+    from l2ir.seed import seed
+    out = {}
+    for name, (problem, arch) in ODD_K_SEEDS.items():
+        kernel = seed(problem, arch)
+        assert kernel.mma.op == "mma_sync" and kernel.pad.align == 1, name
+        assert registry.backend_for(kernel).name == "cuda_ptx_sm80", name
+        plan = registry.lower(kernel, problem)           # the default, with nothing named
+        assert plan.source == lower(kernel, problem).source, name
+        out[name] = plan
+    return out
+
+
+def test_odd_k_seeds_default_to_this_rule():
+    plans = _seed_plans()
+    assert all(GEMM_ENTRY_DEFINED.search(plan.source) for plan in plans.values())
+
+
+def test_seeds_with_wider_rows_stay_on_cute():
+    """K % 8 = 2 or 4: 4- or 8-byte cp.async on both backends, where CuTe's kernels were the faster."""
+    from l2ir.seed import seed
+    for k, align in ((1026, 2), (1028, 4)):
+        kernel = seed(Problem(m=333, n=555, k=k), "sm80")
+        assert kernel.pad.align == align and registry.backend_for(kernel).name == "cute_sm80"
+
+
+def test_odd_k_seed_in_another_problem_class_stays_on_cute():
+    """The kernel alone picks this rule; a problem class it does not generate (here an M-major A) is CuTe's."""
+    from l2ir.seed import seed
+    problem = Problem(m=333, n=555, k=777, a=("f16", "col"))
+    kernel = seed(problem, "sm80")
+    assert kernel.pad.align == 1 and registry.backend_for(kernel).name == "cuda_ptx_sm80"
+    assert registry.backend_for(kernel, problem=problem).name == "cute_sm80"
+    assert registry.lower(kernel, problem).source == registry.lower(kernel, problem, "cute_sm80").source
+    with pytest.raises(UnsupportedLowering, match="problem.a"):
+        lower(kernel, problem)
+
+
+GEMM_ENTRY_DEFINED = re.compile(rf'extern "C" __global__\s+void\s+(__launch_bounds__\([^)]*\)\s*)?'
+                                rf'{sm80.GEMM_ENTRY}\s*\(')
 
 
 def test_sweep_lowers():
@@ -626,6 +680,16 @@ def builds(tmp_path_factory):
     plans = {name: lower(*CASES[name]) for name in NVCC_CASES}
     plans.update({name: lower(*case) for name, case in SM90A_CASES.items()})
     return build_all(plans, tmp_path_factory.mktemp("cache"))
+
+
+@pytest.mark.nvcc
+def test_odd_k_seeds_build(tmp_path):
+    """The default lowering of the odd-K seeds compiles, without register spills."""
+    results = build_all(_seed_plans(), tmp_path)
+    for name, result in results.items():
+        b = built(result, name)
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", b.log)
+        assert spills and all(s == ("0", "0") for s in spills), f"{name}: register spills {spills}"
 
 
 @pytest.mark.nvcc
