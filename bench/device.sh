@@ -30,6 +30,11 @@ ODD_K_SHAPES="--shape 333x555x777 --shape 1023x1025x1027 --shape 1024x1024x999 -
   --shape 512x512x4097 --shape 2000x3000x777 --shape 17x9999x3333 --shape 64x64x63 --shape 256x1024x1001
   --shape 2048x2048x2047 --shape 8192x4096x1001"
 
+# The sm80 seed at pad.align 1, 2 and 4 (odd K, K = 2 mod 4, K = 4 mod 8): which mma.sync backend lowers it
+# by default (backends/registry.py realigned_sm80).
+export SEED_ALIGN_SHAPES="--shape 17x9999x3333 --shape 333x555x777 --shape 1024x1024x999 --shape 333x555x778
+  --shape 1024x1024x1002 --shape 333x555x780 --shape 1024x1024x1004"
+
 # name | default timeout (s) | command
 recipes() {
   cat <<'EOF'
@@ -83,6 +88,7 @@ policy-compare|540|python3 bench/policy_compare.py --state bench/results/policy_
 train-policy|420|bash -c 'bash bench/stage_model.sh assemble && python3 bench/train_policy.py --out bench/results/train_policy_mean_h200'
 dispatch-unaligned-v5-fast|420|bash -c 'rm -f /tmp/unaligned_v4.db && python3 -m l2ir.cli db import --db /tmp/unaligned_v4.db bench/results/unaligned_v4_h200.jsonl bench/results/unaligned_v4_h200-fresh.jsonl && python3 bench/dispatch_bench.py --db /tmp/unaligned_v4.db --target sm80 --target sm90a --max-gflop 100 --out bench/results/dispatch_unaligned_v5_fast_h200.json'
 dispatch-families-v4-fast|420|bash -c 'rm -f /tmp/families_v3.db && python3 -m l2ir.cli db import --db /tmp/families_v3.db bench/results/families_small_v3_h200.jsonl bench/results/families_small_v3_h200-fresh.jsonl && python3 bench/dispatch_bench.py --db /tmp/families_v3.db --target sm80 --target sm90a --max-gflop 5 --out bench/results/dispatch_families_v4_fast_h200.json'
+seed-align-default|560|bash -c 'python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k cuda_ptx_sm80_families ; python3 -m l2ir.cli bench --target sm80 --shapes 0 $SEED_ALIGN_SHAPES --sweep 64x128x32_w2x2_s4 --out bench/results/seed_align_default_h200 && python3 -m l2ir.cli bench --target sm80 --shapes 0 $SEED_ALIGN_SHAPES --backend cute_sm80 --sweep 64x128x32_w2x2_s4 --out bench/results/seed_align_cute_h200'
 EOF
 }
 
