@@ -83,12 +83,12 @@ def realigned_sm80(k: Kernel) -> bool:
     """An mma.sync kernel whose rows may start on any 2-byte boundary (pad.align=1: an odd K) that the cuda_ptx sm80
     rule lowers. CuTe reads such rows with one 2-byte load per element (no cp.async form copies 2 bytes); the raw
     rule stages the aligned 16-byte blocks around each row by cp.async and realigns them in shared memory. On an
-    H200 the seeds ran 3-15x faster on the raw rule (17x9999x3333: 1.56 ms -> 103 us; 333x555x777: 58.5 -> 21.1 us;
-    1024x1024x999: 177 -> 39 us). At pad.align 2 and 4 both copy with 4- or 8-byte cp.async, and CuTe was the
-    faster on every seed measured, by 1.1-5.8x (the raw rule's kernels used 192-255 registers against CuTe's
-    146-255 and spilled up to 1.3 KB on the 128x128 tiles), so those stay CuTe's. The check is the rule's own list
-    of kernel refusals (cuda_ptx.sm80.refusal): this default never picks a kernel the rule refuses whatever the
-    problem."""
+    H200 the sm80 seeds ran 3.8-15x faster on the raw rule (bench/results/seed_align_default_h200.json against
+    seed_align_cute_h200.json, recipe seed-align-default: 17x9999x3333 1557 -> 102 us, 333x555x777 76.6 -> 19.9 us,
+    1024x1024x999 310 -> 39 us). At pad.align 2 and 4 both copy with 4- or 8-byte cp.async; an unrecorded probe
+    found CuTe faster on every align-2/4 seed tried (1.1-5.8x; the raw rule's 128x128 tiles used 192-255 registers
+    and spilled), so those stay CuTe's. The check is the rule's own list of kernel refusals (cuda_ptx.sm80.refusal):
+    this default never picks a kernel the rule refuses whatever the problem."""
     if k.pad.align != 1:
         return False
     from l2ir.backends.cuda_ptx.sm80 import refusal
