@@ -69,10 +69,12 @@ REASONS = {
     "layout": "a problem class (layouts, dtype) the package has no kernels for, or an operand without strides (sparse)",
     "noncontiguous": "an operand is neither row- nor column-major contiguous",
     "misaligned": "an operand's data pointer is not 16-byte aligned",
-    "batch": "batch dimensions not covered (B batched, A batched but not contiguous, or a 1-D operand)",
+    "batch": "batch dimensions not covered (B batched, A batched but not contiguous, a 1-D operand, or M, N or K "
+             "beyond a 32-bit int)",
     "empty": "a zero-sized dimension",
     "out": "out= is not a contiguous, aligned tensor of the result's shape, dtype and device, or overlaps an operand",
-    "autograd": "an input requires grad (torch.matmul keeps the graph)",
+    "autograd": "an input requires grad or carries a forward-mode tangent (torch.matmul keeps the graph)",
+    "autocast": "autocast is on for the device (torch.matmul's result takes its dtype)",
     "environment": "the GPU or driver differs from the package's manifest",
     "load_failed": "the kernel's binary failed to load on this device",
     "launch_failed": "the driver refused the launch",
@@ -81,6 +83,7 @@ REASONS = {
 log = logging.getLogger("l2ir.dispatch")
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+_INT_MAX = 2**31 - 1
 COUNTERS = tuple(REASONS)           # the compiled fast path's counters, in this order
 
 
@@ -274,13 +277,18 @@ def _arg_block(m: int, n: int, k: int) -> tuple[_Args, ctypes.c_void_p]:
 
 
 class Driver:
-    """The two libcuda entry points of the eager launch, as bare ctypes functions (no argtypes: see above).
+    """The libcuda entry points of the eager launch, as bare ctypes functions (no argtypes: see above).
     `path` may name another library with the same symbols (the CPU tests' stub driver)."""
 
     def __init__(self, path: str = "libcuda.so.1"):
         lib = ctypes.CDLL(path)          # a CDLL of its own: argtypes set on another handle do not reach it
         self.launch = lib.cuLaunchKernel
         self.set_ctx = lib.cuCtxSetCurrent
+        self.get_ctx = lib.cuCtxGetCurrent      # the compiled path's check that the route's context is current
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
 class KernelLaunch:
@@ -342,10 +350,10 @@ class KernelLaunch:
         return go, ws_bytes
 
     def native(self, m: int, n: int, k: int) -> tuple:
-        """The same launches for the compiled fast path (l2ir/fastpath.cpp): entry-point addresses and grids."""
-        addr = lambda f: ctypes.cast(f, ctypes.c_void_p).value        # noqa: E731
+        """The same launches for the compiled fast path (l2ir/fastpath.cpp): entry-point addresses and grids, and
+        the context the launches need current (it checks; the Python route makes it current)."""
         grids = tuple((fn, *ln.grid_for(m, n, k), *ln.block, ln.smem) for fn, ln in zip(self.funcs, self.plan.launches))
-        return ("kernel", addr(self.driver.launch), addr(self.driver.set_ctx), self.ctx.value or 0,
+        return ("kernel", _address(self.driver.launch), _address(self.driver.get_ctx), self.ctx.value or 0,
                 tuple(g for g in grids if g[1] * g[2] * g[3]))
 
 
@@ -356,8 +364,9 @@ class ShimLaunch:
     once: a call sets five fields, which costs about a third of converting l2ir_run's nine arguments
     (bench/results/host_parts_probe_h200.json)."""
 
-    def __init__(self, path: str | Path, workspace_size=None):
+    def __init__(self, path: str | Path, workspace_size=None, driver: Driver | None = None, ctx: int = 0):
         lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+        self.driver, self.ctx = driver, ctx     # the device's primary context, for the compiled path's check
         self.run = lib.l2ir_run
         self.run_args = getattr(lib, "l2ir_run_args", None)      # None: a package built before the entry existed
         self.workspace_size = workspace_size or (lambda m, n, k: int(lib.l2ir_workspace_size(m, n, k)))
@@ -402,8 +411,11 @@ class ShimLaunch:
         return go, ws_bytes
 
     def native(self, m: int, n: int, k: int) -> tuple | None:
-        """l2ir_run_args's address for the compiled fast path (None: a library without it)."""
-        return None if self.run_args is None else ("shim", ctypes.cast(self.run_args, ctypes.c_void_p).value)
+        """l2ir_run_args's address for the compiled fast path (None: a library without it), with the context that
+        must be current: the shim launches on the current device."""
+        if self.run_args is None:
+            return None
+        return ("shim", _address(self.run_args), _address(self.driver.get_ctx) if self.driver else 0, self.ctx)
 
 
 def launch_plan(spec: KernelSpec):
@@ -419,6 +431,17 @@ def launch_plan(spec: KernelSpec):
         workspace_bytes=parse_expr(p["workspace_bytes"]), zero_workspace=p["zero_workspace"])
 
 
+def _primary_context(device: int) -> int:
+    """The device's primary context (torch's): where a host shim's kernels run when the device is current."""
+    from cuda.bindings import driver as cu
+
+    from .runtime import _check
+
+    _check(cu.cuInit(0), "cuInit")
+    return int(_check(cu.cuDevicePrimaryCtxRetain(_check(cu.cuDeviceGet(device), "cuDeviceGet")),
+                      "cuDevicePrimaryCtxRetain"))
+
+
 class Runner:
     """One kernel loaded on one device. `bind(m, n, k)` -> (go, workspace bytes) with `go(a, b, c, ws, stream)`
     taking data pointers and the raw stream handle; the dispatcher binds once per shape and keeps the result."""
@@ -432,7 +455,8 @@ class Runner:
         self._fast = None
         try:
             if self.plan.form == "host_shim":
-                self._fast = ShimLaunch(spec.dir / spec.binary, self.launcher.workspace_bytes)
+                self._fast = ShimLaunch(spec.dir / spec.binary, self.launcher.workspace_bytes, Driver(),
+                                        _primary_context(device))
             elif all(ln.cluster == (1, 1, 1) for ln in self.plan.launches):
                 self._fast = KernelLaunch(Driver(), int(self.launcher._ctx), [int(fn) for fn in self.launcher._funcs],
                                           self.plan)
@@ -457,6 +481,13 @@ class Runner:
 # ---------------------------------------------------------------------------------------------------------------
 # The dispatcher.
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def _forward_ad():
+    """torch.autograd.forward_ad, whose `_current_level` is >= 0 inside a dual_level() (read per served call)."""
+    import torch.autograd.forward_ad as fwad
+
+    return fwad
 
 
 def _driver_version() -> str | None:
@@ -570,7 +601,8 @@ class Dispatcher:
             if self.package is None:
                 self.fastpath = "python (no package)"
                 return self.fastpath
-            module, why = fastpath.load(self.package.path / "fastpath")
+            listed = {Path(f).name for f in self.package.manifest.get("files", {}) if f.startswith("fastpath/")}
+            module, why = fastpath.load(self.package.path / "fastpath", listed)
             if module is None:
                 self.fastpath = f"python ({why})"
                 log.info("l2ir.matmul fast path: %s", self.fastpath)
@@ -680,6 +712,8 @@ class Dispatcher:
             return "batch", None, None, 0, 0, 0, 0    # torch.matmul raises its own shape error
         if m == 0 or n == 0 or k == 0:
             return "empty", None, None, m, n, k, 0
+        if max(m, n, k) > _INT_MAX:
+            return "batch", None, None, m, n, k, 0     # the kernel ABI's sizes are 32-bit ints
         lb = _layout(b, k, n)
         if la is None or lb is None:
             return "noncontiguous", None, None, m, n, k, 0
@@ -750,7 +784,7 @@ class Dispatcher:
             self._native.add_served(a, b, launch, self.device_type == "cuda", bool(getattr(entry, "eager_only", False)),
                                     not two_d, entry.index, tuple(entry.shape), *entry.mnk, entry.workspace[0],
                                     entry.keep_workspace, entry.launch_failed)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             log.debug("l2ir.matmul route not compiled (%s); the Python path serves it", e)
 
     def _fallback(self, reason: str, fn):
@@ -785,6 +819,11 @@ class Dispatcher:
         prefix = (kkey, m, n, k, index)
 
         capturing = self._capturing
+        autocast_on, fwad = torch.is_autocast_enabled, _forward_ad()
+        dev_type = self.device_type
+        # The launch runs on the current device (a host shim) or in the device's context (the driver's launch): under
+        # another current device, a device guard around it (restoring the caller's device after).
+        current_device = getattr(torch._C, "_cuda_getDevice", None) if on_cuda else None
         fresh = (lambda a: a.new_zeros(ws_bytes, dtype=u8)) if zero_ws else (lambda a: a.new_empty(ws_bytes, dtype=u8))
         # The output: empty_like of a one-element tensor expanded to the output's shape allocates C (contiguous
         # strides, as torch.empty's) with no shape to parse, ~0.5 us less a call than new_empty(shape)
@@ -816,15 +855,25 @@ class Dispatcher:
             return w
 
         def serve(a, b, out=None):
-            pa = a.data_ptr()
-            pb = b.data_ptr()
             try:
                 mine = tls.d
             except AttributeError:
                 mine = mine_slow()
+            try:
+                pa = a.data_ptr()
+                pb = b.data_ptr()
+            except RuntimeError:        # no storage of its own (a functorch wrapper under vmap): torch's op
+                mine["layout"] += 1
+                return fn(a, b) if out is None else fn(a, b, out=out)
             if a.is_cuda is not on_cuda or b.is_cuda is not on_cuda:
                 # The route key holds device indices, not types: another device type with the same index lands here.
                 mine["cpu"] += 1
+                return fn(a, b) if out is None else fn(a, b, out=out)
+            if autocast_on(dev_type):
+                mine["autocast"] += 1
+                return fn(a, b) if out is None else fn(a, b, out=out)
+            if fwad._current_level >= 0:     # inside forward_ad.dual_level(): torch propagates the tangents
+                mine["autograd"] += 1
                 return fn(a, b) if out is None else fn(a, b, out=out)
             if (pa | pb) & 15:
                 # TMA, cp.async and vector loads need 16-byte aligned operands; a view can start anywhere.
@@ -845,7 +894,11 @@ class Dispatcher:
             else:
                 ws = 0
             try:
-                go(pa, pb, c.data_ptr(), ws, st)
+                if current_device is not None and current_device() != index:
+                    with torch.cuda.device(index):
+                        go(pa, pb, c.data_ptr(), ws, st)
+                else:
+                    go(pa, pb, c.data_ptr(), ws, st)
             except Exception as e:  # noqa: BLE001 - a refused launch is answered by torch, and remembered
                 self._launch_failed(kkey, index, e)
                 mine["launch_failed"] += 1

@@ -13,6 +13,8 @@
 
 #include <Python.h>
 
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -58,6 +60,11 @@ int64_t device_word(const at::Tensor& t) {
 bool make_key(const at::Tensor& a, const at::Tensor& b, Key& key) {
   const int64_t da = a.dim(), db = b.dim();
   if (da > kMaxDims || db != 2) return false;  // B is 2-D on every route the package serves or counts
+  // Dense strided tensors only, with no lazy negation or conjugation and real storage: what else shares a dense
+  // tensor's sizes and strides (a sparse tensor reports strides of 0, a negative view the same pointer) is left to
+  // the Python path.
+  for (const at::Tensor* t : {&a, &b})
+    if (t->layout() != at::kStrided || t->is_neg() || t->is_conj() || t->_is_zerotensor()) return false;
   key.fill(0);
   key[0] = da;
   key[1] = db;
@@ -80,7 +87,7 @@ bool make_key(const at::Tensor& a, const at::Tensor& b, Key& key) {
 // The two launch entry points, declared here so that no CUDA header is needed (the CPU build serves the tests).
 using LaunchKernelFn = int (*)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                                unsigned smem, void* stream, void** params, void** extra);
-using SetCtxFn = int (*)(void* ctx);
+using GetCtxFn = int (*)(void** ctx);
 
 // l2ir_run_args's block: the field order of l2ir.runtime.RUN_ARGS_FIELDS (a test checks the sizes agree).
 struct RunArgs {
@@ -116,6 +123,24 @@ struct PyRef {
   }
 };
 
+// A new reference, released at scope exit (GIL held: every use is outside NoGil scopes).
+struct PyOwned {
+  PyObject* p;
+  explicit PyOwned(PyObject* o) : p(o) {}
+  PyOwned(const PyOwned&) = delete;
+  PyOwned& operator=(const PyOwned&) = delete;
+  ~PyOwned() { Py_XDECREF(p); }
+};
+
+// After a failed Python call: an ordinary exception is cleared and the caller takes the cautious path (true);
+// anything else (KeyboardInterrupt, SystemExit) stays set for the caller to propagate (false).
+bool recoverable() {
+  if (!PyErr_Occurred()) return true;
+  if (!PyErr_ExceptionMatches(PyExc_Exception)) return false;
+  PyErr_Clear();
+  return true;
+}
+
 struct Route {
   int kind = kFallback;
   int reason = 0;             // the counter of a fallback route
@@ -128,8 +153,8 @@ struct Route {
   int m = 0, n = 0, k = 0;
   size_t ws_bytes = 0;
   LaunchKernelFn launch = nullptr;
-  SetCtxFn set_ctx = nullptr;
-  void* ctx = nullptr;
+  GetCtxFn get_ctx = nullptr;  // cuCtxGetCurrent: the launch runs only where the route's context is current
+  void* ctx = nullptr;         // the device's primary context (torch's), which holds the module or the shim's kernels
   std::vector<Grid> grids;
   RunArgsFn run_args = nullptr;
   PyRef go;                   // kPython: go(a, b, c, ws, stream), the runner's own launch
@@ -185,58 +210,63 @@ PyObject* fallback(Table* self, const Route& r, const at::Tensor& a, const at::T
   return THPVariable_Wrap(std::move(c));
 }
 
-bool truth(PyObject* fn) {  // fn() as a bool; an error counts as true (the cautious answer) and is cleared
-  PyObject* v = PyObject_CallNoArgs(fn);
-  if (v == nullptr) {
-    PyErr_Clear();
-    return true;
-  }
-  const int t = PyObject_IsTrue(v);
-  Py_DECREF(v);
-  if (t < 0) PyErr_Clear();
-  return t != 0;
+// fn() as a bool: 1, 0, or -1 with an exception set that must propagate. An ordinary error counts as true (the
+// cautious answer: capturing) and is cleared.
+int truth(PyObject* fn) {
+  PyOwned v(PyObject_CallNoArgs(fn));
+  if (v.p == nullptr) return recoverable() ? 1 : -1;
+  const int t = PyObject_IsTrue(v.p);
+  if (t < 0) return recoverable() ? 1 : -1;
+  return t;
 }
 
 PyObject* serve(Table* self, const std::shared_ptr<Route>& rp, PyObject* oa, const at::Tensor& a,
                 const at::Tensor& b) {
   Route& r = *rp;
   if (a.is_cuda() != r.want_cuda || b.is_cuda() != r.want_cuda) return fallback(self, r, a, b, self->c_cpu);
+  // Autocast changes the result's dtype and forward-mode AD adds a tangent: torch.matmul's answer, through Python.
+  if (at::autocast::is_autocast_enabled(r.want_cuda ? at::kCUDA : at::kCPU)) Py_RETURN_NONE;
+  if (!plain(a, b) && (a._fw_grad(0).defined() || b._fw_grad(0).defined())) Py_RETURN_NONE;
   const uintptr_t pa = reinterpret_cast<uintptr_t>(a.data_ptr()), pb = reinterpret_cast<uintptr_t>(b.data_ptr());
   // TMA, cp.async and vector loads need 16-byte aligned operands; a view can start anywhere.
   if ((pa | pb) & 15) return fallback(self, r, a, b, self->c_misaligned);
+  if (r.get_ctx != nullptr) {
+    // The kernels live in the device's primary context, and a host shim launches on the current device: run here
+    // only when that context is current (torch's current device is the operands'); otherwise the Python route runs
+    // the launch under a device guard, which restores the caller's device.
+    void* cur = nullptr;
+    if (r.get_ctx(&cur) != 0 || cur != r.ctx) Py_RETURN_NONE;
+  }
   if (r.eager_only || r.ws_bytes) {
-    const bool capt = truth(self->capturing);
+    const int capt = truth(self->capturing);
+    if (capt < 0) return nullptr;
     if (capt && r.eager_only) return fallback(self, r, a, b, self->c_cublas);
     if (capt) Py_RETURN_NONE;  // a captured workspace is the graph's own allocation: the Python route makes it
   }
-  PyObject* idx = PyLong_FromLongLong(r.index);
-  PyObject* st_obj = idx ? PyObject_CallOneArg(self->stream_of, idx) : nullptr;
-  Py_XDECREF(idx);
-  if (st_obj == nullptr) {
-    PyErr_Clear();
-    Py_RETURN_NONE;
-  }
-  const int64_t st = static_cast<int64_t>(PyLong_AsUnsignedLongLongMask(st_obj));
+  PyOwned idx(PyLong_FromLongLong(r.index));
+  if (idx.p == nullptr) return recoverable() ? Py_NewRef(Py_None) : nullptr;
+  PyOwned st_obj(PyObject_CallOneArg(self->stream_of, idx.p));
+  if (st_obj.p == nullptr) return recoverable() ? Py_NewRef(Py_None) : nullptr;
+  const int64_t st = static_cast<int64_t>(PyLong_AsUnsignedLongLongMask(st_obj.p));
+  if (PyErr_Occurred()) return recoverable() ? Py_NewRef(Py_None) : nullptr;
   void* ws = nullptr;
+  at::Tensor ws_hold;  // a workspace the budget did not keep lives until the launch is issued
   if (r.ws_bytes) {
     for (auto& kv : r.kept)
       if (kv.first == st) ws = kv.second.data_ptr();
     if (ws == nullptr) {
-      PyObject* got = PyObject_CallFunctionObjArgs(r.keep.p, oa, st_obj, nullptr);
-      if (got == nullptr || !PyTuple_Check(got) || PyTuple_GET_SIZE(got) != 2 ||
-          !THPVariable_Check(PyTuple_GET_ITEM(got, 0))) {
-        Py_XDECREF(got);
-        Py_DECREF(st_obj);
-        PyErr_Clear();
+      PyOwned got(PyObject_CallFunctionObjArgs(r.keep.p, oa, st_obj.p, nullptr));
+      if (got.p == nullptr) return recoverable() ? Py_NewRef(Py_None) : nullptr;
+      if (!PyTuple_Check(got.p) || PyTuple_GET_SIZE(got.p) != 2 || !THPVariable_Check(PyTuple_GET_ITEM(got.p, 0)))
         Py_RETURN_NONE;
-      }
-      const at::Tensor w = THPVariable_Unpack(PyTuple_GET_ITEM(got, 0));
-      ws = w.data_ptr();
+      ws_hold = THPVariable_Unpack(PyTuple_GET_ITEM(got.p, 0));
+      ws = ws_hold.data_ptr();
       // Kept under the dispatcher's budget: reused by this route on this stream. Over the budget: this call's
-      // alone (it is referenced by `got` until the launch is issued, then freed to the caching allocator, which
-      // orders its reuse after this stream's work).
-      if (PyObject_IsTrue(PyTuple_GET_ITEM(got, 1)) == 1) r.kept.emplace_back(st, w);
-      Py_DECREF(got);
+      // alone, released after the launch to the caching allocator, which orders its reuse after this stream's
+      // work.
+      const int kept = PyObject_IsTrue(PyTuple_GET_ITEM(got.p, 1));
+      if (kept < 0) return recoverable() ? Py_NewRef(Py_None) : nullptr;
+      if (kept) r.kept.emplace_back(st, ws_hold);
     }
   }
   at::Tensor c;
@@ -245,7 +275,6 @@ PyObject* serve(Table* self, const std::shared_ptr<Route>& rp, PyObject* oa, con
     at::AutoDispatchBelowADInplaceOrView below_autograd;   // a fresh output: nothing for autograd to record
     c = at::empty(r.shape, a.options());
   } catch (const std::exception&) {
-    Py_DECREF(st_obj);
     Py_RETURN_NONE;
   }
   void* pc = c.data_ptr();
@@ -257,8 +286,6 @@ PyObject* serve(Table* self, const std::shared_ptr<Route>& rp, PyObject* oa, con
     int m = r.m, n = r.n, k = r.k;
     void* params[7] = {&va, &vb, &pc, &m, &n, &k, &ws};  // the L2IR kernel ABI: (A, B, C, M, N, K, workspace)
     NoGil no_gil;
-    // torch binds the primary context to a thread lazily; the module lives there, so make it current.
-    rc = r.set_ctx(r.ctx);
     for (size_t i = 0; rc == 0 && i < r.grids.size(); ++i) {
       const Grid& g = r.grids[i];
       rc = r.launch(g.fn, g.gx, g.gy, g.gz, g.bx, g.by, g.bz, g.smem, reinterpret_cast<void*>(st), params, nullptr);
@@ -271,32 +298,27 @@ PyObject* serve(Table* self, const std::shared_ptr<Route>& rp, PyObject* oa, con
     rc = r.run_args(&args);
     if (rc) why = "l2ir_run returned " + std::to_string(rc);
   } else {
-    PyObject* res = PyObject_CallFunction(r.go.p, "KKKKO", static_cast<unsigned long long>(pa),
-                                          static_cast<unsigned long long>(pb),
-                                          static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(pc)),
-                                          static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(ws)), st_obj);
-    if (res == nullptr) {
+    PyOwned res(PyObject_CallFunction(r.go.p, "KKKKO", static_cast<unsigned long long>(pa),
+                                      static_cast<unsigned long long>(pb),
+                                      static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(pc)),
+                                      static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(ws)), st_obj.p));
+    if (res.p == nullptr) {
+      if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;   // KeyboardInterrupt: not a launch failure
       PyObject *type, *value, *tb;
       PyErr_Fetch(&type, &value, &tb);
-      PyObject* s = value ? PyObject_Str(value) : nullptr;
-      why = s ? PyUnicode_AsUTF8(s) : "the runner's launch raised";
-      if (why.empty()) why = "the runner's launch raised";
-      Py_XDECREF(s);
-      Py_XDECREF(type);
-      Py_XDECREF(value);
-      Py_XDECREF(tb);
+      PyOwned owned_type(type), owned_value(value), owned_tb(tb);
+      PyOwned text(value ? PyObject_Str(value) : nullptr);
+      const char* utf8 = text.p ? PyUnicode_AsUTF8(text.p) : nullptr;
       PyErr_Clear();
+      why = utf8 && *utf8 ? utf8 : "the runner's launch raised";
       rc = -1;
     }
-    Py_XDECREF(res);
   }
-  Py_DECREF(st_obj);
   if (rc) {
     // The dispatcher warns once and forgets the runner (its routes decide again: load_failed); this call is
     // answered by torch.
-    PyObject* res = PyObject_CallFunction(r.failed.p, "s", why.c_str());
-    if (res == nullptr) PyErr_Clear();
-    Py_XDECREF(res);
+    PyOwned res(PyObject_CallFunction(r.failed.p, "s", why.c_str()));
+    if (res.p == nullptr && !recoverable()) return nullptr;
     return fallback(self, r, a, b, self->c_launch_failed);
   }
   (*self->counts)[self->c_l2ir] += 1;
@@ -312,6 +334,8 @@ PyObject* lookup_and_run(Table* self, PyObject* const* args, Py_ssize_t nargs) {
   const at::Tensor& a = THPVariable_Unpack(oa);
   const at::Tensor& b = THPVariable_Unpack(ob);
   if ((a.requires_grad() || b.requires_grad()) && c10::GradMode::is_enabled()) Py_RETURN_NONE;
+  // A TorchFunctionMode sees torch.mm in the Python path; here it would not.
+  if (at::impl::torch_function_mode_enabled()) Py_RETURN_NONE;
   Key key;
   if (!make_key(a, b, key)) Py_RETURN_NONE;
   auto it = self->routes->find(key);
@@ -325,8 +349,8 @@ PyObject* Table_call(Table* self, PyObject* const* args, Py_ssize_t nargs) {
   try {
     return lookup_and_run(self, args, nargs);
   } catch (const std::exception&) {
-    // A tensor without strides or storage (sparse, a functorch wrapper): the Python path answers, or raises torch's
-    // own error. Nothing is held here: every Python reference is taken after the last call that can throw.
+    // A tensor without strides or storage (a functorch wrapper): the Python path answers, or raises torch's own
+    // error. Python references taken on the way are owned (PyOwned) and released by the unwinding.
     Py_RETURN_NONE;
   }
 }
@@ -337,7 +361,7 @@ bool key_of(PyObject* oa, PyObject* ob, Key& key) {
     return false;
   }
   if (!make_key(THPVariable_Unpack(oa), THPVariable_Unpack(ob), key)) {
-    PyErr_SetString(PyExc_ValueError, "l2ir fast path: B must be 2-D and A at most 6-D");
+    PyErr_SetString(PyExc_ValueError, "l2ir fast path: holds dense strided operands only, B 2-D and A at most 6-D");
     return false;
   }
   return true;
@@ -349,7 +373,7 @@ bool put(Table* self, const Key& key, std::shared_ptr<Route> r) {
 }
 
 // add_fallback(a, b, counter, matmul)
-PyObject* Table_add_fallback(Table* self, PyObject* args) {
+PyObject* add_fallback_impl(Table* self, PyObject* args) {
   PyObject *oa, *ob;
   int counter, mm;
   if (!PyArg_ParseTuple(args, "OOip", &oa, &ob, &counter, &mm)) return nullptr;
@@ -368,9 +392,10 @@ PyObject* Table_add_fallback(Table* self, PyObject* args) {
 }
 
 // add_served(a, b, launch, want_cuda, eager_only, matmul, index, shape, m, n, k, ws_bytes, keep, failed)
-// launch: ("kernel", launch_addr, set_ctx_addr, ctx, ((fn, gx, gy, gz, bx, by, bz, smem), ...)),
-//         ("shim", run_args_addr) or ("python", go).
-PyObject* Table_add_served(Table* self, PyObject* args) {
+// launch: ("kernel", launch_addr, get_ctx_addr, ctx, ((fn, gx, gy, gz, bx, by, bz, smem), ...)),
+//         ("shim", run_args_addr, get_ctx_addr, ctx) or ("python", go). A zero get_ctx_addr: no context check
+//         (the CPU tests' stand-in device).
+PyObject* add_served_impl(Table* self, PyObject* args) {
   PyObject *oa, *ob, *launch, *shape, *keep, *failed;
   int want_cuda, eager_only, mm, m, n, k;
   long long index;
@@ -404,7 +429,7 @@ PyObject* Table_add_served(Table* self, PyObject* args) {
   if (!PyTuple_Check(launch) || PyTuple_GET_SIZE(launch) < 2 ||
       !PyArg_ParseTuple(launch, "s|OOOO", &kind, &p1, &p2, &p3, &p4)) {
     PyErr_Clear();
-    PyErr_SetString(PyExc_ValueError, "l2ir fast path: launch must be ('kernel', ...), ('shim', addr) or ('python', go)");
+    PyErr_SetString(PyExc_ValueError, "l2ir fast path: launch must be ('kernel', ...), ('shim', ...) or ('python', go)");
     return nullptr;
   }
   const std::string kd(kind);
@@ -412,7 +437,7 @@ PyObject* Table_add_served(Table* self, PyObject* args) {
   if (kd == "kernel" && p4 != nullptr && PyTuple_Check(p4)) {
     r->kind = kKernel;
     r->launch = reinterpret_cast<LaunchKernelFn>(addr(p1));
-    r->set_ctx = reinterpret_cast<SetCtxFn>(addr(p2));
+    r->get_ctx = reinterpret_cast<GetCtxFn>(addr(p2));
     r->ctx = addr(p3);
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(p4); ++i) {
       PyObject* g = PyTuple_GET_ITEM(p4, i);
@@ -424,24 +449,40 @@ PyObject* Table_add_served(Table* self, PyObject* args) {
       grid.fn = reinterpret_cast<void*>(fn);
       r->grids.push_back(grid);
     }
-  } else if (kd == "shim" && p1 != nullptr) {
+  } else if (kd == "shim" && p3 != nullptr) {
     r->kind = kShim;
     r->run_args = reinterpret_cast<RunArgsFn>(addr(p1));
+    r->get_ctx = reinterpret_cast<GetCtxFn>(addr(p2));
+    r->ctx = addr(p3);
   } else if (kd == "python" && p1 != nullptr && PyCallable_Check(p1)) {
     r->kind = kPython;
     r->go.reset(p1);
   } else {
-    PyErr_SetString(PyExc_ValueError, "l2ir fast path: launch must be ('kernel', ...), ('shim', addr) or ('python', go)");
+    PyErr_SetString(PyExc_ValueError, "l2ir fast path: launch must be ('kernel', ...), ('shim', ...) or ('python', go)");
     return nullptr;
   }
   if (PyErr_Occurred()) return nullptr;
-  if ((r->kind == kKernel && (!r->launch || !r->set_ctx)) || (r->kind == kShim && !r->run_args)) {
+  if ((r->kind == kKernel && !r->launch) || (r->kind == kShim && !r->run_args)) {
     PyErr_SetString(PyExc_ValueError, "l2ir fast path: a null entry point");
     return nullptr;
   }
   put(self, key, std::move(r));
   Py_RETURN_NONE;
 }
+
+// A C++ exception (a tensor whose sizes or strides cannot be read) is a ValueError, never a crash.
+template <PyObject* (*F)(Table*, PyObject*)>
+PyObject* guarded(Table* self, PyObject* args) {
+  try {
+    return F(self, args);
+  } catch (const std::exception& e) {
+    PyErr_Format(PyExc_ValueError, "l2ir fast path: %s", e.what());
+    return nullptr;
+  }
+}
+
+PyObject* Table_add_fallback(Table* self, PyObject* args) { return guarded<add_fallback_impl>(self, args); }
+PyObject* Table_add_served(Table* self, PyObject* args) { return guarded<add_served_impl>(self, args); }
 
 PyObject* Table_clear(Table* self, PyObject*) {
   RouteMap old;
@@ -497,11 +538,34 @@ PyObject* Table_new(PyTypeObject* type, PyObject* args, PyObject*) {
   return reinterpret_cast<PyObject*>(self);
 }
 
+// The routes' callbacks close over the dispatcher that holds this table: a cycle the garbage collector must see.
+int Table_traverse(Table* self, visitproc visit, void* arg) {
+  Py_VISIT(self->stream_of);
+  Py_VISIT(self->capturing);
+  if (self->routes != nullptr)
+    for (const auto& kv : *self->routes) {
+      Py_VISIT(kv.second->go.p);
+      Py_VISIT(kv.second->keep.p);
+      Py_VISIT(kv.second->failed.p);
+    }
+  return 0;
+}
+
+int Table_clear_refs(Table* self) {
+  if (self->routes != nullptr) {
+    RouteMap old;
+    old.swap(*self->routes);
+  }
+  Py_CLEAR(self->stream_of);
+  Py_CLEAR(self->capturing);
+  return 0;
+}
+
 void Table_dealloc(Table* self) {
+  PyObject_GC_UnTrack(self);
+  Table_clear_refs(self);
   delete self->routes;
   delete self->counts;
-  Py_XDECREF(self->stream_of);
-  Py_XDECREF(self->capturing);
   Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
 }
 
@@ -527,7 +591,10 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "l2ir_fastpath",
 PyMODINIT_FUNC PyInit_l2ir_fastpath(void) {
   TableType.tp_name = "l2ir_fastpath.Table";
   TableType.tp_basicsize = sizeof(Table);
-  TableType.tp_flags = Py_TPFLAGS_DEFAULT;
+  TableType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+  TableType.tp_traverse = reinterpret_cast<traverseproc>(Table_traverse);
+  TableType.tp_clear = reinterpret_cast<inquiry>(Table_clear_refs);
+  TableType.tp_free = PyObject_GC_Del;
   TableType.tp_new = Table_new;
   TableType.tp_dealloc = reinterpret_cast<destructor>(Table_dealloc);
   TableType.tp_methods = Table_methods;

@@ -33,11 +33,15 @@ class FastPathError(Exception):
 
 
 def tag() -> str:
-    """What a build is tied to: the Python ABI, the torch version (its C++ ABI), the machine and fastpath.cpp."""
+    """What a build is tied to: the Python ABI (the extension suffix says the version, the platform and a
+    free-threaded build), torch's version, commit and C++ ABI, and fastpath.cpp itself."""
     import torch
 
     src = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    raw = f"{sys.implementation.cache_tag}-torch{torch.__version__}-{platform.machine()}-{src}"
+    ext = (sysconfig.get_config_var("EXT_SUFFIX") or sys.implementation.cache_tag).strip(".").removesuffix(".so")
+    git = (getattr(torch.version, "git_version", None) or "")[:12]
+    raw = (f"{ext}-torch{torch.__version__}-{git}-abi{int(torch._C._GLIBCXX_USE_CXX11_ABI)}-{platform.machine()}"
+           f"-{src}")
     return re.sub(r"[^A-Za-z0-9_.-]", "_", raw)
 
 
@@ -52,7 +56,6 @@ def enabled() -> bool:
 def build(out_dir: str | Path, cxx: str | None = None, timeout: float = 600) -> Path:
     """Compile fastpath.cpp into out_dir/<file_name()>; returns the path (FastPathError if it cannot)."""
     import torch
-    from torch.utils import cpp_extension
 
     cxx = cxx or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
@@ -60,14 +63,17 @@ def build(out_dir: str | Path, cxx: str | None = None, timeout: float = 600) -> 
     py_inc = sysconfig.get_paths()["include"]
     if not (Path(py_inc) / "Python.h").is_file():
         raise FastPathError(f"no Python.h under {py_inc} (the Python development headers)")
-    torch_lib = Path(torch.__file__).parent / "lib"
+    torch_dir = Path(torch.__file__).parent
+    torch_lib, torch_inc = torch_dir / "lib", torch_dir / "include"
+    if not (torch_inc / "torch" / "csrc" / "autograd" / "python_variable.h").is_file():
+        raise FastPathError(f"no torch C++ headers under {torch_inc}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / file_name()
     tmp = out_dir / f".{target.name}.{os.getpid()}.tmp"
     cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-DNDEBUG",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{py_inc}",
+           f"-I{torch_inc}", f"-I{torch_inc / 'torch' / 'csrc' / 'api' / 'include'}", f"-I{py_inc}",
            str(SOURCE), "-o", str(tmp), f"-L{torch_lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
            f"-Wl,-rpath,{torch_lib}"]
     try:
@@ -75,6 +81,8 @@ def build(out_dir: str | Path, cxx: str | None = None, timeout: float = 600) -> 
     except subprocess.TimeoutExpired:
         tmp.unlink(missing_ok=True)
         raise FastPathError(f"{cxx} did not finish building the fast path in {timeout:.0f} s") from None
+    except OSError as e:
+        raise FastPathError(f"{cxx} could not run: {e}") from None
     if res.returncode != 0:
         tmp.unlink(missing_ok=True)
         first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:300])
@@ -83,14 +91,17 @@ def build(out_dir: str | Path, cxx: str | None = None, timeout: float = 600) -> 
     return target
 
 
-def load(folder: str | Path):
+def load(folder: str | Path, listed=None):
     """(module, None) from folder/<file_name()>, or (None, why not) — a missing or mismatched build is not an
-    error: the Python path serves the same routes."""
+    error: the Python path serves the same routes. `listed`: the file names a package's manifest hash-checked; a
+    build it does not list is not loaded."""
     if not enabled():
         return None, f"{ENV_VAR}={os.environ.get(ENV_VAR)}"
     path = Path(folder) / file_name()
     if not path.is_file():
         return None, f"no build for this Python and torch in {folder} (expected {path.name})"
+    if listed is not None and path.name not in listed:
+        return None, f"{path.name} is not listed in the package's manifest (python -m l2ir.fastpath PACKAGE adds it)"
     try:
         spec = importlib.util.spec_from_file_location(MODULE, path)
         mod = importlib.util.module_from_spec(spec)
@@ -100,15 +111,35 @@ def load(folder: str | Path):
     return mod, None
 
 
+def add_to_package(package: str | Path) -> Path:
+    """Build into a dispatch package's fastpath/ for this Python and torch (e.g. after a torch upgrade) and list the
+    file in its manifest: its sha256 joins `files`, so the content hash changes with it."""
+    import json
+
+    from l2ir.export import content_hash, sha256_file
+
+    package = Path(package)
+    manifest_path = package / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise FastPathError(f"{package}: not a dispatch package ({e})") from None
+    path = build(package / "fastpath")
+    manifest["files"][str(path.relative_to(package))] = sha256_file(path)
+    manifest["content_hash"] = content_hash(manifest["files"])
+    manifest["fastpath"] = path.name
+    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m l2ir.fastpath DIR`: build the fast path into DIR (e.g. a package's fastpath/ after a torch
-    upgrade; the package's manifest does not list it, so its content hash is unchanged)."""
+    """`python -m l2ir.fastpath PACKAGE`: build the fast path for this Python and torch into a dispatch package."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m l2ir.fastpath DIR", file=sys.stderr)
+        print("usage: python -m l2ir.fastpath PACKAGE", file=sys.stderr)
         return 2
     try:
-        path = build(argv[0])
+        path = add_to_package(argv[0])
     except FastPathError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

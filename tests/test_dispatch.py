@@ -365,9 +365,27 @@ def test_refused_launch_falls_back_and_is_remembered(pkg_dir):
     dispatch._reset()
 
 
+def test_autocast_and_forward_ad_on_a_served_route_go_to_torch(disp):
+    """Under autocast torch.matmul's result takes autocast's dtype; inside a forward-AD level it carries a tangent:
+    a served route answers neither, so both calls are torch's."""
+    import torch.autograd.forward_ad as fwAD
+
+    a, w = rand(64, 256), rand(512, 256)
+    check(l2ir.matmul(a, w.t()), a, w.t())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = l2ir.matmul(a, w.t()), torch.matmul(a, w.t())
+    assert got.dtype == want.dtype == torch.bfloat16
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(a, torch.ones_like(a))
+        tangent = fwAD.unpack_dual(l2ir.matmul(dual, w.t())).tangent
+    assert tangent is not None
+    torch.testing.assert_close(tangent, torch.ones_like(a) @ w.t())
+    assert disp.stats == {"l2ir": 1, "autocast": 1, "autograd": 1}
+
+
 def test_every_documented_reason_has_a_test_here():
     tested = set(CASES) | {"l2ir", "cpu", "no_package", "out", "autograd", "environment", "load_failed",
-                           "launch_failed"}
+                           "launch_failed", "autocast"}
     assert tested == set(dispatch.REASONS)
 
 
@@ -570,6 +588,7 @@ STUB_DRIVER = r"""
 static uint64_t rec[32];
 int stub_rc = 0;
 int cuCtxSetCurrent(void* ctx) { rec[0] = (uint64_t)ctx; return 0; }
+int cuCtxGetCurrent(void** ctx) { *ctx = (void*)rec[0]; return 0; }
 int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                    unsigned smem, void* stream, void** params, void** extra) {
   rec[1] = (uint64_t)f; rec[2] = gx; rec[3] = gy; rec[4] = gz; rec[5] = bx; rec[6] = by; rec[7] = bz;

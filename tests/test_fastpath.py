@@ -276,7 +276,7 @@ def test_shim_route_passes_pointers_sizes_workspace_and_stream(pkg_dir, fast_mod
         dispatch._reset()
 
 
-def test_package_loads_its_own_build(tmp_path, pkg_dir, fast_module, monkeypatch):
+def test_package_loads_its_own_build_when_its_manifest_lists_it(tmp_path, pkg_dir, fast_module, monkeypatch):
     import shutil
 
     pkg = tmp_path / "pkg"
@@ -286,18 +286,121 @@ def test_package_loads_its_own_build(tmp_path, pkg_dir, fast_module, monkeypatch
     (pkg / "fastpath").mkdir()
     shutil.copy(fast_module.__file__, pkg / "fastpath" / fastpath.file_name())
     d = dispatch.Dispatcher(dispatch.read_package(pkg))
+    assert "not listed in the package's manifest" in d.attach_fastpath()       # not hash-checked: not loaded
+    # `python -m l2ir.fastpath PACKAGE` builds it and lists it (here the build is the module built above).
+    monkeypatch.setattr(fastpath, "build", lambda out: out / fastpath.file_name())
+    before = dispatch.read_package(pkg).manifest["content_hash"]
+    assert fastpath.main([str(pkg)]) == 0
+    package = dispatch.read_package(pkg)                                         # every hash checks again
+    assert package.manifest["content_hash"] != before and package.manifest["fastpath"] == fastpath.file_name()
+    d = dispatch.Dispatcher(package)
     assert d.attach_fastpath() == f"compiled ({fastpath.file_name()})"
     monkeypatch.setenv(fastpath.ENV_VAR, "0")
     d = dispatch.Dispatcher(dispatch.read_package(pkg))
     assert d.attach_fastpath() == "python (L2IR_FASTPATH=0)"
 
 
+def test_a_workspace_over_the_budget_lives_through_the_launch(pkg_dir, fast_module, monkeypatch):
+    """Over the kept-workspace budget each call allocates its own workspace: it must not be freed (and handed to the
+    output) before the kernel has run."""
+    monkeypatch.setattr(dispatch, "_KEPT_WORKSPACE_BUDGET", 0)
+    seen = []
+
+    class Writes(HostRunner):
+        def bind(self, m, n, k):
+            def go(a, b, c, ws, stream):
+                seen.append((ws, c))
+                ctypes.memset(ws, 0x7F, 4096)          # the kernel's scratch, written before C
+                self(a, b, c, m, n, k)
+            return go, 4096
+
+    d = attached(pkg_dir, Writes, fast_module)
+    try:
+        a, b = rand(256, 256), rand(256, 256).t()
+        for _ in range(4):
+            check(l2ir.matmul(a, b), a, b)
+        assert d._kept_bytes == 0 and d.stats == {"l2ir": 4} and len(seen) == 4
+        for ws, c in seen:
+            assert ws + 4096 <= c or c + 256 * 256 * 2 <= ws, "the output overlaps the call's workspace"
+    finally:
+        dispatch._reset()
+
+
+def test_a_dispatcher_with_a_table_is_collected(pkg_dir, fast_module):
+    import gc
+    import weakref
+
+    d = attached(pkg_dir, module=fast_module)
+    a, w = rand(64, 256), rand(512, 256)
+    for _ in range(2):
+        l2ir.matmul(a, w.t())
+    assert d._native.size() == 1
+    ref = weakref.ref(d)
+    dispatch._reset()
+    del d
+    gc.collect()
+    assert ref() is None, "the table's callbacks keep the dispatcher alive"
+
+
+def test_torch_function_mode_sees_the_fallback(fdisp):
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Log(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    a, b = rand(16, 16), rand(16, 16).t()
+    l2ir.matmul(a, b)                                  # untuned: a fallback route, kept in the table
+    with Log():
+        torch.testing.assert_close(l2ir.matmul(a, b), a @ b)
+    assert "mm" in seen
+
+
+def test_keyboard_interrupt_in_a_launch_is_not_a_launch_failure(pkg_dir, fast_module):
+    class Interrupted(HostRunner):
+        interrupt = False
+
+        def __call__(self, *args):
+            if Interrupted.interrupt:
+                raise KeyboardInterrupt
+            return super().__call__(*args)
+
+    d = attached(pkg_dir, Interrupted, fast_module)
+    try:
+        a, w = rand(64, 256), rand(512, 256)
+        l2ir.matmul(a, w.t())
+        Interrupted.interrupt = True
+        with pytest.raises(KeyboardInterrupt):
+            d._native.call(a, w.t())
+        assert d._native.size() == 1 and d.stats == {"l2ir": 1}          # the runner is not disabled
+    finally:
+        Interrupted.interrupt = False
+        dispatch._reset()
+
+
+def test_autocast_and_forward_ad_are_left_to_python(fdisp):
+    a, w = rand(64, 256), rand(512, 256)
+    check(l2ir.matmul(a, w.t()), a, w.t())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fdisp._native.call(a, w.t()) is None
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        assert fdisp._native.call(fwAD.make_dual(a, torch.ones_like(a)), w.t()) is None
+    assert fdisp._native.call(a, w.t()) is not None
+
+
 def test_sparse_operands_go_to_torch(fdisp):
-    """A sparse A (strides reported as 0): a fallback route, in Python and then in the table, answered by torch."""
+    """A sparse A reports strides of 0, as an expanded dense tensor would: the table keeps no route for it (its key
+    would be a dense tensor's), and the Python path's fallback answers."""
     a, b = rand(64, 256).float().to_sparse(), rand(256, 512).float()
     for _ in range(2):
         torch.testing.assert_close(l2ir.matmul(a, b), torch.matmul(a, b))
-    assert fdisp._native.size() == 1 and sum(fdisp.stats.values()) == 2 and "l2ir" not in fdisp.stats
+    assert fdisp._native.size() == 0 and sum(fdisp.stats.values()) == 2 and "l2ir" not in fdisp.stats
+    assert fdisp._native.call(a, b) is None
 
 
 def test_fallback_result_is_what_torch_returns_for_autograd(fdisp):
