@@ -294,9 +294,9 @@ def _cuda_ptx_small_families() -> dict[str, Kernel]:
 CUDA_PTX_SMALL = _cuda_ptx_small_families()
 # Skinny DRAM-bound, ragged (M, N and K tails), tiny, and a few-tiles shape; 100x1000x16264 (255 k tiles) is the
 # ragged shape that every slice count up to 32 admits (every slice owns a k tile); 128x3072x4096 is whole tiles of
-# every tile, BN = 48 included.
+# every tile, BN = 48 included, and 128x3584x4096 of BN = 56.
 CUDA_PTX_SMALL_SHAPES = ((64, 1024, 16384), (100, 3000, 4104), (64, 64, 64), (128, 16384, 4096), (100, 1000, 16264),
-                         (128, 3072, 4096))
+                         (128, 3072, 4096), (128, 3584, 4096))
 
 
 @pytest.mark.gpu
