@@ -61,6 +61,8 @@ REASONS = {
     "cublas": "the table says cuBLAS for this shape (tuned there, or its nearest tuned shape)",
     "untuned": "no tuned shape of this problem class within the package's distance",
     "not_admitted": "no nearby kernel admits the shape (the verifier's problem rules)",
+    "unpromising": "the nearest tuned shape's kernel is predicted below BORROW_MIN_PREDICTED here: its measured speedup "
+                   "times the FLOP ratio over the ratio of tiles it runs",
     "alignment": "the nearby tuned shapes are aligned otherwise: a kernel that beat cuBLAS's slow unaligned path says "
                  "nothing against its fast one, nor cuBLAS winning on an aligned shape about its slow path",
     "no_package": "no dispatch package loaded",
@@ -84,6 +86,13 @@ log = logging.getLogger("l2ir.dispatch")
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
 _INT_MAX = 2**31 - 1
+# An untuned shape borrows its nearest tuned shape's kernel only where Package.predicted_speedup says at least this.
+# Chosen on bench/results/dispatch_families_v4_fast_h200.json's 92 untuned neighbours (device time against torch,
+# a declined shape counting 1.0): geomean 0.968 with every admitted kernel borrowed (32 below 0.97x), 1.013 at a
+# threshold of 1.0, 1.030 at 1.1 (2 below 0.97x), 1.015 at 1.15; reported on the fresh run
+# dispatch_families_v5_fast_h200.json (0.968 -> 1.030, 31 -> 2 below 0.97x) and on the unaligned package's runs
+# (2.39 -> 2.38, its one loss declined). bench/neighbour_rule.py recomputes these.
+BORROW_MIN_PREDICTED = 1.1
 COUNTERS = tuple(REASONS)           # the compiled fast path's counters, in this order
 
 
@@ -107,17 +116,28 @@ class KernelSpec:
     ir_file: str
     _ir_kernel: object = None
 
-    def admits(self, m: int, n: int, k: int) -> bool:
-        """The verifier's problem rules for this kernel on (m, n, k) (divisibility, alignment, split-K, grid)."""
-        from .nodes import Problem
-        from .text import parse_kernel, parse_problem
-        from .verify import applicable
+    def kernel(self):
+        """The kernel's IR, parsed once."""
+        from .text import parse_kernel
 
         if self._ir_kernel is None:
             self._ir_kernel = parse_kernel((self.dir / self.ir_file).read_text())
+        return self._ir_kernel
+
+    def tile(self) -> tuple[int, int, int] | None:
+        """The block tile (BM, BN, BK); None for a free-form Source kernel."""
+        k = self.kernel()
+        return None if k.tile is None else tuple(k.tile.block)
+
+    def admits(self, m: int, n: int, k: int) -> bool:
+        """The verifier's problem rules for this kernel on (m, n, k) (divisibility, alignment, split-K, grid)."""
+        from .nodes import Problem
+        from .text import parse_problem
+        from .verify import applicable
+
         base = parse_problem(f"gemm m=1 n=1 k=1 {self.problem_class}")
         assert isinstance(base, Problem)
-        return applicable(self._ir_kernel, base.with_shape(m, n, k))
+        return applicable(self.kernel(), base.with_shape(m, n, k))
 
 
 @dataclass
@@ -131,6 +151,8 @@ class Package:
 
     # (m, n, k, class) -> the L2IR kernel eager calls run where the table says cuBLAS (l2ir/export.py's eager rule)
     eager: dict[tuple[int, int, int, str], str] = field(default_factory=dict)
+    # (m, n, k, class) -> the table's measured speedup of the tuned shape's kernel (the neighbour rule's prediction)
+    speedups: dict[tuple[int, int, int, str], float] = field(default_factory=dict)
 
     def _nearest(self, m: int, n: int, k: int, cls: str):
         """The tuned shapes of `cls` within the package's distance of (m, n, k) in log2 space, nearest first, each
@@ -164,8 +186,16 @@ class Package:
             if key is None:
                 return None, "cublas", shape
             if self.kernels[key].admits(m, n, k):
+                if self.predicted_speedup(key, shape, (m, n, k), cls) < BORROW_MIN_PREDICTED:
+                    return None, "unpromising", shape
                 return key, "l2ir", shape
         return None, ("not_admitted" if seen else "alignment" if other_alignment else "untuned"), None
+
+    def predicted_speedup(self, key: str, tuned: tuple[int, int, int], shape: tuple[int, int, int], cls: str) -> float:
+        """`predicted_speedup` of the kernel `key` from the tuned shape's measured speedup (inf: a table without
+        speedups, which predicts nothing)."""
+        s = self.speedups.get((*tuned, cls))
+        return math.inf if s is None else predicted_speedup(s, self.kernels[key].tile(), tuned, shape)
 
     def resolve(self, m: int, n: int, k: int, cls: str) -> tuple[str | None, str]:
         """(kernel key or None, reason) for one shape: the table for a tuned shape, else the neighbour rule."""
@@ -187,6 +217,22 @@ class Package:
             return None
         ekey = self.eager.get((*shape, cls))
         return ekey if ekey is not None and (shape == (m, n, k) or self.kernels[ekey].admits(m, n, k)) else None
+
+
+def predicted_speedup(speedup: float, tile: tuple[int, int, int] | None, tuned: tuple[int, int, int],
+                      shape: tuple[int, int, int]) -> float:
+    """A kernel's measured speedup on `tuned` carried to `shape`: times the FLOP ratio (torch's time taken to scale
+    with the work) over the ratio of (M, N, K) tiles the kernel runs (its time scales with its tiles: a shape one row
+    past a tile boundary pays a whole tile row). A Source kernel (no tile) keeps its speedup."""
+    if tile is None:
+        return speedup
+    bm, bn, bk = tile
+
+    def tiles(m, n, k):
+        return math.ceil(m / bm) * math.ceil(n / bn) * math.ceil(k / bk)
+
+    flops = (shape[0] * shape[1] * shape[2]) / (tuned[0] * tuned[1] * tuned[2])
+    return speedup * flops / (tiles(*shape) / tiles(*tuned))
 
 
 @functools.lru_cache(maxsize=64)
@@ -233,6 +279,7 @@ def read_package(path: str | Path) -> Package:
                                spec["plan"], spec["ir"]) for key, spec in table["kernels"].items()}
     tuned: dict[tuple[int, int, int, str], str | None] = {}
     eager: dict[tuple[int, int, int, str], str] = {}
+    speedups: dict[tuple[int, int, int, str], float] = {}
     by_class: dict[str, list] = {}
     for e in table["entries"]:
         key, ekey = e.get("kernel_key"), e.get("eager_kernel_key")
@@ -240,11 +287,13 @@ def read_package(path: str | Path) -> Package:
             if k_ is not None and k_ not in kernels:
                 raise PackageError(f"{path}/table.json: entry {e['m']}x{e['n']}x{e['k']} names unknown kernel {k_}")
         tuned[(e["m"], e["n"], e["k"], e["problem_class"])] = key
+        if key is not None and e.get("speedup"):
+            speedups[(e["m"], e["n"], e["k"], e["problem_class"])] = float(e["speedup"])
         if ekey is not None and key is None:
             eager[(e["m"], e["n"], e["k"], e["problem_class"])] = ekey
         by_class.setdefault(e["problem_class"], []).append(
             ((math.log2(e["m"]), math.log2(e["n"]), math.log2(e["k"])), (e["m"], e["n"], e["k"])))
-    return Package(path, manifest, tuned, kernels, float(manifest["rule"]["max_distance"]), by_class, eager)
+    return Package(path, manifest, tuned, kernels, float(manifest["rule"]["max_distance"]), by_class, eager, speedups)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -27,7 +27,11 @@ Untuned shapes (resolved by the loader, l2ir/dispatch.py, and cached per shape):
 class within
 `max_distance` in log2 space of (M, N, K), nearest first; the first one whose winner is cuBLAS decides
 cuBLAS, the first whose kernel admits the shape (the verifier's problem rules: divisibility, alignment, split-K
-slices, Source grid limits) decides that kernel; none within reach: cuBLAS. Alignment: cuBLAS leaves its fast kernels
+slices, Source grid limits) decides that kernel, if its measured speedup there, carried over by the FLOP ratio and the
+ratio of tiles the kernel runs (l2ir.dispatch.predicted_speedup), stays at or above BORROW_MIN_PREDICTED (1.1), and
+cuBLAS otherwise (reason `unpromising`: a shape one row past a tile boundary pays a whole tile row, and 32 of 92
+borrowed neighbours lost to cuBLAS on the device before this bound, 2 after; bench/results/neighbour_rule_h200.json);
+none within reach: cuBLAS. Alignment: cuBLAS leaves its fast kernels
 when a row of A, B or C is not 16-byte aligned, so a tuned shape aligned otherwise than the untuned one (all rows
 aligned, or not) counts only when it is aligned, the untuned shape is not, and its winner is a kernel that admits
 the shape; a speedup over the slow path, or cuBLAS's win on the fast one, does not carry over (reason `alignment`).

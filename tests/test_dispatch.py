@@ -122,8 +122,12 @@ def test_table_decides_tuned_shapes(disp):
 def test_nearest_neighbour_rule(disp):
     pkg = disp.package
     k1 = pkg.tuned[(256, 256, 256, CLS_COL)]
-    # Near 256^3 (log2 distance 0.05): its kernel admits the shape (multiples of 8: align=8).
+    # Near 256^3 (log2 distance 0.05): its kernel admits the shape (multiples of 8: align=8), in as many tiles.
     assert pkg.resolve(248, 256, 256, CLS_COL) == (k1, "l2ir")
+    assert pkg.predicted_speedup(k1, (256, 256, 256), (248, 256, 256), CLS_COL) == pytest.approx(1.2 * 248 / 256)
+    # 264 rows need a third 128-row tile: 1.20 x 1.03 (FLOPs) / 1.5 (tiles) = 0.83 < BORROW_MIN_PREDICTED.
+    assert pkg.predicted_speedup(k1, (256, 256, 256), (264, 256, 256), CLS_COL) == pytest.approx(1.2 * 264 / 256 / 1.5)
+    assert pkg.resolve(264, 256, 256, CLS_COL) == (None, "unpromising")
     # Nearest tuned shape is 1024x64x64, won by cuBLAS: the measurement there decides.
     assert pkg.resolve(1000, 64, 64, CLS_COL) == (None, "cublas")
     # Near, but K=255 breaks the kernel's align=8 rule (B is column-major: its rows run along K).
@@ -208,6 +212,8 @@ CASES = {
     "cublas": lambda: (rand(64, 64), rand(64, 64).t()),      # no gate-clean kernel measured there: no eager route
     "untuned": lambda: (rand(16, 16), rand(16, 16).t()),
     "not_admitted": lambda: (rand(256, 255), rand(256, 255).t()),
+    # One row past 256: K1 (128x128 tiles, 1.20x at 256^3) would run 3 tile rows for 1.03x the work: 0.82x predicted.
+    "unpromising": lambda: (rand(264, 256), rand(256, 256).t()),
     # Aligned, near 256^3, which is made to look unaligned below (tests/test_dispatch.py's package tunes aligned
     # shapes only; test_neighbours_carry_alignment uses the real rule).
     "alignment": lambda: (rand(248, 256), rand(256, 256).t()),

@@ -62,12 +62,14 @@ def pkg(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("dispatch_gpu")
     env = environment(0)
     note = "hand-written GPU test record (not a timing)"
+    # The served speedups are large enough that every "near" shape below passes the neighbour rule's prediction
+    # (l2ir.dispatch.BORROW_MIN_PREDICTED: a tile row more for 1.125x the work still predicts above it).
     rows = [record(KA, s, sp, env=env, origin=note) for s, sp in
-            (((64, 64, 64), 1.05), ((1024, 1024, 1024), 1.1), ((64, 1024, 1024), 1.1), ((64, 1024, 4096), 1.1),
+            (((64, 64, 64), 2.5), ((1024, 1024, 1024), 2.5), ((64, 1024, 1024), 2.5), ((64, 1024, 4096), 2.5),
              ((4096, 4096, 4096), 0.6), ((128, 128, 128), 0.97))]     # 128^3: cuBLAS, KA its eager kernel
-    rows += [record(KB, (64, 4096, 1024), 1.1, env=env, origin=note)]
+    rows += [record(KB, (64, 4096, 1024), 2.5, env=env, origin=note)]
     rows += [record(KR, s, sp, cls=CLS_ROW, env=env, origin=note) for s, sp in
-             (((256, 256, 256), 1.2), ((1000, 1000, 1000), 1.2), ((64, 64, 64), 0.5))]
+             (((256, 256, 256), 2.5), ((1000, 1000, 1000), 2.5), ((64, 64, 64), 0.5))]
     assert SOURCE_ROW != SOURCE
     with make_db(tmp / "r.db", rows, {KA: _real_ir("06822a8a"), KB: _real_ir("bde71d91"), KR: SOURCE_ROW}) as db:
         man = export.export(db, tmp / "pkg", cache_dir=str(ROOT / ".l2ir-cache"), log=print)
@@ -345,7 +347,8 @@ def shim_dispatcher(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("dispatch_shim")
     env = environment(0)
     note = "hand-written GPU test record (not a timing)"
-    rows = [record(key, s, 1.2, env=env, origin=note) for key, (tuned, _) in SHIM_SHAPES.items() for s in tuned]
+    # 2.0: every neighbour below stays above the neighbour rule's predicted-speedup bound (BORROW_MIN_PREDICTED)
+    rows = [record(key, s, 2.0, env=env, origin=note) for key, (tuned, _) in SHIM_SHAPES.items() for s in tuned]
     irs = {KS: load_sweep("sm90a")["pingpong_128x128x64_c1x1"].text(),
            KP: load_sweep("cuda_ptx")["ptx_coop_128x128x64"].text(),
            KR: load_sweep("cuda_ptx")["ptx_repack_coop_128x128x64_v1"].text()}

@@ -1,0 +1,88 @@
+"""(CPU) The neighbour rule's predicted-speedup bound (l2ir.dispatch.BORROW_MIN_PREDICTED), against measurements.
+
+    python bench/neighbour_rule.py --out bench/results/neighbour_rule_h200.json
+
+For every untuned shape that a dispatch benchmark run served with a borrowed kernel (rows "untuned near MxNxK" of
+bench/dispatch_bench.py's JSON), the device speedup it measured against torch.matmul, and the speedup
+l2ir.dispatch.predicted_speedup gives it from the tuned shape's measured speedup (the families benchmark's fresh
+offline speedup, as the package's table holds it) and the kernel's tile (its IR in that benchmark's summary). For
+each bound, the shapes that would still borrow, how many of them lose (< 0.97x), how many winners (> 1.03x) would go
+to cuBLAS instead, and the geomean over all the run's untuned shapes with a declined shape counting 1.0 (cuBLAS's
+own time). The bound was chosen on the first run (selection) and is reported on the others (fresh samples of the
+same package, and a second package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+# (dispatch benchmark run, the benchmark whose records the package was exported from, role)
+RUNS = (("dispatch_families_v4_fast_h200", "families_small_v3_h200", "selection"),
+        ("dispatch_families_v5_fast_h200", "families_small_v3_h200", "report"),
+        ("dispatch_unaligned_v5_fast_h200", "unaligned_v4_h200", "report"),
+        ("dispatch_unaligned_v6_fast_h200", "unaligned_v4_h200", "report"))
+BOUNDS = (0.0, 1.0, 1.05, 1.1, 1.15, 1.2)
+
+
+def rows_of(run: str, source: str) -> list[dict]:
+    from l2ir.dispatch import predicted_speedup
+
+    summary = json.loads((RESULTS / f"{source}.json").read_text())
+    irs = {h: v["kernel"] for h, v in summary["kernels"].items()}
+    speedups = {(int(r["M"]), int(r["N"]), int(r["K"])): float(r["offline_speedup"])
+                for r in csv.DictReader((RESULTS / f"{source}.csv").open()) if r["offline_speedup"]}
+    out = []
+    for r in json.loads((RESULTS / f"{run}.json").read_text())["rows"]:
+        if r["served"] != "l2ir" or not r["kind"].startswith("untuned near") or r.get("eager_only"):
+            continue
+        tuned = tuple(int(d) for d in r["kind"].split()[-1].split("x"))
+        ir, s = irs.get(r["kernel"][:12]), speedups.get(tuned)
+        if ir is None or s is None:
+            continue
+        m = re.search(r"block=(\d+)x(\d+)x(\d+)", ir)
+        tile = tuple(int(g) for g in m.groups()) if m else None
+        shape = (r["m"], r["n"], r["k"])
+        out.append({"shape": shape, "tuned": tuned, "tile": tile, "tuned_speedup": s,
+                    "predicted": predicted_speedup(s, tile, tuned, shape), "measured": r["device_speedup"]})
+    return out
+
+
+def at_bound(rows: list[dict], bound: float) -> dict:
+    kept = [r for r in rows if r["predicted"] >= bound]
+    declined = [r for r in rows if r["predicted"] < bound]
+    return {"bound": bound, "borrowed": len(kept), "losses_borrowed": sum(r["measured"] < 0.97 for r in kept),
+            "wins_declined": sum(r["measured"] > 1.03 for r in declined),
+            "geomean_device_speedup": math.exp(sum(math.log(r["measured"]) for r in kept) / len(rows)),
+            "min_borrowed": min((r["measured"] for r in kept), default=None)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    result = {"command": "python bench/neighbour_rule.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "runs": []}
+    for run, source, role in RUNS:
+        rows = rows_of(run, source)
+        table = [at_bound(rows, b) for b in BOUNDS]
+        result["runs"].append({"run": run, "package_source": source, "role": role, "untuned_shapes": len(rows),
+                               "by_bound": table, "rows": rows})
+        print(f"{run} ({role}, {len(rows)} untuned shapes)")
+        for t in table:
+            print(f"  bound {t['bound']:4}: borrowed {t['borrowed']:3}, losses borrowed {t['losses_borrowed']:2}, "
+                  f"wins declined {t['wins_declined']:2}, geomean {t['geomean_device_speedup']:.3f}, "
+                  f"min borrowed {t['min_borrowed'] if t['min_borrowed'] is None else round(t['min_borrowed'], 3)}")
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
