@@ -30,7 +30,8 @@ cuBLAS, the first whose kernel admits the shape (the verifier's problem rules: d
 slices, Source grid limits) decides that kernel, if its measured speedup there, carried over by the FLOP ratio and the
 ratio of tiles the kernel runs (l2ir.dispatch.predicted_speedup), stays at or above BORROW_MIN_PREDICTED (1.1), and
 cuBLAS otherwise (reason `unpromising`: a shape one row past a tile boundary pays a whole tile row, and 32 of 92
-borrowed neighbours lost to cuBLAS on the device before this bound, 2 after; bench/results/neighbour_rule_h200.json);
+borrowed neighbours lost to cuBLAS on the device before this bound, 2 after; bench/results/neighbour_rule_h200.json),
+whose eager calls still run the kernel where its predicted device time is within the eager slack of cuBLAS's;
 none within reach: cuBLAS. Alignment: cuBLAS leaves its fast kernels
 when a row of A, B or C is not 16-byte aligned, so a tuned shape aligned otherwise than the untuned one (all rows
 aligned, or not) counts only when it is aligned, the untuned shape is not, and its winner is a kernel that admits

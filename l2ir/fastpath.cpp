@@ -224,8 +224,11 @@ PyObject* serve(Table* self, const std::shared_ptr<Route>& rp, PyObject* oa, con
                 const at::Tensor& b) {
   Route& r = *rp;
   if (a.is_cuda() != r.want_cuda || b.is_cuda() != r.want_cuda) return fallback(self, r, a, b, self->c_cpu);
-  // Autocast changes the result's dtype and forward-mode AD adds a tangent: torch.matmul's answer, through Python.
-  if (at::autocast::is_autocast_enabled(r.want_cuda ? at::kCUDA : at::kCPU)) Py_RETURN_NONE;
+  // Autocast to another dtype changes the result's dtype, and forward-mode AD adds a tangent: torch.matmul's answer,
+  // through Python.
+  const at::DeviceType dev = r.want_cuda ? at::kCUDA : at::kCPU;
+  if (at::autocast::is_autocast_enabled(dev) && at::autocast::get_autocast_dtype(dev) != a.scalar_type())
+    Py_RETURN_NONE;
   if (!plain(a, b) && (a._fw_grad(0).defined() || b._fw_grad(0).defined())) Py_RETURN_NONE;
   const uintptr_t pa = reinterpret_cast<uintptr_t>(a.data_ptr()), pb = reinterpret_cast<uintptr_t>(b.data_ptr());
   // TMA, cp.async and vector loads need 16-byte aligned operands; a view can start anywhere.

@@ -128,6 +128,14 @@ def test_nearest_neighbour_rule(disp):
     # 264 rows need a third 128-row tile: 1.20 x 1.03 (FLOPs) / 1.5 (tiles) = 0.83 < BORROW_MIN_PREDICTED.
     assert pkg.predicted_speedup(k1, (256, 256, 256), (264, 256, 256), CLS_COL) == pytest.approx(1.2 * 264 / 256 / 1.5)
     assert pkg.resolve(264, 256, 256, CLS_COL) == (None, "unpromising")
+    assert pkg.route(264, 256, 256, CLS_COL) == (None, "unpromising")       # 12.5 us predicted against 10.3 + 1
+    # 248x256x264 needs a ninth 32-wide K tile for 0.999x the work: 1.2 x 0.999 / 1.125 = 1.07 predicted, below the
+    # bound; but its predicted device time (8.33 us x 1.125 = 9.4 us) is within the eager slack of cuBLAS's
+    # (10 us x 0.999 + 1 us): eager calls run the kernel, CUDA graphs cuBLAS.
+    assert pkg.predicted_speedup(k1, (256, 256, 256), (248, 256, 264), CLS_COL) == pytest.approx(
+        1.2 * (248 * 264 / 256**2) / 1.125)
+    assert pkg.resolve(248, 256, 264, CLS_COL) == (None, "unpromising")
+    assert pkg.route(248, 256, 264, CLS_COL) == (k1, "eager") and pkg.resolve_eager(248, 256, 264, CLS_COL) == k1
     # Nearest tuned shape is 1024x64x64, won by cuBLAS: the measurement there decides.
     assert pkg.resolve(1000, 64, 64, CLS_COL) == (None, "cublas")
     # Near, but K=255 breaks the kernel's align=8 rule (B is column-major: its rows run along K).
@@ -381,12 +389,14 @@ def test_autocast_and_forward_ad_on_a_served_route_go_to_torch(disp):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got, want = l2ir.matmul(a, w.t()), torch.matmul(a, w.t())
     assert got.dtype == want.dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.float16):       # autocast to the operands' own dtype: the kernel's answer
+        check(l2ir.matmul(a, w.t()), a, w.t())
     with fwAD.dual_level():
         dual = fwAD.make_dual(a, torch.ones_like(a))
         tangent = fwAD.unpack_dual(l2ir.matmul(dual, w.t())).tangent
     assert tangent is not None
     torch.testing.assert_close(tangent, torch.ones_like(a) @ w.t())
-    assert disp.stats == {"l2ir": 1, "autocast": 1, "autograd": 1}
+    assert disp.stats == {"l2ir": 2, "autocast": 1, "autograd": 1}
 
 
 def test_every_documented_reason_has_a_test_here():

@@ -251,8 +251,10 @@ def test_kernel_route_calls_the_driver_with_the_abi(pkg_dir, fast_module, stub_d
 class StubShimRunner(StubKernelRunner):
     """The package kernel as a host shim (dispatch.ShimLaunch on the stub library: workspace m * 4096 bytes)."""
 
+    CTX = 0x7F00_CCCC_0000        # the device's primary context, as the stub driver reports it current
+
     def __init__(self, spec, index):
-        self.launch = dispatch.ShimLaunch(self.driver)
+        self.launch = dispatch.ShimLaunch(self.driver, driver=dispatch.Driver(self.driver), ctx=self.CTX)
 
 
 def test_shim_route_passes_pointers_sizes_workspace_and_stream(pkg_dir, fast_module, stub_driver):
@@ -262,6 +264,7 @@ def test_shim_route_passes_pointers_sizes_workspace_and_stream(pkg_dir, fast_mod
     d._stream_of = d.current_stream
     d.attach_fastpath(fast_module)
     try:
+        stub_driver.lib.cuCtxSetCurrent(ctypes.c_void_p(StubShimRunner.CTX))
         a, w = rand(64, 256), rand(512, 256)
         l2ir.matmul(a, w.t())
         py = stub_driver.record()
@@ -272,7 +275,11 @@ def test_shim_route_passes_pointers_sizes_workspace_and_stream(pkg_dir, fast_mod
         assert r[20:26] == [a.data_ptr(), w.t().data_ptr(), c.data_ptr(), 64, 512, 256]
         assert r[26] == py[26] != 0 and r[27] == 64 * 4096 and r[28] == 0x7F00_0000_0500   # the kept workspace
         assert d._kept_bytes == 64 * 4096 and d.stats == {"l2ir": 2}
+        # Another context current (another current device): the table leaves the call to the Python route.
+        stub_driver.lib.cuCtxSetCurrent(ctypes.c_void_p(0x7F00_DDDD_0000))
+        assert d._native.call(a, w.t()) is None and stub_driver.record()[29] == r[29]
     finally:
+        stub_driver.lib.cuCtxSetCurrent(ctypes.c_void_p(0))
         dispatch._reset()
 
 
