@@ -20,6 +20,7 @@ layout):
               cuCtxSetCurrent, cuLaunchKernel or l2ir_run), and for a fallback torch (the torch.mm or
               torch.matmul it calls); other = Dispatcher.eager's time - those parts (counter, closure calls)
   served      "l2ir" or the fallback reason of the dispatcher for that shape
+  neighbour   the neighbour rule's decision (deciding tuned shape, its kernel, the predicted speedup)
   eager_only  a cuBLAS shape whose eager calls run its eager kernel (l2ir/export.py): device_us is then cuBLAS's
               (a CUDA graph captures the table's choice) while eager_us and host_us are the L2IR kernel's
   host_aa_ratio  torch.matmul's host time over the same measurement repeated after l2ir's (A/A: the noise of a
@@ -178,6 +179,18 @@ def python_path(d):
         dispatch._install(d)
 
 
+def neighbour_decision(package, m: int, n: int, k: int, cls: str) -> dict:
+    """The neighbour rule's decision for a shape: the deciding tuned shape, its kernel and the speedup that kernel is
+    predicted to keep here (l2ir.dispatch.predicted_speedup). An `unpromising` shape's kernel is not served on the
+    device, so bench/neighbour_rule.py reads it from here."""
+    key, reason, tuned = package._decide(m, n, k, cls)
+    predicted = None
+    if key is not None and tuned is not None and tuned != (m, n, k):
+        p = package.predicted_speedup(key, tuned, (m, n, k), cls)
+        predicted = p if p != float("inf") else None
+    return {"reason": reason, "tuned": tuned, "kernel": key, "predicted_speedup": predicted}
+
+
 def near_shapes(shape):
     m, n, k = shape
     out = []
@@ -243,6 +256,7 @@ def main(argv=None) -> int:
         kkey = d.package.route(m, n, k, cls)[0]
         spec = d.package.kernels.get(kkey) if kkey is not None else None
         row = {"m": m, "n": n, "k": k, "kind": kind, "served": served, "max_abs_err_vs_fp64": err,
+               "neighbour": neighbour_decision(d.package, m, n, k, cls),
                # the package's kernel for the shape and how it launches ("kernels": cuLaunchKernel per entry,
                # "host_shim": the library's l2ir_run_args), so host costs can be told apart by launch path
                "kernel": kkey, "launch": spec.plan["form"] if spec is not None else None,
