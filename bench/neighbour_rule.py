@@ -31,11 +31,11 @@ RUNS = (("dispatch_families_v4_fast_h200", "families_small_v3_h200", "selection"
         ("dispatch_unaligned_v5_fast_h200", "unaligned_v4_h200", "report"),
         ("dispatch_unaligned_v6_fast_h200", "unaligned_v4_h200", "report"))
 BOUNDS = (0.0, 1.0, 1.05, 1.1, 1.15, 1.2)
-EAGER_SLACK_US = 1.0      # l2ir.export.EAGER_SLACK_US, the packages' rule.eager_slack_us
 
 
 def rows_of(run: str, source: str) -> list[dict]:
-    from l2ir.dispatch import predicted_speedup, tile_ratio
+    from l2ir.dispatch import flop_ratio, predicted_speedup, tile_ratio
+    from l2ir.export import EAGER_SLACK_US      # the packages' rule.eager_slack_us
 
     summary = json.loads((RESULTS / f"{source}.json").read_text())
     irs = {h: v["kernel"] for h, v in summary["kernels"].items()}
@@ -52,10 +52,9 @@ def rows_of(run: str, source: str) -> list[dict]:
         m = re.search(r"block=(\d+)x(\d+)x(\d+)", ir)
         tile = tuple(int(g) for g in m.groups()) if m else None
         shape = (r["m"], r["n"], r["k"])
-        flops = (shape[0] * shape[1] * shape[2]) / (tuned[0] * tuned[1] * tuned[2])
         # The eager prediction of a declined shape (Package._eager_of, the package's 1 us slack)
         eager_ok = tile is not None and (fresh[tuned]["kernel_us"] * tile_ratio(tile, tuned, shape)
-                                         <= fresh[tuned]["torch_us"] * flops + EAGER_SLACK_US)
+                                         <= fresh[tuned]["torch_us"] * flop_ratio(tuned, shape) + EAGER_SLACK_US)
         out.append({"shape": shape, "tuned": tuned, "tile": tile, "tuned_speedup": s,
                     "predicted": predicted_speedup(s, tile, tuned, shape), "measured": r["device_speedup"],
                     "eager_ok": eager_ok, "measured_eager": r["eager_speedup"]})

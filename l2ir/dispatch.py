@@ -131,13 +131,9 @@ class KernelSpec:
 
     def admits(self, m: int, n: int, k: int) -> bool:
         """The verifier's problem rules for this kernel on (m, n, k) (divisibility, alignment, split-K, grid)."""
-        from .nodes import Problem
-        from .text import parse_problem
         from .verify import applicable
 
-        base = parse_problem(f"gemm m=1 n=1 k=1 {self.problem_class}")
-        assert isinstance(base, Problem)
-        return applicable(self.kernel(), base.with_shape(m, n, k))
+        return applicable(self.kernel(), _class_problem(self.problem_class).with_shape(m, n, k))
 
 
 @dataclass
@@ -228,9 +224,9 @@ class Package:
             if t is None or tile is None:
                 return None
             kernel_us, cublas_us = t
-            flops = (m * n * k) / (shape[0] * shape[1] * shape[2])
             slack = float(self.manifest.get("rule", {}).get("eager_slack_us", 0.0))
-            return key if kernel_us * tile_ratio(tile, shape, (m, n, k)) <= cublas_us * flops + slack else None
+            return key if (kernel_us * tile_ratio(tile, shape, (m, n, k))
+                           <= cublas_us * flop_ratio(shape, (m, n, k)) + slack) else None
         if reason != "cublas":
             return None
         ekey = self.eager.get((*shape, cls))
@@ -244,8 +240,12 @@ def predicted_speedup(speedup: float, tile: tuple[int, int, int] | None, tuned: 
     past a tile boundary pays a whole tile row). A Source kernel (no tile) keeps its speedup."""
     if tile is None:
         return speedup
-    flops = (shape[0] * shape[1] * shape[2]) / (tuned[0] * tuned[1] * tuned[2])
-    return speedup * flops / tile_ratio(tile, tuned, shape)
+    return speedup * flop_ratio(tuned, shape) / tile_ratio(tile, tuned, shape)
+
+
+def flop_ratio(tuned: tuple[int, int, int], shape: tuple[int, int, int]) -> float:
+    """How much more work `shape` is than `tuned`."""
+    return (shape[0] * shape[1] * shape[2]) / (tuned[0] * tuned[1] * tuned[2])
 
 
 def tile_ratio(tile: tuple[int, int, int], tuned: tuple[int, int, int], shape: tuple[int, int, int]) -> float:
@@ -688,7 +688,7 @@ class Dispatcher:
                 return self.fastpath
         with self._lock:
             self._native = module.Table(COUNTERS, self._stream_of, self._capturing)
-            self._fast.clear()
+            self._forget_routes()
         self.fastpath = f"compiled ({Path(module.__file__).name})"
         if _STATE["dispatcher"] is self:
             _install(self)
@@ -844,13 +844,17 @@ class Dispatcher:
                           {"l2ir": "L2IR kernel", "eager": "L2IR kernel on eager calls, cuBLAS in CUDA graphs"}.get(
                               reason, f"torch.matmul ({reason})"), key)
             if len(self._fast) >= _FAST_MAX:
-                self._fast.clear()
-                if self._native is not None:
-                    self._native.clear()
+                self._forget_routes()
             self._fast[key] = entry
             if self._native is not None:
                 self._add_native(a, b, entry, two_d)
             return entry
+
+    def _forget_routes(self) -> None:
+        """Every kept route, in Python and in the compiled table (under the lock): the next call decides again."""
+        self._fast.clear()
+        if self._native is not None:
+            self._native.clear()
 
     def _add_native(self, a: torch.Tensor, b: torch.Tensor, entry, two_d: bool) -> None:
         """The kept route, for the compiled fast path too (under the lock). One it cannot hold (a B that is not 2-D,
@@ -901,8 +905,18 @@ class Dispatcher:
         autocast_on, autocast_dtype, fwad = torch.is_autocast_enabled, torch.get_autocast_dtype, _forward_ad()
         dev_type = self.device_type
         # The launch runs on the current device (a host shim) or in the device's context (the driver's launch): under
-        # another current device, a device guard around it (restoring the caller's device after).
-        current_device = getattr(torch._C, "_cuda_getDevice", None) if on_cuda else None
+        # another current device, a device guard around it (restoring the caller's device after). With one device
+        # the current one is always the route's.
+        current_device = (getattr(torch._C, "_cuda_getDevice", None) if on_cuda and torch.cuda.device_count() > 1
+                          else None)
+        if current_device is None:
+            go_guarded = go
+        else:
+            def go_guarded(pa, pb, pc, ws, st):
+                if current_device() != index:
+                    with torch.cuda.device(index):
+                        return go(pa, pb, pc, ws, st)
+                return go(pa, pb, pc, ws, st)
         fresh = (lambda a: a.new_zeros(ws_bytes, dtype=u8)) if zero_ws else (lambda a: a.new_empty(ws_bytes, dtype=u8))
         # The output: empty_like of a one-element tensor expanded to the output's shape allocates C (contiguous
         # strides, as torch.empty's) with no shape to parse, ~0.5 us less a call than new_empty(shape)
@@ -973,11 +987,7 @@ class Dispatcher:
             else:
                 ws = 0
             try:
-                if current_device is not None and current_device() != index:
-                    with torch.cuda.device(index):
-                        go(pa, pb, c.data_ptr(), ws, st)
-                else:
-                    go(pa, pb, c.data_ptr(), ws, st)
+                go_guarded(pa, pb, c.data_ptr(), ws, st)
             except Exception as e:  # noqa: BLE001 - a refused launch is answered by torch, and remembered
                 self._launch_failed(kkey, index, e)
                 mine["launch_failed"] += 1
@@ -987,17 +997,8 @@ class Dispatcher:
 
         serve.reason, serve.go, serve.shape, serve.index, serve.workspace = "l2ir", go, shape, index, (ws_bytes,
                                                                                                       zero_ws)
-        # For the compiled fast path (`_add_native`): the launch (None: it calls `go_guarded`, `go` under a device
-        # guard where the current device is not the route's, as `serve` launches), the shape, the kept workspace
-        # with whether the budget kept it, and what a refused launch does.
-        if current_device is None:
-            go_guarded = go
-        else:
-            def go_guarded(pa, pb, pc, ws, st):
-                if current_device() != index:
-                    with torch.cuda.device(index):
-                        return go(pa, pb, pc, ws, st)
-                return go(pa, pb, pc, ws, st)
+        # For the compiled fast path (`_add_native`): the launch (None: it calls `go_guarded`, as `serve` does), the
+        # shape, the kept workspace with whether the budget kept it, and what a refused launch does.
         serve.launch, serve.mnk, serve.go_guarded = launch, (m, n, k), go_guarded
         serve.keep_workspace = lambda a, st: (keep(a, st), not over)
 
@@ -1023,9 +1024,7 @@ class Dispatcher:
     def _launch_failed(self, kkey: str, index: int, err: Exception) -> None:
         with self._lock:
             self._devices[index]["runners"][kkey] = err
-            self._fast.clear()              # every route bound to that runner decides again: load_failed
-            if self._native is not None:
-                self._native.clear()
+            self._forget_routes()           # every route bound to that runner decides again: load_failed
         warnings.warn(f"l2ir: launch failed ({err}); this kernel's shapes go to torch.matmul", RuntimeWarning,
                       stacklevel=4)
 

@@ -398,6 +398,8 @@ PyObject* add_fallback_impl(Table* self, PyObject* args) {
 // launch: ("kernel", launch_addr, get_ctx_addr, ctx, ((fn, gx, gy, gz, bx, by, bz, smem), ...)),
 //         ("shim", run_args_addr, get_ctx_addr, ctx) or ("python", go). A zero get_ctx_addr: no context check
 //         (the CPU tests' stand-in device).
+constexpr const char* kBadLaunch = "l2ir fast path: launch must be ('kernel', ...), ('shim', ...) or ('python', go)";
+
 PyObject* add_served_impl(Table* self, PyObject* args) {
   PyObject *oa, *ob, *launch, *shape, *keep, *failed;
   int want_cuda, eager_only, mm, m, n, k;
@@ -432,7 +434,7 @@ PyObject* add_served_impl(Table* self, PyObject* args) {
   if (!PyTuple_Check(launch) || PyTuple_GET_SIZE(launch) < 2 ||
       !PyArg_ParseTuple(launch, "s|OOOO", &kind, &p1, &p2, &p3, &p4)) {
     PyErr_Clear();
-    PyErr_SetString(PyExc_ValueError, "l2ir fast path: launch must be ('kernel', ...), ('shim', ...) or ('python', go)");
+    PyErr_SetString(PyExc_ValueError, kBadLaunch);
     return nullptr;
   }
   const std::string kd(kind);
@@ -461,7 +463,7 @@ PyObject* add_served_impl(Table* self, PyObject* args) {
     r->kind = kPython;
     r->go.reset(p1);
   } else {
-    PyErr_SetString(PyExc_ValueError, "l2ir fast path: launch must be ('kernel', ...), ('shim', ...) or ('python', go)");
+    PyErr_SetString(PyExc_ValueError, kBadLaunch);
     return nullptr;
   }
   if (PyErr_Occurred()) return nullptr;

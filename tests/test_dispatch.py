@@ -410,22 +410,28 @@ def test_every_documented_reason_has_a_test_here():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_threads_share_one_runner_and_count_every_call(disp):
-    a, w = rand(64, 256), rand(512, 256)
+def checked_calls_from_threads(a, b, calls: int, threads: int = 8) -> list:
+    """`calls` checked l2ir.matmul(a, b) calls in each of `threads` threads at once; the exceptions they raised."""
     errors = []
 
     def work():
         try:
-            for _ in range(10):
-                check(l2ir.matmul(a, w.t()), a, w.t())
+            for _ in range(calls):
+                check(l2ir.matmul(a, b), a, b)
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
-    threads = [threading.Thread(target=work) for _ in range(8)]
-    for t in threads:
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    for t in workers:
         t.start()
-    for t in threads:
+    for t in workers:
         t.join()
+    return errors
+
+
+def test_threads_share_one_runner_and_count_every_call(disp):
+    a, w = rand(64, 256), rand(512, 256)
+    errors = checked_calls_from_threads(a, w.t(), 10)
     assert not errors and disp.stats == {"l2ir": 80}
     (state,) = disp._devices.values()
     assert len(state["runners"]) == 1 and next(iter(state["runners"].values())).calls == 80

@@ -5,13 +5,12 @@ the Python path, which adds the route to the compiled table; the tests check tha
 the table (the Python route is made unreachable), with the same pointers, sizes, counters and fallbacks."""
 
 import ctypes
-import threading
 import warnings
 
 import pytest
 import torch
-from test_dispatch import (CpuDispatcher, HostRunner, ScratchRunner, _misaligned, check, pkg_dir,
-                           rand, stub_driver)
+from test_dispatch import (CpuDispatcher, HostRunner, ScratchRunner, _misaligned, check, checked_calls_from_threads,
+                           pkg_dir, rand, stub_driver)
 
 import l2ir
 from l2ir import dispatch, fastpath
@@ -188,20 +187,7 @@ def test_threads_count_every_call(fdisp):
     a, w = rand(64, 256), rand(512, 256)
     check(l2ir.matmul(a, w.t()), a, w.t())
     python_path_gone(fdisp)
-    errors = []
-
-    def work():
-        try:
-            for _ in range(25):
-                check(l2ir.matmul(a, w.t()), a, w.t())
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=work) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = checked_calls_from_threads(a, w.t(), 25)
     assert not errors and fdisp.stats == {"l2ir": 201}
 
 
