@@ -115,6 +115,8 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
             default=lambda k: cluster_reduce(k) or block_reduce(k) or k.repack is not None),
     Backend("cuda_ptx_sm80", "l2ir.backends.cuda_ptx.sm80", Schedule("mma_sync", "multistage"),
             default=realigned_sm80, yields_to=(_cuda_ptx_problems, "cute_sm80")),
+    # mma.sync fed from global memory (pipeline mode=direct): only the cuda_ptx direct rule generates it.
+    Backend("cuda_ptx_direct", "l2ir.backends.cuda_ptx.direct", Schedule("mma_sync", "direct")),
 )}
 
 

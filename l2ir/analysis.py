@@ -87,6 +87,8 @@ def realigned_ring_bytes(bm: int, bn: int, bk: int, stages: int, ebytes: int = 2
 def ring_bytes(kernel: Kernel, ebytes: int = 2) -> int:
     """The main loop's shared memory: the stages' A and B tiles, or with pad.align=1 on a cp.async ring the raw
     staging stages plus the realigned tiles (realigned_ring_bytes)."""
+    if kernel.pipeline.mode == "direct":
+        return 0                          # operands go from global memory to registers
     if kernel.pipeline.mode == "multistage" and kernel.pad.align == 1:
         return realigned_ring_bytes(*kernel.tile.block, resolved_stages(kernel, ebytes), ebytes)
     return resolved_stages(kernel, ebytes) * stage_bytes(kernel, ebytes)
@@ -95,6 +97,8 @@ def ring_bytes(kernel: Kernel, ebytes: int = 2) -> int:
 def ring_description(kernel: Kernel, ebytes: int = 2) -> str:
     """How ring_bytes adds up, for resource errors."""
     stages = resolved_stages(kernel, ebytes)
+    if kernel.pipeline.mode == "direct":
+        return "no shared memory (direct)"
     if kernel.pipeline.mode == "multistage" and kernel.pad.align == 1:
         bm, bn, bk = kernel.tile.block
         return (f"{stages} staging stages x {(bk + 8) * (bm + bn) * ebytes / 1024:.1f} KB + "
@@ -138,8 +142,27 @@ def shares_fragments(kernel: Kernel) -> bool:
     return cluster_reduce(kernel) or block_reduce(kernel)
 
 
+def direct_shape(kernel: Kernel) -> tuple[int, int, int]:
+    """pipeline mode=direct: (MI, NI, U), a warp's m16 blocks (BM=8 counts one, half fed), n8 blocks and 32-element
+    K chunks per k step (l2ir.indexing.DirectFeed)."""
+    bm, bn, bk = kernel.tile.block
+    return max(1, bm // 16), bn // (8 * kernel.tile.warps[1]), bk // 32
+
+
+def direct_registers(kernel: Kernel) -> int:
+    """pipeline mode=direct: accumulators, the stages' B vectors (4 registers each) and one chunk's A vectors
+    (rows g and g + 8 of each m16 block; twice that while pad.align < 8 realigns them) plus overhead."""
+    mi, ni, u = direct_shape(kernel)
+    rows = 1 if kernel.tile.bm == 8 else 2
+    realign = 2 if kernel.pad.align < 8 else 1
+    return mi * ni * 4 + kernel.pipeline.stages * u * ni * 4 + mi * rows * 4 * realign + REG_OVERHEAD
+
+
 def acc_registers(kernel: Kernel, acc_bytes: int = 4) -> int:
     """fp32 accumulator registers per math thread."""
+    if kernel.pipeline.mode == "direct":
+        mi, ni, _ = direct_shape(kernel)
+        return mi * ni * 4 * acc_bytes // 4
     bm, bn, _ = kernel.tile.block
     wm, wn = kernel.tile.warps
     per_warp = (bm // wm) * (bn // wn)
@@ -150,6 +173,8 @@ def acc_registers(kernel: Kernel, acc_bytes: int = 4) -> int:
 
 def estimated_registers(kernel: Kernel) -> int:
     """A register estimate for mma.sync kernels: accumulators + A/B fragments (x2 with register prefetch) + overhead."""
+    if kernel.pipeline.mode == "direct":
+        return direct_registers(kernel)
     bm, bn, _ = kernel.tile.block
     wm, wn = kernel.tile.warps
     # Per k16 step a thread holds 4 registers of each 16x16 A fragment and 2 of each 16x8 B fragment.

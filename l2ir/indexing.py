@@ -501,6 +501,65 @@ class BlockSplit:
         return STEP * cls.SLICES + SLICE
 
 
+# Operands straight from global memory into mma.sync fragments (pipeline mode=direct).
+U, Q, ELEM = Var("u"), Var("q"), Var("elem")
+
+
+class DirectFeed:
+    """pipeline mode=direct: each lane loads its m16n8k16 fragments from global memory itself, with no shared memory.
+
+    Lane l is (g, q) = (l / 4, l % 4). At k step `step`, chunk `u` (k_offset), lane q loads one 16-byte vector of
+    8 consecutive K elements, k = step*BK + 32u + 8q .. +7, from each row it feeds: A rows g and g + 8 of each m16
+    block, B column g of each n8 block. So the four lanes of a row or column read 64 contiguous bytes, and one
+    chunk covers 32 K. Halves 4h .. 4h+3 of the vector (words 2h, 2h+1) feed the chunk's k16 MMA h (two per
+    chunk) at the fragment's K positions 2q, 2q+1, 2q+8, 2q+9: the MMA sums the same 16 products of the physical K
+    elements 8q + 4h + 0..3 of every lane, in another order. A and B take their words by the same table, which
+    is all that makes the sum A @ B (l2ir.interp evaluates the tables: it builds each MMA's logical fragments
+    from them and checks that every (row, K position) and (K position, column) is fed exactly once).
+
+    Rows whose start is not 16-byte aligned (pad.align < 8) load the two aligned vectors around the 8 elements
+    and shift them out (realign_offset: elements from the lower aligned vector's start); the upper vector is
+    loaded only when it holds an element of the row before `end` (realign_needs_upper)."""
+
+    LANES_PER_ROW = 4          # lanes q = 0..3 of a group share one row of A / column of B
+    ELEMS = 8                  # K elements per lane per chunk: one 16-byte vector
+    CHUNK_K = LANES_PER_ROW * ELEMS     # 32: K per chunk
+    MMAS_PER_CHUNK = 2         # k16 MMAs per chunk (h = 0, 1)
+    # Fragment registers of m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16"): each holds 2 adjacent halves.
+    # A register r: row g + A_ROW[r], K positions 2q + A_KPOS[r] + {0, 1}; B register r: K positions 2q + B_KPOS[r]
+    # + {0, 1}, column g; C element r: row g + C_ROW[r], column 2q + C_COL[r].
+    A_ROW = (0, 8, 0, 8)
+    A_KPOS = (0, 0, 8, 8)
+    B_KPOS = (0, 8)
+    C_ROW = (0, 0, 8, 8)
+    C_COL = (0, 1, 0, 1)
+    # The word (of the two a MMA takes from a lane's vector: 2h + WORD) each register is fed from.
+    A_WORD = (0, 0, 1, 1)
+    B_WORD = (0, 1)
+
+    @classmethod
+    def chunk_k(cls, bk: int) -> Expr:
+        """First K element of lane q's vector in chunk u of k step `step`."""
+        return STEP * bk + U * cls.CHUNK_K + Q * cls.ELEMS
+
+    @classmethod
+    def physical_k(cls, h: int, word: int) -> Expr:
+        """K element, relative to the chunk's start, of the first half of `word` of MMA h, for lane q."""
+        return Q * cls.ELEMS + (2 * h + word) * 2
+
+    @staticmethod
+    def realign_offset() -> Expr:
+        """pad.align < 8: elements between the aligned 16-byte vector below element address `elem` (in 2-byte
+        units from a 16-byte aligned base) and the element."""
+        return ELEM & 7
+
+    @staticmethod
+    def realign_needs_upper(offset: int, first: int, end: int) -> bool:
+        """Whether the upper aligned vector holds an element wanted: the vector after the lower one starts at the
+        element 8 - offset past `first`, which must lie before `end` (the row's end), and offset 0 needs none."""
+        return offset > 0 and first + 8 - offset < end
+
+
 # Operand repacking (the repack node).
 M, N, K = Var("m"), Var("n"), Var("k")
 COLS, CHUNK = Var("cols"), Var("chunk")

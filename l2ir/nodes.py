@@ -389,11 +389,14 @@ class Pipeline(Node):
                 ldmatrix fragments in registers so the next k-step's loads overlap this one's MMAs.
     tma_ws:     TMA bulk tensor copies by a producer warpgroup, mbarrier-synchronized with consumer warpgroups
                 (schedule cooperative or pingpong); stages=auto fills the shared memory left after the epilogue.
+    direct:     no shared memory: every lane loads its mma.sync fragments straight from global memory into
+                registers (l2ir.indexing.DirectFeed), for few rows of A (decode), where the kernel streams B once
+                at DRAM speed; stages = k steps of B vectors in registers at once (1 or 2).
     persistent: one block per SM loops over output tiles (the CUTLASS persistent tile scheduler).
     """
 
     kind: ClassVar[str] = "pipeline"
-    mode: str = f(Choice(("multistage", "tma_ws")))
+    mode: str = f(Choice(("multistage", "tma_ws", "direct")))
     stages: int | str = f(IntOrAuto(1, 16))
     schedule: str = f(Choice(("none", "cooperative", "pingpong")), "none")
     prefetch: bool = f(Bool(), False)

@@ -17,7 +17,7 @@ from typing import Callable
 
 from .errors import (EpilogueError, ExprError, MmaError, PadError, PipelineError, ProblemError, ResourceError,
                      SourceError, SplitKError, SwizzleError, TargetError, TileError, VerifyError)
-from .indexing import LAUNCH_VARS, REPACK_ALIGN, BlockSplit, ceil_div, leaves_empty_slice
+from .indexing import LAUNCH_VARS, REPACK_ALIGN, BlockSplit, DirectFeed, ceil_div, leaves_empty_slice
 from .nodes import OPTIONAL_NODES, SCHEDULE_NODES, Kernel, Problem
 from .analysis import (acc_registers, elem_bytes, epilogue_smem_bytes, estimated_registers,
                        resolved_stages, ring_bytes, ring_description, shares_fragments, smem_bytes, threads,
@@ -182,6 +182,8 @@ def _warp_tile(k: Kernel):
         if bn % wn or bn // wn != mn:
             return (f"each warpgroup covers BN/warps_n={bn}/{wn} columns, which must equal the wgmma N={mn} "
                     f"(one instruction spans the warpgroup's whole N)")
+    elif k.pipeline.mode == "direct":
+        return None                       # the direct rule (direct_tile) says what its tile must be
     else:
         if bm % (wm * mm):
             return f"BM={bm} is not a multiple of warps_m*{mm}={wm * mm}"
@@ -248,7 +250,7 @@ def _pipeline_mma(k: Kernel):
     """cp.async multistage pipelines feed mma.sync through ldmatrix; TMA pipelines feed wgmma from shared memory."""
     if k.pipeline.mode == "tma_ws" and k.mma.op != "wgmma":
         return "a tma_ws pipeline feeds wgmma; use mode=multistage with mma_sync"
-    if k.pipeline.mode == "multistage" and k.mma.op != "mma_sync":
+    if k.pipeline.mode in ("multistage", "direct") and k.mma.op != "mma_sync":
         return "wgmma reads operands through TMA-filled shared memory; use mode=tma_ws"
 
 
@@ -261,6 +263,10 @@ def _stages(k: Kernel):
             return "stages=auto is only for tma_ws pipelines (the CUTLASS carve-out); give a number"
         if not 1 <= s <= 13:
             return f"multistage pipelines take 1..13 stages, not {s}"
+    elif k.pipeline.mode == "direct":
+        if s not in DIRECT_STAGES:
+            return (f"direct pipelines keep 1 or 2 k steps of B vectors in registers (stages=1 or 2), not {s}: "
+                    "more would spill")
     else:
         if resolved_stages(k) < 2:
             return f"a TMA pipeline needs at least 2 stages, has {resolved_stages(k)}"
@@ -271,9 +277,9 @@ def _schedule(k: Kernel):
     """Warp-specialized kernels are cooperative (2 consumer warpgroups share a tile: warps 8x1) or ping-pong
     (2 consumer warpgroups alternate tiles, one warpgroup each: warps 4x1)."""
     p = k.pipeline
-    if p.mode == "multistage":
+    if p.mode in ("multistage", "direct"):
         if p.schedule != "none":
-            return f"schedule={p.schedule} is for tma_ws pipelines; multistage takes schedule=none"
+            return f"schedule={p.schedule} is for tma_ws pipelines; {p.mode} takes schedule=none"
         return None
     if p.schedule == "none":
         return "tma_ws pipelines need schedule=cooperative or schedule=pingpong"
@@ -295,6 +301,50 @@ def _persistent(k: Kernel):
     """The persistent tile scheduler belongs to the warp-specialized kernels."""
     if k.pipeline.persistent and k.pipeline.mode != "tma_ws":
         return "persistent=true needs a tma_ws pipeline"
+
+
+# pipeline mode=direct (l2ir.indexing.DirectFeed): rows of A per block (one m16 MMA fed half: rows g + 8 are
+# zeros; or whole m16 blocks), K chunks per k step, and the stages of B vectors held in registers.
+DIRECT_BM = (8, 16, 32, 48, 64)
+DIRECT_STAGES = (1, 2)
+
+
+@rule("tile", "direct_tile", TileError)
+def _direct_tile(k: Kernel):
+    """A direct kernel's warps each take all BM rows of A (warps=1xWN) and BN/WN columns in n8 blocks; a k step is
+    whole 32-element chunks (4 lanes x 8 elements per row); BM is 8 (half an m16 block) or m16 blocks up to 64."""
+    if k.pipeline.mode != "direct":
+        return None
+    bm, bn, bk = k.tile.block
+    wm, wn = k.tile.warps
+    if wm != 1:
+        return (f"direct kernels give every warp all BM rows (its A fragments come from global memory): "
+                f"warps=1x{wn}, not {wm}x{wn}")
+    if bm not in DIRECT_BM:
+        return f"direct kernels take BM in {', '.join(map(str, DIRECT_BM))} (rows of A in m16 blocks), not {bm}"
+    if bn % (8 * wn):
+        return f"BN={bn} must split into n8 blocks over {wn} warps (a multiple of {8 * wn})"
+    if bk % DirectFeed.CHUNK_K:
+        return (f"BK={bk} must be a multiple of {DirectFeed.CHUNK_K}: a chunk is 4 lanes x 8 elements of each row")
+    if k.tile.cluster != (1, 1):
+        return "direct kernels share nothing between blocks: tile.cluster must be 1x1"
+
+
+@rule("pipeline", "direct_has_no_smem", PipelineError)
+def _direct_shared(k: Kernel):
+    """Direct kernels keep operands in registers: no shared-memory swizzle, split-K, repack or staged epilogue."""
+    if k.pipeline.mode != "direct":
+        return None
+    if k.swizzle is not None and k.swizzle.smem is not None:
+        return "a direct pipeline has no shared memory to swizzle: set swizzle.smem=none"
+    if k.pipeline.prefetch:
+        return "prefetch=true double-buffers ldmatrix fragments; a direct pipeline has none (stages holds B ahead)"
+    if k.splitk is not None:
+        return "split-K is not generated for direct pipelines (remove the splitk node)"
+    if k.repack is not None:
+        return "a direct pipeline realigns rows itself (pad.align < 8); remove the repack node"
+    if k.epilogue.path != "direct":
+        return f"a direct pipeline stores its accumulators from registers: epilogue path=direct, not {k.epilogue.path}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
