@@ -150,12 +150,13 @@ def direct_shape(kernel: Kernel) -> tuple[int, int, int]:
 
 
 def direct_registers(kernel: Kernel) -> int:
-    """pipeline mode=direct: accumulators, the stages' B vectors (4 registers each) and one chunk's A vectors
-    (rows g and g + 8 of each m16 block; twice that while pad.align < 8 realigns them) plus overhead."""
+    """pipeline mode=direct: accumulators plus `stages` k steps of raw vectors (4 registers each; pad.align < 8 keeps
+    two per row, the aligned pair around it) of B (NI columns) and A (rows g and g + 8 of each m16 block, g only at
+    BM=8) per chunk, plus overhead. ptxas spilled where this passed 255 (8x8x512 and 8x32x256 align 1, stages 2)."""
     mi, ni, u = direct_shape(kernel)
     rows = 1 if kernel.tile.bm == 8 else 2
-    realign = 2 if kernel.pad.align < 8 else 1
-    return mi * ni * 4 + kernel.pipeline.stages * u * ni * 4 + mi * rows * 4 * realign + REG_OVERHEAD
+    raw = 2 if kernel.pad.align < 8 else 1
+    return mi * ni * 4 + kernel.pipeline.stages * u * (ni + mi * rows) * 4 * raw + REG_OVERHEAD
 
 
 def acc_registers(kernel: Kernel, acc_bytes: int = 4) -> int:

@@ -141,6 +141,7 @@ def _header(cfg: DirectConfig, kernel_text: str) -> list[str]:
 
 
 def _config(cfg: DirectConfig) -> list[str]:
+    """Element types, the schedule's compile-time shape, the MMA and the loads."""
     ptx_t = {"f16": "f16", "bf16": "bf16"}[cfg.in_dtype]
     return [
         "namespace l2ir_ptx_direct {",
@@ -173,14 +174,31 @@ def _config(cfg: DirectConfig) -> list[str]:
         "  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;   // i is a constant after unrolling",
         "}",
         "",
-        "// B is read once: keep it out of L1 so A (read by every warp) stays there.",
+        f"constexpr int V = {1 if cfg.align == 8 else 2};   // raw 16-byte vectors per row and chunk (pad.align < 8: lo, hi)",
+        f"constexpr int RA = {1 if cfg.half_m else 2};  // A rows a lane feeds per m16 block (g, g + 8)",
+        "",
+        "// One k step in registers: the raw vectors of B and A, loaded together so every load of the step is in",
+        "// flight at once; pipeline.stages of these (1 or 2) exist.",
+        "struct Step {",
+        "  uint4 b[CHUNKS][NI][V];",
+        "  uint4 a[CHUNKS][MI][RA][V];",
+        "};",
+        "",
+        "// Loads are volatile asm so they stay where the schedule puts them (a step ahead of their MMAs): the",
+        "// compiler would otherwise sink them next to their use and expose the DRAM latency once per chunk.",
+        "// B is read once: .L1::no_allocate keeps it out of L1, where A (read by every warp) stays.",
         "__device__ __forceinline__ uint4 ld_stream(const InT* p) {",
         "  uint4 v;",
         '  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\\n"',
         '               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));',
         "  return v;",
         "}",
-        "__device__ __forceinline__ uint4 ld_cached(const InT* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }",
+        "__device__ __forceinline__ uint4 ld_cached(const InT* p) {",
+        "  uint4 v;",
+        '  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\\n"',
+        '               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));',
+        "  return v;",
+        "}",
         "",
         *_realign_functions(cfg),
     ]
@@ -191,16 +209,25 @@ def _realign_functions(cfg: DirectConfig) -> list[str]:
     if cfg.align == 8:
         return []
     return [
-        "// pad.align < 8 (DirectFeed.realign_offset): the 8 elements at p, whose row has `left` elements from p on,",
-        "// from the aligned 16-byte vector below p (lo) and the next (hi, loaded only when it holds an element of the",
-        "// row: DirectFeed.realign_needs_upper). Elements at or past `left` are zero.",
-        "__device__ __forceinline__ uint4 ld_realigned(const InT* p, int left) {",
-        "  const int off = int((reinterpret_cast<unsigned long long>(p) >> 1) & 7);   // elem & 7",
+        "// pad.align < 8 (DirectFeed.realign_offset): the 8 elements at p come from the aligned 16-byte vector below",
+        "// p (lo) and the next one (hi), loaded only when it holds an element of the row: `left` elements of the row",
+        "// remain from p on (DirectFeed.realign_needs_upper). Both are loaded a step ahead, shifted at the MMA.",
+        "__device__ __forceinline__ int realign_offset(const InT* p) {",
+        "  return int((reinterpret_cast<unsigned long long>(p) >> 1) & 7);   // elem & 7",
+        "}",
+        "__device__ __forceinline__ void ld_raw(uint4 (&v)[V], const InT* p, int left, bool ok, bool stream) {",
+        "  const int off = realign_offset(p);",
         "  const InT* base = p - off;",
-        "  // hi is read through L1 even for B: lane q + 1 just read the same vector as its lo.",
-        "  const uint4 lo = ld_cached(base);",
-        "  const uint4 hi = (off > 0 && 8 - off < left) ? ld_cached(base + 8) : make_uint4(0u, 0u, 0u, 0u);",
-        "  const unsigned w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};",
+        "  const uint4 z = make_uint4(0u, 0u, 0u, 0u);",
+        "  // lo through L1 even for B: lane q - 1 reads it again as its hi.",
+        "  v[0] = ok ? ld_cached(base) : z;",
+        "  v[1] = (ok && off > 0 && 8 - off < left) ? ld_cached(base + 8) : z;",
+        "  (void)stream;",
+        "}",
+        "// The 8 elements out of (lo, hi); elements at or past `left` are zero.",
+        "__device__ __forceinline__ uint4 realign(const uint4 (&v)[V], const InT* p, int left) {",
+        "  const int off = realign_offset(p);",
+        "  const unsigned w[8] = {v[0].x, v[0].y, v[0].z, v[0].w, v[1].x, v[1].y, v[1].z, v[1].w};",
         "  const int ws = off >> 1;",
         "  const unsigned sh = unsigned(off & 1) * 16u;",
         "  unsigned x[5];",
@@ -209,9 +236,9 @@ def _realign_functions(cfg: DirectConfig) -> list[str]:
         "  unsigned r[4];",
         "#pragma unroll",
         "  for (int i = 0; i < 4; ++i) {",
-        "    const unsigned v = __funnelshift_r(x[i], x[i + 1], sh);",
+        "    const unsigned t = __funnelshift_r(x[i], x[i + 1], sh);",
         "    // element 2i is the low half of word i; keep the elements before `left`",
-        "    r[i] = left >= 2 * i + 2 ? v : left == 2 * i + 1 ? (v & 0xFFFFu) : 0u;",
+        "    r[i] = left >= 2 * i + 2 ? t : left == 2 * i + 1 ? (t & 0xFFFFu) : 0u;",
         "  }",
         "  return make_uint4(r[0], r[1], r[2], r[3]);",
         "}",
@@ -220,30 +247,39 @@ def _realign_functions(cfg: DirectConfig) -> list[str]:
 
 
 def _loads(cfg: DirectConfig) -> list[str]:
-    """Loading one vector of A or B: bounds per pad.m / pad.n / pad.k, width per pad.align."""
-    k_check = cfg.pad_k != "divisible"
-
-    def body(kind: str, dim_ok: str) -> list[str]:
-        conds = [c for c in (dim_ok, "k < K" if k_check else "") if c]
-        cond = " && ".join(conds) or "true"
-        if cfg.align == 8:
-            load = "ld_stream(p)" if kind == "B" else "ld_cached(p)"
-        else:
-            load = "ld_realigned(p, K - k)"
-        return [f"  return ({cond}) ? {load} : make_uint4(0u, 0u, 0u, 0u);"]
-
-    m_ok = "row < M" if cfg.pad_m != "divisible" else ""
-    n_ok = "col < N" if cfg.pad_n != "divisible" else ""
+    """One row's vector of A or B: bounds per pad.m / pad.n / pad.k, width per pad.align; raw now, usable later."""
+    k_check = "k < K" if cfg.pad_k != "divisible" else ""
+    m_ok = " && ".join(c for c in ("row < M" if cfg.pad_m != "divisible" else "", k_check) if c) or "true"
+    n_ok = " && ".join(c for c in ("col < N" if cfg.pad_n != "divisible" else "", k_check) if c) or "true"
+    if cfg.align == 8:
+        def raw(op, ok):
+            load = "ld_stream(p)" if op == "B" else "ld_cached(p)"
+            return [f"  v[0] = ({ok}) ? {load} : make_uint4(0u, 0u, 0u, 0u);"]
+        use = ["  (void)p; (void)left;", "  return v[0];"]
+    else:
+        def raw(op, ok):
+            return [f"  ld_raw(v, p, K - k, {ok}, {'true' if op == 'B' else 'false'});"]
+        use = ["  return realign(v, p, left);"]
     return [
         "// A row `row`, K elements k .. k + 7 (A is M x K, K-major).",
-        "__device__ __forceinline__ uint4 load_a(const InT* __restrict__ A, int row, int k, int M, int K) {",
-        "  const InT* p = A + (long long)row * K + k;",
-        *body("A", m_ok),
+        "__device__ __forceinline__ const InT* a_at(const InT* A, int row, int k, int K) {",
+        "  return A + (long long)row * K + k;",
         "}",
         "// B column `col`, K elements k .. k + 7 (B is stored N x K, K-major).",
-        "__device__ __forceinline__ uint4 load_b(const InT* __restrict__ B, int col, int k, int N, int K) {",
-        "  const InT* p = B + (long long)col * K + k;",
-        *body("B", n_ok),
+        "__device__ __forceinline__ const InT* b_at(const InT* B, int col, int k, int K) {",
+        "  return B + (long long)col * K + k;",
+        "}",
+        "__device__ __forceinline__ void load_a(uint4 (&v)[V], const InT* A, int row, int k, int M, int K) {",
+        "  const InT* p = a_at(A, row, k, K);",
+        *raw("A", m_ok),
+        "}",
+        "__device__ __forceinline__ void load_b(uint4 (&v)[V], const InT* B, int col, int k, int N, int K) {",
+        "  const InT* p = b_at(B, col, k, K);",
+        *raw("B", n_ok),
+        "}",
+        "// The 8 elements a raw vector holds (pad.align < 8: shifted out of lo and hi), given its row pointer.",
+        "__device__ __forceinline__ uint4 use(const uint4 (&v)[V], const InT* p, int left) {",
+        *use,
         "}",
         "",
     ]
@@ -251,39 +287,46 @@ def _loads(cfg: DirectConfig) -> list[str]:
 
 def _step_functions(cfg: DirectConfig) -> list[str]:
     chunk_k = F.chunk_k(cfg.bk).to_cpp()
-    a_regs = ", ".join(f"word(a{'hi' if row else 'lo'}[mi], 2 * h + {word})"
+    a_regs = ", ".join(f"word(a{'hi' if row else 'lo'}, 2 * h + {word})"
                        if not (row and cfg.half_m) else "0u"
                        for row, word in zip(F.A_ROW, F.A_WORD))
-    b_regs = ", ".join(f"word(b[u][ni], 2 * h + {word})" for word in F.B_WORD)
+    b_regs = ", ".join(f"word(bv[ni], 2 * h + {word})" for word in F.B_WORD)
     return [
-        "// The B vectors of k step `step`: chunk u, n8 block ni of this warp (DirectFeed.chunk_k).",
-        "__device__ __forceinline__ void load_step(uint4 (&b)[CHUNKS][NI], const InT* __restrict__ B, int col0,",
-        "                                          int step, int q, int N, int K) {",
+        "// Issue every load of k step `step`: per chunk u (DirectFeed.chunk_k), this warp's B columns col0 + 8 ni and",
+        "// A rows row0 + 16 mi (+ 8).",
+        "__device__ __forceinline__ void load_step(Step& st, const InT* __restrict__ A, const InT* __restrict__ B,",
+        "                                          int row0, int col0, int step, int q, int M, int N, int K) {",
         "#pragma unroll",
         "  for (int u = 0; u < CHUNKS; ++u) {",
         f"    const int k = {chunk_k};",
         "#pragma unroll",
-        "    for (int ni = 0; ni < NI; ++ni) b[u][ni] = load_b(B, col0 + 8 * ni, k, N, K);",
+        "    for (int ni = 0; ni < NI; ++ni) load_b(st.b[u][ni], B, col0 + 8 * ni, k, N, K);",
+        "#pragma unroll",
+        "    for (int mi = 0; mi < MI; ++mi)",
+        "#pragma unroll",
+        "      for (int ra = 0; ra < RA; ++ra) load_a(st.a[u][mi][ra], A, row0 + 16 * mi + 8 * ra, k, M, K);",
         "  }",
         "}",
         "",
-        "// Multiply k step `step`: per chunk, the A vectors of rows g (+ 8) of each m16 block, then two k16 MMAs, each",
-        "// fed words 2h, 2h + 1 of every vector (DirectFeed.A_WORD / B_WORD: the same K elements on both sides).",
-        "__device__ __forceinline__ void mma_step(float (&acc)[MI][NI][4], const uint4 (&b)[CHUNKS][NI],",
-        "                                         const InT* __restrict__ A, int row0, int step, int q, int M, int K) {",
+        "// Multiply k step `step`: per chunk, two k16 MMAs per (m16, n8) block, each fed words 2h, 2h + 1 of every",
+        "// vector (DirectFeed.A_WORD / B_WORD: the same K elements on both sides).",
+        "__device__ __forceinline__ void mma_step(float (&acc)[MI][NI][4], const Step& st, const InT* __restrict__ A,",
+        "                                         const InT* __restrict__ B, int row0, int col0, int step, int q,",
+        "                                         int K) {",
         "#pragma unroll",
         "  for (int u = 0; u < CHUNKS; ++u) {",
         f"    const int k = {chunk_k};",
-        "    uint4 alo[MI], ahi[MI];",
+        "    uint4 bv[NI];",
+        "#pragma unroll",
+        "    for (int ni = 0; ni < NI; ++ni) bv[ni] = use(st.b[u][ni], b_at(B, col0 + 8 * ni, k, K), K - k);",
         "#pragma unroll",
         "    for (int mi = 0; mi < MI; ++mi) {",
-        "      alo[mi] = load_a(A, row0 + 16 * mi, k, M, K);",
-        "      ahi[mi] = HALF_M ? make_uint4(0u, 0u, 0u, 0u) : load_a(A, row0 + 16 * mi + 8, k, M, K);",
-        "    }",
+        "      const uint4 alo = use(st.a[u][mi][0], a_at(A, row0 + 16 * mi, k, K), K - k);",
+        "      const uint4 ahi = RA == 2 ? use(st.a[u][mi][RA - 1], a_at(A, row0 + 16 * mi + 8, k, K), K - k)",
+        "                                : make_uint4(0u, 0u, 0u, 0u);",
+        "      (void)ahi;",
         "#pragma unroll",
-        f"    for (int h = 0; h < {F.MMAS_PER_CHUNK}; ++h)",
-        "#pragma unroll",
-        "      for (int mi = 0; mi < MI; ++mi) {",
+        f"      for (int h = 0; h < {F.MMAS_PER_CHUNK}; ++h) {{",
         f"        const unsigned a[4] = {{{a_regs}}};",
         "#pragma unroll",
         "        for (int ni = 0; ni < NI; ++ni) {",
@@ -291,6 +334,7 @@ def _step_functions(cfg: DirectConfig) -> list[str]:
         "          mma_16816(acc[mi][ni], a, bb);",
         "        }",
         "      }",
+        "    }",
         "  }",
         "}",
         "",
@@ -303,20 +347,20 @@ def _gemm_entry(cfg: DirectConfig) -> list[str]:
     if cfg.stages == 1:
         loop = [
             "  for (int step = 0; step < steps; ++step) {",
-            "    load_step(b0, B, col0, step, q, N, K);",
-            "    mma_step(acc, b0, A, row0, step, q, M, K);",
+            "    load_step(s0, A, B, row0, col0, step, q, M, N, K);",
+            "    mma_step(acc, s0, A, B, row0, col0, step, q, K);",
             "  }",
         ]
     else:
         loop = [
             "  // stages=2: step s + 1's B vectors are in flight while step s multiplies (two register sets, so",
             "  // the loop advances two steps at a time and every index into them is a constant).",
-            "  if (steps > 0) load_step(b0, B, col0, 0, q, N, K);",
+            "  if (steps > 0) load_step(s0, A, B, row0, col0, 0, q, M, N, K);",
             "  for (int step = 0; step < steps; step += 2) {",
-            "    if (step + 1 < steps) load_step(b1, B, col0, step + 1, q, N, K);",
-            "    mma_step(acc, b0, A, row0, step, q, M, K);",
-            "    if (step + 2 < steps) load_step(b0, B, col0, step + 2, q, N, K);",
-            "    if (step + 1 < steps) mma_step(acc, b1, A, row0, step + 1, q, M, K);",
+            "    if (step + 1 < steps) load_step(s1, A, B, row0, col0, step + 1, q, M, N, K);",
+            "    mma_step(acc, s0, A, B, row0, col0, step, q, K);",
+            "    if (step + 2 < steps) load_step(s0, A, B, row0, col0, step + 2, q, M, N, K);",
+            "    if (step + 1 < steps) mma_step(acc, s1, A, B, row0, col0, step + 1, q, K);",
             "  }",
         ]
     m_ok = " && r < M" if cfg.pad_m != "divisible" else ""
@@ -363,8 +407,8 @@ def _gemm_entry(cfg: DirectConfig) -> list[str]:
         "    for (int ni = 0; ni < NI; ++ni)",
         "#pragma unroll",
         "      for (int r = 0; r < 4; ++r) acc[mi][ni][r] = 0.f;",
-        "  uint4 b0[CHUNKS][NI];",
-        *(["  uint4 b1[CHUNKS][NI];"] if cfg.stages == 2 else []),
+        "  Step s0;",
+        *(["  Step s1;"] if cfg.stages == 2 else []),
         "  const int steps = (K + BK - 1) / BK;",
         *loop,
         "",
