@@ -24,10 +24,10 @@ import ml_dtypes
 import numpy as np
 
 from .errors import InterpError
-from .indexing import (REPACK_ALIGN, BlockSplit, ClusterReduce, Repack, SplitKTree, ceil_div, rasterize, smem_swizzle,
+from .indexing import (REPACK_ALIGN, BlockSplit, ClusterReduce, DirectFeed, Repack, SplitKTree, ceil_div, rasterize, smem_swizzle,
                        splitk_range)
 from .nodes import Kernel, Problem
-from .analysis import block_reduce, resolved_stages, shares_fragments, warpgroups_m
+from .analysis import block_reduce, direct_shape, resolved_stages, shares_fragments, warpgroups_m
 from .target import H200_SMS, UNIT_ROUNDOFF
 from .verify import check_problem
 
@@ -281,7 +281,10 @@ class _Schedule:
         sk = self.kernel.splitk
         ws_writes = None
         k_cover: dict = {}
-        if sk is None:
+        if self.kernel.pipeline.mode == "direct":
+            self._direct(c, writes, order)
+            k_cover = {t: [(0, self.k_tiles)] for t in order}
+        elif sk is None:
             for tm, tn in order:
                 self.store(c, writes, tm, tn, self.mainloop(tm, tn, 0, self.k_tiles))
                 k_cover[(tm, tn)] = [(0, self.k_tiles)]
@@ -305,6 +308,43 @@ class _Schedule:
         if ws_writes is not None:
             _check_once(ws_writes, "the split-K workspace", ws_expected)
         return InterpResult(c, order, writes, ws_writes, k_cover, repack_writes)
+
+    # ---- pipeline mode=direct ------------------------------------------------------------------------------
+    def _direct(self, c: np.ndarray, writes: np.ndarray, order: list[tuple[int, int]]) -> None:
+        """pipeline mode=direct (l2ir.indexing.DirectFeed): every lane's vectors are read from A's and B's memory at
+        the offsets the backend renders (chunk_k; pad.align < 8: realigned out of two aligned vectors), each k16 MMA
+        takes its fragments by the register tables, and C is stored by the accumulator fragment map."""
+        p, kern = self.problem, self.kernel
+        steps = self.k_tiles
+        chunks = self.bk // DirectFeed.CHUNK_K
+        # The K vectors the lanes load: chunk_k over every (step, u, q) must hit each 8-element vector once.
+        grid = np.meshgrid(np.arange(steps), np.arange(chunks), np.arange(DirectFeed.LANES_PER_ROW), indexing="ij")
+        starts = np.asarray(DirectFeed.chunk_k(self.bk).eval(dict(zip(("step", "u", "q"), grid)))).ravel()
+        _check_once(np.bincount(starts // DirectFeed.ELEMS, minlength=steps * self.bk // DirectFeed.ELEMS),
+                    "each 8-element K vector (DirectFeed.chunk_k)")
+        kpad = steps * self.bk
+        a_eff = _direct_rows(self.a, p.k, kpad, kern.pad.align, "A")          # M x kpad, zeros past K
+        b_eff = _direct_rows(self.b.T, p.k, kpad, kern.pad.align, "B").T      # kpad x N
+        phys = {op: _direct_feed(op) for op in ("A", "B")}
+        acc = np.zeros((p.m, p.n), dtype=np.float32)
+        for k0 in range(0, kpad, DirectFeed.CHUNK_K):      # (step, u) in order; two MMAs per chunk
+            for h in range(DirectFeed.MMAS_PER_CHUNK):
+                acc += a_eff[:, k0 + phys["A"][h]].astype(np.float32) @ b_eff[k0 + phys["B"][h], :].astype(np.float32)
+        out = acc.astype(self.out_dtype)
+        mi, ni, _ = direct_shape(kern)
+        wn = kern.tile.warps[1]
+        g, q, w, i, j, r = np.meshgrid(np.arange(8), np.arange(4), np.arange(wn), np.arange(mi), np.arange(ni),
+                                       np.arange(4), indexing="ij")
+        row_off = (16 * i + g + np.take(DirectFeed.C_ROW, r)).ravel()
+        col_off = (w * ni * 8 + 8 * j + 2 * q + np.take(DirectFeed.C_COL, r)).ravel()
+        if self.bm == 8:                                    # half-fed MMA: rows g + 8 are not this tile's
+            keep = row_off < 8
+            row_off, col_off = row_off[keep], col_off[keep]
+        for tm, tn in order:
+            rows, cols = tm * self.bm + row_off, tn * self.bn + col_off
+            ok = (rows < p.m) & (cols < p.n)
+            c[rows[ok], cols[ok]] = out[rows[ok], cols[ok]]
+            np.add.at(writes, (rows[ok], cols[ok]), 1)
 
     def _slice_partial(self, tm: int, tn: int, slice_: int, slices: int, k_cover: dict) -> np.ndarray:
         """One split-K block's fp32 partial: output tile (tm, tn) over its slice's k tiles (l2ir.indexing.splitk_range),
@@ -453,6 +493,68 @@ def _repack(kernel: Kernel, problem: Problem, a: np.ndarray, b: np.ndarray):
         read[op] = view if layout == "row" else view.T
     _check_once(writes, "the repack workspace", expected)
     return read["A"], read["B"], writes
+
+
+def _direct_feed(op: str) -> list[np.ndarray]:
+    """Per k16 MMA h of a chunk: the chunk-relative K element behind each of the MMA's 16 K positions, read off the
+    fragment tables of `op` (DirectFeed.A_* or B_*) for all 4 lanes of a row. Raises InterpError unless every K
+    position is fed exactly once (for A, in both row halves of the m16 block)."""
+    F = DirectFeed
+    regs = ((F.A_KPOS, F.A_WORD, F.A_ROW) if op == "A" else (F.B_KPOS, F.B_WORD, (0,) * len(F.B_KPOS)))
+    out = []
+    for h in range(F.MMAS_PER_CHUNK):
+        src = np.full((2, 16), -1, dtype=np.int64)
+        count = np.zeros((2, 16), dtype=np.int64)
+        for q in range(F.LANES_PER_ROW):
+            for kpos, word, row in zip(*regs):
+                for t in range(2):
+                    pos = 2 * q + kpos + t
+                    src[row // 8, pos] = int(F.physical_k(h, word).eval({"q": q})) + t
+                    count[row // 8, pos] += 1
+        halves = count[:1] if op == "B" else count
+        if not (halves == 1).all():
+            raise InterpError(f"direct feed: {op}'s fragment tables feed MMA K positions "
+                              f"{np.argwhere(halves != 1)[:, 1].tolist()} {halves.max()} or 0 times, not once")
+        if op == "A" and not (src[0] == src[1]).all():
+            raise InterpError("direct feed: A's rows g and g + 8 take different K elements for one K position")
+        out.append(src[0])
+    return out
+
+
+def _direct_rows(x: np.ndarray, k: int, kpad: int, align: int, name: str) -> np.ndarray:
+    """What a direct kernel's lanes hold for each row of `x` (rows x K, K contiguous, rows K apart in memory): the
+    8-element vectors at 0, 8, ... < kpad, zero past K. pad.align < 8 loads the aligned vector below each and, where
+    DirectFeed.realign_needs_upper says so, the next, from a flat copy of the operand whose ends are poisoned with
+    NaN; a lower vector outside the operand raises (an out-of-bounds read)."""
+    rows = x.shape[0]
+    flat = np.ascontiguousarray(x).ravel()
+    out = np.zeros((rows, kpad), dtype=x.dtype)
+    if align == 8:
+        out[:, :k] = x
+        return out
+    pad = 16
+    mem = np.concatenate([np.full(pad, np.nan, x.dtype), flat, np.full(pad, np.nan, x.dtype)])
+    for r in range(rows):
+        for k0 in range(0, kpad, DirectFeed.ELEMS):
+            if k0 >= k:
+                break
+            elem = pad + r * k + k0                       # the operand's base is 16-byte aligned in the model
+            off = int(DirectFeed.realign_offset().eval({"elem": elem - pad}))
+            lo_at = elem - off
+            if (lo_at - pad) % DirectFeed.ELEMS:
+                raise InterpError(f"direct feed: {name} row {r} at k={k0}: the lower vector at element "
+                                  f"{lo_at - pad} is not 16-byte aligned (realign_offset)")
+            if lo_at + DirectFeed.ELEMS <= pad or lo_at >= pad + flat.size:
+                raise InterpError(f"direct feed: {name} row {r} reads a vector outside the operand at k={k0}")
+            vec = mem[lo_at:lo_at + 2 * DirectFeed.ELEMS].copy()
+            if not DirectFeed.realign_needs_upper(off, k0, k):
+                vec[DirectFeed.ELEMS:] = 0                # the upper vector is not loaded: zeros in registers
+            got = vec[off:off + DirectFeed.ELEMS]
+            keep = min(DirectFeed.ELEMS, k - k0)
+            out[r, k0:k0 + keep] = got[:keep]
+            if np.isnan(got[:keep].astype(np.float32)).any():
+                raise InterpError(f"direct feed: {name} row {r} at k={k0} took poison from outside the operand")
+    return out
 
 
 def _splitk_arrivals(units: int) -> range:

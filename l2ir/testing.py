@@ -125,13 +125,37 @@ def wgmma_kernels(draw) -> Kernel:
     return kernel
 
 
+@st.composite
+def direct_kernels(draw, archs=MMA_SYNC_ARCHS) -> Kernel:
+    """mma.sync fed from global memory by each lane (pipeline mode=direct; any target): BM rows of A per warp,
+    n8 blocks over 1 x WN warps, 32-element K chunks, 1 or 2 register stages, any alignment."""
+    from .verify import DIRECT_BM
+
+    wn, ni = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2]))
+    align = draw(st.sampled_from([1, 2, 4, 8]))
+    raster = draw(st.sampled_from(["along_n", "along_m"]))
+    kernel = Kernel(
+        target=Target(draw(st.sampled_from(archs))),
+        tile=Tile(block=(draw(st.sampled_from(DIRECT_BM)), 8 * wn * ni, 32 * draw(st.sampled_from([1, 2, 4]))),
+                  warps=(1, wn)),
+        mma=Mma("mma_sync", (16, 8, 16)),
+        pipeline=Pipeline("direct", draw(st.sampled_from([1, 2]))),
+        swizzle=Swizzle(None, raster, draw(st.sampled_from([1, 2, 8]))),
+        pad=Pad(draw(st.sampled_from(PAD_MODES)), draw(st.sampled_from(PAD_MODES)),
+                draw(st.sampled_from(PAD_MODES)), align),
+        epilogue=Epilogue("direct", draw(st.sampled_from([v for v in (1, 2) if v <= align]))),
+    )
+    assume(not violations(kernel))
+    return kernel
+
+
 def kernels(targets=None) -> st.SearchStrategy[Kernel]:
     """Legal kernels for the given targets (default: every target; wgmma/TMA kernels where sm90a is among them)."""
     targets = tuple(targets) if targets is not None else ARCHS
     unknown = [t for t in targets if t not in ARCHS]
     if unknown or not targets:
         raise ValueError(f"unknown target(s) {unknown or targets} (targets: {', '.join(ARCHS)})")
-    parts = [mma_sync_kernels(archs=targets)]
+    parts = [mma_sync_kernels(archs=targets), direct_kernels(archs=targets)]
     if any(t in WGMMA_ARCHS for t in targets):
         parts.append(wgmma_kernels())
     return st.one_of(*parts)

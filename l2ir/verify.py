@@ -607,6 +607,19 @@ def _smem_with_output(k: Kernel, p: Problem):
                 f"{k.target.arch} allows {SMEM_LIMIT[k.target.arch] // KB} KB")
 
 
+@rule("pipeline", "direct_operands", PipelineError, problem=True)
+def _direct_operands(k: Kernel, p: Problem):
+    """A direct kernel's lanes read 8 consecutive K elements of a row of A and a column of B (both K-major) and
+    its MMAs accumulate in f32 (l2ir.indexing.DirectFeed)."""
+    if k.pipeline.mode != "direct":
+        return None
+    if p.a[1] != "row" or p.b[1] != "col":
+        return (f"direct kernels load K-contiguous vectors: a must be row-major and b col-major (K-major), not "
+                f"a={p.a[1]} b={p.b[1]}")
+    if p.acc != "f32":
+        return "direct kernels accumulate in f32 (acc=f32)"
+
+
 @rule("pad", "divisible", PadError, problem=True)
 def _divisible(k: Kernel, p: Problem):
     """pad=divisible removes the bounds checks, so the problem must be a multiple of the tile in that dimension."""

@@ -114,8 +114,10 @@ COVERAGE = {"cute_sm80": CUTE_SM80, "cutlass_sm90": CUTLASS_SM90, "cuda_ptx": CU
 # Every registry backend: its seed (where it lowers it) and two kernels of its sweep.
 # ---------------------------------------------------------------------------------------------------------------
 
-SWEEP = {"cute_sm80": "sm80", "cutlass_sm90": "sm90a", "cuda_ptx": "cuda_ptx", "cuda_ptx_sm80": "cuda_ptx_sm80"}
-SEED_ARCH = {"cute_sm80": "sm80", "cutlass_sm90": "sm90a", "cuda_ptx": "sm90a", "cuda_ptx_sm80": "sm80"}
+SWEEP = {"cute_sm80": "sm80", "cutlass_sm90": "sm90a", "cuda_ptx": "cuda_ptx", "cuda_ptx_sm80": "cuda_ptx_sm80",
+         "cuda_ptx_direct": "cuda_ptx_direct"}
+SEED_ARCH = {"cute_sm80": "sm80", "cutlass_sm90": "sm90a", "cuda_ptx": "sm90a", "cuda_ptx_sm80": "sm80",
+             "cuda_ptx_direct": "sm80"}
 
 
 def registry_cases() -> dict[tuple[str, str], tuple[Kernel, Problem]]:
@@ -656,3 +658,37 @@ def test_cutlass_kept_params_follow_pointers_and_shape(tmp_path_factory):
         check(mm, nn, kk, outs[-1], "the first shape again")
     finally:
         launcher.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pipeline mode=direct (the cuda_ptx direct rule): fragments loaded from global memory by each lane. Every sweep
+# kernel on decode shapes (M = 1, rows past a tile, N not a multiple of BN); the align-1 kernels on odd K, where
+# every row of A and B starts on a 2-byte boundary and the two aligned vectors around it are shifted.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _direct_cases() -> dict[str, tuple[Kernel, list[tuple[int, int, int]]]]:
+    cases = {}
+    for name, k in load_sweep("cuda_ptx_direct").items():
+        shapes = [(1, 4096, 4096), (k.tile.bm + 3, 1000, 1000), (2, 96, 64)]
+        if k.pad.align == 1:
+            shapes = [(17, 999, 333), (1, 129, 67), (k.tile.bm + 1, 64, 7)]
+        cases[name] = (k, shapes)
+    narrow = load_sweep("cuda_ptx_direct")["direct_8x32x128_w1x4_s2_align1"]
+    cases["align1_odd_n_divisible_k"] = (narrow.replace(pad=Pad("predicate", "predicate", "zero_fill", 1)),
+                                         [(5, 1001, 4096), (8, 33, 257)])
+    return cases
+
+
+DIRECT = _direct_cases()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", list(DIRECT))
+def test_cuda_ptx_direct_passes_every_gate(evaluator, tmp_path, name):
+    kernel, shapes = DIRECT[name]
+    plan = lower(kernel, F16, "cuda_ptx_direct")
+    art = _build_for_this_gpu(plan, tmp_path)
+    _assert_passes_every_gate(evaluator, kernel, F16, plan, art, shapes, name,
+                              {"accuracy", "all_written", "guard_bands"})

@@ -1,0 +1,206 @@
+"""pipeline mode=direct and the cuda_ptx direct rule: verifier rules, the interpreter's model of the feed
+(l2ir.indexing.DirectFeed) with planted bugs it must catch, Hypothesis against A @ B, golden sources, dispatch and
+nvcc builds (skip cleanly without nvcc). The GPU gates run in tests/test_backends_gpu.py.
+
+Regenerate the golden sources after an intended change to the lowering:
+    python tests/test_cuda_ptx_direct.py --update-golden
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from builds import build_all, built  # noqa: E402
+from golden_sources import GoldenSources  # noqa: E402
+from l2ir.analysis import direct_registers, smem_bytes, threads  # noqa: E402
+from l2ir.backends.registry import backend_for  # noqa: E402
+from l2ir.errors import InterpError, PipelineError, TileError, VerifyError  # noqa: E402
+from l2ir.indexing import DirectFeed  # noqa: E402
+from l2ir.interp import error_bound, interpret, random_inputs, reference  # noqa: E402
+from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile  # noqa: E402
+from l2ir.search.sweeps import load_sweep  # noqa: E402
+from l2ir.verify import DIRECT_BM, verify  # noqa: E402
+
+PROBLEM = Problem(m=1, n=4096, k=4096)
+ODD_K = Problem(m=17, n=9999, k=3333)
+
+
+def direct(block=(8, 32, 256), wn=4, stages=2, align=8, vector=2, pad=("predicate", "predicate", "zero_fill"),
+           arch="sm80", swizzle=None, **changes) -> Kernel:
+    k = Kernel(target=Target(arch), tile=Tile(block, (1, wn)), mma=Mma("mma_sync", (16, 8, 16)),
+               pipeline=Pipeline("direct", stages), swizzle=swizzle, pad=Pad(*pad, align),
+               epilogue=Epilogue("direct", vector))
+    return k.replace(**changes)
+
+
+CASES: dict[str, tuple[Kernel, Problem]] = {
+    "8x32x256_w1x4_s2_decode": (direct(), PROBLEM),
+    "16x32x128_w1x4_s1_raster_along_m": (
+        direct((16, 32, 128), stages=1, swizzle=Swizzle(None, "along_m", 4)), PROBLEM),
+    "32x64x64_w1x8_s2_divisible_bf16": (
+        direct((32, 64, 64), 8, pad=("divisible", "divisible", "divisible")),
+        Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col"), c=("bf16", "row"))),
+    "16x32x64_w1x4_s2_align1_direct1": (direct((16, 32, 64), align=1, vector=1), ODD_K),
+    "sm90a_8x32x64_w1x4_s2_align2": (direct((8, 32, 64), align=2, vector=2, arch="sm90a"), PROBLEM),
+}
+
+GOLDENS = GoldenSources("cuda_ptx_direct", CASES, __file__)
+lower = GOLDENS.lower
+test_golden_source, test_deterministic_in_process, test_deterministic_across_processes = GOLDENS.tests()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The IR and the verifier.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_direct_kernels_have_no_shared_memory_and_one_warp_row():
+    k = direct()
+    assert smem_bytes(k) == 0 and threads(k) == 128
+    assert backend_for(k).name == "cuda_ptx_direct"
+    assert verify(k) is k
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (direct().replace(tile=Tile((8, 32, 256), (2, 4))), TileError, "warps=1x"),
+    (direct((24, 32, 256)), TileError, "BM in"),
+    (direct((8, 36, 256)), TileError, "n8 blocks"),
+    (direct((8, 32, 48)), TileError, "multiple of 32"),
+    (direct(stages=3), PipelineError, "stages=1 or 2"),
+    (direct(swizzle=Swizzle((3, 3, 3), "along_n", 1)), PipelineError, "no shared memory"),
+    (direct(splitk=SplitK("split_k", 2)), PipelineError, "split-K"),
+    (direct(epilogue=Epilogue("smem", 8)), PipelineError, "path=direct"),
+    (direct(mma=Mma("wgmma", (64, 32, 16)), arch="sm90a"), VerifyError, "wgmma"),
+    (direct((8, 8, 512), 1, align=1, vector=1), VerifyError, "registers"),
+])
+def test_verifier_refuses(bad, error, words):
+    with pytest.raises(error, match=re.escape(words)):
+        verify(bad)
+
+
+def test_register_estimate_counts_the_raw_vectors():
+    """The estimate grows with stages, chunks and the realigned pair, the three things ptxas spilled on."""
+    base = direct_registers(direct((8, 32, 128)))
+    assert direct_registers(direct((8, 32, 256))) > base
+    assert direct_registers(direct((8, 32, 128), stages=1)) < base
+    assert direct_registers(direct((8, 32, 128), align=1, vector=1)) > base
+
+
+def test_every_sweep_kernel_lowers_to_the_direct_rule():
+    for name, k in load_sweep("cuda_ptx_direct").items():
+        assert k.pipeline.mode == "direct" and k.tile.bm in DIRECT_BM, name
+        problem = ODD_K if k.pad.align == 1 else PROBLEM.with_shape(17, 999, 1000)
+        plan = lower(k, problem)
+        assert plan.launches[0].smem == 0 and "ld.global.nc" in plan.source, name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The interpreter: the feed it models is the one the backend renders.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _run(kernel, shape, seed=0):
+    p = Problem(*shape)
+    a, b = random_inputs(p, np.random.default_rng(seed))
+    res = interpret(kernel, p, a, b)
+    ok = np.abs(res.c.astype(np.float64) - reference(a, b)) <= error_bound(p, a, b)
+    return res, bool(ok.all())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bm=st.sampled_from(DIRECT_BM), wn=st.sampled_from((1, 2, 4)), ni=st.sampled_from((1, 2)),
+       chunks=st.sampled_from((1, 2, 4)), stages=st.sampled_from((1, 2)), align=st.sampled_from((1, 2, 4, 8)),
+       raster=st.sampled_from(("along_n", "along_m")), group=st.sampled_from((1, 3)),
+       m=st.integers(1, 70), n=st.integers(1, 80), k=st.integers(1, 300), data=st.data())
+def test_interpreter_matches_reference(bm, wn, ni, chunks, stages, align, raster, group, m, n, k, data):
+    k = k - k % align or align
+    vector = 2 if n % 2 == 0 and align >= 2 else 1
+    kernel = direct((bm, 8 * wn * ni, 32 * chunks), wn, stages, align, vector,
+                    swizzle=Swizzle(None, raster, group))
+    try:
+        verify(kernel)
+    except VerifyError:
+        return                   # e.g. over the register budget
+    res, ok = _run(kernel, (m, n, k), data.draw(st.integers(0, 2 ** 16)))
+    assert ok and (res.c_writes == 1).all()
+
+
+def test_planted_word_swap_gives_a_wrong_sum(monkeypatch):
+    """A and B taking their registers' words by different tables multiply different K elements."""
+    monkeypatch.setattr(DirectFeed, "B_WORD", (1, 0))
+    _, ok = _run(direct((16, 32, 64)), (16, 32, 64))
+    assert not ok
+
+
+def test_planted_fragment_position_is_caught(monkeypatch):
+    monkeypatch.setattr(DirectFeed, "A_KPOS", (0, 0, 0, 8))
+    with pytest.raises(InterpError, match="K positions"):
+        _run(direct((16, 32, 64)), (16, 32, 64))
+
+
+def test_planted_chunk_stride_is_caught(monkeypatch):
+    from l2ir.indexing import Q, STEP, U
+
+    monkeypatch.setattr(DirectFeed, "chunk_k", classmethod(lambda cls, bk: STEP * bk + U * 32 + Q * 4))
+    with pytest.raises(InterpError, match="K vector"):
+        _run(direct((16, 32, 64)), (16, 32, 64))
+
+
+def test_planted_realign_offset_is_caught(monkeypatch):
+    from l2ir.indexing import ELEM
+
+    monkeypatch.setattr(DirectFeed, "realign_offset", staticmethod(lambda: ELEM & 3))
+    with pytest.raises(InterpError, match="not 16-byte aligned"):
+        _run(direct((16, 32, 64), align=1, vector=1), (17, 33, 333))
+
+
+def test_upper_vector_only_inside_the_row():
+    """The last row's upper vector would start past the operand: realign_needs_upper must not load it."""
+    assert not DirectFeed.realign_needs_upper(0, 0, 8)          # aligned: one vector
+    assert DirectFeed.realign_needs_upper(3, 0, 8)              # elements 5.. of the row are in the upper vector
+    assert not DirectFeed.realign_needs_upper(3, 0, 5)          # the row ends inside the lower vector
+    res, ok = _run(direct((8, 32, 64), align=1, vector=1), (1, 3, 5))
+    assert ok and (res.c_writes == 1).all()
+
+
+def test_rendered_source_follows_the_tables(monkeypatch):
+    """The words each register takes come from DirectFeed: a planted table changes the generated code."""
+    k, p = CASES["8x32x256_w1x4_s2_decode"]
+    before = lower(k, p).source
+    monkeypatch.setattr(DirectFeed, "B_WORD", (1, 0))
+    assert lower(k, p).source != before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# nvcc builds.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    return build_all({name: lower(*case) for name, case in CASES.items()}, tmp_path_factory.mktemp("cache"))
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("name", list(CASES))
+def test_nvcc_builds_without_spills(builds, name):
+    b = built(builds[name], name)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", b.log)
+    assert spills and all(s == ("0", "0") for s in spills), f"register spills: {spills}"
+    ptx = b.ptx()
+    assert ptx and "mma.sync.aligned.m16n8k16" in ptx
+    assert not re.search(r"(?:ld|st)\.shared", ptx), "a direct kernel uses no shared memory"
+    assert not re.search(r"(?:ld|st)\.local", ptx), "local-memory array"
+
+
+if __name__ == "__main__":
+    GOLDENS.main(sys.argv[1:], __doc__)
