@@ -156,7 +156,9 @@ def direct_registers(kernel: Kernel) -> int:
     mi, ni, u = direct_shape(kernel)
     rows = 1 if kernel.tile.bm == 8 else 2
     raw = 2 if kernel.pad.align < 8 else 1
-    return mi * ni * 4 + kernel.pipeline.stages * u * (ni + mi * rows) * 4 * raw + REG_OVERHEAD
+    # stages=auto is illegal here (the stage rule says so); count the most a direct pipeline may hold meanwhile.
+    stages = kernel.pipeline.stages if isinstance(kernel.pipeline.stages, int) else 2
+    return mi * ni * 4 + stages * u * (ni + mi * rows) * 4 * raw + REG_OVERHEAD
 
 
 def acc_registers(kernel: Kernel, acc_bytes: int = 4) -> int:

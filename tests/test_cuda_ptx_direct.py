@@ -204,3 +204,23 @@ def test_nvcc_builds_without_spills(builds, name):
 
 if __name__ == "__main__":
     GOLDENS.main(sys.argv[1:], __doc__)
+
+
+def test_policies_propose_from_a_direct_parent_without_crashing():
+    """A direct kernel as the parent: the rules and random edits propose children (illegal ones are the verifier's
+    to refuse; the verifier's rules must not crash on a direct kernel whose other fields are illegal, e.g.
+    stages=auto)."""
+    from l2ir.policy.base import Context
+    from l2ir.policy.random_edits import RandomEdits
+    from l2ir.policy.rules import Rules
+
+    parent = load_sweep("cuda_ptx_direct")["direct_8x32x128_w1x4_s2_align1"]
+    made = 0
+    for problem in (PROBLEM, ODD_K):
+        for s in range(3):
+            made += len(Rules().propose(Context(problem, parent, seed=s, count=8, arch="sm90a")))
+            made += len(RandomEdits().propose(Context(problem, parent, seed=s, count=16, arch="sm80")))
+    assert made > 0
+    auto = parent.replace(pipeline=Pipeline("direct", "auto"))
+    with pytest.raises(PipelineError, match="stages=1 or 2"):
+        verify(auto)
