@@ -28,6 +28,8 @@ def threads(kernel: Kernel) -> int:
         b = kernel.source.block
         return b[0] * b[1] * b[2]
     t = kernel.tile.num_warps * WARP_THREADS
+    if kernel.pipeline.mode == "direct" and block_reduce(kernel):
+        return t * kernel.splitk.slices          # one group of 1 x WN warps per K slice
     if kernel.pipeline.mode == "tma_ws":
         # pingpong runs two consumer warpgroups on alternating tiles, each the size of `warps`.
         consumers = t * (2 if kernel.pipeline.schedule == "pingpong" else 1)
@@ -110,6 +112,8 @@ def smem_bytes(kernel: Kernel, ebytes: int = 2) -> int:
     """Dynamic shared memory per block."""
     if kernel.is_source:
         return kernel.source.smem
+    if kernel.pipeline.mode == "direct":
+        return direct_reduce_bytes(kernel)
     ring = ring_bytes(kernel, ebytes)
     epi = epilogue_smem_bytes(kernel)
     if kernel.pipeline.mode == "multistage" and kernel.epilogue.path == "smem":
@@ -159,6 +163,18 @@ def direct_registers(kernel: Kernel) -> int:
     # stages=auto is illegal here (the stage rule says so); count the most a direct pipeline may hold meanwhile.
     stages = kernel.pipeline.stages if isinstance(kernel.pipeline.stages, int) else 2
     return mi * ni * 4 + stages * u * (ni + mi * rows) * 4 * raw + REG_OVERHEAD
+
+
+def direct_slices(kernel: Kernel) -> int:
+    """pipeline mode=direct: the K slices of a block (splitk reduce=block), 1 without."""
+    return kernel.splitk.slices if block_reduce(kernel) else 1
+
+
+def direct_reduce_bytes(kernel: Kernel) -> int:
+    """pipeline mode=direct with K slices: the fp32 accumulators of slices 1 .. S-1, which slice 0 adds from shared
+    memory (l2ir.indexing.DirectFeed.slice_step)."""
+    mi, ni, _ = direct_shape(kernel)
+    return (direct_slices(kernel) - 1) * kernel.tile.warps[1] * WARP_THREADS * mi * ni * 4 * 4
 
 
 def acc_registers(kernel: Kernel, acc_bytes: int = 4) -> int:

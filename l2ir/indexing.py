@@ -502,7 +502,7 @@ class BlockSplit:
 
 
 # Operands straight from global memory into mma.sync fragments (pipeline mode=direct).
-U, Q, ELEM = Var("u"), Var("q"), Var("elem")
+U, Q, ELEM, STEP_I = Var("u"), Var("q"), Var("elem"), Var("i")
 
 
 class DirectFeed:
@@ -546,6 +546,18 @@ class DirectFeed:
     def physical_k(cls, h: int, word: int) -> Expr:
         """K element, relative to the chunk's start, of the first half of `word` of MMA h, for lane q."""
         return Q * cls.ELEMS + (2 * h + word) * 2
+
+    @staticmethod
+    def slice_step(slices: int) -> Expr:
+        """splitk reduce=block: the i-th k step of K slice `slice` (the block's warp group `slice`). Slices
+        interleave, so the groups stream neighbouring parts of every row at once; slice 0 then adds the others'
+        accumulators in slice order, so C is the same bits on every run."""
+        return SLICE + STEP_I * slices
+
+    @staticmethod
+    def slice_steps(slices: int) -> Expr:
+        """How many k steps (of `k_tiles`) slice `slice` takes: split-K gives every slice one at least."""
+        return (K_TILES - SLICE + (slices - 1)) // slices
 
     @staticmethod
     def realign_offset() -> Expr:

@@ -27,7 +27,7 @@ from .errors import InterpError
 from .indexing import (REPACK_ALIGN, BlockSplit, ClusterReduce, DirectFeed, Repack, SplitKTree, ceil_div, rasterize, smem_swizzle,
                        splitk_range)
 from .nodes import Kernel, Problem
-from .analysis import block_reduce, direct_shape, resolved_stages, shares_fragments, warpgroups_m
+from .analysis import block_reduce, direct_shape, direct_slices, resolved_stages, shares_fragments, warpgroups_m
 from .target import H200_SMS, UNIT_ROUNDOFF
 from .verify import check_problem
 
@@ -326,10 +326,28 @@ class _Schedule:
         a_eff = _direct_rows(self.a, p.k, kpad, kern.pad.align, "A")          # M x kpad, zeros past K
         b_eff = _direct_rows(self.b.T, p.k, kpad, kern.pad.align, "B").T      # kpad x N
         phys = {op: _direct_feed(op) for op in ("A", "B")}
-        acc = np.zeros((p.m, p.n), dtype=np.float32)
-        for k0 in range(0, kpad, DirectFeed.CHUNK_K):      # (step, u) in order; two MMAs per chunk
-            for h in range(DirectFeed.MMAS_PER_CHUNK):
-                acc += a_eff[:, k0 + phys["A"][h]].astype(np.float32) @ b_eff[k0 + phys["B"][h], :].astype(np.float32)
+        # K slices (splitk reduce=block): slice s's warps take steps slice_step(S) in order; slice 0 then adds the
+        # other slices' accumulators in slice order. Every step must be taken by exactly one slice.
+        slices = direct_slices(kern)
+        taken = np.zeros(steps, dtype=np.int64)
+        partials = []
+        for sl in range(slices):
+            acc = np.zeros((p.m, p.n), dtype=np.float32)
+            for i in range(int(DirectFeed.slice_steps(slices).eval({"slice": sl, "k_tiles": steps}))):
+                step = int(DirectFeed.slice_step(slices).eval({"slice": sl, "i": i}))
+                if not 0 <= step < steps:
+                    raise InterpError(f"direct split: slice {sl}'s step {i} is k step {step} of {steps}")
+                taken[step] += 1
+                for u in range(chunks):                     # two MMAs per chunk
+                    k0 = step * self.bk + u * DirectFeed.CHUNK_K
+                    for h in range(DirectFeed.MMAS_PER_CHUNK):
+                        acc += (a_eff[:, k0 + phys["A"][h]].astype(np.float32)
+                                @ b_eff[k0 + phys["B"][h], :].astype(np.float32))
+            partials.append(acc)
+        _check_once(taken, "each k step (DirectFeed.slice_step)")
+        acc = partials[0]
+        for part in partials[1:]:
+            acc = acc + part
         out = acc.astype(self.out_dtype)
         mi, ni, _ = direct_shape(kern)
         wn = kern.tile.warps[1]

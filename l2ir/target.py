@@ -43,6 +43,7 @@ MAX_THREADS = 1024
 
 # 255 registers per thread is the ISA limit.
 MAX_REGS = 255
+REGS_PER_SM = 65536      # 32-bit registers of one SM (sm80 and sm90): a block's threads x registers must fit
 
 # A wgmma accumulator lives in the issuing warpgroup's registers; consumers are raised to 232-240 registers by
 # setmaxnreg, so more than ~192 accumulator registers per thread leaves too few for the rest and spills.

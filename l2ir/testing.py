@@ -144,6 +144,7 @@ def direct_kernels(draw, archs=MMA_SYNC_ARCHS) -> Kernel:
         pad=Pad(draw(st.sampled_from(PAD_MODES)), draw(st.sampled_from(PAD_MODES)),
                 draw(st.sampled_from(PAD_MODES)), align),
         epilogue=Epilogue("direct", draw(st.sampled_from([v for v in (1, 2) if v <= align]))),
+        splitk=draw(st.sampled_from([None, None, SplitK("split_k", 2, "block"), SplitK("split_k", 4, "block")])),
     )
     assume(not violations(kernel))
     return kernel

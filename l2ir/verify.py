@@ -23,7 +23,7 @@ from .analysis import (acc_registers, elem_bytes, epilogue_smem_bytes, estimated
                        resolved_stages, ring_bytes, ring_description, shares_fragments, smem_bytes, threads,
                        warpgroups_m)
 from .target import (BLOCK_DIM_MAX, CLUSTER_ARCHS, DTYPE_BYTES, KB, MAX_CLUSTER, MAX_CLUSTER_NONPORTABLE, MAX_REGS,
-                     MAX_THREADS, MAX_WGMMA_ACC_REGS, MMA_SYNC_SHAPES, SMEM_LIMIT, TMA_BOX_MAX)
+                     MAX_THREADS, REGS_PER_SM, MAX_WGMMA_ACC_REGS, MMA_SYNC_SHAPES, SMEM_LIMIT, TMA_BOX_MAX)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -307,6 +307,19 @@ def _persistent(k: Kernel):
 # zeros; or whole m16 blocks), K chunks per k step, and the stages of B vectors held in registers.
 DIRECT_BM = (8, 16, 32, 48, 64)
 DIRECT_STAGES = (1, 2)
+DIRECT_MAX_SLICES = 8
+
+
+@rule("tile", "direct_registers_per_sm", ResourceError)
+def _direct_block_registers(k: Kernel):
+    """A block's threads x registers must fit one SM's register file, or it never launches. Direct kernels keep
+    their loads in flight in registers, so their blocks are the ones that get there."""
+    if k.pipeline.mode != "direct":
+        return None
+    need = threads(k) * estimated_registers(k)
+    if need > REGS_PER_SM:
+        return (f"{threads(k)} threads x about {estimated_registers(k)} registers = {need} exceeds the "
+                f"{REGS_PER_SM} registers of an SM: use fewer K slices or chunks")
 
 
 @rule("tile", "direct_tile", TileError)
@@ -340,7 +353,12 @@ def _direct_shared(k: Kernel):
     if k.pipeline.prefetch:
         return "prefetch=true double-buffers ldmatrix fragments; a direct pipeline has none (stages holds B ahead)"
     if k.splitk is not None:
-        return "split-K is not generated for direct pipelines (remove the splitk node)"
+        sk = k.splitk
+        if sk.mode != "split_k" or sk.reduce != "block":
+            return (f"a direct pipeline splits K only between its own warps: splitk mode=split_k reduce=block, not "
+                    f"mode={sk.mode} reduce={sk.reduce}")
+        if not 2 <= sk.slices <= DIRECT_MAX_SLICES:
+            return f"a direct block holds 2..{DIRECT_MAX_SLICES} K slices of 1x{k.tile.warps[1]} warps, not {sk.slices}"
     if k.repack is not None:
         return "a direct pipeline realigns rows itself (pad.align < 8); remove the repack node"
     if k.epilogue.path != "direct":
@@ -366,8 +384,8 @@ def _cluster_partial(k: Kernel):
     """reduce=cluster leaves each block's fp32 partial tile in its own shared memory, over its finished stage rings
     (the other blocks of the cluster read it from there), so the rings must hold BM x BN x 4 bytes. reduce=block
     needs the same: each consumer warpgroup leaves the half of its partial the other one stores there."""
-    if k.is_source or not shares_fragments(k):
-        return None
+    if k.is_source or not shares_fragments(k) or k.pipeline.mode == "direct":
+        return None                       # direct: its own buffer (analysis.direct_reduce_bytes), in smem_budget
     partial, ring = k.tile.bm * k.tile.bn * 4, ring_bytes(k)
     if partial > ring:
         return (f"reduce={k.splitk.reduce} keeps the {k.tile.bm}x{k.tile.bn} fp32 partial ({partial / KB:.0f} KB) "
@@ -486,6 +504,8 @@ def _splitk(k: Kernel):
         if k.pipeline.persistent:
             return ("reduce=cluster launches one cluster per tile (one block per slice), not a persistent grid: set "
                     "pipeline.persistent=false")
+    if sk.reduce == "block" and k.pipeline.mode == "direct":
+        return None                       # the direct rule (direct_has_no_smem) says which splits it takes
     if sk.reduce == "block":
         # The slices are the block's two consumer warpgroups, fed from one stage ring in turn
         # (l2ir.indexing.BlockSplit), and they add up through shared memory with the wgmma fragment ownership.
@@ -661,6 +681,11 @@ def _slices_vs_k(k: Kernel, p: Problem):
         return None
     slices = k.splitk.slices
     k_tiles = ceil_div(p.k, k.tile.bk)
+    if k.pipeline.mode == "direct":       # interleaved k steps (DirectFeed.slice_step): one each at least
+        if k_tiles < slices:
+            return (f"split_k slices={slices} over K={p.k} ({k_tiles} k step(s) of BK={k.tile.bk}) leaves a slice "
+                    "of warps without a k step")
+        return None
     per = ceil_div(k_tiles, slices)   # the partition of indexing.splitk_range
     if leaves_empty_slice(k_tiles, slices):
         return (f"split_k slices={slices} over K={p.k} ({k_tiles} tile(s) of BK={k.tile.bk}, {per} per slice) "

@@ -51,6 +51,10 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
         Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col"), c=("bf16", "row"))),
     "16x32x64_w1x4_s2_align1_direct1": (direct((16, 32, 64), align=1, vector=1), ODD_K),
     "sm90a_8x32x64_w1x4_s2_align2": (direct((8, 32, 64), align=2, vector=2, arch="sm90a"), PROBLEM),
+    # K split between the block's warps (4 groups of 1x4), added in slice order through shared memory.
+    "8x32x128_w1x4_s2_k4_decode": (direct((8, 32, 128), splitk=SplitK("split_k", 4, "block")), PROBLEM),
+    "16x32x64_w1x4_s1_k3_align1_direct1": (
+        direct((16, 32, 64), stages=1, align=1, vector=1, splitk=SplitK("split_k", 3, "block")), ODD_K),
 }
 
 GOLDENS = GoldenSources("cuda_ptx_direct", CASES, __file__)
@@ -77,7 +81,9 @@ def test_direct_kernels_have_no_shared_memory_and_one_warp_row():
     (direct((8, 32, 48)), TileError, "multiple of 32"),
     (direct(stages=3), PipelineError, "stages=1 or 2"),
     (direct(swizzle=Swizzle((3, 3, 3), "along_n", 1)), PipelineError, "no shared memory"),
-    (direct(splitk=SplitK("split_k", 2)), PipelineError, "split-K"),
+    (direct(splitk=SplitK("split_k", 2)), PipelineError, "reduce=block"),
+    (direct((8, 8, 64), 1, splitk=SplitK("split_k", 16, "block")), PipelineError, "2..8 K slices"),
+    (direct((16, 32, 128), splitk=SplitK("split_k", 8, "block")), VerifyError, "registers of an SM"),
     (direct(epilogue=Epilogue("smem", 8)), PipelineError, "path=direct"),
     (direct(mma=Mma("wgmma", (64, 32, 16)), arch="sm90a"), VerifyError, "wgmma"),
     (direct((8, 8, 512), 1, align=1, vector=1), VerifyError, "registers"),
@@ -100,7 +106,8 @@ def test_every_sweep_kernel_lowers_to_the_direct_rule():
         assert k.pipeline.mode == "direct" and k.tile.bm in DIRECT_BM, name
         problem = ODD_K if k.pad.align == 1 else PROBLEM.with_shape(17, 999, 1000)
         plan = lower(k, problem)
-        assert plan.launches[0].smem == 0 and "ld.global.nc" in plan.source, name
+        assert plan.launches[0].smem == smem_bytes(k) and "ld.global.nc" in plan.source, name
+        assert (k.splitk is None) == (smem_bytes(k) == 0), name
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -119,13 +126,16 @@ def _run(kernel, shape, seed=0):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bm=st.sampled_from(DIRECT_BM), wn=st.sampled_from((1, 2, 4)), ni=st.sampled_from((1, 2)),
        chunks=st.sampled_from((1, 2, 4)), stages=st.sampled_from((1, 2)), align=st.sampled_from((1, 2, 4, 8)),
+       slices=st.sampled_from((1, 1, 2, 3, 4)),
        raster=st.sampled_from(("along_n", "along_m")), group=st.sampled_from((1, 3)),
        m=st.integers(1, 70), n=st.integers(1, 80), k=st.integers(1, 300), data=st.data())
-def test_interpreter_matches_reference(bm, wn, ni, chunks, stages, align, raster, group, m, n, k, data):
-    k = k - k % align or align
+def test_interpreter_matches_reference(bm, wn, ni, chunks, stages, align, slices, raster, group, m, n, k, data):
+    k = max(k - k % align, align, slices * 32 * chunks - 31)     # every K slice gets a k step
+    k += -k % align
     vector = 2 if n % 2 == 0 and align >= 2 else 1
     kernel = direct((bm, 8 * wn * ni, 32 * chunks), wn, stages, align, vector,
-                    swizzle=Swizzle(None, raster, group))
+                    swizzle=Swizzle(None, raster, group),
+                    splitk=SplitK("split_k", slices, "block") if slices > 1 else None)
     try:
         verify(kernel)
     except VerifyError:
@@ -163,6 +173,25 @@ def test_planted_realign_offset_is_caught(monkeypatch):
         _run(direct((16, 32, 64), align=1, vector=1), (17, 33, 333))
 
 
+def test_planted_slice_steps_are_caught(monkeypatch):
+    """Slices that take the same k step twice (or skip one) must not pass as a sum."""
+    from l2ir.indexing import SLICE, STEP_I
+
+    monkeypatch.setattr(DirectFeed, "slice_step", staticmethod(lambda slices: SLICE * 0 + STEP_I * slices))
+    with pytest.raises(InterpError, match="k step"):
+        _run(direct((8, 32, 64), splitk=SplitK("split_k", 2, "block")), (3, 32, 256))
+
+
+def test_split_blocks_take_their_threads_and_shared_memory():
+    k = direct((8, 32, 128), splitk=SplitK("split_k", 4, "block"))
+    assert threads(k) == 512 and smem_bytes(k) == 3 * 4 * 32 * 4 * 4
+    (launch,) = lower(k, PROBLEM).launches
+    assert launch.block == (512, 1, 1) and launch.smem == smem_bytes(k)
+    with pytest.raises(VerifyError, match="without a k step"):
+        from l2ir.verify import check_problem
+        check_problem(k, PROBLEM.with_shape(1, 64, 3 * 128))
+
+
 def test_upper_vector_only_inside_the_row():
     """The last row's upper vector would start past the operand: realign_needs_upper must not load it."""
     assert not DirectFeed.realign_needs_upper(0, 0, 8)          # aligned: one vector
@@ -198,7 +227,10 @@ def test_nvcc_builds_without_spills(builds, name):
     assert spills and all(s == ("0", "0") for s in spills), f"register spills: {spills}"
     ptx = b.ptx()
     assert ptx and "mma.sync.aligned.m16n8k16" in ptx
-    assert not re.search(r"(?:ld|st)\.shared", ptx), "a direct kernel uses no shared memory"
+    # Operands never pass through shared memory; a K split only adds its accumulators there once.
+    shared = len(re.findall(r"(?:ld|st)\.shared", ptx))
+    k, _ = CASES[name]
+    assert (shared == 0) == (k.splitk is None), shared
     assert not re.search(r"(?:ld|st)\.local", ptx), "local-memory array"
 
 

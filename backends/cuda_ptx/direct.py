@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from l2ir.analysis import direct_slices
 from l2ir.indexing import Const, DirectFeed, Var, cdiv, rasterize
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.runtime import Launch, LaunchPlan
@@ -61,6 +62,7 @@ class DirectConfig:
     bk: int
     wn: int
     stages: int
+    slices: int               # splitk reduce=block: groups of 1 x WN warps splitting the k steps (1: none)
     raster: str
     group: int
     pad_m: str
@@ -71,7 +73,12 @@ class DirectConfig:
 
     @property
     def threads(self) -> int:
-        return 32 * self.wn
+        return 32 * self.wn * self.slices
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Shared memory for the accumulators of slices 1 .. S-1 (l2ir.analysis.direct_reduce_bytes)."""
+        return (self.slices - 1) * self.wn * 32 * self.mi * self.ni * 4 * 4
 
     @property
     def mi(self) -> int:
@@ -117,7 +124,7 @@ def canonicalize(kernel: Kernel, problem: Problem) -> DirectConfig:
     return DirectConfig(
         arch=kernel.target.arch, in_dtype=problem.a[0], out_dtype=problem.c[0],
         problem_class=print_problem_class(problem), bm=bm, bn=bn, bk=bk, wn=kernel.tile.warps[1],
-        stages=kernel.pipeline.stages, raster=swz.raster, group=swz.group, pad_m=kernel.pad.m,
+        stages=kernel.pipeline.stages, slices=direct_slices(kernel), raster=swz.raster, group=swz.group, pad_m=kernel.pad.m,
         pad_n=kernel.pad.n, pad_k=kernel.pad.k, align=kernel.pad.align, vector=kernel.epilogue.vector)
 
 
@@ -152,7 +159,8 @@ def _config(cfg: DirectConfig) -> list[str]:
         "",
         f"constexpr int BM = {cfg.bm}, BN = {cfg.bn}, BK = {cfg.bk};   // tile.block",
         f"constexpr int WN = {cfg.wn};                              // tile.warps = 1 x WN",
-        "constexpr int THREADS = 32 * WN;",
+        f"constexpr int SLICES = {cfg.slices};   // splitk reduce=block: warp groups splitting the k steps",
+        "constexpr int THREADS = 32 * WN * SLICES;",
         f"constexpr int MI = {cfg.mi}, NI = {cfg.ni};   // m16 blocks (all BM rows) and n8 blocks per warp",
         f"constexpr int CHUNKS = BK / {F.CHUNK_K};       // 32-element K chunks per k step",
         f"constexpr int STAGES = {cfg.stages};           // pipeline.stages: k steps of B vectors in registers",
@@ -344,23 +352,52 @@ def _step_functions(cfg: DirectConfig) -> list[str]:
 
 def _gemm_entry(cfg: DirectConfig) -> list[str]:
     tile_m, tile_n = rasterize(cfg.raster, cfg.group)
+    step_e = F.slice_step(cfg.slices)
+    step_expr, step_cpp = str(step_e), step_e.to_cpp()
+    reduce = [] if cfg.slices == 1 else [
+        "",
+        "  // splitk reduce=block: slices 1 .. S-1 leave their accumulators in shared memory ([slice - 1][warp][value]",
+        "  // [lane]: consecutive lanes, consecutive banks); slice 0 adds them in slice order and stores C.",
+        "  extern __shared__ float red[];",
+        "  constexpr int VALUES = MI * NI * 4;",
+        "  if (slice > 0) {",
+        "    float* dst = red + ((slice - 1) * WN + warp) * VALUES * 32 + lane;",
+        "#pragma unroll",
+        "    for (int mi = 0; mi < MI; ++mi)",
+        "#pragma unroll",
+        "      for (int ni = 0; ni < NI; ++ni)",
+        "#pragma unroll",
+        "        for (int r = 0; r < 4; ++r) dst[((mi * NI + ni) * 4 + r) * 32] = acc[mi][ni][r];",
+        "  }",
+        "  __syncthreads();",
+        "  if (slice > 0) return;",
+        "  for (int s = 1; s < SLICES; ++s) {",
+        "    const float* src = red + ((s - 1) * WN + warp) * VALUES * 32 + lane;",
+        "#pragma unroll",
+        "    for (int mi = 0; mi < MI; ++mi)",
+        "#pragma unroll",
+        "      for (int ni = 0; ni < NI; ++ni)",
+        "#pragma unroll",
+        "        for (int r = 0; r < 4; ++r) acc[mi][ni][r] += src[((mi * NI + ni) * 4 + r) * 32];",
+        "  }",
+    ]
     if cfg.stages == 1:
         loop = [
-            "  for (int step = 0; step < steps; ++step) {",
-            "    load_step(s0, A, B, row0, col0, step, q, M, N, K);",
-            "    mma_step(acc, s0, A, B, row0, col0, step, q, K);",
+            "  for (int i = 0; i < my_steps; ++i) {",
+            "    load_step(s0, A, B, row0, col0, STEP(i), q, M, N, K);",
+            "    mma_step(acc, s0, A, B, row0, col0, STEP(i), q, K);",
             "  }",
         ]
     else:
         loop = [
             "  // stages=2: step s + 1's B vectors are in flight while step s multiplies (two register sets, so",
             "  // the loop advances two steps at a time and every index into them is a constant).",
-            "  if (steps > 0) load_step(s0, A, B, row0, col0, 0, q, M, N, K);",
-            "  for (int step = 0; step < steps; step += 2) {",
-            "    if (step + 1 < steps) load_step(s1, A, B, row0, col0, step + 1, q, M, N, K);",
-            "    mma_step(acc, s0, A, B, row0, col0, step, q, K);",
-            "    if (step + 2 < steps) load_step(s0, A, B, row0, col0, step + 2, q, M, N, K);",
-            "    if (step + 1 < steps) mma_step(acc, s1, A, B, row0, col0, step + 1, q, K);",
+            "  if (my_steps > 0) load_step(s0, A, B, row0, col0, STEP(0), q, M, N, K);",
+            "  for (int i = 0; i < my_steps; i += 2) {",
+            "    if (i + 1 < my_steps) load_step(s1, A, B, row0, col0, STEP(i + 1), q, M, N, K);",
+            "    mma_step(acc, s0, A, B, row0, col0, STEP(i), q, K);",
+            "    if (i + 2 < my_steps) load_step(s0, A, B, row0, col0, STEP(i + 2), q, M, N, K);",
+            "    if (i + 1 < my_steps) mma_step(acc, s1, A, B, row0, col0, STEP(i + 1), q, K);",
             "  }",
         ]
     m_ok = " && r < M" if cfg.pad_m != "divisible" else ""
@@ -396,7 +433,8 @@ def _gemm_entry(cfg: DirectConfig) -> list[str]:
         f"  const int tile_m = {tile_m.to_cpp()};",
         f"  const int tile_n = {tile_n.to_cpp()};",
         "  (void)tiles_n;",
-        "  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;",
+        "  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32 % WN;",
+        "  const int slice = int(threadIdx.x) / (32 * WN);   // splitk reduce=block: this warp group's K slice",
         "  const int g = lane >> 2, q = lane & 3;   // DirectFeed: row / column g of each block, K vector q",
         "  const int row0 = tile_m * BM + g;                    // A row of m16 block 0 (+ 16 mi, + 8)",
         "  const int col0 = tile_n * BN + warp * NI * 8 + g;    // B column of n8 block 0 (+ 8 ni)",
@@ -410,7 +448,11 @@ def _gemm_entry(cfg: DirectConfig) -> list[str]:
         "  Step s0;",
         *(["  Step s1;"] if cfg.stages == 2 else []),
         "  const int steps = (K + BK - 1) / BK;",
+        f"  // This slice's k steps: step(i) = {step_expr} (DirectFeed.slice_step), i < my_steps.",
+        f"  const int my_steps = {F.slice_steps(cfg.slices).to_cpp().replace('k_tiles', 'steps')};   // slice_steps",
+        f"  const auto STEP = [slice](int i) {{ return {step_cpp}; }};",
         *loop,
+        *reduce,
         "",
         f"  // epilogue path=direct vector={cfg.vector}: element r of a fragment is row g + C_ROW[r], column 2q + C_COL[r].",
         "#pragma unroll",
@@ -436,7 +478,7 @@ def render(cfg: DirectConfig, kernel_text: str = "") -> str:
 
 def launches(cfg: DirectConfig) -> tuple[Launch, ...]:
     return (Launch(entry=GEMM_ENTRY, grid=(cdiv(M_, cfg.bm) * cdiv(N_, cfg.bn), Const(1), Const(1)),
-                   block=(cfg.threads, 1, 1), smem=0),)
+                   block=(cfg.threads, 1, 1), smem=cfg.reduce_bytes),)
 
 
 def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:

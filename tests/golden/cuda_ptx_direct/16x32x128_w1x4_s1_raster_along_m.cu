@@ -23,7 +23,8 @@ using Out2T = __half2;
 
 constexpr int BM = 16, BN = 32, BK = 128;   // tile.block
 constexpr int WN = 4;                              // tile.warps = 1 x WN
-constexpr int THREADS = 32 * WN;
+constexpr int SLICES = 1;   // splitk reduce=block: warp groups splitting the k steps
+constexpr int THREADS = 32 * WN * SLICES;
 constexpr int MI = 1, NI = 1;   // m16 blocks (all BM rows) and n8 blocks per warp
 constexpr int CHUNKS = BK / 32;       // 32-element K chunks per k step
 constexpr int STAGES = 1;           // pipeline.stages: k steps of B vectors in registers
@@ -154,7 +155,8 @@ l2ir_cuda_ptx_direct_gemm(const void* A_, const void* B_, void* C_, int M, int N
   const int tile_m = ((pid % (4 * tiles_m)) / min((tiles_n - ((pid / (4 * tiles_m)) * 4)), 4));
   const int tile_n = (((pid / (4 * tiles_m)) * 4) + ((pid % (4 * tiles_m)) % min((tiles_n - ((pid / (4 * tiles_m)) * 4)), 4)));
   (void)tiles_n;
-  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32 % WN;
+  const int slice = int(threadIdx.x) / (32 * WN);   // splitk reduce=block: this warp group's K slice
   const int g = lane >> 2, q = lane & 3;   // DirectFeed: row / column g of each block, K vector q
   const int row0 = tile_m * BM + g;                    // A row of m16 block 0 (+ 16 mi, + 8)
   const int col0 = tile_n * BN + warp * NI * 8 + g;    // B column of n8 block 0 (+ 8 ni)
@@ -167,9 +169,12 @@ l2ir_cuda_ptx_direct_gemm(const void* A_, const void* B_, void* C_, int M, int N
       for (int r = 0; r < 4; ++r) acc[mi][ni][r] = 0.f;
   Step s0;
   const int steps = (K + BK - 1) / BK;
-  for (int step = 0; step < steps; ++step) {
-    load_step(s0, A, B, row0, col0, step, q, M, N, K);
-    mma_step(acc, s0, A, B, row0, col0, step, q, K);
+  // This slice's k steps: step(i) = slice + i * 1 (DirectFeed.slice_step), i < my_steps.
+  const int my_steps = (((steps - slice) + 0) / 1);   // slice_steps
+  const auto STEP = [slice](int i) { return (slice + (i * 1)); };
+  for (int i = 0; i < my_steps; ++i) {
+    load_step(s0, A, B, row0, col0, STEP(i), q, M, N, K);
+    mma_step(acc, s0, A, B, row0, col0, STEP(i), q, K);
   }
 
   // epilogue path=direct vector=2: element r of a fragment is row g + C_ROW[r], column 2q + C_COL[r].

@@ -22,7 +22,8 @@ using Out2T = __nv_bfloat162;
 
 constexpr int BM = 32, BN = 64, BK = 64;   // tile.block
 constexpr int WN = 8;                              // tile.warps = 1 x WN
-constexpr int THREADS = 32 * WN;
+constexpr int SLICES = 1;   // splitk reduce=block: warp groups splitting the k steps
+constexpr int THREADS = 32 * WN * SLICES;
 constexpr int MI = 2, NI = 1;   // m16 blocks (all BM rows) and n8 blocks per warp
 constexpr int CHUNKS = BK / 32;       // 32-element K chunks per k step
 constexpr int STAGES = 2;           // pipeline.stages: k steps of B vectors in registers
@@ -153,7 +154,8 @@ l2ir_cuda_ptx_direct_gemm(const void* A_, const void* B_, void* C_, int M, int N
   const int tile_m = (((pid / (1 * tiles_n)) * 1) + ((pid % (1 * tiles_n)) % min((tiles_m - ((pid / (1 * tiles_n)) * 1)), 1)));
   const int tile_n = ((pid % (1 * tiles_n)) / min((tiles_m - ((pid / (1 * tiles_n)) * 1)), 1));
   (void)tiles_n;
-  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32 % WN;
+  const int slice = int(threadIdx.x) / (32 * WN);   // splitk reduce=block: this warp group's K slice
   const int g = lane >> 2, q = lane & 3;   // DirectFeed: row / column g of each block, K vector q
   const int row0 = tile_m * BM + g;                    // A row of m16 block 0 (+ 16 mi, + 8)
   const int col0 = tile_n * BN + warp * NI * 8 + g;    // B column of n8 block 0 (+ 8 ni)
@@ -167,14 +169,17 @@ l2ir_cuda_ptx_direct_gemm(const void* A_, const void* B_, void* C_, int M, int N
   Step s0;
   Step s1;
   const int steps = (K + BK - 1) / BK;
+  // This slice's k steps: step(i) = slice + i * 1 (DirectFeed.slice_step), i < my_steps.
+  const int my_steps = (((steps - slice) + 0) / 1);   // slice_steps
+  const auto STEP = [slice](int i) { return (slice + (i * 1)); };
   // stages=2: step s + 1's B vectors are in flight while step s multiplies (two register sets, so
   // the loop advances two steps at a time and every index into them is a constant).
-  if (steps > 0) load_step(s0, A, B, row0, col0, 0, q, M, N, K);
-  for (int step = 0; step < steps; step += 2) {
-    if (step + 1 < steps) load_step(s1, A, B, row0, col0, step + 1, q, M, N, K);
-    mma_step(acc, s0, A, B, row0, col0, step, q, K);
-    if (step + 2 < steps) load_step(s0, A, B, row0, col0, step + 2, q, M, N, K);
-    if (step + 1 < steps) mma_step(acc, s1, A, B, row0, col0, step + 1, q, K);
+  if (my_steps > 0) load_step(s0, A, B, row0, col0, STEP(0), q, M, N, K);
+  for (int i = 0; i < my_steps; i += 2) {
+    if (i + 1 < my_steps) load_step(s1, A, B, row0, col0, STEP(i + 1), q, M, N, K);
+    mma_step(acc, s0, A, B, row0, col0, STEP(i), q, K);
+    if (i + 2 < my_steps) load_step(s0, A, B, row0, col0, STEP(i + 2), q, M, N, K);
+    if (i + 1 < my_steps) mma_step(acc, s1, A, B, row0, col0, STEP(i + 1), q, K);
   }
 
   // epilogue path=direct vector=2: element r of a fragment is row g + C_ROW[r], column 2q + C_COL[r].
