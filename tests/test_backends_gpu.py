@@ -670,9 +670,11 @@ def test_cutlass_kept_params_follow_pointers_and_shape(tmp_path_factory):
 def _direct_cases() -> dict[str, tuple[Kernel, list[tuple[int, int, int]]]]:
     cases = {}
     for name, k in load_sweep("cuda_ptx_direct").items():
-        shapes = [(1, 4096, 4096), (k.tile.bm + 3, 1000, 1000), (2, 96, 64)]
+        # K slices (splitk reduce=block) need a k step each: the short K gives the last slices exactly one.
+        slices, bk = (k.splitk.slices if k.splitk is not None else 1), k.tile.bk
+        shapes = [(1, 4096, 4096), (k.tile.bm + 3, 1000, 1000), (2, 96, slices * bk + 8)]
         if k.pad.align == 1:
-            shapes = [(17, 999, 333), (1, 129, 67), (k.tile.bm + 1, 64, 7)]
+            shapes = [(17, 999, 333 + slices * bk), (1, 129, (slices - 1) * bk + 67), (k.tile.bm + 1, 64, slices * bk - 57)]
         cases[name] = (k, shapes)
     narrow = load_sweep("cuda_ptx_direct")["direct_8x32x128_w1x4_s2_align1"]
     cases["align1_odd_n_divisible_k"] = (narrow.replace(pad=Pad("predicate", "predicate", "zero_fill", 1)),
