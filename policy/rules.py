@@ -124,6 +124,27 @@ def decode_align_kernel(problem: Problem, arch: str) -> Kernel:
     )
 
 
+# Rows of A up to which a 16-byte-aligned K takes the direct decode kernel (bench/results/direct_split_h200.json:
+# 1x4096x4096 11.08 us and 8x4096x4096 11.55 us against torch's 13.8-13.9, where the best shared-memory kernel ran
+# 14.3-14.5; at 4x11008x4096, 344 blocks of 512 threads in 2.6 waves, it ran 0.97x).
+DIRECT_DECODE_ROWS = 8
+
+
+def direct_decode_kernel(problem: Problem, arch: str) -> Kernel:
+    """The direct decode kernel (search/sweeps/cuda_ptx_direct/direct_8x32x128_w1x4_s2_k4.l2, on the problem's
+    target): no shared memory for operands, every lane loads its mma.sync fragments, two k steps of them in
+    registers, and 4 groups of 4 warps split the k steps and add up in slice order."""
+    return Kernel(
+        target=Target(arch),
+        tile=Tile(block=(8, 32, 128), warps=(1, 4)),
+        mma=Mma("mma_sync", (16, 8, 16)),
+        pipeline=Pipeline("direct", 2),
+        pad=Pad("predicate", "predicate", "zero_fill", 8),
+        splitk=SplitK("split_k", 4, "block"),
+        epilogue=Epilogue("direct", 2 if problem.n % 2 == 0 else 1),
+    )
+
+
 # reduce=block on 64x32 tiles: where it won (bench/results/families_focus_v5_h200.json: 1024x128x1024, 64 tiles,
 # 16 k tiles, 5.17 us, 0.93x; 256x64x128, 8 tiles, 2 k tiles, 0.95x), the tiles were at most one wave and the K
 # loop at most 16 k tiles; on longer loops one SM's TMA path limits it and the cluster split wins.
@@ -228,6 +249,15 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
             f"decode, odd K: {m} row(s) of A, every row of A and B on a 2-byte boundary; 32x128 tiles stage the "
             "aligned 16-byte blocks around each row by cp.async and realign them in shared memory, 4 split-K slices",
             backend="cuda_ptx_sm80"))
+
+    # Decode with 16-byte rows: stream B straight into registers (cuda_ptx_direct, its only backend); K must give
+    # each of the 4 slices of warps a k step of 128.
+    if (m <= DIRECT_DECODE_ROWS and alignment(problem) == 8 and k >= 4 * 128 and problem.a[1] == "row"
+            and problem.b[1] == "col" and problem.acc == "f32"):
+        out.append(Candidate(
+            9.3, direct_decode_kernel(problem, arch),
+            f"decode: {m} row(s) of A: each lane loads its fragments from global memory (no shared-memory stage), "
+            "4 groups of warps split K so an SM keeps enough loads in flight to stream B", backend="cuda_ptx_direct"))
 
     # Few small tiles with a short K loop: the block's two consumer warpgroups split it (cuda_ptx).
     if hopper and cuda_ptx_lowered(problem):
