@@ -65,7 +65,7 @@ def _covered(strategy, pick, examples=250):
 
 
 def test_kernels_cover_every_op_mode_schedule_splitk_epilogue_and_pad():
-    missing, _ = _covered(kernels(), lambda k: k)
+    missing, _ = _covered(kernels(), lambda k: k, examples=400)   # three kernel families share the draws
     assert not missing, f"never generated: {missing}"
 
 
