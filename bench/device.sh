@@ -96,6 +96,7 @@ direct-decode-v2|400|python3 -m l2ir.cli bench --target sm90a --shapes 0 --shape
 direct-gpu-tests|400|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k "direct or cuda_ptx_direct"
 direct-split|560|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k "direct" ; python3 -m l2ir.cli bench --target sm90a --shapes 0 --shape 1x4096x4096 --shape 17x9999x3333 --shape 8x4096x4096 --shape 16x8192x8192 --shape 4x11008x4096 --shape 32x4096x4096 --family cuda_ptx_direct=cuda_ptx_direct:direct_8x32x128_w1x4_s2_k4,direct_8x32x128_w1x4_s2_k2,direct_8x32x256_w1x4_s2_k2,direct_8x16x128_w1x2_s2_k4,direct_8x32x64_w1x4_s2_k4,direct_8x32x256_w1x4_s1_k4,direct_16x32x128_w1x4_s2_k2,direct_16x32x64_w1x4_s2_k4,direct_32x32x64_w1x4_s2_k2,direct_16x32x64_w1x4_s2_k2_align1,direct_8x32x64_w1x4_s2_k4_align1,direct_32x32x64_w1x4_s2_k2_align1,direct_8x32x256_w1x4_s2 --family cutlass_sm90=sm90a_skinny:pingpong_64x128x64_c1x4 --family cuda_ptx_sm80=cuda_ptx_sm80:ptx_sm80_32x128x64_w2x4_s4_splitk4_align1_decode --budget-s 330 --out bench/results/direct_split_h200
 direct-gpu-tests-v2|300|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k "direct"
+tune-direct|200|python3 -m l2ir.cli tune --shape 1x4096x4096 --policy rules --budget-candidates 6 --budget-seconds 120 --finalists 2 --db /tmp/tune_direct_h200.db
 EOF
 }
 
