@@ -5,9 +5,11 @@ For few rows of A (decode: M from 1 to 64) a GEMM is a stream of B: every elemen
 M products. A shared-memory pipeline only adds latency there (a cp.async round trip, a barrier per stage) and
 shared memory caps how many bytes a block keeps in flight. Here every lane loads its own m16n8k16 fragments: one
 16-byte vector per row of A and per column of B and chunk (l2ir.indexing.DirectFeed), B with an L1 no-allocate
-hint (it is read once), A through L1 (every warp of a block reads the same A). `stages` k steps of B vectors sit in
-registers, so the loads of step s + 1 are in flight while step s multiplies. The tensor cores do M <= 64 rows at
-the cost of 16 (the rows past M are zeros): at these shapes they are idle anyway; what counts is bytes in flight.
+hint (it is read once), A through L1 (every warp of a block reads the same A). `stages` k steps of A and B vectors
+sit in registers, so the loads of step s + 1 are in flight while step s multiplies, and a K split puts several
+groups of warps on each block's columns, so an SM keeps enough loads in flight to stream B (measured: 1x4096x4096
+in 11.1 us, 1.235x torch.matmul, bench/results/direct_split_h200.json). The tensor cores do M <= 64 rows at the
+cost of 16 (the rows past M are zeros): at these shapes they are idle anyway; what counts is bytes in flight.
 
 Two pure steps, like the other rules:
   canonicalize(kernel, problem) -> DirectConfig   every check; every IR field turned into the one value it means
@@ -18,7 +20,10 @@ Field -> code map:
   tile.block           BM rows of A per block (8: one m16 block fed half, rows g + 8 zero; else BM/16 m16 blocks),
                        BN columns per block, BK K elements per k step (BK/32 chunks)
   tile.warps           1 x WN: each warp takes all BM rows and BN/WN columns (NI n8 blocks)
-  pipeline.stages      1: load a step's B vectors, then multiply; 2: load step s + 1 while multiplying step s
+  pipeline.stages      1: load a step's vectors, then multiply; 2: load step s + 1 while multiplying step s
+  splitk               split_k reduce=block, 2..8 slices: that many groups of 1 x WN warps take interleaved k steps
+                       (DirectFeed.slice_step); slice 0 adds the others' accumulators from shared memory in slice
+                       order and stores C
   swizzle.raster/group block rasterization (l2ir.indexing.rasterize) over pid = blockIdx.x
   pad.m / pad.n        predicate / zero_fill: rows of A past M and columns of B past N are not loaded (zeros), stores
                        are masked; divisible: neither
@@ -223,14 +228,13 @@ def _realign_functions(cfg: DirectConfig) -> list[str]:
         "__device__ __forceinline__ int realign_offset(const InT* p) {",
         "  return int((reinterpret_cast<unsigned long long>(p) >> 1) & 7);   // elem & 7",
         "}",
-        "__device__ __forceinline__ void ld_raw(uint4 (&v)[V], const InT* p, int left, bool ok, bool stream) {",
+        "__device__ __forceinline__ void ld_raw(uint4 (&v)[V], const InT* p, int left, bool ok) {",
         "  const int off = realign_offset(p);",
         "  const InT* base = p - off;",
         "  const uint4 z = make_uint4(0u, 0u, 0u, 0u);",
         "  // lo through L1 even for B: lane q - 1 reads it again as its hi.",
         "  v[0] = ok ? ld_cached(base) : z;",
         "  v[1] = (ok && off > 0 && 8 - off < left) ? ld_cached(base + 8) : z;",
-        "  (void)stream;",
         "}",
         "// The 8 elements out of (lo, hi); elements at or past `left` are zero.",
         "__device__ __forceinline__ uint4 realign(const uint4 (&v)[V], const InT* p, int left) {",
@@ -266,7 +270,7 @@ def _loads(cfg: DirectConfig) -> list[str]:
         use = ["  (void)p; (void)left;", "  return v[0];"]
     else:
         def raw(op, ok):
-            return [f"  ld_raw(v, p, K - k, {ok}, {'true' if op == 'B' else 'false'});"]
+            return [f"  ld_raw(v, p, K - k, {ok});"]
         use = ["  return realign(v, p, left);"]
     return [
         "// A row `row`, K elements k .. k + 7 (A is M x K, K-major).",

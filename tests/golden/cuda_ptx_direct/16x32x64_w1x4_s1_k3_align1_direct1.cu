@@ -77,14 +77,13 @@ __device__ __forceinline__ uint4 ld_cached(const InT* p) {
 __device__ __forceinline__ int realign_offset(const InT* p) {
   return int((reinterpret_cast<unsigned long long>(p) >> 1) & 7);   // elem & 7
 }
-__device__ __forceinline__ void ld_raw(uint4 (&v)[V], const InT* p, int left, bool ok, bool stream) {
+__device__ __forceinline__ void ld_raw(uint4 (&v)[V], const InT* p, int left, bool ok) {
   const int off = realign_offset(p);
   const InT* base = p - off;
   const uint4 z = make_uint4(0u, 0u, 0u, 0u);
   // lo through L1 even for B: lane q - 1 reads it again as its hi.
   v[0] = ok ? ld_cached(base) : z;
   v[1] = (ok && off > 0 && 8 - off < left) ? ld_cached(base + 8) : z;
-  (void)stream;
 }
 // The 8 elements out of (lo, hi); elements at or past `left` are zero.
 __device__ __forceinline__ uint4 realign(const uint4 (&v)[V], const InT* p, int left) {
@@ -115,11 +114,11 @@ __device__ __forceinline__ const InT* b_at(const InT* B, int col, int k, int K) 
 }
 __device__ __forceinline__ void load_a(uint4 (&v)[V], const InT* A, int row, int k, int M, int K) {
   const InT* p = a_at(A, row, k, K);
-  ld_raw(v, p, K - k, row < M && k < K, false);
+  ld_raw(v, p, K - k, row < M && k < K);
 }
 __device__ __forceinline__ void load_b(uint4 (&v)[V], const InT* B, int col, int k, int N, int K) {
   const InT* p = b_at(B, col, k, K);
-  ld_raw(v, p, K - k, col < N && k < K, true);
+  ld_raw(v, p, K - k, col < N && k < K);
 }
 // The 8 elements a raw vector holds (pad.align < 8: shifted out of lo and hi), given its row pointer.
 __device__ __forceinline__ uint4 use(const uint4 (&v)[V], const InT* p, int left) {
