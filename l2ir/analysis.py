@@ -100,7 +100,7 @@ def ring_description(kernel: Kernel, ebytes: int = 2) -> str:
     """How ring_bytes adds up, for resource errors."""
     stages = resolved_stages(kernel, ebytes)
     if kernel.pipeline.mode == "direct":
-        return "no shared memory (direct)"
+        return f"the K split's fp32 accumulators, {direct_reduce_bytes(kernel) / 1024:.1f} KB; no operand stages"
     if kernel.pipeline.mode == "multistage" and kernel.pad.align == 1:
         bm, bn, bk = kernel.tile.block
         return (f"{stages} staging stages x {(bk + 8) * (bm + bn) * ebytes / 1024:.1f} KB + "

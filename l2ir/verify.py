@@ -363,6 +363,12 @@ def _direct_shared(k: Kernel):
         return "a direct pipeline realigns rows itself (pad.align < 8); remove the repack node"
     if k.epilogue.path != "direct":
         return f"a direct pipeline stores its accumulators from registers: epilogue path=direct, not {k.epilogue.path}"
+    if k.epilogue.vector > 2:
+        return (f"epilogue vector={k.epilogue.vector}: a lane's m16n8 accumulator fragment holds 2 adjacent columns; a "
+                "direct pipeline stores 1 or 2")
+    if tuple(k.mma.shape) != (16, 8, 16):
+        return (f"mma {'x'.join(map(str, k.mma.shape))}: a direct pipeline's chunk feeds two m16n8k16 MMAs "
+                "(l2ir.indexing.DirectFeed)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -252,8 +252,7 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
 
     # Decode with 16-byte rows: stream B straight into registers (cuda_ptx_direct, its only backend); K must give
     # each of the 4 slices of warps a k step of 128.
-    if (m <= DIRECT_DECODE_ROWS and alignment(problem) == 8 and k >= 4 * 128 and problem.a[1] == "row"
-            and problem.b[1] == "col" and problem.acc == "f32"):
+    if m <= DIRECT_DECODE_ROWS and alignment(problem) == 8 and k >= 4 * 128 and cuda_ptx_lowered(problem):
         out.append(Candidate(
             9.3, direct_decode_kernel(problem, arch),
             f"decode: {m} row(s) of A: each lane loads its fragments from global memory (no shared-memory stage), "

@@ -676,7 +676,7 @@ def _direct_cases() -> dict[str, tuple[Kernel, list[tuple[int, int, int]]]]:
         if k.pad.align == 1:
             shapes = [(17, 999, 333 + slices * bk), (1, 129, (slices - 1) * bk + 67), (k.tile.bm + 1, 64, slices * bk - 57)]
         cases[name] = (k, shapes)
-    narrow = load_sweep("cuda_ptx_direct")["direct_8x32x128_w1x4_s2_align1"]
+    narrow = load_sweep("cuda_ptx_direct")["direct_16x32x64_w1x4_s2_align1"]
     cases["align1_odd_n_divisible_k"] = (narrow.replace(pad=Pad("predicate", "predicate", "zero_fill", 1)),
                                          [(5, 1001, 4096), (8, 33, 257)])
     return cases
