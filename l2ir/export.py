@@ -174,21 +174,23 @@ def choose(db, environment: str, scenario: str = "offline", accept=None) -> list
                 or db.ranking(problem, environment, scenario, limit=1000))
         why = "no gate-clean measurement"
         pick = eager = None
-        for r in rows:
+        for r in rows:                      # fastest first; the reason names the fastest kernel ruled out
             if r.kernel in dirty:
-                why = f"kernel {r.kernel[:12]} failed a gate elsewhere in this environment"
+                why = why if eager else f"kernel {r.kernel[:12]} failed a gate elsewhere in this environment"
                 continue
             row = db.kernel(r.kernel)
             if not row or not row.get("ir"):
-                why = f"kernel {r.kernel[:12]} has no IR in the DB"
+                why = why if eager else f"kernel {r.kernel[:12]} has no IR in the DB"
                 continue
             if accept is not None and (refusal := accept(row)):
-                why = f"kernel {r.kernel[:12]} left out: {refusal}"
+                why = why if eager else f"kernel {r.kernel[:12]} left out: {refusal}"
                 continue
-            eager = eager or r              # fastest clean kernel, whatever its spread
+            if eager is None:               # fastest clean kernel, whatever its spread
+                eager = r
+                if r.spread is None or r.speedup is None or r.speedup * (1 - r.spread) <= 1.0:
+                    spread = r.spread if r.spread is not None else "unknown"
+                    why = f"best clean speedup {r.speedup:.3f} (spread {spread}) is not above 1 beyond its spread"
             if r.spread is None or r.speedup is None or r.speedup * (1 - r.spread) <= 1.0:
-                why = (f"best clean speedup {r.speedup:.3f} (spread {r.spread if r.spread is not None else 'unknown'})"
-                       " is not above 1 beyond its spread")
                 continue
             pick = r
             break

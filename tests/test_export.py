@@ -125,6 +125,14 @@ def test_cublas_shapes_name_an_eager_kernel_within_the_slack(tmp_path, package):
     assert pkg.resolve_eager(264, 256, 256, CLS_COL) is None      # nearest is 256^3: cuBLAS without an alternative
 
 
+def test_a_cublas_shape_names_its_fastest_clean_kernel(tmp_path):
+    """The reason a shape stays with cuBLAS quotes the fastest clean kernel, not the last one ranked."""
+    rows = [record(K1, (256, 256, 256), 0.95), record(K2, (256, 256, 256), 0.40)]
+    with make_db(tmp_path / "why.db", rows, {K1: SM80, K2: SM80.replace("stages=4", "stages=3")}) as db:
+        (choice,) = export.choose(db, export.choose_environment(db, None))
+    assert choice.kernel is None and "0.950" in choice.reason, choice.reason
+
+
 def test_export_picks_gate_clean_winners_above_their_spread(package):
     got, table = entries(package)
     assert got[(256, 256, 256, CLS_COL)]["kernel"] == K1
