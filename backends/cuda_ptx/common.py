@@ -36,3 +36,32 @@ def check_problem_class(problem, why_a_row: str = "") -> None:
     refused = problem_refusal(problem, why_a_row)
     if refused is not None:
         raise refused
+
+
+def header_lines(what: tuple[str, str], kernel_text: str, problem_class: str, arch: str) -> list[str]:
+    """The head of a generated .cu file: what generated it (two comment lines), from which IR and problem class,
+    and the headers it needs."""
+    return [
+        *what,
+        "// Kernel:",
+        *["//   " + line if line else "//" for line in kernel_text.splitlines()],
+        f"// Problem class: {problem_class}",
+        f"// target.arch={arch}",
+        "#include <cuda_fp16.h>",
+        "#include <cuda_bf16.h>",
+        "",
+    ]
+
+
+def mma_16816_lines(ptx_t: str) -> list[str]:
+    """mma_16816(d, a, b): D = A * B + D with mma.sync m16n8k16, A row and B col (both K-major), `ptx_t` (f16 or
+    bf16: PTX names the 16-bit types as the IR does) in, fp32 accumulators."""
+    return [
+        f"// D = A * B + D, m16n8k16, A row (K-major), B col (K-major), {ptx_t} in, fp32 accumulate.",
+        "__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {",
+        f'  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ptx_t}.{ptx_t}.f32 "',
+        '               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"',
+        '               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])',
+        '               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));',
+        "}",
+    ]

@@ -32,7 +32,7 @@ constexpr bool HALF_M = true;   // BM=8: rows g + 8 of each MMA are zeros
 __device__ __forceinline__ OutT to_out(float a) { return __float2half_rn(a); }
 __device__ __forceinline__ Out2T to_out2(float a, float b) { return __floats2half2_rn(a, b); }
 
-// D = A * B + D, m16n8k16, A row, B col, f16 in, fp32 accumulate.
+// D = A * B + D, m16n8k16, A row (K-major), B col (K-major), f16 in, fp32 accumulate.
 __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
                "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
