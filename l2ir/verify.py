@@ -265,7 +265,7 @@ def _stages(k: Kernel):
             return f"multistage pipelines take 1..13 stages, not {s}"
     elif k.pipeline.mode == "direct":
         if s not in DIRECT_STAGES:
-            return (f"direct pipelines keep 1 or 2 k steps of B vectors in registers (stages=1 or 2), not {s}: "
+            return (f"direct pipelines keep 1 or 2 k steps of A and B vectors in registers (stages=1 or 2), not {s}: "
                     "more would spill")
     else:
         if resolved_stages(k) < 2:
@@ -304,7 +304,7 @@ def _persistent(k: Kernel):
 
 
 # pipeline mode=direct (l2ir.indexing.DirectFeed): rows of A per block (one m16 MMA fed half: rows g + 8 are
-# zeros; or whole m16 blocks), K chunks per k step, and the stages of B vectors held in registers.
+# zeros; or whole m16 blocks), K chunks per k step, the stages of A and B vectors held in registers, and the K slices of a block.
 DIRECT_BM = (8, 16, 32, 48, 64)
 DIRECT_STAGES = (1, 2)
 DIRECT_MAX_SLICES = 8
@@ -343,9 +343,10 @@ def _direct_tile(k: Kernel):
         return "direct kernels share nothing between blocks: tile.cluster must be 1x1"
 
 
-@rule("pipeline", "direct_has_no_smem", PipelineError)
+@rule("pipeline", "direct_operands_in_registers", PipelineError)
 def _direct_shared(k: Kernel):
-    """Direct kernels keep operands in registers: no shared-memory swizzle, split-K, repack or staged epilogue."""
+    """Direct kernels keep operands in registers: no shared-memory swizzle, repack or staged epilogue, and K split
+    only between the block's own warps (reduce=block, whose accumulators alone pass through shared memory)."""
     if k.pipeline.mode != "direct":
         return None
     if k.swizzle is not None and k.swizzle.smem is not None:
@@ -511,7 +512,7 @@ def _splitk(k: Kernel):
             return ("reduce=cluster launches one cluster per tile (one block per slice), not a persistent grid: set "
                     "pipeline.persistent=false")
     if sk.reduce == "block" and k.pipeline.mode == "direct":
-        return None                       # the direct rule (direct_has_no_smem) says which splits it takes
+        return None                       # the direct rule (direct_operands_in_registers) says which splits it takes
     if sk.reduce == "block":
         # The slices are the block's two consumer warpgroups, fed from one stage ring in turn
         # (l2ir.indexing.BlockSplit), and they add up through shared memory with the wgmma fragment ownership.

@@ -147,7 +147,7 @@ def _config(cfg: DirectConfig) -> list[str]:
         "constexpr int THREADS = 32 * WN * SLICES;",
         f"constexpr int MI = {cfg.mi}, NI = {cfg.ni};   // m16 blocks (all BM rows) and n8 blocks per warp",
         f"constexpr int CHUNKS = BK / {F.CHUNK_K};       // 32-element K chunks per k step",
-        f"constexpr int STAGES = {cfg.stages};           // pipeline.stages: k steps of B vectors in registers",
+        f"constexpr int STAGES = {cfg.stages};           // pipeline.stages: k steps of A and B vectors in registers",
         f"constexpr bool HALF_M = {'true' if cfg.half_m else 'false'};   // BM=8: rows g + 8 of each MMA are zeros",
         "",
         f"__device__ __forceinline__ OutT to_out(float a) {{ return {CUDA_FROM_FLOAT[cfg.out_dtype]}(a); }}",
@@ -367,7 +367,7 @@ def _gemm_entry(cfg: DirectConfig) -> list[str]:
         ]
     else:
         loop = [
-            "  // stages=2: step s + 1's B vectors are in flight while step s multiplies (two register sets, so",
+            "  // stages=2: step s + 1's vectors are in flight while step s multiplies (two register sets, so",
             "  // the loop advances two steps at a time and every index into them is a constant).",
             "  if (my_steps > 0) load_step(s0, A, B, row0, col0, STEP(0), q, M, N, K);",
             "  for (int i = 0; i < my_steps; i += 2) {",

@@ -27,7 +27,7 @@ constexpr int SLICES = 3;   // splitk reduce=block: warp groups splitting the k 
 constexpr int THREADS = 32 * WN * SLICES;
 constexpr int MI = 1, NI = 1;   // m16 blocks (all BM rows) and n8 blocks per warp
 constexpr int CHUNKS = BK / 32;       // 32-element K chunks per k step
-constexpr int STAGES = 1;           // pipeline.stages: k steps of B vectors in registers
+constexpr int STAGES = 1;           // pipeline.stages: k steps of A and B vectors in registers
 constexpr bool HALF_M = false;   // BM=8: rows g + 8 of each MMA are zeros
 
 __device__ __forceinline__ OutT to_out(float a) { return __float2half_rn(a); }

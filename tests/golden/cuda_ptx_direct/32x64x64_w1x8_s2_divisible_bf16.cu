@@ -26,7 +26,7 @@ constexpr int SLICES = 1;   // splitk reduce=block: warp groups splitting the k 
 constexpr int THREADS = 32 * WN * SLICES;
 constexpr int MI = 2, NI = 1;   // m16 blocks (all BM rows) and n8 blocks per warp
 constexpr int CHUNKS = BK / 32;       // 32-element K chunks per k step
-constexpr int STAGES = 2;           // pipeline.stages: k steps of B vectors in registers
+constexpr int STAGES = 2;           // pipeline.stages: k steps of A and B vectors in registers
 constexpr bool HALF_M = false;   // BM=8: rows g + 8 of each MMA are zeros
 
 __device__ __forceinline__ OutT to_out(float a) { return __float2bfloat16_rn(a); }
@@ -172,7 +172,7 @@ l2ir_cuda_ptx_direct_gemm(const void* A_, const void* B_, void* C_, int M, int N
   // This slice's k steps: step(i) = slice + i * 1 (DirectFeed.slice_step), i < my_steps.
   const int my_steps = (((steps - slice) + 0) / 1);   // slice_steps
   const auto STEP = [slice](int i) { return (slice + (i * 1)); };
-  // stages=2: step s + 1's B vectors are in flight while step s multiplies (two register sets, so
+  // stages=2: step s + 1's vectors are in flight while step s multiplies (two register sets, so
   // the loop advances two steps at a time and every index into them is a constant).
   if (my_steps > 0) load_step(s0, A, B, row0, col0, STEP(0), q, M, N, K);
   for (int i = 0; i < my_steps; i += 2) {
