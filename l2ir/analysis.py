@@ -153,12 +153,18 @@ def direct_shape(kernel: Kernel) -> tuple[int, int, int]:
     return max(1, bm // 16), bn // (8 * kernel.tile.warps[1]), bk // 32
 
 
+def direct_half_fed(kernel: Kernel) -> bool:
+    """pipeline mode=direct with BM=8: each m16 MMA is fed rows g only; rows g + 8 are zero registers and belong to
+    no output row of the tile."""
+    return kernel.tile.bm == 8
+
+
 def direct_registers(kernel: Kernel) -> int:
     """pipeline mode=direct: accumulators plus `stages` k steps of raw vectors (4 registers each; pad.align < 8 keeps
     two per row, the aligned pair around it) of B (NI columns) and A (rows g and g + 8 of each m16 block, g only at
     BM=8) per chunk, plus overhead. ptxas spilled where this passed 255 (8x8x512 and 8x32x256 align 1, stages 2)."""
     mi, ni, u = direct_shape(kernel)
-    rows = 1 if kernel.tile.bm == 8 else 2
+    rows = 1 if direct_half_fed(kernel) else 2
     raw = 2 if kernel.pad.align < 8 else 1
     # stages=auto is illegal here (the stage rule says so); count the most a direct pipeline may hold meanwhile.
     stages = kernel.pipeline.stages if isinstance(kernel.pipeline.stages, int) else 2

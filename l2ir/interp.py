@@ -27,7 +27,7 @@ from .errors import InterpError
 from .indexing import (REPACK_ALIGN, BlockSplit, ClusterReduce, DirectFeed, Repack, SplitKTree, ceil_div, rasterize, smem_swizzle,
                        splitk_range)
 from .nodes import Kernel, Problem
-from .analysis import block_reduce, direct_shape, direct_slices, resolved_stages, shares_fragments, warpgroups_m
+from .analysis import block_reduce, direct_half_fed, direct_shape, direct_slices, resolved_stages, shares_fragments, warpgroups_m
 from .target import H200_SMS, UNIT_ROUNDOFF
 from .verify import check_problem
 
@@ -355,7 +355,7 @@ class _Schedule:
                                        np.arange(4), indexing="ij")
         row_off = (16 * i + g + np.take(DirectFeed.C_ROW, r)).ravel()
         col_off = (w * ni * 8 + 8 * j + 2 * q + np.take(DirectFeed.C_COL, r)).ravel()
-        if self.bm == 8:                                    # half-fed MMA: rows g + 8 are not this tile's
+        if direct_half_fed(kern):                           # rows g + 8 of the MMA are not this tile's
             keep = row_off < 8
             row_off, col_off = row_off[keep], col_off[keep]
         for tm, tn in order:

@@ -29,7 +29,7 @@ import numpy as np
 
 from .edits import Edit, InsertNode, RemoveNode, ReplaceNode, SetField
 from .nodes import ARCHS, Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
-from .verify import problem_violations, violations
+from .verify import DIRECT_BM, problem_violations, violations
 
 PAD_MODES = ("predicate", "zero_fill", "divisible")
 MMA_SYNC_ARCHS = ARCHS                              # mma.sync + cp.async run on every target from sm80 on
@@ -129,8 +129,6 @@ def wgmma_kernels(draw) -> Kernel:
 def direct_kernels(draw, archs=MMA_SYNC_ARCHS) -> Kernel:
     """mma.sync fed from global memory by each lane (pipeline mode=direct; any target): BM rows of A per warp,
     n8 blocks over 1 x WN warps, 32-element K chunks, 1 or 2 register stages, any alignment."""
-    from .verify import DIRECT_BM
-
     wn, ni = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2]))
     align = draw(st.sampled_from([1, 2, 4, 8]))
     raster = draw(st.sampled_from(["along_n", "along_m"]))

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from l2ir.analysis import direct_reduce_bytes, direct_shape, direct_slices, threads
+from l2ir.analysis import direct_half_fed, direct_reduce_bytes, direct_shape, direct_slices, threads
 from l2ir.indexing import Const, DirectFeed, Var, cdiv, rasterize
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.runtime import Launch, LaunchPlan
@@ -81,11 +81,7 @@ class DirectConfig:
     reduce_bytes: int
     mi: int
     ni: int
-
-    @property
-    def half_m(self) -> bool:
-        """BM=8: each m16 MMA is fed rows g only; rows g + 8 are zero registers (and belong to no output row)."""
-        return self.bm == 8
+    half_m: bool              # BM=8: rows g + 8 of each MMA are zero registers (analysis.direct_half_fed)
 
 
 def refusal(kernel: Kernel) -> UnsupportedLowering | None:
@@ -117,7 +113,8 @@ def canonicalize(kernel: Kernel, problem: Problem) -> DirectConfig:
         problem_class=print_problem_class(problem), bm=bm, bn=bn, bk=bk, wn=kernel.tile.warps[1],
         stages=kernel.pipeline.stages, slices=direct_slices(kernel), raster=swz.raster, group=swz.group, pad_m=kernel.pad.m,
         pad_n=kernel.pad.n, pad_k=kernel.pad.k, align=kernel.pad.align, vector=kernel.epilogue.vector,
-        threads=threads(kernel), reduce_bytes=direct_reduce_bytes(kernel), mi=mi, ni=ni)
+        threads=threads(kernel), reduce_bytes=direct_reduce_bytes(kernel), mi=mi, ni=ni,
+        half_m=direct_half_fed(kernel))
 
 
 # ---------------------------------------------------------------------------------------------------------------
