@@ -12,7 +12,9 @@ back as `CompileFailure` records carrying the log and a one-line shell command t
 
 Arch handling. A plan's `arch` is the feature level its code uses (sm_80: mma.sync/cp.async; sm_90a: wgmma/TMA).
 The SASS must be built for the GPU that runs it: an sm_80 cubin does not load on an sm_90 GPU, so sm_80-level code
-is built as `-gencode=arch=compute_80,code=sm_90` for an H200. Arch-specific ("a") plans only exist for one SM, so
+is built as `-gencode=arch=compute_90,code=sm_90` for an H200: at the device's own feature level, where the kernels'
+guarded griddepcontrol.wait exists (`__CUDA_ARCH__ >= 900`), so every cubin an sm90 GPU loads holds it and may be
+launched with programmatic dependent launch (runtime.Launch.pdl). Arch-specific ("a") plans only exist for one SM, so
 they keep `code=sm_90a`. Never `-arch=sm_90a -c`: that also builds compute_90 PTX, which rejects wgmma.
 """
 
@@ -144,7 +146,9 @@ _ARCH = re.compile(r"^sm_(\d+)(a?)$")
 
 
 def gencode(plan_arch: str, device_sm: str) -> tuple[str, str]:
-    """(virtual, real) arch for a plan on a device: ("compute_80", "sm_90") builds sm_80-level code as sm_90 SASS."""
+    """(virtual, real) arch for a plan on a device: ("compute_90", "sm_90") builds sm_80-level code for an sm_90 GPU, at
+    the device's feature level (the code uses sm_80's instructions; guarded sm_90 ones, such as griddepcontrol for
+    programmatic dependent launch, then compile in too)."""
     pm, dm = _ARCH.match(plan_arch), _ARCH.match(device_sm)
     if not pm:
         raise ArchError(f"plan arch '{plan_arch}' is not of the form sm_XY or sm_XYa")
@@ -158,7 +162,7 @@ def gencode(plan_arch: str, device_sm: str) -> tuple[str, str]:
         return f"compute_{p}a", f"sm_{p}a"
     if p > d:
         raise ArchError(f"{plan_arch} code uses features the {device_sm} device does not have")
-    return f"compute_{p}", f"sm_{d}"
+    return f"compute_{d}", f"sm_{d}"
 
 
 @functools.lru_cache(maxsize=None)

@@ -503,7 +503,7 @@ def launch_plan(spec: KernelSpec):
     return LaunchPlan(
         source="", arch=p["arch"], form=p["form"],
         launches=tuple(Launch(ln["entry"], tuple(parse_expr(g) for g in ln["grid"]), tuple(ln["block"]),
-                              ln["smem"], tuple(ln["cluster"])) for ln in p["launches"]),
+                              ln["smem"], tuple(ln["cluster"]), ln.get("pdl", False)) for ln in p["launches"]),
         workspace_bytes=parse_expr(p["workspace_bytes"]), zero_workspace=p["zero_workspace"])
 
 

@@ -236,7 +236,7 @@ def build_binary(ir_text: str, problem_class: str, backend: str | None, device_s
 def plan_json(plan) -> dict:
     return {"form": plan.form, "arch": plan.arch,
             "launches": [{"entry": ln.entry, "grid": [str(e) for e in ln.grid], "block": list(ln.block),
-                          "smem": ln.smem, "cluster": list(ln.cluster)} for ln in plan.launches],
+                          "smem": ln.smem, "cluster": list(ln.cluster), "pdl": ln.pdl} for ln in plan.launches],
             "workspace_bytes": str(plan.workspace_bytes), "zero_workspace": plan.zero_workspace}
 
 

@@ -40,6 +40,12 @@ class Launch:
     block: tuple[int, int, int]
     smem: int = 0                                 # dynamic shared memory, bytes
     cluster: tuple[int, int, int] = (1, 1, 1)     # thread-block cluster (sm90), launched with cuLaunchKernelEx
+    # Programmatic dependent launch (sm90): the kernel executes griddepcontrol.wait before its first global memory
+    # access, so it may be launched while the stream's previous grid drains; its blocks are placed and run their
+    # prologue meanwhile instead of after the previous grid's completion and memory flush. Its backend sets it for
+    # code that holds the wait (guarded by __CUDA_ARCH__ >= 900); the launcher applies it on sm90+ GPUs only, whose
+    # cubins are all built at compute_90 or later (backends.compile.gencode), so the wait is compiled in.
+    pdl: bool = False
 
     def grid_for(self, m: int, n: int, k: int) -> tuple[int, int, int]:
         return tuple(eval_launch_expr(e, m, n, k) for e in self.grid)  # type: ignore[return-value]
@@ -185,6 +191,10 @@ class CubinLauncher:
         self._ctx = _check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
         _check(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
         self._module = _check(cu.cuModuleLoadData(Path(binary).read_bytes()), f"cuModuleLoadData({binary})")
+        # Programmatic dependent launch exists from sm90 on; elsewhere a pdl launch is an ordinary one.
+        major = _check(cu.cuDeviceGetAttribute(
+            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cuDeviceGetAttribute")
+        self._pdl_device = major >= 9
         self._funcs = []
         for launch in plan.launches:
             fn = _check(cu.cuModuleGetFunction(self._module, launch.entry.encode()),
@@ -219,7 +229,7 @@ class CubinLauncher:
             if gx * gy * gz == 0:
                 continue
             bx, by, bz = launch.block
-            if launch.cluster == (1, 1, 1):
+            if launch.cluster == (1, 1, 1) and not (launch.pdl and self._pdl_device):
                 _check(cu.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, launch.smem, hstream,
                                          ctypes.addressof(params), 0),
                        f"cuLaunchKernel('{launch.entry}', grid=({gx},{gy},{gz}), block={launch.block}, "
@@ -230,13 +240,22 @@ class CubinLauncher:
             config.blockDimX, config.blockDimY, config.blockDimZ = bx, by, bz
             config.sharedMemBytes = launch.smem
             config.hStream = hstream
-            attr = cu.CUlaunchAttribute()
-            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = launch.cluster
-            config.attrs = [attr]
-            config.numAttrs = 1
+            attrs = []
+            if launch.cluster != (1, 1, 1):
+                attr = cu.CUlaunchAttribute()
+                attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = launch.cluster
+                attrs.append(attr)
+            if launch.pdl and self._pdl_device:
+                attr = cu.CUlaunchAttribute()
+                attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+                attr.value.programmaticStreamSerializationAllowed = 1
+                attrs.append(attr)
+            config.attrs = attrs
+            config.numAttrs = len(attrs)
             _check(cu.cuLaunchKernelEx(config, fn, ctypes.addressof(params), 0),
-                   f"cuLaunchKernelEx('{launch.entry}', grid=({gx},{gy},{gz}), cluster={launch.cluster})")
+                   f"cuLaunchKernelEx('{launch.entry}', grid=({gx},{gy},{gz}), cluster={launch.cluster}, "
+                   f"pdl={launch.pdl and self._pdl_device})")
 
     def close(self):
         from cuda.bindings import driver as cu

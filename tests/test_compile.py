@@ -59,8 +59,10 @@ def plan(source=SOURCE, arch="sm_80", **kw):
 
 
 def test_gencode_builds_sm80_features_as_device_sass():
-    # An sm_80 cubin does not load on an sm_90 GPU: the SASS must be the device's.
-    assert gencode("sm_80", "sm_90") == ("compute_80", "sm_90")
+    # An sm_80 cubin does not load on an sm_90 GPU: the SASS must be the device's, built at the device's feature
+    # level so the kernels' guarded griddepcontrol.wait (programmatic dependent launch) compiles in.
+    assert gencode("sm_80", "sm_90") == ("compute_90", "sm_90")
+    assert gencode("sm_80", "sm_80") == ("compute_80", "sm_80")
     assert gencode("sm_90", "sm_90") == ("compute_90", "sm_90")
 
 
@@ -126,7 +128,7 @@ def test_compile_then_cache_hit(tmp_path, compiler):
 def test_nvcc_command_uses_gencode_for_the_device(tmp_path):
     art = compile_plan(plan(), CompileOptions(cache_dir=str(tmp_path), device_sm="sm_90"))
     assert art.ok
-    assert "-gencode=arch=compute_80,code=sm_90" in art.command and " -cubin " in art.command
+    assert "-gencode=arch=compute_90,code=sm_90" in art.command and " -cubin " in art.command
     assert "-arch" not in art.command.replace("-gencode=arch", "")
 
 

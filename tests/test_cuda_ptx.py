@@ -486,13 +486,18 @@ def test_repack_renders_the_copy_and_reads_it():
     assert "operand_map(cache_a, a_read, M, K, lda, BM)" in plan.source
     assert "cuuint64_t(ld) * sizeof(InT)" in plan.source
     # Programmatic dependent launch: the copy lets the GEMM start early, the GEMM's producer waits for the copy
-    # before its first TMA load, and only a call that copied asks for it.
+    # before its first TMA load. Every GEMM launch asks for it (L2IR_PDL), with or without a copy before it: a kernel
+    # without repack waits the same way on whatever the stream ran before, and triggers nothing itself.
     src = plan.source
     assert src.index("griddepcontrol.launch_dependents") > src.index("l2ir_cuda_ptx_sm90a_repack(")
     producer = src[src.index("// ---- producer warpgroup"):]
     assert producer.index("griddepcontrol.wait") < producer.index("tma_load_2d(")
-    assert "if (copy_a || copy_b) {\n    // The copy kernel just launched" in src
-    assert "griddepcontrol" not in lower(coop((128, 128, 64)), problem).source
+    assert "#if L2IR_PDL\n  // Programmatic dependent launch" in src
+    plain = lower(coop((128, 128, 64)), problem).source
+    plain_producer = plain[plain.index("// ---- producer warpgroup"):]
+    assert plain_producer.index("griddepcontrol.wait") < plain_producer.index("tma_load_2d(")
+    assert "programmaticStreamSerializationAllowed = 1" in plain
+    assert 'asm volatile("griddepcontrol.launch_dependents' not in plain
     for m, n, k in ((512, 512, 4097), (1, 1, 1), (4096, 1001, 4096), (1023, 1025, 1027)):
         pitch = -(-k // 8) * 8
         copies = 0 if k % 8 == 0 else (-(-m * pitch // 64) + -(-n * pitch // 64)) * 64 * 2

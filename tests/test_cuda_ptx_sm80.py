@@ -565,6 +565,9 @@ def _host_kernel(src: str) -> str:
             src = src[:found.start()] + src[src.index("\n}\n", found.start()) + 3:]
     src = re.sub(r"__device__ __forceinline__ void cp_async_commit\(\) \{[^\n]*\n", "", src)
     src = re.sub(r"template <int N>\n__device__ __forceinline__ void cp_async_wait\(\) \{\n[^\n]*\n\}\n", "", src)
+    # Programmatic dependent launch's griddepcontrol (sm90 device code only): nothing to order on the host.
+    src = re.sub(r"#if defined\(__CUDA_ARCH__\) && __CUDA_ARCH__ >= 900\n[^\n]*griddepcontrol[^\n]*\n#endif\n", "",
+                 src)
     assert "asm volatile" not in src, "a PTX wrapper the emulator does not model"
     return src.replace("extern __shared__ __align__(128) unsigned char smem[];", "unsigned char* smem = g_smem.data();")
 

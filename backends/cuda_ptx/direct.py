@@ -46,7 +46,8 @@ from l2ir.target import CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, 
 from l2ir.text import print_problem_class
 from l2ir.verify import verify, verify_problem
 
-from .common import UnsupportedLowering, check_problem_class, header_lines, mma_16816_lines
+from .common import (UnsupportedLowering, check_problem_class, grid_launch_dependents_lines, grid_wait_lines,
+                     header_lines, mma_16816_lines)
 
 GEMM_ENTRY = "l2ir_cuda_ptx_direct_gemm"
 ABI = "const void* A_, const void* B_, void* C_, int M, int N, int K, void* workspace_"
@@ -425,7 +426,9 @@ def _gemm_entry(cfg: DirectConfig) -> list[str]:
         f"  // This slice's k steps: step(i) = {step_expr} (DirectFeed.slice_step), i < my_steps.",
         f"  const int my_steps = {F.slice_steps(cfg.slices).to_cpp().replace('k_tiles', 'steps')};   // slice_steps",
         f"  const auto STEP = [slice](int i) {{ return {step_cpp}; }};",
+        *grid_wait_lines(),
         *loop,
+        *grid_launch_dependents_lines(),
         *reduce,
         "",
         f"  // epilogue path=direct vector={cfg.vector}: element r of a fragment is row g + C_ROW[r], column 2q + C_COL[r].",
@@ -452,7 +455,7 @@ def render(cfg: DirectConfig, kernel_text: str = "") -> str:
 
 def launches(cfg: DirectConfig) -> tuple[Launch, ...]:
     return (Launch(entry=GEMM_ENTRY, grid=(cdiv(M_, cfg.bm) * cdiv(N_, cfg.bn), Const(1), Const(1)),
-                   block=(cfg.threads, 1, 1), smem=cfg.reduce_bytes),)
+                   block=(cfg.threads, 1, 1), smem=cfg.reduce_bytes, pdl=True),)
 
 
 def lower(kernel: Kernel, problem: Problem) -> LaunchPlan:

@@ -68,7 +68,8 @@ from l2ir.text import print_problem_class
 from l2ir.verify import verify, verify_problem
 
 from l2ir.runtime import Launch, LaunchPlan
-from .common import UnsupportedLowering, check_problem_class, header_lines, mma_16816_lines
+from .common import (UnsupportedLowering, check_problem_class, grid_launch_dependents_lines, grid_wait_lines,
+                     header_lines, mma_16816_lines)
 
 GEMM_ENTRY = "l2ir_cuda_ptx_sm80_gemm"
 ABI = "const void* A_, const void* B_, void* C_, int M, int N, int K, void* workspace_"
@@ -1061,7 +1062,9 @@ def _gemm_entry(cfg: Sm80Config) -> list[str]:
          if cfg.prefetch and cfg.stages > 1 else
          "  unsigned fa[1][MI][4], fb[1][NI][2];   // one k-step of fragments"),
         "",
+        *grid_wait_lines(),
         *_mainloop(cfg),
+        *grid_launch_dependents_lines(),
         "",
         *_splitk_fixup(cfg),
         *_epilogue(cfg),
@@ -1167,7 +1170,7 @@ def _tiles(cfg: Sm80Config):
 def launches(cfg: Sm80Config) -> tuple[Launch, ...]:
     """One launch, split-K included (the slices reduce inside the kernel)."""
     return (Launch(entry=GEMM_ENTRY, grid=(_tiles(cfg), Const(1), Const(cfg.slices)), block=(cfg.threads, 1, 1),
-                   smem=cfg.smem_bytes),)
+                   smem=cfg.smem_bytes, pdl=True),)
 
 
 def workspace_bytes(cfg: Sm80Config):

@@ -698,6 +698,11 @@ def _header(cfg: PtxConfig) -> list[str]:
         "#include <cuda_fp16.h>",
         "#include <cuda_bf16.h>",
         "",
+        "// Programmatic dependent launch (see l2ir_run's launch); -DL2IR_PDL=0 builds an ordinary launch.",
+        "#ifndef L2IR_PDL",
+        "#define L2IR_PDL 1",
+        "#endif",
+        "",
         "#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)",
         '#error "wgmma and setmaxnreg need sm_90a: compile with -gencode=arch=compute_90a,code=sm_90a"',
         "#endif",
@@ -1093,10 +1098,10 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "    // ---- producer warpgroup: TMA only, so it releases its registers (REG_BUDGET) ----",
         f'    asm volatile("setmaxnreg.dec.sync.aligned.u32 {cfg.regs[0]};" ::: "memory");',
         "    if (threadIdx.x == 0) {",
-        *(["      // repack: this grid may start before the copy kernel has finished (programmatic dependent launch):",
-           "      // wait for it, and for its stores to be visible, before the first TMA load reads the copies. A no-op",
-           "      // when the launch did not ask for it (no copy this call).",
-           '      asm volatile("griddepcontrol.wait;" ::: "memory");'] if cfg.repack else []),
+        "      // Programmatic dependent launch: this grid may start while the stream's previous grid (a repack copy,",
+        "      // or any kernel) still runs; wait for it, and for its stores to be visible, before the first TMA load.",
+        "      // The consumers touch global memory only after data this thread loaded, so they are ordered too.",
+        '      asm volatile("griddepcontrol.wait;" ::: "memory");',
         "      int stage = 0;",
         "      uint32_t phase = 0;",
         *_tile_loop(cfg, "      "),
@@ -1437,10 +1442,7 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "  if (!configure_kernel()) return L2IR_STATUS_CUDA_ERROR;",
         *(_repack_launch(cfg) if cfg.repack else []),
         grid_line,
-        *(_launch_ex(cfg) if cfg.cluster_reduce or cfg.repack else [
-            f"  {ENTRY}<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(",
-            ("      *tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K, ws, counters);" if cfg.tree else
-             "      *tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K);")]),
+        *_launch_ex(cfg),
         "  return cudaGetLastError() == cudaSuccess ? 0 : L2IR_STATUS_CUDA_ERROR;",
         "}",
         "",
@@ -1451,8 +1453,9 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
 
 def _launch_ex(cfg: PtxConfig) -> list[str]:
     """The GEMM's launch through cudaLaunchKernelEx, for what <<<>>> cannot say: reduce=cluster's cluster of SLICES
-    blocks, and after a repack copy, programmatic dependent launch (the GEMM's blocks may start while the copy
-    finishes; its producer waits for the copy with griddepcontrol.wait before the first TMA load)."""
+    blocks, and programmatic dependent launch (the GEMM's blocks may be placed while the stream's previous grid, a
+    repack copy or any kernel, drains; its producer waits with griddepcontrol.wait before the first TMA load).
+    Built with -DL2IR_PDL=0 it is an ordinary launch (bench/pdl_probe.py compares the two)."""
     args = "*tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K" + (", ws, counters" if cfg.tree else "")
     L = ["  cudaLaunchAttribute attr[2];", "  unsigned num_attrs = 0;"]
     if cfg.cluster_reduce:
@@ -1465,16 +1468,16 @@ def _launch_ex(cfg: PtxConfig) -> list[str]:
             "  attr[num_attrs].val.clusterDim.z = 1;",
             "  ++num_attrs;",
         ]
-    if cfg.repack:
-        L += [
-            "  if (copy_a || copy_b) {",
-            "    // The copy kernel just launched lets this grid start early (griddepcontrol.launch_dependents); the",
-            "    // producer's griddepcontrol.wait orders its TMA loads after the copy's stores.",
-            "    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;",
-            "    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;",
-            "    ++num_attrs;",
-            "  }",
-        ]
+    L += [
+        "#if L2IR_PDL",
+        "  // Programmatic dependent launch: the grid may be placed while the stream's previous grid drains (a repack",
+        "  // copy lets it start early with griddepcontrol.launch_dependents); the producer's griddepcontrol.wait",
+        "  // orders every global access after that grid.",
+        "  attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;",
+        "  attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;",
+        "  ++num_attrs;",
+        "#endif",
+    ]
     L += [
         "  cudaLaunchConfig_t config = {};",
         "  config.gridDim = dim3(grid, 1, 1);",

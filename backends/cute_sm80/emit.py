@@ -139,7 +139,7 @@ def emit_config(w: Writer, p: Plan) -> None:
       f"constexpr int kBK = {p.bk};",
       f"constexpr int kStages = {p.stages};",
       f"constexpr int kThreads = {p.threads};",
-      f"constexpr int kKBlocks = kBK / 16;     // m16n8k16 steps per k-tile",
+      "constexpr int kKBlocks = kBK / 16;     // m16n8k16 steps per k-tile",
       f"constexpr int kRegDepth = {p.reg_depth};    // k-blocks of ldmatrix fragments live in registers",
       "")
     perm_n = p.warps_n * p.b.warp_rows_per_ldsm
@@ -153,7 +153,7 @@ def emit_config(w: Writer, p: Plan) -> None:
       "")
     _smem_layout(w, p, p.a)
     _smem_layout(w, p, p.b)
-    w(f"constexpr int kSmemBytesA = kBM * kBK * kStages * int(sizeof(TA));", "")
+    w("constexpr int kSmemBytesA = kBM * kBK * kStages * int(sizeof(TA));", "")
     _gmem_copy(w, p, p.a)
     _gmem_copy(w, p, p.b)
     w("",
@@ -387,7 +387,7 @@ def _epilogue_direct(w: Writer, p: Plan) -> None:
       "                       make_coord(tile_m, tile_n));",
       "Tensor tCcC = thr_mma.partition_C(cC);   // (MMA,MMA_M,MMA_N): the (m, n) of every accumulator")
     if v == 2:
-        w(f"// An m16n8 accumulator fragment holds values (0,h) and (1,h) at columns n and n+1 of one row: one",
+        w("// An m16n8 accumulator fragment holds values (0,h) and (1,h) at columns n and n+1 of one row: one",
           f"// {2 * (4 if p.splitk != 'none' else 2)}-byte store (epilogue.vector={p.epilogue_vector} narrowed to the "
           f"pair a thread owns; pad.align={p.align} keeps it aligned).")
         with w.block("for (int mi = 0; mi < size<1>(acc); ++mi)", unroll=True):
@@ -454,7 +454,7 @@ def _epilogue_smem(w: Writer, p: Plan) -> None:
               "const TStage* staged = staged_vec.v;")
         bound = _bounds(p, "m", "n")
         if bound:
-            w(f"// N is a multiple of kVec (pad.align), so a vector is wholly inside or wholly outside the matrix.")
+            w("// N is a multiple of kVec (pad.align), so a vector is wholly inside or wholly outside the matrix.")
             with w.block(f"if ({bound})"):
                 _store_vec(w, p, "staged", v, "m", "n", "TStage")
         else:

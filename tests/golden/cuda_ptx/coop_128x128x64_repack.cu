@@ -20,6 +20,11 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+// Programmatic dependent launch (see l2ir_run's launch); -DL2IR_PDL=0 builds an ordinary launch.
+#ifndef L2IR_PDL
+#define L2IR_PDL 1
+#endif
+
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "wgmma and setmaxnreg need sm_90a: compile with -gencode=arch=compute_90a,code=sm_90a"
 #endif
@@ -206,9 +211,9 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
     // ---- producer warpgroup: TMA only, so it releases its registers (REG_BUDGET) ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
     if (threadIdx.x == 0) {
-      // repack: this grid may start before the copy kernel has finished (programmatic dependent launch):
-      // wait for it, and for its stores to be visible, before the first TMA load reads the copies. A no-op
-      // when the launch did not ask for it (no copy this call).
+      // Programmatic dependent launch: this grid may start while the stream's previous grid (a repack copy,
+      // or any kernel) still runs; wait for it, and for its stores to be visible, before the first TMA load.
+      // The consumers touch global memory only after data this thread loaded, so they are ordered too.
       asm volatile("griddepcontrol.wait;" ::: "memory");
       int stage = 0;
       uint32_t phase = 0;
@@ -481,13 +486,14 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
   const int grid = num_tiles < NUM_SMS ? int(num_tiles) : NUM_SMS;   // pipeline.persistent=true
   cudaLaunchAttribute attr[2];
   unsigned num_attrs = 0;
-  if (copy_a || copy_b) {
-    // The copy kernel just launched lets this grid start early (griddepcontrol.launch_dependents); the
-    // producer's griddepcontrol.wait orders its TMA loads after the copy's stores.
-    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
-    ++num_attrs;
-  }
+#if L2IR_PDL
+  // Programmatic dependent launch: the grid may be placed while the stream's previous grid drains (a repack
+  // copy lets it start early with griddepcontrol.launch_dependents); the producer's griddepcontrol.wait
+  // orders every global access after that grid.
+  attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
+  ++num_attrs;
+#endif
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(grid, 1, 1);
   config.blockDim = dim3(THREADS, 1, 1);

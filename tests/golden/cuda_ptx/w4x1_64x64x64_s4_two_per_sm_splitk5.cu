@@ -20,6 +20,11 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+// Programmatic dependent launch (see l2ir_run's launch); -DL2IR_PDL=0 builds an ordinary launch.
+#ifndef L2IR_PDL
+#define L2IR_PDL 1
+#endif
+
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "wgmma and setmaxnreg need sm_90a: compile with -gencode=arch=compute_90a,code=sm_90a"
 #endif
@@ -206,6 +211,10 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
     // ---- producer warpgroup: TMA only, so it releases its registers (REG_BUDGET) ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
     if (threadIdx.x == 0) {
+      // Programmatic dependent launch: this grid may start while the stream's previous grid (a repack copy,
+      // or any kernel) still runs; wait for it, and for its stores to be visible, before the first TMA load.
+      // The consumers touch global memory only after data this thread loaded, so they are ordered too.
+      asm volatile("griddepcontrol.wait;" ::: "memory");
       int stage = 0;
       uint32_t phase = 0;
       // splitk mode=split_k slices=5: work unit = slice * num_tiles + tile, so blocks that run
@@ -508,8 +517,26 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
   if (tmap_a == nullptr || tmap_b == nullptr) return L2IR_STATUS_TENSOR_MAP;
   if (!configure_kernel()) return L2IR_STATUS_CUDA_ERROR;
   const int grid = int(num_units);   // pipeline.persistent=false: one block per (tile, slice)
-  l2ir_cuda_ptx_sm90a_gemm<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(
-      *tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K, ws, counters);
+  cudaLaunchAttribute attr[2];
+  unsigned num_attrs = 0;
+#if L2IR_PDL
+  // Programmatic dependent launch: the grid may be placed while the stream's previous grid drains (a repack
+  // copy lets it start early with griddepcontrol.launch_dependents); the producer's griddepcontrol.wait
+  // orders every global access after that grid.
+  attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
+  ++num_attrs;
+#endif
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid, 1, 1);
+  config.blockDim = dim3(THREADS, 1, 1);
+  config.dynamicSmemBytes = SMEM_BYTES;
+  config.stream = static_cast<cudaStream_t>(stream);
+  config.attrs = attr;
+  config.numAttrs = num_attrs;
+  if (cudaLaunchKernelEx(&config, l2ir_cuda_ptx_sm90a_gemm, *tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K, ws, counters) != cudaSuccess) {
+    return L2IR_STATUS_CUDA_ERROR;
+  }
   return cudaGetLastError() == cudaSuccess ? 0 : L2IR_STATUS_CUDA_ERROR;
 }
 

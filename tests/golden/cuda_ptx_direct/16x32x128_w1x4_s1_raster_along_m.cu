@@ -172,10 +172,18 @@ l2ir_cuda_ptx_direct_gemm(const void* A_, const void* B_, void* C_, int M, int N
   // This slice's k steps: step(i) = slice + i * 1 (DirectFeed.slice_step), i < my_steps.
   const int my_steps = (((steps - slice) + 0) / 1);   // slice_steps
   const auto STEP = [slice](int i) { return (slice + (i * 1)); };
+  // Programmatic dependent launch (runtime.Launch.pdl): no global access before the previous grid is done.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   for (int i = 0; i < my_steps; ++i) {
     load_step(s0, A, B, row0, col0, STEP(i), q, M, N, K);
     mma_step(acc, s0, A, B, row0, col0, STEP(i), q, K);
   }
+  // The next grid may start its prologue once every block is past its main loop (its wait orders it).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
   // epilogue path=direct vector=2: element r of a fragment is row g + C_ROW[r], column 2q + C_COL[r].
 #pragma unroll

@@ -204,10 +204,18 @@ l2ir_cuda_ptx_direct_gemm(const void* A_, const void* B_, void* C_, int M, int N
   // This slice's k steps: step(i) = slice + i * 3 (DirectFeed.slice_step), i < my_steps.
   const int my_steps = (((steps - slice) + 2) / 3);   // slice_steps
   const auto STEP = [slice](int i) { return (slice + (i * 3)); };
+  // Programmatic dependent launch (runtime.Launch.pdl): no global access before the previous grid is done.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   for (int i = 0; i < my_steps; ++i) {
     load_step(s0, A, B, row0, col0, STEP(i), q, M, N, K);
     mma_step(acc, s0, A, B, row0, col0, STEP(i), q, K);
   }
+  // The next grid may start its prologue once every block is past its main loop (its wait orders it).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
   // splitk reduce=block: slices 1 .. S-1 leave their accumulators in shared memory ([slice - 1][warp][value]
   // [lane]: consecutive lanes, consecutive banks); slice 0 adds them in slice order and stores C.

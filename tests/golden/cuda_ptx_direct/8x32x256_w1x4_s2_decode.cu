@@ -172,6 +172,10 @@ l2ir_cuda_ptx_direct_gemm(const void* A_, const void* B_, void* C_, int M, int N
   // This slice's k steps: step(i) = slice + i * 1 (DirectFeed.slice_step), i < my_steps.
   const int my_steps = (((steps - slice) + 0) / 1);   // slice_steps
   const auto STEP = [slice](int i) { return (slice + (i * 1)); };
+  // Programmatic dependent launch (runtime.Launch.pdl): no global access before the previous grid is done.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   // stages=2: step s + 1's vectors are in flight while step s multiplies (two register sets, so
   // the loop advances two steps at a time and every index into them is a constant).
   if (my_steps > 0) load_step(s0, A, B, row0, col0, STEP(0), q, M, N, K);
@@ -181,6 +185,10 @@ l2ir_cuda_ptx_direct_gemm(const void* A_, const void* B_, void* C_, int M, int N
     if (i + 2 < my_steps) load_step(s0, A, B, row0, col0, STEP(i + 2), q, M, N, K);
     if (i + 1 < my_steps) mma_step(acc, s1, A, B, row0, col0, STEP(i + 1), q, K);
   }
+  // The next grid may start its prologue once every block is past its main loop (its wait orders it).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
   // epilogue path=direct vector=2: element r of a fragment is row g + C_ROW[r], column 2q + C_COL[r].
 #pragma unroll

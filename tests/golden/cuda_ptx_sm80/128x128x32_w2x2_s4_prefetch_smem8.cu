@@ -187,6 +187,10 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
       for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
   unsigned fa[2][MI][4], fb[2][NI][2];   // pipeline.prefetch=true: two k-steps of fragments
 
+  // Programmatic dependent launch (runtime.Launch.pdl): no global access before the previous grid is done.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   // Prologue: put STAGES-1 k-tiles in flight before the first MMA. Every slot commits a group, even an
   // empty one, so the group count per k-tile stays uniform and cp.async.wait_group N means 'tile t landed'.
   #pragma unroll
@@ -230,6 +234,10 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
       mma_all(acc, fa[kk & 1], fb[kk & 1]);
     }
   }
+  // The next grid may start its prologue once every block is past its main loop (its wait orders it).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
   // epilogue.path=smem: stage the C tile in shared memory (OutT, rows padded by 8 elements), then store
   // whole rows with 8-element vectors (epilogue.vector=8) to C: consecutive threads write

@@ -319,6 +319,10 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
       for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
   unsigned fa[1][MI][4], fb[1][NI][2];   // one k-step of fragments
 
+  // Programmatic dependent launch (runtime.Launch.pdl): no global access before the previous grid is done.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   // pipeline.stages=1: one staging buffer and one realigned buffer; a k-tile's copy cannot overlap the
   // MMAs that read the previous one.
   for (int t = 0; t < k_count; ++t) {
@@ -340,6 +344,10 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
       mma_all(acc, fa[0], fb[0]);
     }
   }
+  // The next grid may start its prologue once every block is past its main loop (its wait orders it).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
   // epilogue.path=direct: each thread stores its accumulators straight from registers. m16n8 f32
   // fragment: c0,c1 at (groupID, 2*tig + 0/1), c2,c3 at (groupID + 8, ...); groupID = lane/4, tig = lane%4.

@@ -328,6 +328,10 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
       for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
   unsigned fa[2][MI][4], fb[2][NI][2];   // pipeline.prefetch=true: two k-steps of fragments
 
+  // Programmatic dependent launch (runtime.Launch.pdl): no global access before the previous grid is done.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   // pad.align=1, lookahead 1: 4 staging stages; a k-tile is realigned while the one before it is multiplied, so 2 k-tile(s) are in flight during the MMAs.
   // Prologue: put STAGES-1 k-tiles in flight. Every slot commits a group, even an empty one, so the group
   // count per k-tile stays uniform and cp.async.wait_group N means 'tile t landed'.
@@ -388,6 +392,10 @@ l2ir_cuda_ptx_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, 
       }
     }
   }
+  // The next grid may start its prologue once every block is past its main loop (its wait orders it).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
   // splitk slices=2 reduce=workspace, a pairwise tree over the slices (l2ir.indexing.SplitKTree),
   // in this kernel (no reduction kernel). Workspace:

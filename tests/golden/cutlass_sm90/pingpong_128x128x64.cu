@@ -16,6 +16,15 @@
 #define NDEBUG
 #endif
 
+// Programmatic dependent launch: the kernel's producer and epilogue wait on the stream's previous grid
+// (griddepcontrol.wait, CUTLASS's GDC) before their first global access, so l2ir_run launches it with
+// programmatic stream serialization and its blocks may be placed while that grid drains. -DL2IR_PDL=0 builds an
+// ordinary launch (bench/pdl_probe.py compares the two).
+#ifndef L2IR_PDL
+#define L2IR_PDL 1
+#endif
+#define CUTLASS_ENABLE_GDC_FOR_SM90 1
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -221,7 +230,8 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
     ParamsRing& ring = params_ring();
     for (KeptParams& e : ring.entry) {
       if (e.device == device && e.a == A && e.b == B && e.c == C && e.m == M && e.n == N && e.k == K) {
-        return int(Gemm::run(e.params, cuda_stream));   // can_implement and initialize passed for these
+        // can_implement and initialize passed for these
+        return int(Gemm::run(e.params, cuda_stream, nullptr, L2IR_PDL != 0));
       }
     }
     int sm_count = current_sm_count();
@@ -239,7 +249,7 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
     // on this stream), and raises the kernel's dynamic shared-memory limit.
     status = gemm.initialize(args, workspace, cuda_stream);
     if (status != cutlass::Status::kSuccess) return int(status);
-    status = gemm.run(cuda_stream);
+    status = gemm.run(cuda_stream, nullptr, L2IR_PDL != 0);
     if (status == cutlass::Status::kSuccess && needed == 0) {   // kept only once they launched
       KeptParams& e = ring.entry[ring.next];
       ring.next = (ring.next + 1) % 4;

@@ -1,0 +1,103 @@
+"""Does programmatic dependent launch move L2IR's kernels against torch.matmul? An A/B with an A/A beside it.
+
+Every backend kernel built for sm90 now executes griddepcontrol.wait before its first global access and is launched
+with programmatic stream serialization (runtime.Launch.pdl for "kernels" plans; the host shims' L2IR_PDL, and
+CUTLASS's GDC), so in a stream of GEMMs its blocks are placed and run their prologue while the previous grid drains.
+This probe lowers sweep kernels and runs each through the evaluator (every gate, then offline timing interleaved with
+torch.matmul) with PDL off and on, twice each in the order off, on, off, on: the two runs of one variant are the A/A.
+
+    python3 bench/pdl_probe.py --case 2048x256x512:sm90a_skinny:pingpong_64x64x64_c2x1 \
+        --out bench/results/pdl_probe_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from l2ir.cli import shape_arg
+
+# Sweep folders named after the backend that lowers them (the others take the kernel's default backend).
+BACKEND_SWEEPS = {"cuda_ptx", "cuda_ptx_sm80", "cuda_ptx_direct"}
+ORDER = ("off", "on", "off", "on")
+
+
+def case_arg(text: str):
+    try:
+        shape, sweep, config = text.split(":")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"case '{text}' is not MxNxK:SWEEP:CONFIG") from None
+    return shape_arg(shape), sweep, config
+
+
+def variant(plan, pdl: bool):
+    """The plan launched with programmatic dependent launch (the backend's default) or without it."""
+    if plan.form == "kernels":
+        return dataclasses.replace(plan, launches=tuple(dataclasses.replace(ln, pdl=ln.pdl and pdl)
+                                                        for ln in plan.launches))
+    return plan if pdl else dataclasses.replace(plan, extra_flags=(*plan.extra_flags, "-DL2IR_PDL=0"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--case", type=case_arg, action="append", required=True, help="MxNxK:SWEEP:CONFIG (repeatable)")
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    args = ap.parse_args(argv)
+
+    from l2ir.backends.compile import CompileOptions, compile_plan
+    from l2ir.backends.registry import lower
+    from l2ir.nodes import Problem
+    from l2ir.search.evaluator import EvalConfig, Evaluator
+    from l2ir.search.sweeps import load_sweep
+
+    rows, env = [], {}
+    started = time.time()
+    with Evaluator(EvalConfig(scenarios=("offline",))) as ev:
+        for (m, n, k), sweep, config in args.case:
+            kernels = load_sweep(sweep)
+            if config not in kernels:
+                ap.error(f"unknown configuration '{config}' in sweep '{sweep}'")
+            kernel = kernels[config]
+            problem = Problem(m, n, k)
+            plan = lower(kernel, problem, backend=sweep if sweep in BACKEND_SWEEPS else None)
+            for i, pdl in enumerate(o == "on" for o in ORDER):
+                v = variant(plan, pdl)
+                built = compile_plan(v, CompileOptions())
+                (meas,) = ev.evaluate(kernel, problem, v, built)
+                row = {"shape": [m, n, k], "case": f"{sweep}/{config}", "pdl": pdl, "round": i // 2,
+                       "gates_passed": meas.passed, "errors": meas.errors[:2],
+                       "kernel_us": meas.kernel_median_us, "torch_us": meas.baseline_median_us,
+                       "speedup": meas.speedup, "kernel_spread": meas.kernel_stats.get("rel_spread")}
+                env = env or meas.environment
+                rows.append(row)
+                print(f"{m}x{n}x{k} {sweep}/{config:34s} pdl={'on ' if pdl else 'off'} gates "
+                      f"{'pass' if meas.passed else 'FAIL'} {meas.kernel_median_us or float('nan'):8.2f} us  torch "
+                      f"{meas.baseline_median_us or float('nan'):8.2f} us", flush=True)
+    out = {"command": " ".join(["python3", "bench/pdl_probe.py", *(argv or sys.argv[1:])]),
+           "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - started, 1),
+           "environment": env, "scenario": "offline", "order": list(ORDER), "rows": rows}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"{'shape':>16} {'case':48} {'off us':>8} {'on us':>8} {'off x':>6} {'on x':>6} {'A/A off':>8} {'A/A on':>7}")
+    for (m, n, k), sweep, config in args.case:
+        got = [r for r in rows if r["shape"] == [m, n, k] and r["case"] == f"{sweep}/{config}" and r["kernel_us"]]
+        def pick(pdl, key):
+            return [r[key] for r in got if r["pdl"] == pdl]
+        def aa(pdl):
+            t = pick(pdl, "kernel_us")
+            return abs(t[0] - t[1]) / min(t) if len(t) == 2 else float("nan")
+        def med(pdl, key):
+            values = pick(pdl, key)
+            return statistics.median(values) if values else float("nan")
+        print(f"{f'{m}x{n}x{k}':>16} {f'{sweep}/{config}':48} "
+              f"{med(False, 'kernel_us'):8.2f} {med(True, 'kernel_us'):8.2f} "
+              f"{med(False, 'speedup'):6.3f} {med(True, 'speedup'):6.3f} {aa(False):8.3f} {aa(True):7.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
