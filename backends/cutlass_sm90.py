@@ -363,6 +363,34 @@ def _hw_lines(cfg: Sm90Config) -> list[str]:
     ]
 
 
+def _pdl_lines(cfg: Sm90Config) -> list[str]:
+    """Programmatic dependent launch, for the persistent data-parallel scheduler: CUTLASS's GDC makes the producer and
+    the epilogue wait on the stream's previous grid (griddepcontrol.wait) before their first global access, so
+    l2ir_run launches with programmatic stream serialization and the blocks may be placed while that grid drains.
+    The stream-K scheduler (splitk present) does not compile with GDC in CUTLASS 4.2 (its const is_last_tile calls a
+    non-const member), so those kernels launch the ordinary way. -DL2IR_PDL=0 builds an ordinary launch for any."""
+    if cfg.splitk_mode != "none":
+        return [
+            "// Ordinary launch: CUTLASS 4.2's stream-K scheduler does not compile with programmatic dependent launch",
+            "// (CUTLASS_ENABLE_GDC_FOR_SM90).",
+            "#ifndef L2IR_PDL",
+            "#define L2IR_PDL 0",
+            "#endif",
+        ]
+    return [
+        "// Programmatic dependent launch: the kernel's producer and epilogue wait on the stream's previous grid",
+        "// (griddepcontrol.wait, CUTLASS's GDC) before their first global access, so l2ir_run launches it with",
+        "// programmatic stream serialization and its blocks may be placed while that grid drains. -DL2IR_PDL=0 builds an",
+        "// ordinary launch (bench/pdl_probe.py compares the two).",
+        "#ifndef L2IR_PDL",
+        "#define L2IR_PDL 1",
+        "#endif",
+        "#if L2IR_PDL",
+        "#define CUTLASS_ENABLE_GDC_FOR_SM90 1",
+        "#endif",
+    ]
+
+
 def _header(cfg: Sm90Config) -> list[str]:
     """What generated the file, from which IR, the host-shim ABI it exports, and the headers."""
     bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
@@ -387,14 +415,7 @@ def _header(cfg: Sm90Config) -> list[str]:
         "#define NDEBUG",
         "#endif",
         "",
-        "// Programmatic dependent launch: the kernel's producer and epilogue wait on the stream's previous grid",
-        "// (griddepcontrol.wait, CUTLASS's GDC) before their first global access, so l2ir_run launches it with",
-        "// programmatic stream serialization and its blocks may be placed while that grid drains. -DL2IR_PDL=0 builds an",
-        "// ordinary launch (bench/pdl_probe.py compares the two).",
-        "#ifndef L2IR_PDL",
-        "#define L2IR_PDL 1",
-        "#endif",
-        "#define CUTLASS_ENABLE_GDC_FOR_SM90 1",
+        *_pdl_lines(cfg),
         "",
         "#include <atomic>",
         "#include <cstddef>",

@@ -104,3 +104,12 @@ def test_pdl_travels_with_the_exported_plan():
     spec_old = KernelSpec(key="k", hash="h", problem_class="", dir=Path("."), binary="kernel.cubin", plan=old,
                           ir_file="kernel.l2")
     assert [ln.pdl for ln in launch_plan(spec_old).launches] == [False]
+
+
+def test_cutlass_stream_k_launches_the_ordinary_way():
+    """CUTLASS 4.2's stream-K scheduler does not compile with GDC (seen on the H200 host: a const is_last_tile binds a
+    non-const reference), so its kernels neither enable GDC nor ask for the launch attribute."""
+    kernel = load_sweep("sm90a_skinny")["coop_128x128x64_c1x2_splitk2"]
+    src = lower(kernel, PROBLEM).source
+    assert "#ifndef L2IR_PDL\n#define L2IR_PDL 0\n#endif" in src
+    assert "#define CUTLASS_ENABLE_GDC_FOR_SM90" not in src

@@ -16,14 +16,11 @@
 #define NDEBUG
 #endif
 
-// Programmatic dependent launch: the kernel's producer and epilogue wait on the stream's previous grid
-// (griddepcontrol.wait, CUTLASS's GDC) before their first global access, so l2ir_run launches it with
-// programmatic stream serialization and its blocks may be placed while that grid drains. -DL2IR_PDL=0 builds an
-// ordinary launch (bench/pdl_probe.py compares the two).
+// Ordinary launch: CUTLASS 4.2's stream-K scheduler does not compile with programmatic dependent launch
+// (CUTLASS_ENABLE_GDC_FOR_SM90).
 #ifndef L2IR_PDL
-#define L2IR_PDL 1
+#define L2IR_PDL 0
 #endif
-#define CUTLASS_ENABLE_GDC_FOR_SM90 1
 
 #include <atomic>
 #include <cstddef>

@@ -23,7 +23,9 @@
 #ifndef L2IR_PDL
 #define L2IR_PDL 1
 #endif
+#if L2IR_PDL
 #define CUTLASS_ENABLE_GDC_FOR_SM90 1
+#endif
 
 #include <atomic>
 #include <cstddef>
