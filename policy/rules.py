@@ -47,8 +47,12 @@ MANY_WAVES = 2
 # Within one wave, grouping pays when at most this many tile rows face at least SKINNY_LONG tile columns.
 SKINNY_SHORT, SKINNY_LONG = 8, 16
 
+# 128x64 cooperative is cuBLAS's tile for M = 128-512 with N >= 2048 (bench/results/cublas_kernels_h200.json); with
+# programmatic dependent launch it ran 512x2048x4096 at 1.001x on fresh samples, where the 128x128 cluster split-K
+# kernel had run 0.84x (bench/results/pdl_tiles_h200.json).
 HOPPER_TILES = ((128, 256, "cooperative"), (256, 128, "cooperative"), (128, 128, "cooperative"),
-                (128, 128, "pingpong"), (64, 256, "pingpong"), (64, 128, "pingpong"), (64, 64, "pingpong"))
+                (128, 64, "cooperative"), (128, 128, "pingpong"), (64, 256, "pingpong"), (64, 128, "pingpong"),
+                (64, 64, "pingpong"))
 
 
 def tiles_of(problem: Problem, bm: int, bn: int) -> int:
