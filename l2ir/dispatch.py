@@ -893,10 +893,12 @@ class Dispatcher:
         u8 = torch.uint8
         on_cuda = self.device_type == "cuda"
         # A zero_workspace kernel leaves its workspace as it needs it (l2ir/runtime.py), so this route keeps one
-        # zeroed workspace per stream (launches on one stream never overlap) and pays the memset once; any other
-        # workspace is kept too, which saves an allocation a call and keeps its address (and so the shim's tensor
-        # maps of repack's copies) stable. Per route, not shared: another kernel or shape puts its counters where
-        # this one keeps partial sums. Held by the dispatcher (`_kept_ws`), so a route prepared again reuses it.
+        # zeroed workspace per stream (launches on one stream touch it in stream order: under programmatic
+        # dependent launch a kernel may start early but waits, griddepcontrol.wait, before any global access) and
+        # pays the memset once; any other workspace is kept too, which saves an allocation a call and keeps its
+        # address (and so the shim's tensor maps of repack's copies) stable. Per route, not shared: another kernel
+        # or shape puts its counters where this one keeps partial sums. Held by the dispatcher (`_kept_ws`), so a
+        # route prepared again reuses it.
         kept: dict = {}                 # stream -> workspace: this closure's view of the dispatcher's
         over = []                       # non-empty once the budget refused this route: allocate per call, no lock
         prefix = (kkey, m, n, k, index)

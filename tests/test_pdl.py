@@ -5,6 +5,9 @@ that way. CPU checks of the generated sources and of the flag's path from the pl
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ from l2ir.backends.compile import gencode  # noqa: E402
 from l2ir.backends.registry import lower  # noqa: E402
 from l2ir.dispatch import KernelSpec, launch_plan  # noqa: E402
 from l2ir.export import plan_json  # noqa: E402
-from l2ir.nodes import Problem, Target  # noqa: E402
+from l2ir.nodes import Problem  # noqa: E402
 from l2ir.search.sweeps import load_sweep  # noqa: E402
 from l2ir.text import parse_kernel_file  # noqa: E402
 
@@ -26,35 +29,77 @@ TRIGGER = 'asm volatile("griddepcontrol.launch_dependents;" ::: "memory");'
 GUARD = "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900"
 
 
+# A global memory access in generated code: the loaders and storers the rules define, the PTX and intrinsic ones,
+# and direct indexing of an operand, C, or the workspace.
+GLOBAL_ACCESS = re.compile(r"\b(load_\w*|copy_\w*|ld_\w*|cp_async_zfill|cp_async_16|tma_load_\w*|tma_store_\w*|"
+                           r"__stcg|__ldcg|__ldg|atomic\w*)\s*\(|\b(A|B|C|ws|part|counters|tile_counters|tile_ws)\s*[\[+]")
+
+
 def _kernels_form_cases():
-    """One sweep kernel of each "kernels"-form backend that waits, on its own target and on Hopper's."""
+    """Sweep kernels of the "kernels"-form backends that wait: plain, split-K through the workspace tree, realigned
+    (odd K), the direct decode kernel with and without realignment."""
     out = []
-    for backend, sweep, config, first_load in (
-            ("cuda_ptx_sm80", "cuda_ptx_sm80", "ptx_sm80_64x64x32_w2x2_s3", "_a(smem_base"),
-            ("cuda_ptx_sm80", "cuda_ptx_sm80", "ptx_sm80_32x128x64_w2x4_s4_splitk4_align1_decode", "_a(smem_base"),
-            ("cuda_ptx_direct", "cuda_ptx_direct", "direct_8x32x128_w1x4_s2_k4", "load_step(s0"),
-            ("cuda_ptx_direct", "cuda_ptx_direct", "direct_16x32x64_w1x4_s2_align1", "load_step(s0")):
-        kernel = load_sweep(sweep)[config]
-        for arch in (kernel.target.arch, "sm90a"):
-            out.append(pytest.param(backend, kernel.replace(target=Target(arch)), first_load,
-                                    id=f"{config}-{arch}"))
+    for backend, config in (
+            ("cuda_ptx_sm80", "ptx_sm80_64x64x32_w2x2_s3"),
+            ("cuda_ptx_sm80", "ptx_sm80_16x128x64_w1x4_s6_splitk8_decode"),
+            ("cuda_ptx_sm80", "ptx_sm80_32x128x64_w2x4_s4_splitk4_align1_decode"),
+            ("cuda_ptx_direct", "direct_8x32x128_w1x4_s2_k4"),
+            ("cuda_ptx_direct", "direct_16x32x64_w1x4_s2_align1")):
+        out.append(pytest.param(backend, load_sweep(backend)[config], id=config))
     return out
 
 
-@pytest.mark.parametrize("backend,kernel,first_load", _kernels_form_cases())
-def test_kernels_form_waits_before_its_first_load_and_asks_for_pdl(backend, kernel, first_load):
+@pytest.mark.parametrize("backend,kernel", _kernels_form_cases())
+def test_kernels_form_waits_before_any_global_access_and_asks_for_pdl(backend, kernel):
     problem = PROBLEM if kernel.pad.align == 8 else Problem(17, 999, 333)
     plan = lower(kernel, problem, backend=backend)
     src = plan.source
     entry = src[src.index('extern "C" __global__'):]
     # The wait is compiled for sm90+ device code only (compute_80 has no griddepcontrol); every cubin an sm90 GPU
-    # loads is built at compute_90 or later (gencode), so under a pdl launch the wait is always there.
-    assert f"{GUARD}\n  {WAIT}" in entry
-    assert entry.index(WAIT) < entry.index(first_load), "a global load before the wait"
-    assert "C[" not in entry[:entry.index(WAIT)], "a store to C before the wait"
+    # loads is built at compute_90 or later (gencode), so under a pdl launch the wait is always there. Every thread
+    # runs it, once, at the top level of the kernel.
+    assert entry.count(WAIT) == 1 and f"{GUARD}\n  {WAIT}" in entry
+    before = entry[:entry.index(WAIT)]
+    assert GLOBAL_ACCESS.search(entry), "the pattern must see this kernel's accesses"
+    found = GLOBAL_ACCESS.search(before)
+    assert found is None, f"a global access before the wait: {found.group(0) if found else ''}"
     # The trigger after the main loop, before the epilogue: the next grid's prologue overlaps this one's stores.
     assert entry.index(WAIT) < entry.index(TRIGGER) < entry.index("epilogue")
     assert all(launch.pdl for launch in plan.launches)
+
+
+@pytest.mark.parametrize("config", ["ptx_coop_128x64x64", "ptx_splitk_cluster_coop_128x128x64_s4",
+                                    "ptx_splitk_w4x1_64x64x64_s8", "ptx_splitk_block_64x32x64",
+                                    "ptx_repack_coop_128x128x64", "ptx_w4x1_64x64x64"])
+def test_sm90a_producer_and_consumers_wait_before_global_access(config):
+    """The producer waits before its first TMA load; the consumers wait themselves before storing C, partials or
+    pair counters (an empty K slice reaches its partial without waiting on any data the producer loaded)."""
+    kernel = load_sweep("cuda_ptx")[config]
+    problem = Problem(256, 512, 1001) if kernel.repack is not None else Problem(256, 512, 64)
+    src = lower(kernel, problem, backend="cuda_ptx").source
+    body = src[src.index("// ---- producer warpgroup"):]
+    producer, consumers = body.split("// ---- consumer warpgroups", 1)
+    assert producer.index("griddepcontrol.wait") < producer.index("tma_load_2d(")
+    found = GLOBAL_ACCESS.search(consumers)
+    assert found is not None and consumers.index(WAIT) < found.start(), "a consumer access before its wait"
+
+
+def test_the_wait_is_in_compute_90_code_only(tmp_path):
+    """What the gencode invariant buys, in the compiled PTX: the guarded wait is absent from compute_80 code and
+    present in compute_90 code."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not on PATH")
+    kernel = load_sweep("cuda_ptx_sm80")["ptx_sm80_64x64x32_w2x2_s3"]
+    cu = tmp_path / "k.cu"
+    cu.write_text(lower(kernel, PROBLEM, backend="cuda_ptx_sm80").source)
+    counts = {}
+    for virt in ("compute_80", "compute_90"):
+        out = tmp_path / f"{virt}.ptx"
+        subprocess.run([nvcc, "-ptx", f"-arch={virt}", "-std=c++17", "-o", str(out), str(cu)], check=True,
+                       capture_output=True, timeout=300)
+        counts[virt] = out.read_text().count("griddepcontrol.wait")
+    assert counts == {"compute_80": 0, "compute_90": 1}
 
 
 def test_free_form_source_kernels_never_launch_with_pdl():

@@ -217,7 +217,6 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
     if (threadIdx.x == 0) {
       // Programmatic dependent launch: this grid may start while the stream's previous grid (a repack copy,
       // or any kernel) still runs; wait for it, and for its stores to be visible, before the first TMA load.
-      // The consumers touch global memory only after data this thread loaded, so they are ordered too.
       asm volatile("griddepcontrol.wait;" ::: "memory");
       int stage = 0;
       uint32_t phase = 0;
@@ -252,6 +251,10 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
     const int cw = wg - 1;   // consumer warpgroup: all BM rows, k tiles of slice cw
     const int slice = cw;    // splitk reduce=block: this warpgroup's half of the K loop
+    // Programmatic dependent launch: the consumers' own global accesses (C, split-K partials and pair counters)
+    // wait too. Most follow data the producer loaded after its wait, but a K slice with no k tile (a run-time
+    // shape the lowered one did not promise) goes straight to its partial and counter.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     float acc[SLABS][32];
 #pragma unroll

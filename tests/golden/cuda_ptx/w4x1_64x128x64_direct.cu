@@ -211,7 +211,6 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
     if (threadIdx.x == 0) {
       // Programmatic dependent launch: this grid may start while the stream's previous grid (a repack copy,
       // or any kernel) still runs; wait for it, and for its stores to be visible, before the first TMA load.
-      // The consumers touch global memory only after data this thread loaded, so they are ordered too.
       asm volatile("griddepcontrol.wait;" ::: "memory");
       int stage = 0;
       uint32_t phase = 0;
@@ -242,6 +241,10 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
     // ---- consumer warpgroups: wgmma and the epilogue ----
     // 256 threads: the consumer already holds the per-thread maximum and keeps it (REG_BUDGET).
     const int cw = wg - 1;   // consumer warpgroup: rows [cw * WG_M, (cw + 1) * WG_M) of the tile
+    // Programmatic dependent launch: the consumers' own global accesses (C, split-K partials and pair counters)
+    // wait too. Most follow data the producer loaded after its wait, but a K slice with no k tile (a run-time
+    // shape the lowered one did not promise) goes straight to its partial and counter.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     float acc[SLABS][64];
 #pragma unroll
