@@ -158,3 +158,36 @@ def test_cutlass_stream_k_launches_the_ordinary_way():
     src = lower(kernel, PROBLEM).source
     assert "#ifndef L2IR_PDL\n#define L2IR_PDL 0\n#endif" in src
     assert "#define CUTLASS_ENABLE_GDC_FOR_SM90" not in src
+
+
+@pytest.mark.parametrize("pdl,device_sm90,cluster,expect", [
+    (True, True, (1, 1, 1), "ex+pdl"), (True, False, (1, 1, 1), "plain"), (False, True, (1, 1, 1), "plain"),
+    (True, True, (2, 1, 1), "ex+cluster+pdl"), (False, True, (2, 1, 1), "ex+cluster"),
+    (True, False, (2, 1, 1), "ex+cluster")])
+def test_cubin_launcher_asks_for_pdl_only_where_it_may(monkeypatch, pdl, device_sm90, cluster, expect):
+    """CubinLauncher's launch, against a recording driver: the programmatic-serialization attribute exactly when the
+    plan's launch asks for it and the GPU is sm90 or later; cuLaunchKernelEx whenever an attribute is needed."""
+    cu = pytest.importorskip("cuda.bindings.driver")
+    from l2ir import runtime
+    from l2ir.indexing import Const
+
+    calls = []
+    monkeypatch.setattr(cu, "cuLaunchKernel", lambda *a: calls.append(("plain", None)) or (cu.CUresult.CUDA_SUCCESS,))
+    monkeypatch.setattr(cu, "cuLaunchKernelEx", lambda config, *a: calls.append(("ex", config))
+                        or (cu.CUresult.CUDA_SUCCESS,))
+    monkeypatch.setattr(runtime, "current_stream", lambda: 0)
+    launch = runtime.Launch(entry="k", grid=(Const(4), Const(1), Const(1)), block=(128, 1, 1), cluster=cluster, pdl=pdl)
+    launcher = object.__new__(runtime.CubinLauncher)      # no module to load: only the launch path is under test
+    launcher.plan = runtime.LaunchPlan(source="", arch="sm_90", launches=(launch,))
+    launcher._funcs = [0]
+    launcher._pdl_device = device_sm90
+    launcher(0, 0, 0, 64, 64, 64, 0, 0)
+    (kind, config), = calls
+    if expect == "plain":
+        assert kind == "plain"
+        return
+    ids = [a.id for a in config.attrs]
+    PSS = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    CLUSTER = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    assert kind == "ex" and config.numAttrs == len(ids)
+    assert (PSS in ids) == ("pdl" in expect) and (CLUSTER in ids) == ("cluster" in expect)
