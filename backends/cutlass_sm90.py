@@ -48,7 +48,7 @@ from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.target import CUTLASS_TYPE, DTYPE_BYTES, MAX_CLUSTER, SMEM_LIMIT
 from l2ir.text import print_problem_class
 
-from l2ir.runtime import LaunchPlan, run_args_cpp, status_constants_cpp
+from l2ir.runtime import LaunchPlan, pdl_macro_cpp, run_args_cpp, status_constants_cpp
 
 class UnsupportedLowering(_UnsupportedLowering):
     """cutlass_sm90's UnsupportedLowering: the shared error with the backend's name filled in."""
@@ -373,18 +373,14 @@ def _pdl_lines(cfg: Sm90Config) -> list[str]:
         return [
             "// Ordinary launch: CUTLASS 4.2's stream-K scheduler does not compile with programmatic dependent launch",
             "// (CUTLASS_ENABLE_GDC_FOR_SM90).",
-            "#ifndef L2IR_PDL",
-            "#define L2IR_PDL 0",
-            "#endif",
+            *pdl_macro_cpp(False),
         ]
     return [
         "// Programmatic dependent launch: the kernel's producer and epilogue wait on the stream's previous grid",
         "// (griddepcontrol.wait, CUTLASS's GDC) before their first global access, so l2ir_run launches it with",
         "// programmatic stream serialization and its blocks may be placed while that grid drains. -DL2IR_PDL=0 builds an",
         "// ordinary launch (bench/pdl_probe.py compares the two).",
-        "#ifndef L2IR_PDL",
-        "#define L2IR_PDL 1",
-        "#endif",
+        *pdl_macro_cpp(True),
         "#if L2IR_PDL",
         "#define CUTLASS_ENABLE_GDC_FOR_SM90 1",
         "#endif",

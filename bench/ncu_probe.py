@@ -18,18 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from l2ir.cli import shape_arg
-
-# Sweep folders named after the backend that lowers them (the others take the kernel's default backend).
-BACKEND_SWEEPS = {"cuda_ptx", "cuda_ptx_sm80", "cuda_ptx_direct"}
-
-
-def case_arg(text: str):
-    try:
-        shape, sweep, config = text.split(":")
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"case '{text}' is not MxNxK:SWEEP:CONFIG") from None
-    return shape_arg(shape), sweep, config
+from sweep_cases import case_arg, lower_case
 
 
 def main(argv=None) -> int:
@@ -42,22 +31,17 @@ def main(argv=None) -> int:
     import torch
 
     from l2ir.backends.compile import CompileOptions, compile_plan
-    from l2ir.backends.registry import lower
-    from l2ir.nodes import Problem
     from l2ir.runtime import load
-    from l2ir.search.sweeps import load_sweep
 
     if not torch.cuda.is_available():
         print("ncu_probe: no CUDA GPU", file=sys.stderr)
         return 2
     status = 0
     for (m, n, k), sweep, config in args.case:
-        kernels = load_sweep(sweep)
-        if config not in kernels:
-            ap.error(f"unknown configuration '{config}' in sweep '{sweep}'")
-        kernel = kernels[config]
-        problem = Problem(m, n, k)
-        plan = lower(kernel, problem, backend=sweep if sweep in BACKEND_SWEEPS else None)
+        try:
+            _, _, plan = lower_case((m, n, k), sweep, config)
+        except ValueError as e:
+            ap.error(str(e))
         built = compile_plan(plan, CompileOptions())
         if not built.ok:
             print(f"{m}x{n}x{k} {sweep}/{config}: compile failed: {built.log[:300]}", file=sys.stderr)

@@ -20,27 +20,19 @@ import sys
 import time
 from pathlib import Path
 
-from l2ir.cli import shape_arg
+from l2ir.runtime import PDL_MACRO
+from sweep_cases import case_arg, lower_case
 
-# Sweep folders named after the backend that lowers them (the others take the kernel's default backend).
-BACKEND_SWEEPS = {"cuda_ptx", "cuda_ptx_sm80", "cuda_ptx_direct"}
 ORDER = ("off", "on", "off", "on")
 
 
-def case_arg(text: str):
-    try:
-        shape, sweep, config = text.split(":")
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"case '{text}' is not MxNxK:SWEEP:CONFIG") from None
-    return shape_arg(shape), sweep, config
-
-
 def variant(plan, pdl: bool):
-    """The plan launched with programmatic dependent launch (the backend's default) or without it."""
+    """The plan launched with programmatic dependent launch (the backend's default) or without it: a "kernels"
+    plan's launches say so; a host shim is built with l2ir.runtime.PDL_MACRO at 0."""
     if plan.form == "kernels":
         return dataclasses.replace(plan, launches=tuple(dataclasses.replace(ln, pdl=ln.pdl and pdl)
                                                         for ln in plan.launches))
-    return plan if pdl else dataclasses.replace(plan, extra_flags=(*plan.extra_flags, "-DL2IR_PDL=0"))
+    return plan if pdl else dataclasses.replace(plan, extra_flags=(*plan.extra_flags, f"-D{PDL_MACRO}=0"))
 
 
 def main(argv=None) -> int:
@@ -50,21 +42,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from l2ir.backends.compile import CompileOptions, compile_plan
-    from l2ir.backends.registry import lower
-    from l2ir.nodes import Problem
     from l2ir.search.evaluator import EvalConfig, Evaluator
-    from l2ir.search.sweeps import load_sweep
 
     rows, env = [], {}
     started = time.time()
     with Evaluator(EvalConfig(scenarios=("offline",))) as ev:
         for (m, n, k), sweep, config in args.case:
-            kernels = load_sweep(sweep)
-            if config not in kernels:
-                ap.error(f"unknown configuration '{config}' in sweep '{sweep}'")
-            kernel = kernels[config]
-            problem = Problem(m, n, k)
-            plan = lower(kernel, problem, backend=sweep if sweep in BACKEND_SWEEPS else None)
+            try:
+                kernel, problem, plan = lower_case((m, n, k), sweep, config)
+            except ValueError as e:
+                ap.error(str(e))
             for i, pdl in enumerate(o == "on" for o in ORDER):
                 v = variant(plan, pdl)
                 built = compile_plan(v, CompileOptions())

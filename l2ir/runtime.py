@@ -111,6 +111,17 @@ def status_constants_cpp(*codes: str) -> list[str]:
     """`constexpr int L2IR_STATUS_<NAME> = <code>;` lines for a shim's source, e.g. ("NOT_DIVISIBLE", "BAD_ARGUMENT")."""
     return [f"constexpr int L2IR_STATUS_{name} = {globals()['STATUS_' + name]};" for name in codes]
 
+# Programmatic dependent launch in a host shim: l2ir_run launches with programmatic stream serialization while this
+# macro is non-zero. The backend picks the default; building with -DL2IR_PDL=0 gives the ordinary launch of the
+# same kernel (bench/pdl_probe.py compares the two).
+PDL_MACRO = "L2IR_PDL"
+
+
+def pdl_macro_cpp(default_on: bool) -> list[str]:
+    """The lines that define PDL_MACRO in a shim's source unless the build already did."""
+    return [f"#ifndef {PDL_MACRO}", f"#define {PDL_MACRO} {int(default_on)}", "#endif"]
+
+
 # l2ir_run's arguments as one block (l2ir_run_args): (name, C type, ctypes type), in l2ir_run's order. The C struct
 # and the ctypes Structure are both made from this list, so their layouts agree (natural alignment on both sides).
 RUN_ARGS_FIELDS = (("a", "const void*", ctypes.c_void_p), ("b", "const void*", ctypes.c_void_p),
@@ -229,7 +240,8 @@ class CubinLauncher:
             if gx * gy * gz == 0:
                 continue
             bx, by, bz = launch.block
-            if launch.cluster == (1, 1, 1) and not (launch.pdl and self._pdl_device):
+            pdl = launch.pdl and self._pdl_device
+            if launch.cluster == (1, 1, 1) and not pdl:
                 _check(cu.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, launch.smem, hstream,
                                          ctypes.addressof(params), 0),
                        f"cuLaunchKernel('{launch.entry}', grid=({gx},{gy},{gz}), block={launch.block}, "
@@ -246,7 +258,7 @@ class CubinLauncher:
                 attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
                 attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = launch.cluster
                 attrs.append(attr)
-            if launch.pdl and self._pdl_device:
+            if pdl:
                 attr = cu.CUlaunchAttribute()
                 attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
                 attr.value.programmaticStreamSerializationAllowed = 1
@@ -255,7 +267,7 @@ class CubinLauncher:
             config.numAttrs = len(attrs)
             _check(cu.cuLaunchKernelEx(config, fn, ctypes.addressof(params), 0),
                    f"cuLaunchKernelEx('{launch.entry}', grid=({gx},{gy},{gz}), cluster={launch.cluster}, "
-                   f"pdl={launch.pdl and self._pdl_device})")
+                   f"pdl={pdl})")
 
     def close(self):
         from cuda.bindings import driver as cu

@@ -99,7 +99,7 @@ from l2ir.target import (KB, CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_T
 from l2ir.analysis import block_reduce, cluster_reduce, resolved_stages, warpgroups_m
 from l2ir.verify import verify, verify_problem
 
-from l2ir.runtime import LaunchPlan, run_args_cpp, status_constants_cpp
+from l2ir.runtime import LaunchPlan, pdl_macro_cpp, run_args_cpp, status_constants_cpp
 from .common import UnsupportedLowering, check_problem_class
 
 ENTRY = "l2ir_cuda_ptx_sm90a_gemm"
@@ -699,9 +699,7 @@ def _header(cfg: PtxConfig) -> list[str]:
         "#include <cuda_bf16.h>",
         "",
         "// Programmatic dependent launch (see l2ir_run's launch); -DL2IR_PDL=0 builds an ordinary launch.",
-        "#ifndef L2IR_PDL",
-        "#define L2IR_PDL 1",
-        "#endif",
+        *pdl_macro_cpp(True),
         "",
         "#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)",
         '#error "wgmma and setmaxnreg need sm_90a: compile with -gencode=arch=compute_90a,code=sm_90a"',

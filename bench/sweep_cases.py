@@ -1,0 +1,31 @@
+"""The MxNxK:SWEEP:CONFIG cases the probes take (bench/pdl_probe.py, bench/ncu_probe.py): one sweep configuration on
+one shape, lowered by the backend its sweep is named after (cuda_ptx, cuda_ptx_sm80, cuda_ptx_direct: the registry's
+names, as `l2ir bench` pairs them), else by the kernel's default backend."""
+
+from __future__ import annotations
+
+import argparse
+
+from l2ir.cli import shape_arg
+
+
+def case_arg(text: str):
+    """argparse type: MxNxK:SWEEP:CONFIG -> ((m, n, k), sweep, config)."""
+    try:
+        shape, sweep, config = text.split(":")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"case '{text}' is not MxNxK:SWEEP:CONFIG") from None
+    return shape_arg(shape), sweep, config
+
+
+def lower_case(shape, sweep: str, config: str):
+    """(kernel, problem, plan) of a case; a configuration the sweep does not have is a ValueError naming it."""
+    from l2ir.backends.registry import BACKENDS, lower
+    from l2ir.nodes import Problem
+    from l2ir.search.sweeps import load_sweep
+
+    kernels = load_sweep(sweep)
+    if config not in kernels:
+        raise ValueError(f"unknown configuration '{config}' in sweep '{sweep}'")
+    kernel, problem = kernels[config], Problem(*shape)
+    return kernel, problem, lower(kernel, problem, backend=sweep if sweep in BACKENDS else None)
