@@ -70,7 +70,10 @@ def resolved_stages(kernel: Kernel, ebytes: int = 2) -> int:
     if stages != "auto":
         return stages
     free = SMEM_LIMIT[kernel.target.arch] - epilogue_smem_bytes(kernel)
-    return max(0, free // stage_bytes(kernel, ebytes))
+    stages = max(0, free // stage_bytes(kernel, ebytes))
+    if block_reduce(kernel):
+        stages -= stages % 2      # an even ring: each consumer warpgroup owns its stages (l2ir.indexing.BlockSplit)
+    return stages
 
 
 def realigned_buffers(stages: int) -> int:

@@ -480,7 +480,10 @@ class BlockSplit:
     (p / 2)-th tile), for p = 0 .. k_tiles - 1. A consumer finds its `step`-th k tile at ring position `position`
     (stage = position % STAGES, phase = position / STAGES % 2); l2ir.interp checks every consumer's position
     against the tile the producer put there. Each warpgroup keeps only its own k tiles in flight, so both run the
-    K loop at once on half of it, as two blocks of a split would, without a second block or a workspace.
+    K loop at once on half of it, as two blocks of a split would, without a second block or a workspace. The ring
+    has an even number of stages: position p's stage then always serves slice p % 2, so the warpgroup that waits
+    on a stage's full barrier has waited on its previous phase itself. (With an odd ring the previous phase is the
+    other warpgroup's; while its TMA load is still in flight, a parity wait for the phase after it passes at once.)
 
     After the loop the warpgroups add their partials through shared memory with ClusterReduce(2)'s fragment
     ownership: each stores the fragment units the other owns, and each sums and stores the units it owns (slice

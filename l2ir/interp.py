@@ -188,7 +188,8 @@ class _Schedule:
         its previous position only then (it keeps one k tile's MMAs in flight), its last one when it is done. Every
         slot remembers the k tile the producer put there: a consumer that finds another tile than its range says
         raises, and so does a ring on which neither the producer nor a consumer can move (too few stages for the
-        release-after-next protocol). Returns the two fp32 partials."""
+        release-after-next protocol), and a consumer whose stage's previous phase was the other one's (an odd ring:
+        a parity wait cannot tell those phases apart). Returns the two fp32 partials."""
         stages, slices, env = self.stages, BlockSplit.SLICES, {"k_tiles": self.k_tiles}
         begin, end = splitk_range(slices)
         ranges = [(int(begin.eval({**env, "slice": s})), int(end.eval({**env, "slice": s}))) for s in range(slices)]
@@ -216,6 +217,12 @@ class _Schedule:
                 if j == len(plans[s]) or plans[s][j] >= produced:
                     continue
                 pos, kt = plans[s][j], ranges[s][0] + j
+                if pos >= stages and pos - stages not in plans[s][:j]:
+                    # A parity wait tells a phase only from the one before it: the waiter must have seen that
+                    # one complete itself, or a load still in flight for it lets the wait pass at once.
+                    raise InterpError(f"tile ({tm}, {tn}): consumer warpgroup {s} waits on ring slot {pos % stages} "
+                                      f"for position {pos}, whose previous phase (position {pos - stages}) another "
+                                      "warpgroup consumes: an mbarrier parity wait cannot tell the two phases apart")
                 if tags[pos % stages] != kt:
                     raise InterpError(f"tile ({tm}, {tn}): consumer warpgroup {s} expected k tile {kt} in ring slot "
                                       f"{pos % stages}, which holds k tile {tags[pos % stages]}")

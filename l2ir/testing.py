@@ -111,12 +111,12 @@ def wgmma_kernels(draw) -> Kernel:
                   Epilogue(draw(st.sampled_from(["tma", "tma", "smem", "direct"])), 8)),
     )
     # reduce=block: the two consumer warpgroups of a cooperative block split one tile's K loop, each over all BM
-    # rows (BM 64 or 128, one tile per block, at least 3 stages, direct stores). Made, with no draw of its own,
+    # rows (BM 64 or 128, one tile per block, an even ring of at least 4 stages, direct stores). Made, with no draw of its own,
     # from the cooperative kernels that stage C through shared memory outside a cluster split, which CUTLASS
     # refuses anyway (its shared-memory epilogue is the TMA store), so the other kernels stay as they were.
     if schedule == "cooperative" and kernel.epilogue.path == "smem" and not in_cluster:
         bm = 64 if bk == 64 else 128
-        stages = kernel.pipeline.stages if kernel.pipeline.stages in ("auto", 3, 4, 5) else 3
+        stages = kernel.pipeline.stages if kernel.pipeline.stages in ("auto", 4, 6) else 4
         kernel = kernel.replace(
             tile=Tile(block=(bm, bn, bk), warps=warps, cluster=(1, 1)),
             pipeline=Pipeline("tma_ws", stages, schedule=schedule, persistent=False),

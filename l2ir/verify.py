@@ -536,11 +536,16 @@ def _splitk(k: Kernel):
             return (f"reduce=block keeps all {acc_registers(k)} accumulators of its {k.tile.bm}x{k.tile.bn} tile per "
                     f"consumer thread (each warpgroup spans BM); above {BLOCK_REDUCE_MAX_ACC} they spill: use a "
                     "smaller tile")
-        if resolved_stages(k) < 3:
-            # A consumer releases its previous stage only once its next one is full, two ring positions on; with
-            # two stages the producer would wait for a release that waits for its own next load.
-            return (f"reduce=block needs at least 3 stages (has {resolved_stages(k)}): a consumer warpgroup holds "
-                    "its previous stage until its next one, two ring positions on, has landed")
+        stages = resolved_stages(k)
+        if stages < 4 or stages % 2:
+            # The consumers take alternate ring positions. With an odd ring a stage's next phase belongs to the
+            # other warpgroup, whose load may still be in flight: an mbarrier parity wait two phases ahead passes
+            # at once and reads the stage before its TMA lands. With an even ring each warpgroup owns its stages,
+            # and it has waited on a stage's previous phase itself. Two stages deadlock: a consumer releases its
+            # previous stage only once its next one, two positions on, has landed.
+            return (f"reduce=block needs an even number of stages, at least 4 (has {stages}): the consumer "
+                    "warpgroups take alternate ring positions, so each must own its stages; an odd ring lets a "
+                    "parity wait pass on a stage the other warpgroup's load has not filled yet")
 
 
 @rule("epilogue", "path_and_vector", EpilogueError)

@@ -362,10 +362,11 @@ def _splitk_kernels() -> dict[str, Kernel]:
             block=(128, 64, 64), persistent=False, raster=("along_n", 1)).replace(
                 splitk=SplitK("split_k", s, "cluster"))
     # reduce=block (l2ir.indexing.BlockSplit): the two consumer warpgroups of one block split the K loop. The sweep's
-    # tiles at the ring that fills shared memory, the shallowest legal ring (3 stages: each consumer holds a stage
-    # two positions back), two 64-row slabs per warpgroup, and BN = 48 (an odd count of fragment units per slab).
+    # tiles at the ring that fills shared memory, the shallowest legal ring (4 stages: each consumer owns two and
+    # holds one two positions back), two 64-row slabs per warpgroup, and BN = 48 (an odd count of fragment units
+    # per slab).
     for block, stages in (((64, 64, 64), "auto"), ((64, 128, 64), "auto"), ((64, 48, 64), "auto"),
-                          ((64, 64, 64), 3), ((128, 64, 64), 4)):
+                          ((64, 64, 64), 4), ((128, 64, 64), 4)):
         k = ptx(block=block, persistent=False, raster=("along_n", 1))
         kernels[f"block_coop_{'x'.join(map(str, block))}_st{stages}"] = k.replace(
             pipeline=dataclasses.replace(k.pipeline, stages=stages), splitk=SplitK("split_k", 2, "block"))

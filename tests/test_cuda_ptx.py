@@ -90,8 +90,8 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
     "coop_64x64x64_splitk2_block": (
         coop((64, 64, 64), pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=False),
              splitk=SplitK("split_k", 2, "block")), PROBLEM),
-    "coop_128x48x64_s3_splitk2_block_bf16": (
-        coop((128, 48, 64), pipeline=Pipeline("tma_ws", 3, "cooperative", persistent=False),
+    "coop_128x48x64_s4_splitk2_block_bf16": (
+        coop((128, 48, 64), pipeline=Pipeline("tma_ws", 4, "cooperative", persistent=False),
              splitk=SplitK("split_k", 2, "block")),
         Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col"), c=("bf16", "row"))),
 }
@@ -605,7 +605,7 @@ NVCC_CASES = ["coop_128x256x64_direct", "coop_256x128x64_smem8_along_m8", "w4x1_
               "w4x1_64x128x64_s4_two_per_sm", "w4x1_64x64x64_s4_two_per_sm_splitk5", "w4x1_64x64x64_splitk8_cluster",
               "w4x1_64x128x64_s4_two_per_sm_splitk16_cluster", "coop_128x128x64_splitk4_cluster_nonpersistent",
               "coop_128x128x64_repack", "w4x1_64x64x64_s4_two_per_sm_splitk4_repack",
-              "w4x1_64x64x64_splitk8_cluster_repack", "coop_128x48x64_s3_splitk2_block_bf16"]
+              "w4x1_64x64x64_splitk8_cluster_repack", "coop_128x48x64_s4_splitk2_block_bf16"]
 BUILD_CASES = {**{name: CASES[name] for name in NVCC_CASES}, **_sweep_splitk_cases()}
 
 

@@ -398,13 +398,13 @@ def test_block_reduction_adds_the_two_slices():
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.sampled_from([(64, 64, 64), (64, 48, 64), (128, 64, 64), (64, 128, 64)]), st.integers(3, 6),
+@given(st.sampled_from([(64, 64, 64), (64, 48, 64), (128, 64, 64), (64, 128, 64)]), st.sampled_from([4, 6, 8]),
        st.integers(1, 150), st.integers(1, 150), st.integers(2, 40), st.integers(0, 7),
        st.randoms(use_true_random=False))
 def test_block_reduction_fuzzed(block, stages, m, n_half, k_tiles, k_short, rnd):
-    """Any ring depth from 3, ragged M, N and K tails, an even or odd count of k tiles (slice 0 then has one more):
-    exact on small integers, each element of C stored once by the warpgroup that owns it, every k tile
-    accumulated once."""
+    """Any legal ring depth (even, from 4), ragged M, N and K tails, an even or odd count of k tiles (slice 0 then
+    has one more): exact on small integers, each element of C stored once by the warpgroup that owns it, every k
+    tile accumulated once."""
     kernel = _block_kernel(block, stages)
     problem = Problem(m, 2 * n_half, 64 * k_tiles - 8 * k_short)
     a, b = random_inputs(problem, np.random.default_rng(rnd.randrange(2 ** 32)), integers=True)
@@ -413,18 +413,26 @@ def test_block_reduction_fuzzed(block, stages, m, n_half, k_tiles, k_short, rnd)
     assert (result.c_writes == 1).all()
 
 
-def test_block_reduction_needs_three_stages():
-    """With two stages the release-after-next protocol deadlocks (the producer waits for a stage whose consumer waits
-    for the producer's next load): the verifier refuses such a ring, and the interpreter, run past it, raises."""
-    kernel = _block_kernel(stages=2)
+def test_block_reduction_needs_an_even_ring_of_four():
+    """With two stages the release-after-next protocol deadlocks (the producer waits for a stage whose consumer
+    waits for the producer's next load). With an odd ring a stage's phases alternate between the warpgroups, so
+    one waits by parity on a phase whose predecessor, the other's load, it never saw land. The verifier refuses
+    both rings, and the interpreter, run past it, raises for each; 4 and 6 stages run."""
     p = Problem(64, 64, 64 * 6)
-    with pytest.raises(L2IRError, match="at least 3 stages"):
-        interpret(kernel, p, *random_inputs(p, np.random.default_rng(0), integers=True))
-    sched = interp_mod._Schedule(kernel, p, *random_inputs(p, np.random.default_rng(0), integers=True))
+    inputs = random_inputs(p, np.random.default_rng(0), integers=True)
+    for stages in (2, 3, 5):
+        with pytest.raises(L2IRError, match="even number of stages, at least 4"):
+            interpret(_block_kernel(stages=stages), p, *inputs)
+    sched = interp_mod._Schedule(_block_kernel(stages=2), p, *inputs)
     with pytest.raises(InterpError, match="deadlocks"):
         sched._block_split_partials(0, 0, {})
-    sched.stages = 3
-    assert len(sched._block_split_partials(0, 0, {})) == 2
+    for stages in (3, 5):
+        sched.stages = stages
+        with pytest.raises(InterpError, match="parity wait cannot tell"):
+            sched._block_split_partials(0, 0, {})
+    for stages in (4, 6):
+        sched.stages = stages
+        assert len(sched._block_split_partials(0, 0, {})) == 2
 
 
 @pytest.mark.parametrize("position,match", [

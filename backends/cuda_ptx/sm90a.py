@@ -51,8 +51,9 @@ The kernel (a producer warpgroup and one or two consumer warpgroups):
                barrier counts one warpgroup's 4 warps. After both warpgroups' last wgmma each leaves the fragment
                units the other owns (ClusterReduce(2).owner) over the ring, a named barrier of the consumer threads
                publishes them, and each adds the other's half to the units it owns and stores those. One tile per
-               block; the ring needs 3 stages (a consumer holds its previous stage until its next, two positions on,
-               has landed).
+               block; the ring has an even number of stages, at least 4, so that each warpgroup owns its stages
+               (an odd ring hands a stage's next phase to the other warpgroup, whose parity wait could pass before
+               the previous phase's load has landed).
   epilogue     registers -> global (path=direct) or registers -> swizzled shared memory -> 16-byte global stores
                (path=smem), predicated on M and N. K tails need nothing: TMA fills out-of-bounds boxes with zeros.
 
