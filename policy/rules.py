@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 from l2ir.indexing import BlockSplit, ceil_div
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
-from l2ir.seed import (REPACK_MIN_M, REPACK_TILES, alignment, cluster_split_kernel, coop_split_kernel,
+from l2ir.seed import (COOP_SPLIT_M, REPACK_MIN_M, REPACK_TILES, alignment, cluster_split_kernel, coop_split_kernel,
                        cuda_ptx_lowered, repack_kernel, repack_tile, split_tile_kernel, store_vector)
 from l2ir.seed import split_slices as seed_split_slices
+from l2ir.target import H200_SMS
 
 from .actions import diff_edits, normal_backend
 from .base import Context, Dedupe, Proposal, StatelessPolicy, try_legalize
@@ -53,6 +54,27 @@ SKINNY_SHORT, SKINNY_LONG = 8, 16
 HOPPER_TILES = ((128, 256, "cooperative"), (256, 128, "cooperative"), (128, 128, "cooperative"),
                 (128, 64, "cooperative"), (128, 128, "pingpong"), (64, 256, "pingpong"), (64, 128, "pingpong"),
                 (64, 64, "pingpong"))
+
+
+# Four-block clusters of the cooperative split-K kernel (full ring) that the H200 ran in one wave: 27 (128x112 tiles
+# in 4 slices at 100x3000x4104, 16.7 us); 32 (128x96) ran 1.4x slower, as a second wave would. A cluster's blocks
+# must share one GPC, so four-block clusters fill fewer SMs than 132 / 4 (bench/results/ntile_split_h200.json).
+FOUR_BLOCK_CLUSTER_WAVE = 27
+
+
+def coop_split4_kernel(problem: Problem, sms: int) -> Kernel | None:
+    """64 < M <= 128 with a long K: cooperative 128xBN tiles split in 4 in a cluster, BN the narrowest multiple of
+    16 whose tiles fit one wave of four-block clusters, between 64 and 128. At 100x3000x4104 that is 128x112 (27
+    clusters): 16.7 us against 17.1 for 128x128 and 18.8 for the seed's 128x64 in 2 slices. None outside that M,
+    where the tiles need a BN above 128, or where K leaves a slice under 4 k tiles."""
+    slices = 4
+    if not COOP_SPLIT_M[0] < problem.m <= COOP_SPLIT_M[1] or ceil_div(problem.k, 64) < 4 * slices:
+        return None
+    clusters = FOUR_BLOCK_CLUSTER_WAVE * sms // H200_SMS
+    bn = max(64, 16 * ceil_div(ceil_div(problem.n, clusters), 16))
+    if bn > 128:
+        return None
+    return split_tile_kernel((128, bn, 64), "cooperative", SplitK("split_k", slices, "cluster"))
 
 
 def tiles_of(problem: Problem, bm: int, bn: int) -> int:
@@ -294,6 +316,13 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
                     f"{coop.splitk.slices} in a thread-block cluster, "
                     f"{tiles_of(problem, 128, 64) * coop.splitk.slices} blocks, half the K loop each "
                     "(bench/results/cublas_tiles_h200.json)", backend="cuda_ptx"))
+            coop4 = coop_split4_kernel(problem, sms)
+            if coop4 is not None:
+                bn4 = coop4.tile.bn
+                out.append(Candidate(
+                    9.85, coop4, f"split: {tiles_of(problem, 128, bn4)} cooperative tiles of 128x{bn4} and K={k}: "
+                    f"split-K 4 in four-block clusters, one wave of them (bench/results/ntile_split_h200.json)",
+                    backend="cuda_ptx"))
         out.append(Candidate(9.0 if not hopper else 7.5,
                              sm80_kernel(problem, (64, 64, 32), (2, 2), 4, slices),
                              why + f": split-K {slices} (sm80 rule, fp32 partials reduced in the workspace)"))

@@ -303,6 +303,36 @@ def test_rules_skinny_m_long_k_splits_cooperative_128x64_tiles_in_a_cluster():
         assert not coop_split(Problem(*shape))[2], shape
 
 
+def test_rules_skinny_m_long_k_proposes_four_slice_clusters_that_fit_one_wave():
+    """Beside the 128x64 split in two, the rules propose cooperative 128xBN tiles split in 4 in a cluster, BN the
+    narrowest multiple of 16 (64 to 128) whose four-block clusters fit one wave (27 on an H200): 128x112 at
+    100x3000x4104, the tile measured fastest there. The kernel verifies and lowers for cuda_ptx with no workspace.
+    None where BN would pass 128, outside 64 < M <= 128, or with a K of fewer than 16 k tiles."""
+    from l2ir.backends.registry import lower
+    from policy.rules import FOUR_BLOCK_CLUSTER_WAVE
+
+    def split4(p):
+        parent = hopper_kernel(p, 128, 128, "cooperative", splitk=SplitK("stream_k"))
+        ctx = Context(p, parent, count=12, arch="sm90a")
+        return ctx, [q for q in Rules().propose(ctx) if "split-K 4 in four-block clusters" in q.note]
+
+    for shape, bn in (((100, 3000, 4104), 112), ((100, 3000, 4096), 112), ((128, 1000, 8192), 64),
+                      ((65, 2112, 4096), 80), ((128, 3456, 2048), 128)):
+        p = Problem(*shape)
+        ctx, hits = split4(p)
+        assert len(hits) == 1, shape
+        kernel = hits[0].apply(ctx.parent, p)
+        assert kernel.tile.block == (128, bn, 64) and kernel.mma.shape == (64, bn, 16), (shape, kernel.tile)
+        assert (kernel.splitk.slices, kernel.splitk.reduce, hits[0].backend) == (4, "cluster", "cuda_ptx")
+        assert tiles_of(p, 128, bn) <= FOUR_BLOCK_CLUSTER_WAVE, shape
+        assert lower(kernel, p, "cuda_ptx").workspace_for(*p.shape) == 0
+    for shape in ((127, 4096, 4096),     # BN 160: above the 128 the kernel's registers hold
+                  (64, 3000, 4104),      # M <= 64: half of every 128-row tile would be padding
+                  (256, 3000, 4104),     # two rows of tiles
+                  (100, 3000, 960)):     # 15 k tiles: under 4 per slice
+        assert not split4(Problem(*shape))[1], shape
+
+
 def test_rules_odd_k_on_hopper_repacks():
     """An odd K on Hopper: from the sm80 seed the rules' first proposal is the repack kernel for the output size,
     named for cuda_ptx (the backend that lowers the copy), and the other repack tiles follow; the interpreter agrees
