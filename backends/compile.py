@@ -71,7 +71,7 @@ class CompileOptions:
     lineinfo: bool = True                    # source lines in SASS for the profiler; does not change codegen
     keep: bool = False                       # nvcc -keep: the PTX and other intermediates stay in the cache entry
     timeout_s: float = 600.0                 # per job; CUTLASS 3.x translation units take minutes
-    jobs: int = 0                            # parallel compiles; 0 = one per CPU
+    jobs: int = 0                            # parallel compiles; 0 = per CPU and memory (default_jobs)
     cuda_include: tuple[str, ...] | None = None     # None: ask nvcc where its headers are
     cutlass_include: tuple[str, ...] | None = None  # None: from the nvidia-cutlass wheel
 
@@ -439,10 +439,64 @@ def compile_plan(plan: LaunchPlan, options: CompileOptions = CompileOptions()) -
                     cached=False, resources=resources, command=repro, log=log)
 
 
+# Peak resident memory of one compile. The front end of a CUTLASS 3.x translation unit reached 3.2 GB on one sm90a
+# kernel (sweep sm90a pingpong_128x128x64_c1x1, nvcc 13.0, CUTLASS 4.2); raw CUDA kernels stay well under 1 GB.
+# A machine with many CPUs and less than this much memory per CPU runs out of memory at one job per CPU, and the
+# kernel's OOM killer then takes compilers mid-build.
+COMPILE_PEAK_BYTES_CUTLASS = 3_500_000_000
+COMPILE_PEAK_BYTES = 1_000_000_000
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which containers and taskset narrow), else all."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def available_memory_bytes() -> int | None:
+    """Memory a new process can take: /proc/meminfo's MemAvailable, and no more than a cgroup v2 limit leaves
+    (memory.max - memory.current). None where neither can be read (not Linux)."""
+    found: list[int] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+            found.append(max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def machine_jobs(peak_bytes: int) -> int:
+    """Compiles this machine runs at once: one per usable CPU, but no more than the available memory holds at
+    `peak_bytes` each. At least one."""
+    jobs = usable_cpus()
+    memory = available_memory_bytes()
+    if memory is not None:
+        jobs = min(jobs, memory // peak_bytes)
+    return max(1, jobs)
+
+
+def default_jobs(plans: list[LaunchPlan]) -> int:
+    """Parallel compiles when CompileOptions.jobs is 0: machine_jobs at the plans' peak (CUTLASS builds take
+    several GB each)."""
+    return machine_jobs(max((COMPILE_PEAK_BYTES_CUTLASS if p.needs_cutlass else COMPILE_PEAK_BYTES for p in plans),
+                            default=COMPILE_PEAK_BYTES))
+
+
 def compile_many(plans: list[LaunchPlan], options: CompileOptions = CompileOptions()) -> list[CompileResult]:
     """Compile plans in parallel, results in input order. Each job is its own compiler process (group) with the
-    per-job timeout; the pool threads only wait on them, so a hung or crashing compiler costs one slot."""
-    jobs = options.jobs or os.cpu_count() or 1
+    per-job timeout; the pool threads only wait on them, so a hung or crashing compiler costs one slot. With
+    options.jobs = 0 the machine decides (default_jobs): its usable CPUs and the memory the builds need."""
+    jobs = options.jobs or default_jobs(plans)
     with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(plans) or 1))) as pool:
         futures = [pool.submit(_guarded_compile, plan, options) for plan in plans]
         return [f.result() for f in futures]

@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from l2ir.backends.compile import (
+    COMPILE_PEAK_BYTES_CUTLASS,
     Artifact,
     CompileFailure,
     CompileOptions,
@@ -60,6 +61,7 @@ from l2ir.backends.compile import (
     _load_cached,
     cache_key,
     compile_plan,
+    machine_jobs,
 )
 
 from .pipeline import Pipeline, Prepared, _class_of, _first_line
@@ -196,7 +198,8 @@ def open_cluster(spec: str, mode: str, devices: Sequence[int] = (), compile_thre
     device; stand-in: len(devices) fake GPU workers; a CPU worker for compiles unless stand-in), anything else is a
     scheduler's address, which must have a GPU worker unless nothing is evaluated."""
     if spec == "local":
-        threads = 0 if mode == "standin" else (compile_threads or os.cpu_count() or 1)
+        # A search may compile CUTLASS kernels: as many compile threads as the CPUs and memory hold for those.
+        threads = 0 if mode == "standin" else (compile_threads or machine_jobs(COMPILE_PEAK_BYTES_CUTLASS))
         if mode == "gpu" and not devices:
             raise ClusterError("--cluster local: no GPU visible (--standin runs stand-in workers)")
         return Cluster.local(gpus=devices if mode == "gpu" else (), fake_gpus=len(devices) if mode == "standin"

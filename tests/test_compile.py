@@ -206,3 +206,43 @@ def test_compile_many_in_parallel_keeps_order(tmp_path):
     assert len({r.key for r in results}) == 4
     for i, r in enumerate(results):
         assert f"-DVARIANT={i}" in r.command
+
+
+def test_default_jobs_follow_usable_cpus_and_the_memory_the_builds_need(monkeypatch):
+    """jobs=0: one compile per usable CPU, unless the available memory holds fewer builds at their peak (a CUTLASS
+    translation unit takes several GB); never fewer than one; unknown memory leaves the CPU count."""
+    from l2ir.backends import compile as comp
+
+    cutlass = LaunchPlan(source="", arch="sm_90a", needs_cutlass=True)
+    raw = LaunchPlan(source="", arch="sm_90a")
+    monkeypatch.setattr(comp, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(comp, "available_memory_bytes", lambda: 128 * 2 ** 30)
+    assert comp.default_jobs([raw] * 20) == 16
+    assert comp.default_jobs([raw, cutlass]) == 16          # 39 CUTLASS builds fit; the CPUs bound it
+    monkeypatch.setattr(comp, "available_memory_bytes", lambda: 20 * 2 ** 30)
+    assert comp.default_jobs([raw] * 20) == 16              # 21 raw builds fit
+    assert comp.default_jobs([raw, cutlass]) == 20 * 2 ** 30 // comp.COMPILE_PEAK_BYTES_CUTLASS == 6
+    monkeypatch.setattr(comp, "available_memory_bytes", lambda: 10 ** 8)
+    assert comp.default_jobs([cutlass]) == 1
+    monkeypatch.setattr(comp, "available_memory_bytes", lambda: None)
+    assert comp.default_jobs([cutlass]) == 16
+
+
+def test_available_memory_is_the_lower_of_meminfo_and_the_cgroup_limit(monkeypatch, tmp_path):
+    from l2ir.backends import compile as comp
+
+    files = {"/proc/meminfo": "MemTotal: 100 kB\nMemAvailable:   8000000 kB\n",
+             "/sys/fs/cgroup/memory.max": "4000000000\n", "/sys/fs/cgroup/memory.current": "1000000000\n"}
+
+    def read_text(self, *a, **k):
+        if str(self) not in files:
+            raise FileNotFoundError(str(self))
+        return files[str(self)]
+
+    monkeypatch.setattr(comp.Path, "read_text", read_text)
+    assert comp.available_memory_bytes() == 3_000_000_000
+    files["/sys/fs/cgroup/memory.max"] = "max\n"
+    assert comp.available_memory_bytes() == 8_000_000 * 1024
+    del files["/proc/meminfo"]
+    assert comp.available_memory_bytes() is None
+    assert comp.usable_cpus() >= 1
