@@ -247,8 +247,9 @@ def apply_action(kernel: Kernel, problem: Problem, action: Action, arch: str = "
             if not tma:
                 return None
             # The cooperative block's two consumer warpgroups split one tile's K loop, each over all BM rows: one
-            # tile per block, a ring of at least 3 stages, each warpgroup storing its share from registers.
-            stages = p.stages if p.stages == "auto" or p.stages >= 3 else 3
+            # tile per block, an even ring of at least 4 stages (each warpgroup owns its stages: l2ir.indexing.
+            # BlockSplit), each warpgroup storing its share from registers.
+            stages = p.stages if p.stages == "auto" else max(4, p.stages - p.stages % 2)
             new = new.replace(tile=dataclasses.replace(t, block=(t.bm if t.bm in (64, 128) else 64, t.bn, t.bk),
                                                        cluster=(1, 1)),
                               pipeline=dataclasses.replace(p, schedule="cooperative", persistent=False, stages=stages),

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from l2ir.edits import parse_edits, print_edits
 from l2ir.indexing import ceil_div
 from l2ir.nodes import Problem, SplitK
-from l2ir.seed import seed
+from l2ir.seed import seed, split_tile_kernel
 from l2ir.testing import problems
 from l2ir.verify import resolved_stages
 from l2ir.policy.actions import ACTIONS, KNOBS, Action, apply_action, diff_edits
@@ -86,6 +86,20 @@ def test_registry_names_objects_and_plugins():
     assert isinstance(get_policy("test-rules"), Rules)
     with pytest.raises(ValueError, match="unknown knobs"):
         RandomEdits(knobs=("tile_size",))
+
+
+def test_block_split_action_makes_an_even_ring():
+    """The split-K-inside-one-block action gives the child an even ring of at least 4 stages (an odd ring lets a
+    consumer's parity wait pass on the other's unfinished load: l2ir.indexing.BlockSplit), and the child verifies."""
+    from l2ir.verify import violations
+
+    p = Problem(1024, 256, 4096)
+    parent = split_tile_kernel((64, 64, 64), "cooperative", SplitK("split_k", 4, "cluster"))
+    for stages, want in ((3, 4), (5, 4), (7, 6), (8, 8), ("auto", "auto")):
+        k = parent.replace(pipeline=dataclasses.replace(parent.pipeline, stages=stages))
+        child, backend = apply_action(k, p, Action("splitk", ("split_k", 2, "block")))
+        assert child.pipeline.stages == want and child.splitk.reduce == "block", (stages, child.pipeline)
+        assert not violations(child), (stages, violations(child))
 
 
 def test_actions_cover_the_ir_and_diff_round_trips():
