@@ -57,8 +57,9 @@ HOPPER_TILES = ((128, 256, "cooperative"), (256, 128, "cooperative"), (128, 128,
 
 
 # Four-block clusters of the cooperative split-K kernel (full ring) that the H200 ran in one wave: 27 (128x112 tiles
-# in 4 slices at 100x3000x4104, 16.7 us); 32 (128x96) ran 1.4x slower, as a second wave would. A cluster's blocks
-# must share one GPC, so four-block clusters fill fewer SMs than 132 / 4 (bench/results/ntile_split_h200.json).
+# in 4 slices at 100x3000x4104, 16.7 us); 32 (128x96) ran 1.4x slower, as a second wave would (a cluster's blocks
+# must share one GPC, so fewer than 132 / 4 four-block clusters fit at once; not yet told apart from a cost of the
+# narrower tile itself: cudaOccupancyMaxActiveClusters would say). bench/results/ntile_split_h200.json.
 FOUR_BLOCK_CLUSTER_WAVE = 27
 
 
