@@ -107,6 +107,10 @@ pdl-gpu-tests|300|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test
 pdl-sm80-v2|420|python3 -m l2ir.cli bench --target sm90a --shapes 0 --shape 16384x128x64 --shape 1024x256x256 --shape 128x4096x128 --shape 256x2048x64 --shape 512x256x64 --shape 128x16384x64 --shape 64x12288x64 --shape 12288x128x64 --shape 2048x1024x256 --shape 1024x2048x1024 --family cuda_ptx_sm80=cuda_ptx_sm80:ptx_sm80_64x64x32_w2x2_s3,ptx_sm80_64x64x64_w2x2_s4_latency --family cute_sm80=sm80:64x128x32_w2x2_s4 --family cuda_ptx=cuda_ptx:ptx_coop_128x128x64 --budget-s 330 --out bench/results/pdl_sm80_v2_h200
 ntile-split|200|python3 -m l2ir.cli bench --target sm90a --shapes 0 --shape 100x3000x4104 --shape 100x3000x4096 --family cuda_ptx=cuda_ptx:ptx_splitk_cluster_coop_128x128x64_s4,ptx_splitk_cluster_coop_128x96x64_s4,ptx_splitk_cluster_coop_128x112x64_s4,ptx_splitk_cluster_coop_128x128x64_s5,ptx_splitk_cluster_coop_128x192x64_s8 --budget-s 170 --out bench/results/ntile_split_h200
 pdl-split-tests|200|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k "splitk_reduction or stream"
+gpu-backends-a|560|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k "small_shape_families or sm80_families"
+gpu-backends-b|560|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k "test_generated_kernel or test_cutlass_kept or test_odd_n or test_cuda_ptx_repack"
+gpu-backends-c|560|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k "test_cuda_ptx_direct or test_cuda_ptx_splitk_reduction"
+gpu-rest|560|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_loop_gpu.py tests/test_pool_gpu.py tests/test_pipeline_gpu.py tests/test_train_policy.py tests/test_cluster.py
 block-tests|150|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k "block_coop or splitk_block"
 gpu-tests-serial|300|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_evaluator_gpu.py tests/test_loop_gpu.py tests/test_pool_gpu.py tests/test_pipeline_gpu.py tests/test_train_policy.py
 EOF
