@@ -391,7 +391,7 @@ class Pipeline(Node):
                 (schedule cooperative or pingpong); stages=auto fills the shared memory left after the epilogue.
     direct:     no shared memory for operands: every lane loads its mma.sync fragments from global memory into
                 registers (l2ir.indexing.DirectFeed), for few rows of A (decode), where the kernel streams B once
-                at DRAM speed; stages = k steps of A and B vectors in registers at once (1 or 2).
+                at DRAM speed; stages = k steps of A and B vectors in registers at once (1 to 4).
     persistent: one block per SM loops over output tiles (the CUTLASS persistent tile scheduler).
     """
 

@@ -128,7 +128,7 @@ def wgmma_kernels(draw) -> Kernel:
 @st.composite
 def direct_kernels(draw, archs=MMA_SYNC_ARCHS) -> Kernel:
     """mma.sync fed from global memory by each lane (pipeline mode=direct; any target): BM rows of A per warp,
-    n8 blocks over 1 x WN warps, 32-element K chunks, 1 or 2 register stages, any alignment."""
+    n8 blocks over 1 x WN warps, 32-element K chunks, 1 to 4 register stages, any alignment."""
     wn, ni = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2]))
     align = draw(st.sampled_from([1, 2, 4, 8]))
     raster = draw(st.sampled_from(["along_n", "along_m"]))
@@ -137,7 +137,7 @@ def direct_kernels(draw, archs=MMA_SYNC_ARCHS) -> Kernel:
         tile=Tile(block=(draw(st.sampled_from(DIRECT_BM)), 8 * wn * ni, 32 * draw(st.sampled_from([1, 2, 4]))),
                   warps=(1, wn)),
         mma=Mma("mma_sync", (16, 8, 16)),
-        pipeline=Pipeline("direct", draw(st.sampled_from([1, 2]))),
+        pipeline=Pipeline("direct", draw(st.sampled_from([1, 2, 2, 3, 4]))),
         swizzle=Swizzle(None, raster, draw(st.sampled_from([1, 2, 8]))),
         pad=Pad(draw(st.sampled_from(PAD_MODES)), draw(st.sampled_from(PAD_MODES)),
                 draw(st.sampled_from(PAD_MODES)), align),

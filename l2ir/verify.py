@@ -265,8 +265,8 @@ def _stages(k: Kernel):
             return f"multistage pipelines take 1..13 stages, not {s}"
     elif k.pipeline.mode == "direct":
         if s not in DIRECT_STAGES:
-            return (f"direct pipelines keep 1 or 2 k steps of A and B vectors in registers (stages=1 or 2), not {s}: "
-                    "more would spill")
+            return (f"direct pipelines keep 1 to {DIRECT_STAGES[-1]} k steps of A and B vectors in registers "
+                    f"(stages=1..{DIRECT_STAGES[-1]}), not {s}")
     else:
         if resolved_stages(k) < 2:
             return f"a TMA pipeline needs at least 2 stages, has {resolved_stages(k)}"
@@ -306,7 +306,7 @@ def _persistent(k: Kernel):
 # pipeline mode=direct (l2ir.indexing.DirectFeed): rows of A per block (one m16 MMA fed half: rows g + 8 are
 # zeros; or whole m16 blocks), K chunks per k step, the stages of A and B vectors held in registers, and the K slices of a block.
 DIRECT_BM = (8, 16, 32, 48, 64)
-DIRECT_STAGES = (1, 2)
+DIRECT_STAGES = (1, 2, 3, 4)   # the register rule (direct_registers) bounds deeper sets by the tile's size
 DIRECT_MAX_SLICES = 8
 
 

@@ -55,6 +55,10 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
     "8x32x128_w1x4_s2_k4_decode": (direct((8, 32, 128), splitk=SplitK("split_k", 4, "block")), PROBLEM),
     "16x32x64_w1x4_s1_k3_align1_direct1": (
         direct((16, 32, 64), stages=1, align=1, vector=1, splitk=SplitK("split_k", 3, "block")), ODD_K),
+    # Deeper register sets: 2 and 3 steps load ahead of the one that multiplies (more bytes in flight per warp).
+    "8x32x128_w1x4_s3_k2_decode": (direct((8, 32, 128), stages=3, splitk=SplitK("split_k", 2, "block")), PROBLEM),
+    "8x32x64_w1x4_s4_k4_decode": (direct((8, 32, 64), stages=4, splitk=SplitK("split_k", 4, "block")), PROBLEM),
+    "16x32x64_w1x4_s4_align1_direct1": (direct((16, 32, 64), stages=4, align=1, vector=1), ODD_K),
 }
 
 GOLDENS = GoldenSources("cuda_ptx_direct", CASES, __file__)
@@ -79,7 +83,7 @@ def test_direct_kernels_have_no_shared_memory_and_one_warp_row():
     (direct((24, 32, 256)), TileError, "BM in"),
     (direct((8, 36, 256)), TileError, "n8 blocks"),
     (direct((8, 32, 48)), TileError, "multiple of 32"),
-    (direct(stages=3), PipelineError, "stages=1 or 2"),
+    (direct(stages=5), PipelineError, "stages=1..4"),
     (direct(swizzle=Swizzle((3, 3, 3), "along_n", 1)), PipelineError, "no shared memory"),
     (direct(splitk=SplitK("split_k", 2)), PipelineError, "reduce=block"),
     (direct((8, 8, 64), 1, splitk=SplitK("split_k", 16, "block")), PipelineError, "2..8 K slices"),
@@ -127,7 +131,7 @@ def _run(kernel, shape, seed=0):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bm=st.sampled_from(DIRECT_BM), wn=st.sampled_from((1, 2, 4)), ni=st.sampled_from((1, 2)),
-       chunks=st.sampled_from((1, 2, 4)), stages=st.sampled_from((1, 2)), align=st.sampled_from((1, 2, 4, 8)),
+       chunks=st.sampled_from((1, 2, 4)), stages=st.sampled_from((1, 2, 3, 4)), align=st.sampled_from((1, 2, 4, 8)),
        slices=st.sampled_from((1, 1, 2, 3, 4)),
        raster=st.sampled_from(("along_n", "along_m")), group=st.sampled_from((1, 3)),
        m=st.integers(1, 70), n=st.integers(1, 80), k=st.integers(1, 300), data=st.data())
@@ -262,7 +266,7 @@ def test_policies_propose_from_a_direct_parent_without_crashing():
             made += len(RandomEdits().propose(Context(problem, parent, seed=s, count=16, arch="sm80")))
     assert made > 0
     auto = parent.replace(pipeline=Pipeline("direct", "auto"))
-    with pytest.raises(PipelineError, match="stages=1 or 2"):
+    with pytest.raises(PipelineError, match="stages=1..4"):
         verify(auto)
 
 
@@ -285,3 +289,33 @@ def test_rules_propose_the_direct_decode_kernel_where_it_won():
     assert direct_children((8, 4096, 4096), "sm80")
     assert not direct_children((9, 4096, 4096)) and not direct_children((1, 4096, 4097))
     assert not direct_children((1, 4096, 256))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Whole kernels on the host (tests/sm80_block_emulation.cpp.in, shared with the sm80 rule): every block and thread,
+# the global vector loads checked for alignment and bounds, C compared bit for bit with the correctly rounded
+# product. This checks what the interpreter does not model: the register sets of the stage loop (which set holds
+# which k step when it multiplies), the slices' shared-memory reduction and the masked stores.
+# ---------------------------------------------------------------------------------------------------------------
+
+HOST_RUNS = {
+    "8x32x256_w1x4_s2_decode": [(1, 72, 600), (9, 40, 256)],
+    "16x32x128_w1x4_s1_raster_along_m": [(17, 40, 296)],
+    "16x32x64_w1x4_s2_align1_direct1": [(17, 45, 333)],
+    "8x32x128_w1x4_s2_k4_decode": [(1, 40, 1096), (5, 34, 520)],
+    "16x32x64_w1x4_s1_k3_align1_direct1": [(17, 45, 333)],
+    "8x32x128_w1x4_s3_k2_decode": [(1, 40, 1096), (5, 34, 1536), (3, 8, 640)],
+    "8x32x64_w1x4_s4_k4_decode": [(1, 40, 1096), (5, 34, 2048), (3, 8, 200)],
+    "16x32x64_w1x4_s4_align1_direct1": [(17, 45, 333), (3, 5, 71), (16, 32, 448)],
+}
+
+
+@pytest.mark.parametrize("name", list(HOST_RUNS))
+def test_kernel_runs_right_on_the_host(tmp_path, name):
+    from test_cuda_ptx_sm80 import run_on_host
+
+    from l2ir.backends.cuda_ptx.direct import GEMM_ENTRY
+
+    kernel, problem = CASES[name]
+    run_on_host(tmp_path, name, kernel, problem, lower(kernel, problem), HOST_RUNS[name], GEMM_ENTRY,
+                wrappers=("mma_16816", "ld_stream", "ld_cached"))

@@ -556,10 +556,11 @@ EMULATED = {name: shapes for name, shapes in {
 PTX_WRAPPERS = ("cp_async_zfill", "cp_async", "ld_shared_16", "st_shared_16", "ldmatrix_x4", "mma_16816")
 
 
-def _host_kernel(src: str) -> str:
-    """The generated source with the CUDA headers and the inline-PTX wrappers taken out (the emulator defines them)."""
+def _host_kernel(src: str, wrappers: tuple[str, ...] = PTX_WRAPPERS) -> str:
+    """The generated source with the CUDA headers and the inline-PTX wrappers taken out (the emulator defines them),
+    its dynamic shared memory the emulator's."""
     src = "\n".join(line for line in src.splitlines() if not line.startswith("#include <cuda_"))
-    for name in PTX_WRAPPERS:
+    for name in wrappers:
         found = re.search(rf"__device__ __forceinline__ \w+ {name}\(", src)
         if found:
             src = src[:found.start()] + src[src.index("\n}\n", found.start()) + 3:]
@@ -569,11 +570,20 @@ def _host_kernel(src: str) -> str:
     src = re.sub(r"#if defined\(__CUDA_ARCH__\) && __CUDA_ARCH__ >= 900\n[^\n]*griddepcontrol[^\n]*\n#endif\n", "",
                  src)
     assert "asm volatile" not in src, "a PTX wrapper the emulator does not model"
+    src = src.replace("extern __shared__ float red[];", "float* red = reinterpret_cast<float*>(g_smem.data());")
     return src.replace("extern __shared__ __align__(128) unsigned char smem[];", "unsigned char* smem = g_smem.data();")
 
 
 @pytest.mark.parametrize("name", list(EMULATED))
 def test_kernel_runs_right_on_the_host(tmp_path, name):
+    kernel, problem = CASES[name]
+    run_on_host(tmp_path, name, kernel, problem, lower(kernel, problem), EMULATED[name], sm80.GEMM_ENTRY)
+
+
+def run_on_host(tmp_path, name, kernel, problem, plan, shapes, entry, wrappers=PTX_WRAPPERS):
+    """Build the emulator around the generated kernel and run it on each shape (every block and thread), with
+    operands on and off 16-byte boundaries (pad.align 1) and split-K blocks in several orders: C must be the
+    correctly rounded product, guards and counters untouched, no access outside the operands or shared memory."""
     import shutil
     import subprocess
 
@@ -581,20 +591,18 @@ def test_kernel_runs_right_on_the_host(tmp_path, name):
 
     if shutil.which("g++") is None:
         pytest.skip("g++ not on PATH")
-    kernel, problem = CASES[name]
     assert problem.a[0] == "f16", "the emulator models f16 inputs"
-    plan = lower(kernel, problem)
     (launch,) = plan.launches
-    nbytes = re.search(r"cp\.async\.c[ag]\.shared\.global \[%0\], \[%1\], (\d+)", plan.source).group(1)
+    cp = re.search(r"cp\.async\.c[ag]\.shared\.global \[%0\], \[%1\], (\d+)", plan.source)
     template = (Path(__file__).parent / "sm80_block_emulation.cpp.in").read_text()
     cpp = tmp_path / "emulate.cpp"
-    cpp.write_text(f"#define CP_BYTES {nbytes}\n#define KERNEL {sm80.GEMM_ENTRY}\n"
-                   + template.replace("// @KERNEL_SOURCE@", _host_kernel(plan.source)))
+    cpp.write_text(f"#define CP_BYTES {cp.group(1) if cp else 16}\n#define KERNEL {entry}\n"
+                   + template.replace("// @KERNEL_SOURCE@", _host_kernel(plan.source, wrappers)))
     exe = tmp_path / "emulate"
     subprocess.run(["g++", "-O1", "-std=c++20", "-pthread", "-o", str(exe), str(cpp)], check=True, capture_output=True)
     # Operand bases 0-7 elements past a 16-byte boundary (align 1 only); split-K blocks in both orders.
     offsets = ((0, 0, 0), (3, 5, 1), (7, 1, 0)) if kernel.pad.align == 1 else ((0, 0, 0), (0, 0, 1))
-    for m, n, k in EMULATED[name]:
+    for m, n, k in shapes:
         ok, why = admits(kernel, problem.with_shape(m, n, k))
         assert ok, f"{name} at {(m, n, k)}: {why}"
         gx, gy, gz = launch.grid_for(m, n, k)

@@ -20,7 +20,8 @@ Field -> code map:
   tile.block           BM rows of A per block (8: one m16 block fed half, rows g + 8 zero; else BM/16 m16 blocks),
                        BN columns per block, BK K elements per k step (BK/32 chunks)
   tile.warps           1 x WN: each warp takes all BM rows and BN/WN columns (NI n8 blocks)
-  pipeline.stages      1: load a step's vectors, then multiply; 2: load step s + 1 while multiplying step s
+  pipeline.stages      1: load a step's vectors, then multiply; S = 2..4: load steps s + 1 .. s + S - 1 while
+                       multiplying step s (S register sets; l2ir.analysis.direct_registers bounds them)
   splitk               split_k reduce=block, 2..8 slices: that many groups of 1 x WN warps take interleaved k steps
                        (DirectFeed.slice_step); slice 0 adds the others' accumulators from shared memory in slice
                        order and stores C
@@ -162,7 +163,7 @@ def _config(cfg: DirectConfig) -> list[str]:
         f"constexpr int RA = {1 if cfg.half_m else 2};  // A rows a lane feeds per m16 block (g, g + 8)",
         "",
         "// One k step in registers: the raw vectors of B and A, loaded together so every load of the step is in",
-        "// flight at once; pipeline.stages of these (1 or 2) exist.",
+        f"// flight at once; pipeline.stages of these ({cfg.stages}) exist.",
         "struct Step {",
         "  uint4 b[CHUNKS][NI][V];",
         "  uint4 a[CHUNKS][MI][RA][V];",
@@ -363,7 +364,7 @@ def _gemm_entry(cfg: DirectConfig) -> list[str]:
             "    mma_step(acc, s0, A, B, row0, col0, STEP(i), q, K);",
             "  }",
         ]
-    else:
+    elif cfg.stages == 2:
         loop = [
             "  // stages=2: step s + 1's vectors are in flight while step s multiplies (two register sets, so",
             "  // the loop advances two steps at a time and every index into them is a constant).",
@@ -375,6 +376,21 @@ def _gemm_entry(cfg: DirectConfig) -> list[str]:
             "    if (i + 1 < my_steps) mma_step(acc, s1, A, B, row0, col0, STEP(i + 1), q, K);",
             "  }",
         ]
+    else:
+        # S register sets: S - 1 steps load ahead of the one that multiplies, so while step s waits for its
+        # vectors the loads of s + 1 .. s + S - 1 are in flight (more bytes in flight per warp, the DRAM lever).
+        # The loop advances S steps at a time so every index into the sets is a constant.
+        s = cfg.stages
+        loop = [f"  // stages={s}: steps s + 1 .. s + {s - 1} load while step s multiplies ({s} register sets)."]
+        loop += [f"  if ({j} < my_steps) load_step(s{j}, A, B, row0, col0, STEP({j}), q, M, N, K);"
+                 for j in range(s - 1)]
+        loop.append(f"  for (int i = 0; i < my_steps; i += {s}) {{")
+        for j in range(s):
+            ahead = j + s - 1
+            loop.append(f"    if (i + {ahead} < my_steps) load_step(s{ahead % s}, A, B, row0, col0, STEP(i + {ahead}), "
+                        "q, M, N, K);")
+            loop.append(f"    if (i + {j} < my_steps) mma_step(acc, s{j}, A, B, row0, col0, STEP(i + {j}), q, K);")
+        loop.append("  }")
     m_ok = " && r < M" if cfg.pad_m != "divisible" else ""
     n_ok1 = "c < N" if cfg.pad_n != "divisible" else "true"
     pair_ok = "c + 1 < N" if cfg.pad_n != "divisible" else "true"
@@ -421,7 +437,7 @@ def _gemm_entry(cfg: DirectConfig) -> list[str]:
         "#pragma unroll",
         "      for (int r = 0; r < 4; ++r) acc[mi][ni][r] = 0.f;",
         "  Step s0;",
-        *(["  Step s1;"] if cfg.stages == 2 else []),
+        *[f"  Step s{j};" for j in range(1, cfg.stages)],
         "  const int steps = (K + BK - 1) / BK;",
         f"  // This slice's k steps: step(i) = {step_expr} (DirectFeed.slice_step), i < my_steps.",
         f"  const int my_steps = {F.slice_steps(cfg.slices).to_cpp().replace('k_tiles', 'steps')};   // slice_steps",

@@ -48,7 +48,7 @@ constexpr int V = 1;   // raw 16-byte vectors per row and chunk (pad.align < 8: 
 constexpr int RA = 2;  // A rows a lane feeds per m16 block (g, g + 8)
 
 // One k step in registers: the raw vectors of B and A, loaded together so every load of the step is in
-// flight at once; pipeline.stages of these (1 or 2) exist.
+// flight at once; pipeline.stages of these (2) exist.
 struct Step {
   uint4 b[CHUNKS][NI][V];
   uint4 a[CHUNKS][MI][RA][V];
