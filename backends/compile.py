@@ -448,16 +448,25 @@ COMPILE_PEAK_BYTES = 1_000_000_000
 
 
 def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, which containers and taskset narrow), else all."""
+    """CPUs this process may use: its affinity mask (taskset, cpusets), no more than a cgroup v2 CPU quota
+    (cpu.max, how containers usually limit CPUs) allows, at least one."""
     try:
-        return len(os.sched_getaffinity(0)) or 1
+        cpus = len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
 
 
 def available_memory_bytes() -> int | None:
     """Memory a new process can take: /proc/meminfo's MemAvailable, and no more than a cgroup v2 limit leaves
-    (memory.max - memory.current). None where neither can be read (not Linux)."""
+    (memory.max - memory.current, counting the cgroup's inactive page cache as free: the kernel reclaims it first).
+    None where neither can be read (not Linux)."""
     found: list[int] = []
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -469,6 +478,9 @@ def available_memory_bytes() -> int | None:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         if limit != "max":
             used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+            stat = dict(line.split() for line in Path("/sys/fs/cgroup/memory.stat").read_text().splitlines()
+                        if line.count(" ") == 1)
+            used -= int(stat.get("inactive_file", 0))
             found.append(max(0, int(limit) - used))
     except (OSError, ValueError):
         pass
@@ -477,7 +489,8 @@ def available_memory_bytes() -> int | None:
 
 def machine_jobs(peak_bytes: int) -> int:
     """Compiles this machine runs at once: one per usable CPU, but no more than the available memory holds at
-    `peak_bytes` each. At least one."""
+    `peak_bytes` each. At least one. Each process decides alone: several processes compiling at once on one
+    machine (parallel test workers, several searches) must be given `CompileOptions.jobs` explicitly."""
     jobs = usable_cpus()
     memory = available_memory_bytes()
     if memory is not None:

@@ -61,6 +61,7 @@ def ptx_search_class():
 
 
 def run_once(name: str, gpus: int, args, out_dir: Path, kill_after: int | None = None) -> dict:
+    from l2ir.backends.compile import COMPILE_PEAK_BYTES_CUTLASS, machine_jobs
     from l2ir.search.cluster import Cluster, distribute
     from l2ir.search.db import RecordsDB
     from l2ir.search.loop import DONE, TuneConfig
@@ -71,7 +72,7 @@ def run_once(name: str, gpus: int, args, out_dir: Path, kill_after: int | None =
         p.unlink()
     mode = "standin" if args.standin else "gpu"
     cluster = (Cluster.local(fake_gpus=gpus) if args.standin else
-               Cluster.local(gpus=list(range(gpus)), cpu_threads=os.cpu_count() or 1))
+               Cluster.local(gpus=list(range(gpus)), cpu_threads=machine_jobs(COMPILE_PEAK_BYTES_CUTLASS)))
     killed: dict = {}
     try:
         ev, rt = _cluster_evaluators(cluster, mode, args.seed)

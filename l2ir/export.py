@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 import time
@@ -271,7 +270,9 @@ def export(db, out: str | Path, scenario: str = "offline", env: str | None = Non
     wanted = {(ch.kernel, ch.problem_class): ch.backend for ch in choices if ch.kernel is not None}
     wanted.update({(ch.eager_kernel, ch.problem_class): ch.eager_backend for ch in choices
                    if ch.eager_kernel is not None and (ch.eager_kernel, ch.problem_class) not in wanted})
-    with ThreadPoolExecutor(max_workers=max(1, min(len(wanted), os.cpu_count() or 1))) as pool:
+    from l2ir.backends.compile import COMPILE_PEAK_BYTES_CUTLASS, machine_jobs
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(wanted), machine_jobs(COMPILE_PEAK_BYTES_CUTLASS)))) as pool:
         futures = {kc: pool.submit(build, db.kernel(kc[0])["ir"], kc[1], backend, device_sm, cache_dir)
                    for kc, backend in wanted.items()}
     built = {}

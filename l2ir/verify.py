@@ -267,6 +267,11 @@ def _stages(k: Kernel):
         if s not in DIRECT_STAGES:
             return (f"direct pipelines keep 1 to {DIRECT_STAGES[-1]} k steps of A and B vectors in registers "
                     f"(stages=1..{DIRECT_STAGES[-1]}), not {s}")
+        if s > 2 and k.pad.align < 8:
+            # Realigned rows keep two raw vectors per row and chunk and shift them into place: ptxas spilled such
+            # kernels at 3 stages under the register rule's bound (8x32x128 align 1: 16 bytes, nvcc 13).
+            return (f"direct stages={s} needs pad.align=8: realigned rows (align {k.pad.align}) hold twice the "
+                    "vectors per stage and spill beyond 2 stages")
     else:
         if resolved_stages(k) < 2:
             return f"a TMA pipeline needs at least 2 stages, has {resolved_stages(k)}"
@@ -306,7 +311,7 @@ def _persistent(k: Kernel):
 # pipeline mode=direct (l2ir.indexing.DirectFeed): rows of A per block (one m16 MMA fed half: rows g + 8 are
 # zeros; or whole m16 blocks), K chunks per k step, the stages of A and B vectors held in registers, and the K slices of a block.
 DIRECT_BM = (8, 16, 32, 48, 64)
-DIRECT_STAGES = (1, 2, 3, 4)   # the register rule (direct_registers) bounds deeper sets by the tile's size
+DIRECT_STAGES = (1, 2, 3, 4)   # 3 and 4 with aligned rows only; the register rule bounds them by the tile's size
 DIRECT_MAX_SLICES = 8
 
 

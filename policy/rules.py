@@ -72,6 +72,8 @@ def coop_split4_kernel(problem: Problem, sms: int) -> Kernel | None:
     if not COOP_SPLIT_M[0] < problem.m <= COOP_SPLIT_M[1] or ceil_div(problem.k, 64) < 4 * slices:
         return None
     clusters = FOUR_BLOCK_CLUSTER_WAVE * sms // H200_SMS
+    if clusters < 1:
+        return None              # a GPU (or a slice of one) too small for a wave of four-block clusters
     bn = max(64, 16 * ceil_div(ceil_div(problem.n, clusters), 16))
     if bn > 128:
         return None

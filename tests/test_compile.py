@@ -232,7 +232,8 @@ def test_available_memory_is_the_lower_of_meminfo_and_the_cgroup_limit(monkeypat
     from l2ir.backends import compile as comp
 
     files = {"/proc/meminfo": "MemTotal: 100 kB\nMemAvailable:   8000000 kB\n",
-             "/sys/fs/cgroup/memory.max": "4000000000\n", "/sys/fs/cgroup/memory.current": "1000000000\n"}
+             "/sys/fs/cgroup/memory.max": "4000000000\n", "/sys/fs/cgroup/memory.current": "1500000000\n",
+             "/sys/fs/cgroup/memory.stat": "anon 900000000\ninactive_file 500000000\nactive_file 100000000\n"}
 
     def read_text(self, *a, **k):
         if str(self) not in files:
@@ -240,9 +241,14 @@ def test_available_memory_is_the_lower_of_meminfo_and_the_cgroup_limit(monkeypat
         return files[str(self)]
 
     monkeypatch.setattr(comp.Path, "read_text", read_text)
-    assert comp.available_memory_bytes() == 3_000_000_000
+    assert comp.available_memory_bytes() == 3_000_000_000       # 4 GB limit - (1.5 GB used - 0.5 GB reclaimable)
     files["/sys/fs/cgroup/memory.max"] = "max\n"
     assert comp.available_memory_bytes() == 8_000_000 * 1024
     del files["/proc/meminfo"]
     assert comp.available_memory_bytes() is None
-    assert comp.usable_cpus() >= 1
+    monkeypatch.setattr(comp.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert comp.usable_cpus() == 16                             # no cpu.max: the affinity mask
+    files["/sys/fs/cgroup/cpu.max"] = "250000 100000\n"
+    assert comp.usable_cpus() == 3                              # a 2.5-CPU quota: 3 jobs
+    files["/sys/fs/cgroup/cpu.max"] = "max 100000\n"
+    assert comp.usable_cpus() == 16

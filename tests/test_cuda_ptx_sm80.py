@@ -594,6 +594,7 @@ def run_on_host(tmp_path, name, kernel, problem, plan, shapes, entry, wrappers=P
     assert problem.a[0] == "f16", "the emulator models f16 inputs"
     (launch,) = plan.launches
     cp = re.search(r"cp\.async\.c[ag]\.shared\.global \[%0\], \[%1\], (\d+)", plan.source)
+    assert cp or "cp.async" not in plan.source, "a cp.async form the emulator's CP_BYTES pattern does not match"
     template = (Path(__file__).parent / "sm80_block_emulation.cpp.in").read_text()
     cpp = tmp_path / "emulate.cpp"
     cpp.write_text(f"#define CP_BYTES {cp.group(1) if cp else 16}\n#define KERNEL {entry}\n"

@@ -97,7 +97,7 @@ def test_block_split_action_makes_an_even_ring():
     parent = split_tile_kernel((64, 64, 64), "cooperative", SplitK("split_k", 4, "cluster"))
     for stages, want in ((3, 4), (5, 4), (7, 6), (8, 8), ("auto", "auto")):
         k = parent.replace(pipeline=dataclasses.replace(parent.pipeline, stages=stages))
-        child, backend = apply_action(k, p, Action("splitk", ("split_k", 2, "block")))
+        child, _ = apply_action(k, p, Action("splitk", ("split_k", 2, "block")))
         assert child.pipeline.stages == want and child.splitk.reduce == "block", (stages, child.pipeline)
         assert not violations(child), (stages, violations(child))
 
@@ -323,7 +323,7 @@ def test_rules_skinny_m_long_k_proposes_four_slice_clusters_that_fit_one_wave():
     100x3000x4104, the tile measured fastest there. The kernel verifies and lowers for cuda_ptx with no workspace.
     None where BN would pass 128, outside 64 < M <= 128, or with a K of fewer than 16 k tiles."""
     from l2ir.backends.registry import lower
-    from policy.rules import FOUR_BLOCK_CLUSTER_WAVE
+    from policy.rules import FOUR_BLOCK_CLUSTER_WAVE, coop_split4_kernel
 
     def split4(p):
         parent = hopper_kernel(p, 128, 128, "cooperative", splitk=SplitK("stream_k"))
@@ -340,6 +340,7 @@ def test_rules_skinny_m_long_k_proposes_four_slice_clusters_that_fit_one_wave():
         assert (kernel.splitk.slices, kernel.splitk.reduce, hits[0].backend) == (4, "cluster", "cuda_ptx")
         assert tiles_of(p, 128, bn) <= FOUR_BLOCK_CLUSTER_WAVE, shape
         assert lower(kernel, p, "cuda_ptx").workspace_for(*p.shape) == 0
+    assert coop_split4_kernel(Problem(100, 3000, 4104), 4) is None     # too few SMs for one four-block cluster
     for shape in ((127, 4096, 4096),     # BN 160: above the 128 the kernel's registers hold
                   (64, 3000, 4104),      # M <= 64: half of every 128-row tile would be padding
                   (256, 3000, 4104),     # two rows of tiles

@@ -6,7 +6,7 @@
 //     tile block=16x32x64 warps=1x4 cluster=1x1
 //     mma op=mma_sync shape=16x8x16
 //     pipeline mode=direct stages=4 schedule=none prefetch=false persistent=false
-//     pad m=predicate n=predicate k=zero_fill align=1
+//     pad m=predicate n=predicate k=zero_fill align=8
 //     epilogue path=direct vector=1
 //   }
 // Problem class: a=f16:row b=f16:col c=f16:row acc=f32
@@ -44,7 +44,7 @@ __device__ __forceinline__ unsigned word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;   // i is a constant after unrolling
 }
 
-constexpr int V = 2;   // raw 16-byte vectors per row and chunk (pad.align < 8: lo, hi)
+constexpr int V = 1;   // raw 16-byte vectors per row and chunk (pad.align < 8: lo, hi)
 constexpr int RA = 2;  // A rows a lane feeds per m16 block (g, g + 8)
 
 // One k step in registers: the raw vectors of B and A, loaded together so every load of the step is in
@@ -70,39 +70,6 @@ __device__ __forceinline__ uint4 ld_cached(const InT* p) {
   return v;
 }
 
-// pad.align < 8 (DirectFeed.realign_offset): the 8 elements at p come from the aligned 16-byte vector below
-// p (lo) and the next one (hi), loaded only when it holds an element of the row: `left` elements of the row
-// remain from p on (DirectFeed.realign_needs_upper). Both are loaded a step ahead, shifted at the MMA.
-__device__ __forceinline__ int realign_offset(const InT* p) {
-  return int((reinterpret_cast<unsigned long long>(p) >> 1) & 7);   // elem & 7
-}
-__device__ __forceinline__ void ld_raw(uint4 (&v)[V], const InT* p, int left, bool ok) {
-  const int off = realign_offset(p);
-  const InT* base = p - off;
-  const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-  // lo through L1 even for B: lane q - 1 reads it again as its hi.
-  v[0] = ok ? ld_cached(base) : z;
-  v[1] = (ok && off > 0 && 8 - off < left) ? ld_cached(base + 8) : z;
-}
-// The 8 elements out of (lo, hi); elements at or past `left` are zero.
-__device__ __forceinline__ uint4 realign(const uint4 (&v)[V], const InT* p, int left) {
-  const int off = realign_offset(p);
-  const unsigned w[8] = {v[0].x, v[0].y, v[0].z, v[0].w, v[1].x, v[1].y, v[1].z, v[1].w};
-  const int ws = off >> 1;
-  const unsigned sh = unsigned(off & 1) * 16u;
-  unsigned x[5];
-#pragma unroll
-  for (int j = 0; j < 5; ++j) x[j] = ws == 0 ? w[j] : ws == 1 ? w[j + 1] : ws == 2 ? w[j + 2] : w[j + 3];
-  unsigned r[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const unsigned t = __funnelshift_r(x[i], x[i + 1], sh);
-    // element 2i is the low half of word i; keep the elements before `left`
-    r[i] = left >= 2 * i + 2 ? t : left == 2 * i + 1 ? (t & 0xFFFFu) : 0u;
-  }
-  return make_uint4(r[0], r[1], r[2], r[3]);
-}
-
 // A row `row`, K elements k .. k + 7 (A is M x K, K-major).
 __device__ __forceinline__ const InT* a_at(const InT* A, int row, int k, int K) {
   return A + (long long)row * K + k;
@@ -113,15 +80,16 @@ __device__ __forceinline__ const InT* b_at(const InT* B, int col, int k, int K) 
 }
 __device__ __forceinline__ void load_a(uint4 (&v)[V], const InT* A, int row, int k, int M, int K) {
   const InT* p = a_at(A, row, k, K);
-  ld_raw(v, p, K - k, row < M && k < K);
+  v[0] = (row < M && k < K) ? ld_cached(p) : make_uint4(0u, 0u, 0u, 0u);
 }
 __device__ __forceinline__ void load_b(uint4 (&v)[V], const InT* B, int col, int k, int N, int K) {
   const InT* p = b_at(B, col, k, K);
-  ld_raw(v, p, K - k, col < N && k < K);
+  v[0] = (col < N && k < K) ? ld_stream(p) : make_uint4(0u, 0u, 0u, 0u);
 }
 // The 8 elements a raw vector holds (pad.align < 8: shifted out of lo and hi), given its row pointer.
 __device__ __forceinline__ uint4 use(const uint4 (&v)[V], const InT* p, int left) {
-  return realign(v, p, left);
+  (void)p; (void)left;
+  return v[0];
 }
 
 // Issue every load of k step `step`: per chunk u (DirectFeed.chunk_k), this warp's B columns col0 + 8 ni and
