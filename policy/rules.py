@@ -159,15 +159,16 @@ def decode_align_kernel(problem: Problem, arch: str) -> Kernel:
 DIRECT_DECODE_ROWS = 8
 
 
-def direct_decode_kernel(problem: Problem, arch: str) -> Kernel:
+def direct_decode_kernel(problem: Problem, arch: str, deep: bool = False) -> Kernel:
     """The direct decode kernel (search/sweeps/cuda_ptx_direct/direct_8x32x128_w1x4_s2_k4.l2, on the problem's
     target): no shared memory for operands, every lane loads its mma.sync fragments, two k steps of them in
-    registers, and 4 groups of 4 warps split the k steps and add up in slice order."""
+    registers, and 4 groups of 4 warps split the k steps and add up in slice order. deep: four register sets of
+    half the k step (direct_8x32x64_w1x4_s4_k4.l2), so three steps stay in flight while one multiplies."""
     return Kernel(
         target=Target(arch),
-        tile=Tile(block=(8, 32, 128), warps=(1, 4)),
+        tile=Tile(block=(8, 32, 64 if deep else 128), warps=(1, 4)),
         mma=Mma("mma_sync", (16, 8, 16)),
-        pipeline=Pipeline("direct", 2),
+        pipeline=Pipeline("direct", 4 if deep else 2),
         pad=Pad("predicate", "predicate", "zero_fill", 8),
         splitk=SplitK("split_k", 4, "block"),
         epilogue=Epilogue("direct", 2 if problem.n % 2 == 0 else 1),
@@ -286,6 +287,11 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
             9.3, direct_decode_kernel(problem, arch),
             f"decode: {m} row(s) of A: each lane loads its fragments from global memory (no shared-memory stage), "
             "4 groups of warps split K so an SM keeps enough loads in flight to stream B", backend="cuda_ptx_direct"))
+        # Not measured yet (bench/NOTES.md, deeper register stages): ranked just below the measured kernel.
+        out.append(Candidate(
+            9.25, direct_decode_kernel(problem, arch, deep=True),
+            f"decode: {m} row(s) of A, as the direct kernel above with four register sets of half the k step: three "
+            "steps of B stay in flight while one multiplies", backend="cuda_ptx_direct"))
 
     # Few small tiles with a short K loop: the block's two consumer warpgroups split it (cuda_ptx).
     if hopper and cuda_ptx_lowered(problem):

@@ -273,7 +273,8 @@ def test_policies_propose_from_a_direct_parent_without_crashing():
 
 def test_rules_propose_the_direct_decode_kernel_where_it_won():
     """M <= 8 rows with 16-byte rows and K long enough for 4 slices: the rules propose the measured winner (it ran
-    1x4096x4096 at 1.25x torch); 9 rows, an odd K or a short K get no direct proposal."""
+    1x4096x4096 at 1.25x torch), then its four-stage variant; 9 rows, an odd K or a short K get no direct
+    proposal."""
     from l2ir.policy.base import Context
     from l2ir.policy.rules import Rules, direct_decode_kernel
     from l2ir.seed import seed
@@ -284,9 +285,12 @@ def test_rules_propose_the_direct_decode_kernel_where_it_won():
         children = [x.apply(parent, p) for x in Rules().propose(Context(p, parent, seed=0, count=8, arch=arch))]
         return [c for c in children if c.pipeline.mode == "direct"]
 
-    (got,) = direct_children((1, 4096, 4096))
+    got, deep = direct_children((1, 4096, 4096))
     assert got == direct_decode_kernel(PROBLEM, "sm90a") == load_sweep("cuda_ptx_direct")[
         "direct_8x32x128_w1x4_s2_k4"].replace(target=Target("sm90a"))
+    assert deep == direct_decode_kernel(PROBLEM, "sm90a", deep=True) == load_sweep("cuda_ptx_direct")[
+        "direct_8x32x64_w1x4_s4_k4"].replace(target=Target("sm90a"))
+    assert verify(deep) is deep
     assert direct_children((8, 4096, 4096), "sm80")
     assert not direct_children((9, 4096, 4096)) and not direct_children((1, 4096, 4097))
     assert not direct_children((1, 4096, 256))
