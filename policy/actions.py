@@ -214,7 +214,7 @@ def apply_action(kernel: Kernel, problem: Problem, action: Action, arch: str = "
         node = _set(t, **{knob: v})
         new = node and kernel.replace(tile=node)
     elif knob == "stages":
-        if kernel.splitk is not None and kernel.splitk.reduce == "block" and tma and v != "auto" and v % 2:
+        if tma and block_reduce(kernel) and v != "auto" and v % 2:
             return None          # reduce=block rings are even (l2ir.indexing.BlockSplit)
         new = kernel.replace(pipeline=dataclasses.replace(p, stages=v))
     elif knob in ("schedule", "persistent"):

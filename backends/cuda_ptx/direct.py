@@ -357,40 +357,28 @@ def _gemm_entry(cfg: DirectConfig) -> list[str]:
         "        for (int r = 0; r < 4; ++r) acc[mi][ni][r] += src[((mi * NI + ni) * 4 + r) * 32];",
         "  }",
     ]
-    if cfg.stages == 1:
-        loop = [
-            "  for (int i = 0; i < my_steps; ++i) {",
-            "    load_step(s0, A, B, row0, col0, STEP(i), q, M, N, K);",
-            "    mma_step(acc, s0, A, B, row0, col0, STEP(i), q, K);",
-            "  }",
-        ]
-    elif cfg.stages == 2:
-        loop = [
-            "  // stages=2: step s + 1's vectors are in flight while step s multiplies (two register sets, so",
-            "  // the loop advances two steps at a time and every index into them is a constant).",
-            "  if (my_steps > 0) load_step(s0, A, B, row0, col0, STEP(0), q, M, N, K);",
-            "  for (int i = 0; i < my_steps; i += 2) {",
-            "    if (i + 1 < my_steps) load_step(s1, A, B, row0, col0, STEP(i + 1), q, M, N, K);",
-            "    mma_step(acc, s0, A, B, row0, col0, STEP(i), q, K);",
-            "    if (i + 2 < my_steps) load_step(s0, A, B, row0, col0, STEP(i + 2), q, M, N, K);",
-            "    if (i + 1 < my_steps) mma_step(acc, s1, A, B, row0, col0, STEP(i + 1), q, K);",
-            "  }",
-        ]
-    else:
-        # S register sets: S - 1 steps load ahead of the one that multiplies, so while step s waits for its
-        # vectors the loads of s + 1 .. s + S - 1 are in flight (more bytes in flight per warp, the DRAM lever).
-        # The loop advances S steps at a time so every index into the sets is a constant.
-        s = cfg.stages
-        loop = [f"  // stages={s}: steps s + 1 .. s + {s - 1} load while step s multiplies ({s} register sets)."]
-        loop += [f"  if ({j} < my_steps) load_step(s{j}, A, B, row0, col0, STEP({j}), q, M, N, K);"
-                 for j in range(s - 1)]
-        loop.append(f"  for (int i = 0; i < my_steps; i += {s}) {{")
-        for j in range(s):
-            ahead = j + s - 1
-            loop.append(f"    if (i + {ahead} < my_steps) load_step(s{ahead % s}, A, B, row0, col0, STEP(i + {ahead}), "
-                        "q, M, N, K);")
-            loop.append(f"    if (i + {j} < my_steps) mma_step(acc, s{j}, A, B, row0, col0, STEP(i + {j}), q, K);")
-        loop.append("  }")
+    # S register sets: S - 1 steps load ahead of the one that multiplies, so while step s waits for its vectors the
+    # loads of s + 1 .. s + S - 1 are in flight (more bytes in flight per warp, the DRAM lever); with S = 1 a step
+    # loads, then multiplies. The loop advances S steps at a time so every index into the sets is a constant, and
+    # only steps past i need a bound check (the loop's own condition covers step i).
+    s = cfg.stages
+
+    def at(d: int) -> str:
+        return "i" if d == 0 else f"i + {d}"
+
+    def guarded(d: int, stmt: str) -> str:
+        return "    " + (stmt if d == 0 else f"if ({at(d)} < my_steps) {stmt}")
+
+    loop = [] if s == 1 else [
+        f"  // stages={s}: {s - 1} step(s) ahead load while step s multiplies ({s} register sets, so the loop advances",
+        f"  // {s} steps at a time and every index into them is a constant)."]
+    loop += [f"  if (my_steps > {d}) load_step(s{d}, A, B, row0, col0, STEP({d}), q, M, N, K);" for d in range(s - 1)]
+    loop.append(f"  for (int i = 0; i < my_steps; i += {s}) {{")
+    for d in range(s):
+        ahead = d + s - 1
+        loop.append(guarded(ahead, f"load_step(s{ahead % s}, A, B, row0, col0, STEP({at(ahead)}), q, M, N, K);"))
+        loop.append(guarded(d, f"mma_step(acc, s{d}, A, B, row0, col0, STEP({at(d)}), q, K);"))
+    loop.append("  }")
     m_ok = " && r < M" if cfg.pad_m != "divisible" else ""
     n_ok1 = "c < N" if cfg.pad_n != "divisible" else "true"
     pair_ok = "c + 1 < N" if cfg.pad_n != "divisible" else "true"

@@ -208,7 +208,7 @@ l2ir_cuda_ptx_direct_gemm(const void* A_, const void* B_, void* C_, int M, int N
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  for (int i = 0; i < my_steps; ++i) {
+  for (int i = 0; i < my_steps; i += 1) {
     load_step(s0, A, B, row0, col0, STEP(i), q, M, N, K);
     mma_step(acc, s0, A, B, row0, col0, STEP(i), q, K);
   }

@@ -176,8 +176,8 @@ l2ir_cuda_ptx_direct_gemm(const void* A_, const void* B_, void* C_, int M, int N
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  // stages=2: step s + 1's vectors are in flight while step s multiplies (two register sets, so
-  // the loop advances two steps at a time and every index into them is a constant).
+  // stages=2: 1 step(s) ahead load while step s multiplies (2 register sets, so the loop advances
+  // 2 steps at a time and every index into them is a constant).
   if (my_steps > 0) load_step(s0, A, B, row0, col0, STEP(0), q, M, N, K);
   for (int i = 0; i < my_steps; i += 2) {
     if (i + 1 < my_steps) load_step(s1, A, B, row0, col0, STEP(i + 1), q, M, N, K);

@@ -178,12 +178,13 @@ l2ir_cuda_ptx_direct_gemm(const void* A_, const void* B_, void* C_, int M, int N
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  // stages=3: steps s + 1 .. s + 2 load while step s multiplies (3 register sets).
-  if (0 < my_steps) load_step(s0, A, B, row0, col0, STEP(0), q, M, N, K);
-  if (1 < my_steps) load_step(s1, A, B, row0, col0, STEP(1), q, M, N, K);
+  // stages=3: 2 step(s) ahead load while step s multiplies (3 register sets, so the loop advances
+  // 3 steps at a time and every index into them is a constant).
+  if (my_steps > 0) load_step(s0, A, B, row0, col0, STEP(0), q, M, N, K);
+  if (my_steps > 1) load_step(s1, A, B, row0, col0, STEP(1), q, M, N, K);
   for (int i = 0; i < my_steps; i += 3) {
     if (i + 2 < my_steps) load_step(s2, A, B, row0, col0, STEP(i + 2), q, M, N, K);
-    if (i + 0 < my_steps) mma_step(acc, s0, A, B, row0, col0, STEP(i + 0), q, K);
+    mma_step(acc, s0, A, B, row0, col0, STEP(i), q, K);
     if (i + 3 < my_steps) load_step(s0, A, B, row0, col0, STEP(i + 3), q, M, N, K);
     if (i + 1 < my_steps) mma_step(acc, s1, A, B, row0, col0, STEP(i + 1), q, K);
     if (i + 4 < my_steps) load_step(s1, A, B, row0, col0, STEP(i + 4), q, M, N, K);
