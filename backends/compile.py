@@ -69,7 +69,7 @@ class CompileOptions:
     python: str = sys.executable             # interpreter for the NVRTC child process
     opt: str = "-O3"
     lineinfo: bool = True                    # source lines in SASS for the profiler; does not change codegen
-    keep: bool = False                       # nvcc -keep: the PTX and other intermediates stay in the cache entry
+    keep: bool = False                       # nvcc -keep: the PTX and device cubins stay in the cache entry
     timeout_s: float = 600.0                 # per job; CUTLASS 3.x translation units take minutes
     jobs: int = 0                            # parallel compiles; 0 = per CPU and memory (default_jobs)
     cuda_include: tuple[str, ...] | None = None     # None: ask nvcc where its headers are
@@ -382,6 +382,19 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str] | None, timeout_s: floa
         return None, out + f"\n[killed after {timeout_s:.0f} s]\n"
 
 
+# What nvcc -keep leaves beside the PTX and the cubins: the preprocessed translation units (.ii: 2 MB for a raw CUDA
+# kernel, tens of MB for a CUTLASS 3.x one), the front end's host and stub sources, the fatbinary and the host object.
+# None of them is read again (the PTX and SASS are), and the command in command.sh recreates them.
+_INTERMEDIATE_SUFFIXES = (".ii", ".cudafe1.c", ".cudafe1.cpp", ".cudafe1.gpu", ".stub.c", ".fatbin", ".fatbin.c",
+                          ".module_id", ".o", ".reg.c")
+
+
+def _drop_intermediates(entry: Path) -> None:
+    for path in entry.iterdir():
+        if path.name.endswith(_INTERMEDIATE_SUFFIXES) and path.is_file():
+            path.unlink()
+
+
 def compile_plan(plan: LaunchPlan, options: CompileOptions = CompileOptions()) -> CompileResult:
     """Compile one plan (or fetch it from the cache). Never raises for a bad kernel: returns a CompileFailure."""
     t0 = time.perf_counter()
@@ -411,6 +424,7 @@ def compile_plan(plan: LaunchPlan, options: CompileOptions = CompileOptions()) -
     code, log = _run(argv, tmp, env, options.timeout_s)
     seconds = time.perf_counter() - t1
     (tmp / "compile.log").write_text(log)
+    _drop_intermediates(tmp)
 
     if code is None or code < 0:
         # Not cached: a timeout or a compiler killed by a signal (the OOM killer, with many CUTLASS builds in

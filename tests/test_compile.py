@@ -190,6 +190,26 @@ def test_host_shim_builds_a_shared_library(tmp_path):
 
 @pytest.mark.nvcc
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("form", ["kernels", "host_shim"])
+def test_keep_leaves_the_ptx_and_cubins_not_the_intermediates(tmp_path, form):
+    """-keep's PTX and device cubins stay in the entry; the preprocessed sources, host-side files and objects
+    (tens of MB a CUTLASS unit, which filled a test machine's disk) are removed, failures' entries too."""
+    p = plan() if form == "kernels" else LaunchPlan(source=SHIM, arch="sm_80", form="host_shim")
+    art = compile_plan(p, CompileOptions(cache_dir=str(tmp_path), keep=True))
+    assert art.ok, art.log
+    names = {f.name for f in art.dir.iterdir()}
+    assert ".entry" in art.ptx() and "-keep" in art.command
+    assert any(n.endswith(".cubin") for n in names) and art.binary.name in names
+    assert {"kernel.cu", "compile.log", "command.sh", "result.json"} <= names
+    assert not [n for n in names if n.endswith((".ii", ".o", ".fatbin", ".fatbin.c", ".module_id"))
+                or ".cudafe1." in n], sorted(names)
+    bad = compile_plan(plan(source=SOURCE.replace("__syncthreads();", "__syncthreads()")),
+                       CompileOptions(cache_dir=str(tmp_path), keep=True))
+    assert not bad.ok and not [f for f in bad.dir.iterdir() if f.name.endswith(".ii")]
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(not HAVE_NVCC, reason="nvcc is not on PATH")
 def test_nvrtc_refuses_host_shim(tmp_path):
     pytest.importorskip("cuda.bindings", reason="NVRTC needs cuda-python: pip install 'l2ir[cuda]'")
     res = compile_plan(LaunchPlan(source=SHIM, arch="sm_80", form="host_shim"),
