@@ -352,6 +352,33 @@ def _arg_block(m: int, n: int, k: int) -> tuple[_Args, ctypes.c_void_p]:
     return args, ctypes.c_void_p(ctypes.addressof(params))
 
 
+# Programmatic dependent launch (PDL) goes through cuLaunchKernelEx, which takes its grid, block, stream and
+# attributes in one struct. The layouts of cuda.h (CUDA 12 and later; a test compiles cuda.h and compares):
+# CUlaunchAttribute is a 4-byte id padded to 8 and a 64-byte value union; CUlaunchConfig is seven unsigned ints, the
+# stream, the attribute array and its length.
+LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_uint), ("_pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("_value_rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint), ("bx", ctypes.c_uint),
+                ("by", ctypes.c_uint), ("bz", ctypes.c_uint), ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def _pdl_config(gx: int, gy: int, gz: int, bx: int, by: int, bz: int, smem: int) -> _LaunchConfig:
+    """A launch config that lets the grid start while the stream's previous kernel drains: the kernels wait
+    (griddepcontrol.wait) before their first global access, so only their prologue overlaps the previous tail."""
+    attr = _LaunchAttribute(LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
+    config = _LaunchConfig(gx, gy, gz, bx, by, bz, smem, None, ctypes.pointer(attr), 1)
+    config._attr = attr                                    # the attribute lives as long as its config
+    return config
+
+
 class Driver:
     """The libcuda entry points of the eager launch, as bare ctypes functions (no argtypes: see above).
     `path` may name another library with the same symbols (the CPU tests' stub driver)."""
@@ -359,6 +386,8 @@ class Driver:
     def __init__(self, path: str = "libcuda.so.1"):
         lib = ctypes.CDLL(path)          # a CDLL of its own: argtypes set on another handle do not reach it
         self.launch = lib.cuLaunchKernel
+        # Programmatic dependent launch (CUDA 12 and later); None on an older driver, which launches plainly.
+        self.launch_ex = getattr(lib, "cuLaunchKernelEx", None)
         self.set_ctx = lib.cuCtxSetCurrent
         self.get_ctx = lib.cuCtxGetCurrent      # the compiled path's check that the route's context is current
 
@@ -369,19 +398,27 @@ def _address(fn) -> int:
 
 class KernelLaunch:
     """A "kernels" plan without clusters, loaded in `ctx` as `funcs` (one per launch): `bind(m, n, k)` gives
-    (go, workspace bytes), `go(a, b, c, ws, stream)` launching every non-empty grid of the plan in order."""
+    (go, workspace bytes), `go(a, b, c, ws, stream)` launching every non-empty grid of the plan in order.
+    `pdl_device`: the GPU has programmatic dependent launch (sm90 and later); a launch whose plan asks for it then
+    goes through cuLaunchKernelEx, as l2ir.runtime.CubinLauncher launches it in the evaluator."""
 
-    def __init__(self, driver: Driver, ctx: int, funcs: list[int], plan):
+    def __init__(self, driver: Driver, ctx: int, funcs: list[int], plan, pdl_device: bool = False):
         self.driver, self.ctx, self.funcs, self.plan = driver, ctypes.c_void_p(ctx), list(funcs), plan
+        self.pdl_device = pdl_device and driver.launch_ex is not None
 
-    def bind(self, m: int, n: int, k: int):
-        from .runtime import LaunchError
-
+    def _grids(self, m: int, n: int, k: int) -> list[tuple]:
+        """(function, grid x y z, block x y z, smem, pdl) of every non-empty launch at this shape."""
         grids = []
         for fn, ln in zip(self.funcs, self.plan.launches):
             g = ln.grid_for(m, n, k)
             if g[0] * g[1] * g[2]:
-                grids.append((ctypes.c_void_p(fn), *g, *ln.block, ln.smem))
+                grids.append((fn, *g, *ln.block, ln.smem, bool(ln.pdl and self.pdl_device)))
+        return grids
+
+    def bind(self, m: int, n: int, k: int):
+        from .runtime import LaunchError
+
+        grids = self._grids(m, n, k)
         ws_bytes = self.plan.workspace_for(m, n, k)
         launch, set_ctx, ctx, vp = self.driver.launch, self.driver.set_ctx, self.ctx, ctypes.c_void_p
         tls = threading.local()
@@ -393,6 +430,9 @@ class KernelLaunch:
         def failed(rc):
             raise LaunchError(f"cuLaunchKernel returned CUresult {rc} for m={m} n={n} k={k}")
 
+        if any(g[-1] for g in grids):
+            return self._bind_pdl(m, n, k, grids, failed), ws_bytes
+        grids = [(vp(fn), *rest) for fn, *rest, _ in grids]
         if len(grids) == 1:
             ((fn, gx, gy, gz, bx, by, bz, smem),) = grids
 
@@ -425,12 +465,46 @@ class KernelLaunch:
                         failed(rc)
         return go, ws_bytes
 
+    def _bind_pdl(self, m: int, n: int, k: int, grids: list[tuple], failed):
+        """`go` for a plan with a PDL launch: each such launch through cuLaunchKernelEx with a config of this
+        thread's (the stream is set per call), the others through cuLaunchKernel."""
+        launch, launch_ex, set_ctx, ctx, vp = (self.driver.launch, self.driver.launch_ex, self.driver.set_ctx,
+                                               self.ctx, ctypes.c_void_p)
+        functions = [vp(g[0]) for g in grids]
+        tls = threading.local()
+
+        def state():
+            block, params = _arg_block(m, n, k)
+            configs = [_pdl_config(*g[1:8]) if g[-1] else None for g in grids]
+            tls.state = block, params, [(cfg, None if cfg is None else ctypes.byref(cfg)) for cfg in configs]
+            return tls.state
+
+        def go(a: int, b: int, c: int, ws: int, stream: int) -> None:
+            try:
+                block, params, configs = tls.state
+            except AttributeError:
+                block, params, configs = state()
+            block.a, block.b, block.c, block.ws = a, b, c, ws
+            s = vp(stream)
+            set_ctx(ctx)
+            for fn, g, (cfg, ref) in zip(functions, grids, configs):
+                if cfg is None:
+                    rc = launch(fn, *g[1:8], s, params, None)
+                else:
+                    cfg.stream = stream
+                    rc = launch_ex(ref, fn, params, None)
+                if rc:
+                    failed(rc)
+        return go
+
     def native(self, m: int, n: int, k: int) -> tuple:
-        """The same launches for the compiled fast path (l2ir/fastpath.cpp): entry-point addresses and grids, and
-        the context the launches need current (it checks; the Python route makes it current)."""
-        grids = tuple((fn, *ln.grid_for(m, n, k), *ln.block, ln.smem) for fn, ln in zip(self.funcs, self.plan.launches))
-        return ("kernel", _address(self.driver.launch), _address(self.driver.get_ctx), self.ctx.value or 0,
-                tuple(g for g in grids if g[1] * g[2] * g[3]))
+        """The same launches for the compiled fast path (l2ir/fastpath.cpp): entry-point addresses and grids (each
+        with its PDL flag), and the context the launches need current (it checks; the Python route makes it
+        current)."""
+        grids = tuple((fn, *rest, int(pdl)) for fn, *rest, pdl in self._grids(m, n, k))
+        launch_ex = _address(self.driver.launch_ex) if self.pdl_device else 0
+        return ("kernel", _address(self.driver.launch), _address(self.driver.get_ctx), self.ctx.value or 0, grids,
+                launch_ex)
 
 
 class ShimLaunch:
@@ -538,7 +612,7 @@ class Runner:
                 self._fast = ShimLaunch(spec.dir / spec.binary, self.launcher.workspace_bytes, driver, ctx)
             elif all(ln.cluster == (1, 1, 1) for ln in self.plan.launches):
                 self._fast = KernelLaunch(Driver(), int(self.launcher._ctx), [int(fn) for fn in self.launcher._funcs],
-                                          self.plan)
+                                          self.plan, self.launcher._pdl_device)
         except (OSError, TypeError, AttributeError):
             self._fast = None     # the runtime's launcher below is slower but equivalent
 

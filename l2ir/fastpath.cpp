@@ -89,6 +89,27 @@ using LaunchKernelFn = int (*)(void* f, unsigned gx, unsigned gy, unsigned gz, u
                                unsigned smem, void* stream, void** params, void** extra);
 using GetCtxFn = int (*)(void** ctx);
 
+// cuLaunchKernelEx's config, laid out as cuda.h's CUlaunchConfig and CUlaunchAttribute (CUDA 12 and later; the
+// test suite compiles cuda.h and compares): a launch that lets the grid start while the stream's previous kernel
+// drains (programmatic dependent launch). The kernels wait (griddepcontrol.wait) before their first global access.
+struct LaunchAttribute {
+  unsigned id;
+  char pad[4];
+  union {
+    int programmatic_stream_serialization;
+    char bytes[64];
+  } value;
+};
+struct LaunchConfig {
+  unsigned gx, gy, gz, bx, by, bz, smem;
+  void* stream;
+  LaunchAttribute* attrs;
+  unsigned num_attrs;
+};
+static_assert(sizeof(LaunchAttribute) == 72 && sizeof(LaunchConfig) == 56, "cuda.h's CUlaunchAttribute, CUlaunchConfig");
+constexpr unsigned kProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+using LaunchKernelExFn = int (*)(const LaunchConfig* config, void* f, void** params, void** extra);
+
 // l2ir_run_args's block: the field order of l2ir.runtime.RUN_ARGS_FIELDS (a test checks the sizes agree).
 struct RunArgs {
   const void* a;
@@ -104,6 +125,7 @@ using RunArgsFn = int (*)(const RunArgs*);
 struct Grid {
   void* fn;
   unsigned gx, gy, gz, bx, by, bz, smem;
+  unsigned pdl;  // launched through cuLaunchKernelEx with programmatic stream serialization
 };
 
 enum Kind { kFallback = 0, kKernel = 1, kShim = 2, kPython = 3 };
@@ -153,6 +175,7 @@ struct Route {
   int m = 0, n = 0, k = 0;
   size_t ws_bytes = 0;
   LaunchKernelFn launch = nullptr;
+  LaunchKernelExFn launch_ex = nullptr;  // the PDL grids' entry point (null when no grid asks for PDL)
   GetCtxFn get_ctx = nullptr;  // cuCtxGetCurrent: the launch runs only where the route's context is current
   void* ctx = nullptr;         // the device's primary context (torch's), which holds the module or the shim's kernels
   std::vector<Grid> grids;
@@ -291,7 +314,15 @@ PyObject* serve(Table* self, const std::shared_ptr<Route>& rp, PyObject* oa, con
     NoGil no_gil;
     for (size_t i = 0; rc == 0 && i < r.grids.size(); ++i) {
       const Grid& g = r.grids[i];
-      rc = r.launch(g.fn, g.gx, g.gy, g.gz, g.bx, g.by, g.bz, g.smem, reinterpret_cast<void*>(st), params, nullptr);
+      if (g.pdl) {
+        LaunchAttribute attr{};
+        attr.id = kProgrammaticStreamSerialization;
+        attr.value.programmatic_stream_serialization = 1;
+        const LaunchConfig config{g.gx, g.gy, g.gz, g.bx, g.by, g.bz, g.smem, reinterpret_cast<void*>(st), &attr, 1};
+        rc = r.launch_ex(&config, g.fn, params, nullptr);
+      } else {
+        rc = r.launch(g.fn, g.gx, g.gy, g.gz, g.bx, g.by, g.bz, g.smem, reinterpret_cast<void*>(st), params, nullptr);
+      }
     }
     if (rc) why = "cuLaunchKernel returned CUresult " + std::to_string(rc);
   } else if (r.kind == kShim) {
@@ -395,7 +426,7 @@ PyObject* add_fallback_impl(Table* self, PyObject* args) {
 }
 
 // add_served(a, b, launch, want_cuda, eager_only, matmul, index, shape, m, n, k, ws_bytes, keep, failed)
-// launch: ("kernel", launch_addr, get_ctx_addr, ctx, ((fn, gx, gy, gz, bx, by, bz, smem), ...)),
+// launch: ("kernel", launch_addr, get_ctx_addr, ctx, ((fn, gx, gy, gz, bx, by, bz, smem, pdl), ...), launch_ex_addr),
 //         ("shim", run_args_addr, get_ctx_addr, ctx) or ("python", go). A zero get_ctx_addr: no context check
 //         (the CPU tests' stand-in device).
 constexpr const char* kBadLaunch = "l2ir fast path: launch must be ('kernel', ...), ('shim', ...) or ('python', go)";
@@ -430,26 +461,27 @@ PyObject* add_served_impl(Table* self, PyObject* args) {
   r->keep.reset(keep);
   r->failed.reset(failed);
   const char* kind = nullptr;
-  PyObject *p1 = nullptr, *p2 = nullptr, *p3 = nullptr, *p4 = nullptr;
+  PyObject *p1 = nullptr, *p2 = nullptr, *p3 = nullptr, *p4 = nullptr, *p5 = nullptr;
   if (!PyTuple_Check(launch) || PyTuple_GET_SIZE(launch) < 2 ||
-      !PyArg_ParseTuple(launch, "s|OOOO", &kind, &p1, &p2, &p3, &p4)) {
+      !PyArg_ParseTuple(launch, "s|OOOOO", &kind, &p1, &p2, &p3, &p4, &p5)) {
     PyErr_Clear();
     PyErr_SetString(PyExc_ValueError, kBadLaunch);
     return nullptr;
   }
   const std::string kd(kind);
   auto addr = [](PyObject* o) { return reinterpret_cast<void*>(PyLong_AsUnsignedLongLongMask(o)); };
-  if (kd == "kernel" && p4 != nullptr && PyTuple_Check(p4)) {
+  if (kd == "kernel" && p4 != nullptr && PyTuple_Check(p4) && p5 != nullptr) {
     r->kind = kKernel;
     r->launch = reinterpret_cast<LaunchKernelFn>(addr(p1));
     r->get_ctx = reinterpret_cast<GetCtxFn>(addr(p2));
     r->ctx = addr(p3);
+    r->launch_ex = reinterpret_cast<LaunchKernelExFn>(addr(p5));
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(p4); ++i) {
       PyObject* g = PyTuple_GET_ITEM(p4, i);
       unsigned long long fn;
       Grid grid{};
-      if (!PyArg_ParseTuple(g, "KIIIIIII", &fn, &grid.gx, &grid.gy, &grid.gz, &grid.bx, &grid.by, &grid.bz,
-                            &grid.smem))
+      if (!PyArg_ParseTuple(g, "KIIIIIIII", &fn, &grid.gx, &grid.gy, &grid.gz, &grid.bx, &grid.by, &grid.bz,
+                            &grid.smem, &grid.pdl))
         return nullptr;
       grid.fn = reinterpret_cast<void*>(fn);
       r->grids.push_back(grid);
@@ -467,7 +499,9 @@ PyObject* add_served_impl(Table* self, PyObject* args) {
     return nullptr;
   }
   if (PyErr_Occurred()) return nullptr;
-  if ((r->kind == kKernel && !r->launch) || (r->kind == kShim && !r->run_args)) {
+  bool pdl_grid = false;
+  for (const Grid& g : r->grids) pdl_grid = pdl_grid || g.pdl;
+  if ((r->kind == kKernel && (!r->launch || (pdl_grid && !r->launch_ex))) || (r->kind == kShim && !r->run_args)) {
     PyErr_SetString(PyExc_ValueError, "l2ir fast path: a null entry point");
     return nullptr;
   }

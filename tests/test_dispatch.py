@@ -606,8 +606,9 @@ def test_one_package_per_process(pkg_dir, tmp_path):
 STUB_DRIVER = r"""
 #include <stddef.h>
 #include <stdint.h>
-/* libcuda's two eager-launch entry points and the host-shim ABI, recording what they were handed. */
-static uint64_t rec[32];
+/* libcuda's eager-launch entry points and the host-shim ABI, recording what they were handed. rec[18] counts every
+   kernel launch, rec[19] those through cuLaunchKernelEx, whose first attribute and count are rec[31..33]. */
+static uint64_t rec[40];
 int stub_rc = 0;
 int cuCtxSetCurrent(void* ctx) { rec[0] = (uint64_t)ctx; return 0; }
 int cuCtxGetCurrent(void** ctx) { *ctx = (void*)rec[0]; return 0; }
@@ -619,6 +620,13 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
   rec[14] = (uint64_t)*(int*)params[3]; rec[15] = (uint64_t)*(int*)params[4]; rec[16] = (uint64_t)*(int*)params[5];
   rec[17] = *(uint64_t*)params[6]; rec[18] += 1;
   return stub_rc; }
+/* cuda.h's CUlaunchAttribute and CUlaunchConfig, written out as the driver's ABI has them. */
+struct attribute { unsigned id; char pad[4]; union { int value; char bytes[64]; } v; };
+struct config { unsigned gx, gy, gz, bx, by, bz, smem; void* stream; struct attribute* attrs; unsigned n_attrs; };
+int cuLaunchKernelEx(const struct config* c, void* f, void** params, void** extra) {
+  rec[19] += 1; rec[31] = c->n_attrs; rec[32] = c->n_attrs ? c->attrs[0].id : 99;
+  rec[33] = c->n_attrs ? (uint64_t)c->attrs[0].v.value : 99;
+  return cuLaunchKernel(f, c->gx, c->gy, c->gz, c->bx, c->by, c->bz, c->smem, c->stream, params, extra); }
 size_t l2ir_workspace_size(int m, int n, int k) { return (size_t)m * 4096; }
 int l2ir_run(const void* a, const void* b, void* c, int m, int n, int k, void* ws, size_t wsb, void* s) {
   rec[20] = (uint64_t)a; rec[21] = (uint64_t)b; rec[22] = (uint64_t)c; rec[23] = m; rec[24] = n; rec[25] = k;
@@ -626,7 +634,7 @@ int l2ir_run(const void* a, const void* b, void* c, int m, int n, int k, void* w
 struct run_args { const void* a; const void* b; void* c; int m, n, k; void* ws; size_t wsb; void* s; };
 int l2ir_run_args(const struct run_args* p) {
   rec[29] += 1; rec[30] = (uint64_t)p; return l2ir_run(p->a, p->b, p->c, p->m, p->n, p->k, p->ws, p->wsb, p->s); }
-void stub_record(uint64_t* out) { for (int i = 0; i < 32; i++) out[i] = rec[i]; }
+void stub_record(uint64_t* out) { for (int i = 0; i < 40; i++) out[i] = rec[i]; }
 """
 
 
@@ -643,7 +651,7 @@ def stub_driver(tmp_path_factory):
     lib = ctypes.CDLL(str(d / "libstub.so"))
 
     def record():
-        out = (ctypes.c_uint64 * 32)()
+        out = (ctypes.c_uint64 * 40)()
         lib.stub_record(out)
         return list(out)
 
@@ -693,6 +701,104 @@ def test_kernel_launch_packs_the_abi(pkg_dir, stub_driver):
             go(a, b, c, 0, s)
     finally:
         stub_driver.rc.value = 0
+
+
+def pdl_plan(spec, second: bool = False):
+    """The package kernel's plan with PDL asked for; `second`: a plain launch of the same entry after it."""
+    import dataclasses
+
+    plan = dispatch.launch_plan(spec)
+    (ln,) = plan.launches
+    launches = (dataclasses.replace(ln, pdl=True),) + ((ln,) if second else ())
+    return dataclasses.replace(plan, launches=launches)
+
+
+@pytest.mark.parametrize("pdl_device", [True, False], ids=["sm90", "sm80"])
+def test_kernel_launch_with_pdl_goes_through_launch_ex(pkg_dir, stub_driver, pdl_device):
+    """A launch whose plan asks for programmatic dependent launch goes through cuLaunchKernelEx with the one
+    attribute (programmatic stream serialization = 1) on a GPU that has it, and through cuLaunchKernel elsewhere;
+    either way the grid, block, stream and arguments arrive as they do for a plain launch. A plain launch after it
+    in the same plan stays plain."""
+    pkg = dispatch.read_package(pkg_dir)
+    spec = next(s for s in pkg.kernels.values() if s.problem_class == CLS_COL)
+    plan = pdl_plan(spec, second=True)
+    ln = plan.launches[0]
+    kl = dispatch.KernelLaunch(dispatch.Driver(stub_driver.path), 0x7F00_1234_5000, [0x7F00_AAAA_0000, 0x7F00_BBBB_0000],
+                               plan, pdl_device=pdl_device)
+    go, _ = kl.bind(1000, 512, 264)
+    a, b, c, s = 0x7F12_0000_0010, 0x7F13_0000_0020, 0x7F14_0000_0030, 0x5555_0000_1234
+    for stream in (s, 0, s + 16):                     # the stream is the call's, also on a config kept per thread
+        before = stub_driver.record()
+        go(a, b, c, 0, stream)
+        r = stub_driver.record()
+        assert r[18] - before[18] == 2                                  # both launches ran
+        assert r[19] - before[19] == (1 if pdl_device else 0)           # the first through cuLaunchKernelEx
+        if pdl_device:
+            assert r[31:34] == [1, dispatch.LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1]
+        assert r[1] == 0x7F00_BBBB_0000                                 # the plain launch came last
+        assert tuple(r[2:5]) == ln.grid_for(1000, 512, 264) and tuple(r[5:8]) == ln.block and r[8] == ln.smem
+        assert r[9] == stream and r[10] == 0 and r[11:18] == [a, b, c, 1000, 512, 264, 0]
+    native_grids = kl.native(1000, 512, 264)[4]
+    assert [g[-1] for g in native_grids] == [int(pdl_device), 0]
+    assert (kl.native(1000, 512, 264)[5] != 0) == pdl_device
+    # One PDL launch alone, from other threads: each fills its own argument block and config.
+    solo = dispatch.KernelLaunch(dispatch.Driver(stub_driver.path), 0x7F00_1234_5000, [0x7F00_AAAA_0000],
+                                 pdl_plan(spec), pdl_device=True)
+    go1, _ = solo.bind(8, 16, 32)
+    lock, seen = threading.Lock(), []
+
+    def work(i):
+        with lock:
+            go1(a + 16 * i, b, c, 0, s + i)
+            r = stub_driver.record()
+            seen.append((r[11], r[9], r[14:17]))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(seen) == [(a + 16 * i, s + i, [8, 16, 32]) for i in range(4)]
+    stub_driver.rc.value = 700
+    try:
+        from l2ir.runtime import LaunchError
+
+        with pytest.raises(LaunchError, match="CUresult 700 for m=8 n=16 k=32"):
+            go1(a, b, c, 0, s)
+    finally:
+        stub_driver.rc.value = 0
+
+
+@pytest.mark.nvcc
+def test_launch_config_layout_is_cuda_h(tmp_path):
+    """The ctypes CUlaunchConfig and CUlaunchAttribute that the PDL launch hands cuLaunchKernelEx have cuda.h's
+    sizes, field offsets and attribute id (l2ir/fastpath.cpp static_asserts the same sizes)."""
+    import shutil
+
+    from l2ir.backends.compile import nvcc_include_dirs
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or shutil.which("nvcc") is None:
+        pytest.skip("needs a C compiler and nvcc's cuda.h")
+    (tmp_path / "layout.c").write_text(r"""
+#include <cuda.h>
+#include <stddef.h>
+#include <stdio.h>
+int main(void) {
+  printf("%zu %zu %zu %zu %zu %zu %zu %d\n", sizeof(CUlaunchConfig), offsetof(CUlaunchConfig, sharedMemBytes),
+         offsetof(CUlaunchConfig, hStream), offsetof(CUlaunchConfig, attrs), offsetof(CUlaunchConfig, numAttrs),
+         sizeof(CUlaunchAttribute), offsetof(CUlaunchAttribute, value),
+         (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+  return 0;
+}
+""")
+    includes = [f"-I{d}" for d in nvcc_include_dirs("nvcc")]
+    subprocess.run([cc, *includes, "-o", str(tmp_path / "layout"), str(tmp_path / "layout.c")], check=True)
+    got = [int(x) for x in subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True,
+                                          check=True).stdout.split()]
+    cfg, attr = dispatch._LaunchConfig, dispatch._LaunchAttribute
+    assert got == [ctypes.sizeof(cfg), cfg.smem.offset, cfg.stream.offset, cfg.attrs.offset, cfg.num_attrs.offset,
+                   ctypes.sizeof(attr), attr.value.offset, dispatch.LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION]
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["l2ir_run_args", "l2ir_run"])

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 from test_dispatch import (CpuDispatcher, HostRunner, ScratchRunner, _misaligned, check, checked_calls_from_threads,
-                           pkg_dir, rand, stub_driver)
+                           pdl_plan, pkg_dir, rand, stub_driver)
 
 import l2ir
 from l2ir import dispatch, fastpath
@@ -231,6 +231,57 @@ def test_kernel_route_calls_the_driver_with_the_abi(pkg_dir, fast_module, stub_d
         assert d._native.size() == 0 and d.stats == {"l2ir": 2, "launch_failed": 1}
     finally:
         stub_driver.rc.value = 0
+        dispatch._reset()
+
+
+class StubPdlRunner(StubKernelRunner):
+    """The package kernel with PDL asked for, on a GPU that has it: a cuLaunchKernelEx launch, then a plain one."""
+
+    def __init__(self, spec, index):
+        self.launch = dispatch.KernelLaunch(dispatch.Driver(self.driver), 0x7F00_1234_5000,
+                                            [0x7F00_AAAA_0000, 0x7F00_BBBB_0000], pdl_plan(spec, second=True),
+                                            pdl_device=True)
+
+
+def test_pdl_kernel_route_calls_launch_ex_as_the_python_path_does(pkg_dir, fast_module, stub_driver):
+    StubPdlRunner.driver = stub_driver.path
+    d = attached(pkg_dir, StubPdlRunner, fast_module)
+    d.current_stream = lambda index: 0x5555_0000_1234
+    d._stream_of = d.current_stream
+    d.attach_fastpath(fast_module)
+    try:
+        a, w = rand(64, 256), rand(512, 256)
+        before = stub_driver.record()
+        l2ir.matmul(a, w.t())                      # Python: cuLaunchKernelEx, then cuLaunchKernel, through ctypes
+        py = stub_driver.record()
+        assert py[18] - before[18] == 2 and py[19] - before[19] == 1
+        assert d._native.size() == 1
+        python_path_gone(d)
+        c = l2ir.matmul(a, w.t())                  # C++: the same two launches
+        r = stub_driver.record()
+        assert r[18] == py[18] + 2 and r[19] == py[19] + 1
+        assert r[31:34] == [1, dispatch.LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1]
+        assert r[0:11] == py[0:11]                 # context, function, grid, block, smem, stream, extra
+        assert r[11:13] == [a.data_ptr(), w.t().data_ptr()] and r[13] == c.data_ptr()
+        assert r[14:18] == [64, 512, 256, 0]
+        stub_driver.rc.value = 700
+        with pytest.warns(RuntimeWarning, match="CUresult 700"):
+            torch.testing.assert_close(l2ir.matmul(a, w.t()), torch.matmul(a, w.t()))
+        assert d._native.size() == 0
+    finally:
+        stub_driver.rc.value = 0
+        dispatch._reset()
+
+
+def test_a_pdl_grid_without_launch_ex_is_refused(pkg_dir, fast_module):
+    d = attached(pkg_dir, module=fast_module)
+    try:
+        a, w = rand(64, 256), rand(512, 256)
+        grid = (0x7F00_AAAA_0000, 1, 1, 1, 128, 1, 1, 0, 1)          # asks for PDL
+        with pytest.raises(ValueError, match="null entry point"):
+            d._native.add_served(a, w.t(), ("kernel", 0x1000, 0, 0, (grid,), 0), False, False, False, 0, (64, 512),
+                                 64, 512, 256, 0, None, lambda why: None)
+    finally:
         dispatch._reset()
 
 
