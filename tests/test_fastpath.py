@@ -35,6 +35,17 @@ def attached(pkg_dir, runner=HostRunner, module=None):
     return d
 
 
+def on_stub_driver(pkg_dir, runner, stub_driver, module, stream: int):
+    """A dispatcher whose runners launch through the stub libcuda, on a fixed stream handle (the compiled table
+    takes the stream function it is made with, so the fast path is attached again after setting it)."""
+    runner.driver = stub_driver.path
+    d = attached(pkg_dir, runner, module)
+    d.current_stream = lambda index: stream
+    d._stream_of = d.current_stream
+    d.attach_fastpath(module)
+    return d
+
+
 @pytest.fixture
 def fdisp(pkg_dir, fast_module):
     d = attached(pkg_dir, module=fast_module)
@@ -208,11 +219,7 @@ class StubKernelRunner:
 
 
 def test_kernel_route_calls_the_driver_with_the_abi(pkg_dir, fast_module, stub_driver):
-    StubKernelRunner.driver = stub_driver.path
-    d = attached(pkg_dir, StubKernelRunner, fast_module)
-    d.current_stream = lambda index: 0x5555_0000_1234
-    d._stream_of = d.current_stream
-    d.attach_fastpath(fast_module)                 # the table takes the stream function it is made with
+    d = on_stub_driver(pkg_dir, StubKernelRunner, stub_driver, fast_module, 0x5555_0000_1234)
     try:
         a, w = rand(64, 256), rand(512, 256)
         l2ir.matmul(a, w.t())                      # Python: KernelLaunch through ctypes
@@ -244,11 +251,7 @@ class StubPdlRunner(StubKernelRunner):
 
 
 def test_pdl_kernel_route_calls_launch_ex_as_the_python_path_does(pkg_dir, fast_module, stub_driver):
-    StubPdlRunner.driver = stub_driver.path
-    d = attached(pkg_dir, StubPdlRunner, fast_module)
-    d.current_stream = lambda index: 0x5555_0000_1234
-    d._stream_of = d.current_stream
-    d.attach_fastpath(fast_module)
+    d = on_stub_driver(pkg_dir, StubPdlRunner, stub_driver, fast_module, 0x5555_0000_1234)
     try:
         a, w = rand(64, 256), rand(512, 256)
         before = stub_driver.record()
@@ -295,11 +298,7 @@ class StubShimRunner(StubKernelRunner):
 
 
 def test_shim_route_passes_pointers_sizes_workspace_and_stream(pkg_dir, fast_module, stub_driver):
-    StubShimRunner.driver = stub_driver.path
-    d = attached(pkg_dir, StubShimRunner, fast_module)
-    d.current_stream = lambda index: 0x7F00_0000_0500
-    d._stream_of = d.current_stream
-    d.attach_fastpath(fast_module)
+    d = on_stub_driver(pkg_dir, StubShimRunner, stub_driver, fast_module, 0x7F00_0000_0500)
     try:
         stub_driver.lib.cuCtxSetCurrent(ctypes.c_void_p(StubShimRunner.CTX))
         a, w = rand(64, 256), rand(512, 256)
