@@ -389,9 +389,9 @@ _INTERMEDIATE_SUFFIXES = (".ii", ".cudafe1.c", ".cudafe1.cpp", ".cudafe1.gpu", "
                           ".module_id", ".o", ".reg.c")
 
 
-def _drop_intermediates(entry: Path) -> None:
+def _drop_intermediates(entry: Path, binary: str) -> None:
     for path in entry.iterdir():
-        if path.name.endswith(_INTERMEDIATE_SUFFIXES) and path.is_file():
+        if path.name != binary and path.name.endswith(_INTERMEDIATE_SUFFIXES) and path.is_file():
             path.unlink()
 
 
@@ -424,7 +424,6 @@ def compile_plan(plan: LaunchPlan, options: CompileOptions = CompileOptions()) -
     code, log = _run(argv, tmp, env, options.timeout_s)
     seconds = time.perf_counter() - t1
     (tmp / "compile.log").write_text(log)
-    _drop_intermediates(tmp)
 
     if code is None or code < 0:
         # Not cached: a timeout or a compiler killed by a signal (the OOM killer, with many CUTLASS builds in
@@ -434,6 +433,7 @@ def compile_plan(plan: LaunchPlan, options: CompileOptions = CompileOptions()) -
         return CompileFailure(key=key, reason=reason, log=log + f"\n(compiler {reason})", repro=repro,
                               compile_seconds=seconds)
 
+    _drop_intermediates(tmp, binary)
     status = "ok" if code == 0 and (tmp / binary).is_file() else "error"
     resources = parse_ptxas(log) if status == "ok" else {}
     (tmp / "resources.json").write_text(json.dumps({n: asdict(r) for n, r in resources.items()}, indent=1,

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     from cuda.bindings import driver as cu
 
     from l2ir.backends.compile import CompileOptions, compile_plan
-    from l2ir.runtime import CubinLauncher
+    from l2ir.runtime import CubinLauncher, LaunchError
     from l2ir.search.evaluator import environment
 
     if not torch.cuda.is_available():
@@ -77,18 +77,29 @@ def main(argv=None) -> int:
         if not built.ok:
             rows.append({"shape": [m, n, k], "case": f"{sweep}/{config}", "error": built.summary()})
             continue
-        launcher = CubinLauncher(plan, built.binary)
-        for fn, ln in zip(launcher._funcs, plan.launches):
-            if ln.cluster == (1, 1, 1):
-                continue
-            grid = ln.grid_for(m, n, k)
-            active = max_active_clusters(fn, grid, ln.block, ln.smem, ln.cluster, cu.CUstream(0))
-            clusters, waves = cluster_waves(grid, ln.cluster, active)
-            rows.append({"shape": [m, n, k], "case": f"{sweep}/{config}", "entry": ln.entry, "grid": list(grid),
-                         "block": list(ln.block), "smem": ln.smem, "cluster": list(ln.cluster),
-                         "registers": built.resources.get(ln.entry).registers if ln.entry in built.resources else None,
-                         "clusters": clusters, "max_active_clusters": active, "waves": waves})
-        launcher.close()
+        try:
+            launcher = CubinLauncher(plan, built.binary)
+        except LaunchError as e:
+            rows.append({"shape": [m, n, k], "case": f"{sweep}/{config}", "error": str(e)})
+            continue
+        try:
+            for fn, ln in zip(launcher._funcs, plan.launches):
+                if ln.cluster == (1, 1, 1):
+                    continue
+                row = {"shape": [m, n, k], "case": f"{sweep}/{config}", "entry": ln.entry}
+                grid = ln.grid_for(m, n, k)
+                try:
+                    active = max_active_clusters(fn, grid, ln.block, ln.smem, ln.cluster, cu.CUstream(0))
+                except LaunchError as e:
+                    rows.append({**row, "error": str(e)})
+                    continue
+                clusters, waves = cluster_waves(grid, ln.cluster, active)
+                res = built.resources.get(ln.entry)
+                rows.append({**row, "grid": list(grid), "block": list(ln.block), "smem": ln.smem,
+                             "cluster": list(ln.cluster), "registers": res.registers if res else None,
+                             "clusters": clusters, "max_active_clusters": active, "waves": waves})
+        finally:
+            launcher.close()
     out = {"command": "python3 bench/cluster_occupancy_probe.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "environment": environment(0),
            "scenario": "occupancy query (cuOccupancyMaxActiveClusters), nothing timed", "rows": rows}
@@ -98,7 +109,7 @@ def main(argv=None) -> int:
     for r in rows:
         shape = "x".join(map(str, r["shape"]))
         if "error" in r:
-            print(f"{shape:>16} {r['case']:<52} compile failed: {r['error']}")
+            print(f"{shape:>16} {r['case']:<52} failed: {r['error']}")
             continue
         print(f"{shape:>16} {r['case']:<52} {'x'.join(map(str, r['cluster'])):>7} {r['smem']:>7} {r['clusters']:>8} "
               f"{r['max_active_clusters']:>10} {r['waves']:>5}")

@@ -359,9 +359,13 @@ def _arg_block(m: int, n: int, k: int) -> tuple[_Args, ctypes.c_void_p]:
 LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
+class _LaunchAttributeValue(ctypes.Union):
+    # 64 bytes, aligned as cuda.h's union (it holds pointers); the PDL attribute's value is its first int.
+    _fields_ = [("programmatic_stream_serialization", ctypes.c_int), ("_bytes", ctypes.c_uint64 * 8)]
+
+
 class _LaunchAttribute(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_uint), ("_pad", ctypes.c_char * 4), ("value", ctypes.c_int),
-                ("_value_rest", ctypes.c_char * 60)]
+    _fields_ = [("id", ctypes.c_uint), ("_pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
 
 
 class _LaunchConfig(ctypes.Structure):
@@ -373,10 +377,8 @@ class _LaunchConfig(ctypes.Structure):
 def _pdl_config(gx: int, gy: int, gz: int, bx: int, by: int, bz: int, smem: int) -> _LaunchConfig:
     """A launch config that lets the grid start while the stream's previous kernel drains: the kernels wait
     (griddepcontrol.wait) before their first global access, so only their prologue overlaps the previous tail."""
-    attr = _LaunchAttribute(LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
-    config = _LaunchConfig(gx, gy, gz, bx, by, bz, smem, None, ctypes.pointer(attr), 1)
-    config._attr = attr                                    # the attribute lives as long as its config
-    return config
+    attr = _LaunchAttribute(LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, b"", _LaunchAttributeValue(1))
+    return _LaunchConfig(gx, gy, gz, bx, by, bz, smem, None, ctypes.pointer(attr), 1)   # the pointer keeps attr
 
 
 class Driver:
@@ -394,6 +396,12 @@ class Driver:
 
 def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _launch_failed(entry: str, rc: int, m: int, n: int, k: int):
+    from .runtime import LaunchError
+
+    raise LaunchError(f"{entry} returned CUresult {rc} for m={m} n={n} k={k}")
 
 
 class KernelLaunch:
@@ -416,10 +424,10 @@ class KernelLaunch:
         return grids
 
     def bind(self, m: int, n: int, k: int):
-        from .runtime import LaunchError
-
         grids = self._grids(m, n, k)
         ws_bytes = self.plan.workspace_for(m, n, k)
+        if any(g[-1] for g in grids):
+            return self._bind_pdl(m, n, k, grids), ws_bytes
         launch, set_ctx, ctx, vp = self.driver.launch, self.driver.set_ctx, self.ctx, ctypes.c_void_p
         tls = threading.local()
 
@@ -428,10 +436,8 @@ class KernelLaunch:
             return block
 
         def failed(rc):
-            raise LaunchError(f"cuLaunchKernel returned CUresult {rc} for m={m} n={n} k={k}")
+            _launch_failed("cuLaunchKernel", rc, m, n, k)
 
-        if any(g[-1] for g in grids):
-            return self._bind_pdl(m, n, k, grids, failed), ws_bytes
         grids = [(vp(fn), *rest) for fn, *rest, _ in grids]
         if len(grids) == 1:
             ((fn, gx, gy, gz, bx, by, bz, smem),) = grids
@@ -465,7 +471,7 @@ class KernelLaunch:
                         failed(rc)
         return go, ws_bytes
 
-    def _bind_pdl(self, m: int, n: int, k: int, grids: list[tuple], failed):
+    def _bind_pdl(self, m: int, n: int, k: int, grids: list[tuple]):
         """`go` for a plan with a PDL launch: each such launch through cuLaunchKernelEx with a config of this
         thread's (the stream is set per call), the others through cuLaunchKernel."""
         launch, launch_ex, set_ctx, ctx, vp = (self.driver.launch, self.driver.launch_ex, self.driver.set_ctx,
@@ -490,11 +496,13 @@ class KernelLaunch:
             for fn, g, (cfg, ref) in zip(functions, grids, configs):
                 if cfg is None:
                     rc = launch(fn, *g[1:8], s, params, None)
+                    if rc:
+                        _launch_failed("cuLaunchKernel", rc, m, n, k)
                 else:
                     cfg.stream = stream
                     rc = launch_ex(ref, fn, params, None)
-                if rc:
-                    failed(rc)
+                    if rc:
+                        _launch_failed("cuLaunchKernelEx", rc, m, n, k)
         return go
 
     def native(self, m: int, n: int, k: int) -> tuple:

@@ -24,6 +24,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -92,7 +93,7 @@ using GetCtxFn = int (*)(void** ctx);
 // cuLaunchKernelEx's config, laid out as cuda.h's CUlaunchConfig and CUlaunchAttribute (CUDA 12 and later; the
 // test suite compiles cuda.h and compares): a launch that lets the grid start while the stream's previous kernel
 // drains (programmatic dependent launch). The kernels wait (griddepcontrol.wait) before their first global access.
-struct LaunchAttribute {
+struct alignas(8) LaunchAttribute {
   unsigned id;
   char pad[4];
   union {
@@ -106,7 +107,10 @@ struct LaunchConfig {
   LaunchAttribute* attrs;
   unsigned num_attrs;
 };
-static_assert(sizeof(LaunchAttribute) == 72 && sizeof(LaunchConfig) == 56, "cuda.h's CUlaunchAttribute, CUlaunchConfig");
+static_assert(sizeof(LaunchAttribute) == 72 && alignof(LaunchAttribute) == 8 && offsetof(LaunchAttribute, value) == 8,
+              "cuda.h's CUlaunchAttribute");
+static_assert(sizeof(LaunchConfig) == 56 && offsetof(LaunchConfig, stream) == 32 && offsetof(LaunchConfig, attrs) == 40,
+              "cuda.h's CUlaunchConfig");
 constexpr unsigned kProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 using LaunchKernelExFn = int (*)(const LaunchConfig* config, void* f, void** params, void** extra);
 
@@ -324,7 +328,7 @@ PyObject* serve(Table* self, const std::shared_ptr<Route>& rp, PyObject* oa, con
         rc = r.launch(g.fn, g.gx, g.gy, g.gz, g.bx, g.by, g.bz, g.smem, reinterpret_cast<void*>(st), params, nullptr);
       }
     }
-    if (rc) why = "cuLaunchKernel returned CUresult " + std::to_string(rc);
+    if (rc) why = "cuLaunchKernel(Ex) returned CUresult " + std::to_string(rc);
   } else if (r.kind == kShim) {
     const RunArgs args{reinterpret_cast<const void*>(pa), reinterpret_cast<const void*>(pb), pc, r.m, r.n, r.k, ws,
                        r.ws_bytes, reinterpret_cast<void*>(st)};

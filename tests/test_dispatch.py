@@ -607,8 +607,9 @@ STUB_DRIVER = r"""
 #include <stddef.h>
 #include <stdint.h>
 /* libcuda's eager-launch entry points and the host-shim ABI, recording what they were handed. rec[18] counts every
-   kernel launch, rec[19] those through cuLaunchKernelEx, whose first attribute and count are rec[31..33]. */
-static uint64_t rec[40];
+   kernel launch, rec[19] those through cuLaunchKernelEx: its attribute count and first attribute are rec[31..33],
+   its grid, block x, smem, stream and function rec[34..40], the config's and kernelParams' addresses rec[41..42]. */
+static uint64_t rec[48];
 int stub_rc = 0;
 int cuCtxSetCurrent(void* ctx) { rec[0] = (uint64_t)ctx; return 0; }
 int cuCtxGetCurrent(void** ctx) { *ctx = (void*)rec[0]; return 0; }
@@ -626,6 +627,8 @@ struct config { unsigned gx, gy, gz, bx, by, bz, smem; void* stream; struct attr
 int cuLaunchKernelEx(const struct config* c, void* f, void** params, void** extra) {
   rec[19] += 1; rec[31] = c->n_attrs; rec[32] = c->n_attrs ? c->attrs[0].id : 99;
   rec[33] = c->n_attrs ? (uint64_t)c->attrs[0].v.value : 99;
+  rec[34] = c->gx; rec[35] = c->gy; rec[36] = c->gz; rec[37] = c->bx; rec[38] = c->smem; rec[39] = (uint64_t)c->stream;
+  rec[40] = (uint64_t)f; rec[41] = (uint64_t)c; rec[42] = (uint64_t)params;
   return cuLaunchKernel(f, c->gx, c->gy, c->gz, c->bx, c->by, c->bz, c->smem, c->stream, params, extra); }
 size_t l2ir_workspace_size(int m, int n, int k) { return (size_t)m * 4096; }
 int l2ir_run(const void* a, const void* b, void* c, int m, int n, int k, void* ws, size_t wsb, void* s) {
@@ -634,7 +637,7 @@ int l2ir_run(const void* a, const void* b, void* c, int m, int n, int k, void* w
 struct run_args { const void* a; const void* b; void* c; int m, n, k; void* ws; size_t wsb; void* s; };
 int l2ir_run_args(const struct run_args* p) {
   rec[29] += 1; rec[30] = (uint64_t)p; return l2ir_run(p->a, p->b, p->c, p->m, p->n, p->k, p->ws, p->wsb, p->s); }
-void stub_record(uint64_t* out) { for (int i = 0; i < 40; i++) out[i] = rec[i]; }
+void stub_record(uint64_t* out) { for (int i = 0; i < 48; i++) out[i] = rec[i]; }
 """
 
 
@@ -651,7 +654,7 @@ def stub_driver(tmp_path_factory):
     lib = ctypes.CDLL(str(d / "libstub.so"))
 
     def record():
-        out = (ctypes.c_uint64 * 40)()
+        out = (ctypes.c_uint64 * 48)()
         lib.stub_record(out)
         return list(out)
 
@@ -733,32 +736,41 @@ def test_kernel_launch_with_pdl_goes_through_launch_ex(pkg_dir, stub_driver, pdl
         r = stub_driver.record()
         assert r[18] - before[18] == 2                                  # both launches ran
         assert r[19] - before[19] == (1 if pdl_device else 0)           # the first through cuLaunchKernelEx
-        if pdl_device:
+        if pdl_device:                                                  # the PDL launch as it arrived
             assert r[31:34] == [1, dispatch.LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1]
+            assert r[34:41] == [*ln.grid_for(1000, 512, 264), ln.block[0], ln.smem, stream, 0x7F00_AAAA_0000]
         assert r[1] == 0x7F00_BBBB_0000                                 # the plain launch came last
         assert tuple(r[2:5]) == ln.grid_for(1000, 512, 264) and tuple(r[5:8]) == ln.block and r[8] == ln.smem
         assert r[9] == stream and r[10] == 0 and r[11:18] == [a, b, c, 1000, 512, 264, 0]
     native_grids = kl.native(1000, 512, 264)[4]
     assert [g[-1] for g in native_grids] == [int(pdl_device), 0]
     assert (kl.native(1000, 512, 264)[5] != 0) == pdl_device
-    # One PDL launch alone, from other threads: each fills its own argument block and config.
+    # One PDL launch alone, from other threads: each fills its own argument block and config, the same one on each
+    # of its calls. The stub records globally, so the calls are serialized; the threads stay alive until all have
+    # called, so no finished thread's config can be freed and its address handed to another's.
     solo = dispatch.KernelLaunch(dispatch.Driver(stub_driver.path), 0x7F00_1234_5000, [0x7F00_AAAA_0000],
                                  pdl_plan(spec), pdl_device=True)
     go1, _ = solo.bind(8, 16, 32)
-    lock, seen = threading.Lock(), []
+    lock, done, seen = threading.Lock(), threading.Barrier(4), {}
 
     def work(i):
-        with lock:
-            go1(a + 16 * i, b, c, 0, s + i)
-            r = stub_driver.record()
-            seen.append((r[11], r[9], r[14:17]))
+        for _ in range(2):
+            with lock:
+                go1(a + 16 * i, b, c, 0, s + i)
+                r = stub_driver.record()
+                seen.setdefault(i, []).append((r[11], r[39], r[14:17], r[41], r[42]))
+        done.wait()
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert sorted(seen) == [(a + 16 * i, s + i, [8, 16, 32]) for i in range(4)]
+    assert all(a_ == a + 16 * i and st == s + i and mnk == [8, 16, 32]
+               for i, calls in seen.items() for a_, st, mnk, _, _ in calls)
+    configs = {i: {(cfg, par) for *_, cfg, par in calls} for i, calls in seen.items()}
+    assert all(len(c_) == 1 for c_ in configs.values()), configs             # one config per thread
+    assert len(set.union(*configs.values())) == 4, configs                    # no two threads share one
     stub_driver.rc.value = 700
     try:
         from l2ir.runtime import LaunchError
@@ -785,10 +797,10 @@ def test_launch_config_layout_is_cuda_h(tmp_path):
 #include <stddef.h>
 #include <stdio.h>
 int main(void) {
-  printf("%zu %zu %zu %zu %zu %zu %zu %d\n", sizeof(CUlaunchConfig), offsetof(CUlaunchConfig, sharedMemBytes),
-         offsetof(CUlaunchConfig, hStream), offsetof(CUlaunchConfig, attrs), offsetof(CUlaunchConfig, numAttrs),
-         sizeof(CUlaunchAttribute), offsetof(CUlaunchAttribute, value),
-         (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+  printf("%zu %zu %zu %zu %zu %zu %zu %zu %zu %d\n", sizeof(CUlaunchConfig), _Alignof(CUlaunchConfig),
+         offsetof(CUlaunchConfig, sharedMemBytes), offsetof(CUlaunchConfig, hStream), offsetof(CUlaunchConfig, attrs),
+         offsetof(CUlaunchConfig, numAttrs), sizeof(CUlaunchAttribute), _Alignof(CUlaunchAttribute),
+         offsetof(CUlaunchAttribute, value), (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
   return 0;
 }
 """)
@@ -797,8 +809,9 @@ int main(void) {
     got = [int(x) for x in subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True,
                                           check=True).stdout.split()]
     cfg, attr = dispatch._LaunchConfig, dispatch._LaunchAttribute
-    assert got == [ctypes.sizeof(cfg), cfg.smem.offset, cfg.stream.offset, cfg.attrs.offset, cfg.num_attrs.offset,
-                   ctypes.sizeof(attr), attr.value.offset, dispatch.LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION]
+    assert got == [ctypes.sizeof(cfg), ctypes.alignment(cfg), cfg.smem.offset, cfg.stream.offset, cfg.attrs.offset,
+                   cfg.num_attrs.offset, ctypes.sizeof(attr), ctypes.alignment(attr), attr.value.offset,
+                   dispatch.LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION]
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["l2ir_run_args", "l2ir_run"])

@@ -177,28 +177,41 @@ def test_out_and_batched(pkg):
 def test_dependent_calls_see_the_previous_output(pkg):
     """A chain of calls, each reading the output the call before it wrote, eager and back to back on one stream:
     the kernels are launched with programmatic dependent launch, so each may start while the one before drains,
-    and only its griddepcontrol.wait orders its reads after the previous grid's writes. A wait missing or placed
-    after a load reads a fresh, unwritten output buffer (NaN-poisoned by the allocator's reuse below)."""
+    and only its griddepcontrol.wait orders its reads after the previous grid's writes. Every output buffer is
+    NaN before its call, so a wait missing or placed after a load reads NaN or a partial result: the last round
+    writes into NaN-filled out= buffers (the Python route), the others into fresh outputs (the compiled table
+    where it is attached) whose pool blocks were NaN-filled before they were freed."""
     import torch
 
     import l2ir
 
-    spec = pkg.package.kernels[pkg.package.tuned[(1024, 1024, 1024, CLS_COL)]]
+    key = pkg.package.tuned[(1024, 1024, 1024, CLS_COL)]
+    spec = pkg.package.kernels[key]
     assert any(ln.get("pdl") for ln in spec.plan["launches"]), "the served kernel asks for PDL"
     g = torch.Generator(device="cuda").manual_seed(11)
     # Weights scaled so every link's output stays near unit size over the chain.
     ws = [torch.randn(1024, 1024, device="cuda", generator=g).mul_(1024 ** -0.5).half() for _ in range(12)]
     x = torch.randn(1024, 1024, device="cuda", generator=g).half()
     before = pkg.stats["l2ir"]
-    for _ in range(3):
-        torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)   # NaN bytes in the pool's blocks
-        outs = [x]
-        for w in ws:
-            outs.append(l2ir.matmul(outs[-1], w.t()))
+    torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)      # NaN bytes in the pool's blocks
+    for trial in range(3):
+        if trial < 2:
+            outs = [x]
+            for w in ws:
+                outs.append(l2ir.matmul(outs[-1], w.t()))
+        else:
+            outs = [x] + [torch.full((1024, 1024), float("nan"), dtype=torch.float16, device="cuda") for _ in ws]
+            for i, w in enumerate(ws):
+                l2ir.matmul(outs[i], w.t(), out=outs[i + 1])
         torch.cuda.synchronize()
         for prev, w, out in zip(outs, ws, outs[1:]):
             _check(out, prev, w.t())
+        for out in outs[1:]:
+            out.fill_(float("nan"))                     # what the next round's allocations get back
+        del outs
     assert pkg.stats["l2ir"] == before + 3 * len(ws)
+    runner = pkg._device(torch.cuda.current_device())["runners"][key]
+    assert runner._fast is not None and runner._fast.pdl_device, "the eager launch went through cuLaunchKernelEx"
 
 
 def _capture_and_replay_on_fresh_inputs(dispatcher, cases, seed, fresh_seed, counted="l2ir"):

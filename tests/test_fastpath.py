@@ -242,29 +242,37 @@ def test_kernel_route_calls_the_driver_with_the_abi(pkg_dir, fast_module, stub_d
 
 
 class StubPdlRunner(StubKernelRunner):
-    """The package kernel with PDL asked for, on a GPU that has it: a cuLaunchKernelEx launch, then a plain one."""
+    """The package kernel with PDL asked for, on a GPU that has it: a cuLaunchKernelEx launch, then (`second`) a
+    plain one."""
+
+    second = True
 
     def __init__(self, spec, index):
-        self.launch = dispatch.KernelLaunch(dispatch.Driver(self.driver), 0x7F00_1234_5000,
-                                            [0x7F00_AAAA_0000, 0x7F00_BBBB_0000], pdl_plan(spec, second=True),
-                                            pdl_device=True)
+        funcs = [0x7F00_AAAA_0000, 0x7F00_BBBB_0000][:2 if self.second else 1]
+        self.launch = dispatch.KernelLaunch(dispatch.Driver(self.driver), 0x7F00_1234_5000, funcs,
+                                            pdl_plan(spec, second=self.second), pdl_device=True)
 
 
-def test_pdl_kernel_route_calls_launch_ex_as_the_python_path_does(pkg_dir, fast_module, stub_driver):
-    d = on_stub_driver(pkg_dir, StubPdlRunner, stub_driver, fast_module, 0x5555_0000_1234)
+@pytest.mark.parametrize("second", [True, False], ids=["then-plain", "alone"])
+def test_pdl_kernel_route_calls_launch_ex_as_the_python_path_does(pkg_dir, fast_module, stub_driver, second):
+    stream = 0x5555_0000_1234
+    runner = type("Runner", (StubPdlRunner,), {"second": second})
+    d = on_stub_driver(pkg_dir, runner, stub_driver, fast_module, stream)
+    launches = 2 if second else 1
     try:
         a, w = rand(64, 256), rand(512, 256)
         before = stub_driver.record()
-        l2ir.matmul(a, w.t())                      # Python: cuLaunchKernelEx, then cuLaunchKernel, through ctypes
+        l2ir.matmul(a, w.t())                      # Python: cuLaunchKernelEx (then cuLaunchKernel) through ctypes
         py = stub_driver.record()
-        assert py[18] - before[18] == 2 and py[19] - before[19] == 1
+        assert py[18] - before[18] == launches and py[19] - before[19] == 1
         assert d._native.size() == 1
         python_path_gone(d)
-        c = l2ir.matmul(a, w.t())                  # C++: the same two launches
+        c = l2ir.matmul(a, w.t())                  # C++: the same launches
         r = stub_driver.record()
-        assert r[18] == py[18] + 2 and r[19] == py[19] + 1
+        assert r[18] == py[18] + launches and r[19] == py[19] + 1
         assert r[31:34] == [1, dispatch.LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1]
-        assert r[0:11] == py[0:11]                 # context, function, grid, block, smem, stream, extra
+        assert r[34:41] == py[34:41] and r[39:41] == [stream, 0x7F00_AAAA_0000]    # the PDL launch's own fields
+        assert r[42] != 0 and r[0:11] == py[0:11]  # context, last function, grid, block, smem, stream, extra
         assert r[11:13] == [a.data_ptr(), w.t().data_ptr()] and r[13] == c.data_ptr()
         assert r[14:18] == [64, 512, 256, 0]
         stub_driver.rc.value = 700
