@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from l2ir.errors import L2IRError
 from l2ir.nodes import Kernel, Problem
+from l2ir.target import H200_SMS
 
 from .base import Context, Feedback, Measured, Policy, Step
 
@@ -39,7 +40,7 @@ class Climb:
 
 
 def climb(policy: Policy, problem: Problem, evaluate: Evaluate, start: Kernel, budget: int, *, count: int = 8,
-          seed: int = 0, arch: str = "sm90a", num_sms: int = 132, target: float | None = None,
+          seed: int = 0, arch: str = "sm90a", num_sms: int = H200_SMS, target: float | None = None,
           learn: bool = True, backend: str | None = None) -> Climb:
     """Hill-climb from `start`: ask for `count` proposals from the incumbent, evaluate each, feed the outcomes back
     (when `learn`), move to the best child if it beats the incumbent. Stops after `budget` evaluations, when the

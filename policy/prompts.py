@@ -17,11 +17,12 @@ import math
 from dataclasses import dataclass, field
 
 from l2ir.nodes import KERNEL_ORDER, NODE_TYPES, OPTIONAL_NODES, Problem
-from l2ir.text import print_problem
+from l2ir.search.standin import HBM_TBPS as PEAK_TBPS
 from l2ir.search.standin import PEAK_TFLOPS
+from l2ir.target import H200_SMS
+from l2ir.text import print_problem
 
-# HBM3e bandwidth of an H200 (4.8 TB/s); with the dense fp16 peak it gives the roofline a kernel is compared with.
-PEAK_TBPS = 4.8
+# The H200's HBM3e bandwidth (PEAK_TBPS) and dense fp16 peak give the roofline a kernel is compared with.
 
 
 def roofline_us(problem: Problem) -> float:
@@ -84,7 +85,7 @@ EDIT_FORMS = """\
 
 
 def system_prompt(arch: str = "sm90a") -> str:
-    return f"""You tune half-precision GEMM kernels (C = A @ B, fp32 accumulation) for an NVIDIA H200 ({arch}, 132 SMs,
+    return f"""You tune half-precision GEMM kernels (C = A @ B, fp32 accumulation) for an NVIDIA H200 ({arch}, {H200_SMS} SMs,
 {PEAK_TFLOPS:.0f} TFLOP/s dense fp16, {PEAK_TBPS} TB/s). Kernels are written in L2IR, a typed schedule IR, one node per line:
 
 {node_grammar()}

@@ -24,18 +24,19 @@ import numpy as np
 from l2ir.analysis import block_reduce, cluster_reduce
 from l2ir.indexing import Repack, ceil_div
 from l2ir.nodes import Kernel, Problem
+from l2ir.target import H200_SMS
 from l2ir.text import print_problem
 
 from .evaluator import Measurement
 from .gates import GATES, TIMING_GATES, Verdict
 from .timing import summarize
 
-STANDIN_ENV = {"gpu": "stand-in cost model (not measured)", "capability": "9.0", "sms": 132,
+STANDIN_ENV = {"gpu": "stand-in cost model (not measured)", "capability": "9.0", "sms": H200_SMS,
                "sm_clock_max_mhz": None, "mem_clock_mhz": None, "driver": None, "cuda_runtime": None,
                "torch": None, "cutlass": None, "standin": True}
 
 
-SMS = 132
+SMS = H200_SMS
 PEAK_TFLOPS = 989.0          # dense fp16 tensor-core peak of an H100/H200 SXM
 HBM_TBPS = 4.8
 LAUNCH_US = 2.5
