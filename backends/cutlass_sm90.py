@@ -364,16 +364,21 @@ def _hw_lines(cfg: Sm90Config) -> list[str]:
 
 
 def _pdl_lines(cfg: Sm90Config) -> list[str]:
-    """Programmatic dependent launch, for the persistent data-parallel scheduler: CUTLASS's GDC makes the producer and
-    the epilogue wait on the stream's previous grid (griddepcontrol.wait) before their first global access, so
-    l2ir_run launches with programmatic stream serialization and the blocks may be placed while that grid drains.
-    The stream-K scheduler (splitk present) does not compile with GDC in CUTLASS 4.2 (its const is_last_tile calls a
-    non-const member), so those kernels launch the ordinary way. -DL2IR_PDL=0 builds an ordinary launch for any."""
+    """Programmatic dependent launch: CUTLASS's GDC makes the producer and the epilogue wait on the stream's previous
+    grid (griddepcontrol.wait) before their first global access, so l2ir_run launches with programmatic stream
+    serialization and the blocks may be placed while that grid drains. -DL2IR_PDL=0 builds an ordinary launch.
+    The stream-K scheduler (splitk present) compiles with GDC through _stream_k_scheduler_lines, but its kernels are
+    built for the ordinary launch until the GPU's gates and an A/B say otherwise: -DL2IR_PDL=1 builds the PDL launch
+    (bench/pdl_probe.py asks for each variant by name)."""
     if cfg.splitk_mode != "none":
         return [
-            "// Ordinary launch: CUTLASS 4.2's stream-K scheduler does not compile with programmatic dependent launch",
-            "// (CUTLASS_ENABLE_GDC_FOR_SM90).",
+            "// Ordinary launch by default: the stream-K kernel with programmatic dependent launch (-DL2IR_PDL=1) has not",
+            "// been through the GPU's gates yet. With it, the kernel's producer and epilogue wait on the stream's",
+            "// previous grid (griddepcontrol.wait, CUTLASS's GDC) before their first global access.",
             *pdl_macro_cpp(False),
+            "#if L2IR_PDL",
+            "#define CUTLASS_ENABLE_GDC_FOR_SM90 1",
+            "#endif",
         ]
     return [
         "// Programmatic dependent launch: the kernel's producer and epilogue wait on the stream's previous grid",
@@ -432,6 +437,39 @@ def _header(cfg: Sm90Config) -> list[str]:
         "#if !defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)",
         '#error "wgmma needs sm_90a: compile with -gencode=arch=compute_90a,code=sm_90a"',
         "#endif",
+        "",
+        *(_stream_k_scheduler_lines() if cfg.splitk_mode != "none" else []),
+    ]
+
+
+def _stream_k_scheduler_lines() -> list[str]:
+    """CUTLASS 4.2's stream-K scheduler under a tag of L2IR's own, at global scope (the selector is specialized in
+    CUTLASS's namespace). With GDC, CUTLASS's const is_last_tile passes a member to a non-const reference and does
+    not compile (seen on the H200 host and here); the kernel asks it only when to hint launch_dependent_grids, an
+    early release of the next grid that changes timing, not results. Never hinting lets the next grid start at
+    this one's end, as an ordinary launch does. Without GDC the method is never called: the kernel is CUTLASS's."""
+    return [
+        "namespace l2ir {",
+        "template <class TileShape, class ClusterShape>",
+        "class StreamKSchedulerGdc",
+        "    : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90StreamK<TileShape, ClusterShape> {",
+        "  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90StreamK<TileShape, ClusterShape>;",
+        "",
+        " public:",
+        "  using Base::Base;",
+        "  // Asked under GDC only, for the early-release hint: never hint (the next grid starts at this one's end).",
+        "  CUTLASS_DEVICE bool is_last_tile(typename Base::WorkTileInfo, uint32_t = 1) const { return false; }",
+        "};",
+        "struct StreamKScheduler {};   // the tile-scheduler tag the kernel type names",
+        "}  // namespace l2ir",
+        "",
+        "namespace cutlass::gemm::kernel::detail {",
+        "template <class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>",
+        "struct TileSchedulerSelector<l2ir::StreamKScheduler, arch::Sm90, TileShape, ClusterShape,",
+        "                             SchedulerPipelineStageCount> {",
+        "  using Scheduler = l2ir::StreamKSchedulerGdc<TileShape, ClusterShape>;",
+        "};",
+        "}  // namespace cutlass::gemm::kernel::detail",
         "",
     ]
 
@@ -492,9 +530,9 @@ def _kernel_type(cfg: Sm90Config) -> list[str]:
         scheduler = "cutlass::gemm::PersistentScheduler"
         scheduler_comment = "// splitk absent: data-parallel persistent tile scheduler, one output tile per work unit."
     else:
-        scheduler = "cutlass::gemm::StreamKScheduler"
-        scheduler_comment = (f"// splitk mode={cfg.splitk_mode}: the stream-K tile scheduler, which also runs "
-                             "split-K decompositions.")
+        scheduler = "l2ir::StreamKScheduler"
+        scheduler_comment = (f"// splitk mode={cfg.splitk_mode}: CUTLASS's stream-K tile scheduler (l2ir::StreamKScheduler "
+                             "above), which also runs\n// split-K decompositions.")
     if cfg.stages == "auto":
         stages = ("cutlass::gemm::collective::StageCountAutoCarveout<\n"
                   "    static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>")

@@ -27,12 +27,13 @@ ORDER = ("off", "on", "off", "on")
 
 
 def variant(plan, pdl: bool):
-    """The plan launched with programmatic dependent launch (the backend's default) or without it: a "kernels"
-    plan's launches say so; a host shim is built with l2ir.runtime.PDL_MACRO at 0."""
+    """The plan launched with programmatic dependent launch or without it: a "kernels" plan's launches say so (on
+    where its backend asked for it); a host shim is built with l2ir.runtime.PDL_MACRO at 1 or 0, whatever its
+    default (CUTLASS's stream-K kernels are built for the ordinary launch unless asked)."""
     if plan.form == "kernels":
         return dataclasses.replace(plan, launches=tuple(dataclasses.replace(ln, pdl=ln.pdl and pdl)
                                                         for ln in plan.launches))
-    return plan if pdl else dataclasses.replace(plan, extra_flags=(*plan.extra_flags, f"-D{PDL_MACRO}=0"))
+    return dataclasses.replace(plan, extra_flags=(*plan.extra_flags, f"-D{PDL_MACRO}={int(pdl)}"))
 
 
 def main(argv=None) -> int:

@@ -152,7 +152,8 @@ def test_baseline_lines():
 
 def test_stream_k_uses_stream_k_scheduler():
     src = lower(coop(splitk=SplitK("stream_k")), PROBLEM).source
-    assert "using TileScheduler = cutlass::gemm::StreamKScheduler;" in src
+    assert "using TileScheduler = l2ir::StreamKScheduler;" in src      # CUTLASS's, under L2IR's tag (test_pdl)
+    assert "PersistentTileSchedulerSm90StreamK<TileShape, ClusterShape>" in src
     assert "ReductionMode::Deterministic;" in src
 
 

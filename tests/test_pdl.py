@@ -151,13 +151,35 @@ def test_pdl_travels_with_the_exported_plan():
     assert [ln.pdl for ln in launch_plan(spec_old).launches] == [False]
 
 
-def test_cutlass_stream_k_launches_the_ordinary_way():
-    """CUTLASS 4.2's stream-K scheduler does not compile with GDC (seen on the H200 host: a const is_last_tile binds a
-    non-const reference), so its kernels neither enable GDC nor ask for the launch attribute."""
+def test_cutlass_stream_k_launches_the_ordinary_way_unless_built_for_pdl():
+    """CUTLASS 4.2's stream-K scheduler does not compile with GDC as it ships (seen on the H200 host: a const
+    is_last_tile binds a non-const reference); the kernel names L2IR's tag for it, whose scheduler never asks for
+    the early-release hint. Built by default for the ordinary launch (not yet through the GPU's gates with PDL),
+    GDC only under -DL2IR_PDL=1."""
     kernel = load_sweep("sm90a_skinny")["coop_128x128x64_c1x2_splitk2"]
     src = lower(kernel, PROBLEM).source
-    assert "#ifndef L2IR_PDL\n#define L2IR_PDL 0\n#endif" in src
-    assert "#define CUTLASS_ENABLE_GDC_FOR_SM90" not in src
+    assert "#ifndef L2IR_PDL\n#define L2IR_PDL 0\n#endif\n#if L2IR_PDL\n#define CUTLASS_ENABLE_GDC_FOR_SM90 1\n#endif" in src
+    assert src.count("#define CUTLASS_ENABLE_GDC_FOR_SM90") == 1
+    assert "using TileScheduler = l2ir::StreamKScheduler;" in src
+    assert "struct TileSchedulerSelector<l2ir::StreamKScheduler, arch::Sm90," in src
+    # The specialization stands at global scope, before the anonymous namespace of the shim's own code.
+    assert src.index("namespace cutlass::gemm::kernel::detail {") < src.index("namespace {")
+    assert "l2ir::StreamKScheduler" not in lower(load_sweep("sm90a_skinny")["coop_128x64x64_c1x1"], PROBLEM).source
+
+
+@pytest.mark.nvcc
+def test_cutlass_stream_k_compiles_with_gdc(tmp_path):
+    """The stream-K kernel built for PDL (-DL2IR_PDL=1): it compiles, and its PTX waits on the previous grid
+    (griddepcontrol.wait) and never hints an early release (launch_dependents)."""
+    import dataclasses
+
+    from builds import build_all, built
+
+    kernel = load_sweep("sm90a_skinny")["coop_128x128x64_c1x2_splitk2"]
+    plan = lower(kernel, PROBLEM)
+    plan = dataclasses.replace(plan, extra_flags=(*plan.extra_flags, "-DL2IR_PDL=1"))
+    ptx = built(build_all({"plan": plan}, tmp_path)["plan"]).ptx()
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" not in ptx
 
 
 @pytest.mark.parametrize("pdl,device_sm90,cluster,expect", [

@@ -16,10 +16,14 @@
 #define NDEBUG
 #endif
 
-// Ordinary launch: CUTLASS 4.2's stream-K scheduler does not compile with programmatic dependent launch
-// (CUTLASS_ENABLE_GDC_FOR_SM90).
+// Ordinary launch by default: the stream-K kernel with programmatic dependent launch (-DL2IR_PDL=1) has not
+// been through the GPU's gates yet. With it, the kernel's producer and epilogue wait on the stream's
+// previous grid (griddepcontrol.wait, CUTLASS's GDC) before their first global access.
 #ifndef L2IR_PDL
 #define L2IR_PDL 0
+#endif
+#if L2IR_PDL
+#define CUTLASS_ENABLE_GDC_FOR_SM90 1
 #endif
 
 #include <atomic>
@@ -41,6 +45,28 @@
 #if !defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED)
 #error "wgmma needs sm_90a: compile with -gencode=arch=compute_90a,code=sm_90a"
 #endif
+
+namespace l2ir {
+template <class TileShape, class ClusterShape>
+class StreamKSchedulerGdc
+    : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90StreamK<TileShape, ClusterShape> {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90StreamK<TileShape, ClusterShape>;
+
+ public:
+  using Base::Base;
+  // Asked under GDC only, for the early-release hint: never hint (the next grid starts at this one's end).
+  CUTLASS_DEVICE bool is_last_tile(typename Base::WorkTileInfo, uint32_t = 1) const { return false; }
+};
+struct StreamKScheduler {};   // the tile-scheduler tag the kernel type names
+}  // namespace l2ir
+
+namespace cutlass::gemm::kernel::detail {
+template <class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
+struct TileSchedulerSelector<l2ir::StreamKScheduler, arch::Sm90, TileShape, ClusterShape,
+                             SchedulerPipelineStageCount> {
+  using Scheduler = l2ir::StreamKSchedulerGdc<TileShape, ClusterShape>;
+};
+}  // namespace cutlass::gemm::kernel::detail
 
 namespace {
 
@@ -78,8 +104,9 @@ using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 // epilogue.path=tma: accumulators go registers -> shared memory -> one TMA bulk store per subtile, issued
 // by the consumer warpgroups together (cooperative); the store overlaps the next tile's mainloop.
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
-// splitk mode=split_k: the stream-K tile scheduler, which also runs split-K decompositions.
-using TileScheduler = cutlass::gemm::StreamKScheduler;
+// splitk mode=split_k: CUTLASS's stream-K tile scheduler (l2ir::StreamKScheduler above), which also runs
+// split-K decompositions.
+using TileScheduler = l2ir::StreamKScheduler;
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
