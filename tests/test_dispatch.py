@@ -662,6 +662,27 @@ def stub_driver(tmp_path_factory):
                            rc=ctypes.c_int.in_dll(lib, "stub_rc"))
 
 
+def calls_from_live_threads(call, record, threads: int = 4, calls: int = 2) -> dict[int, list]:
+    """`call(i)` `calls` times from each of `threads` threads, one call at a time (the stub records globally),
+    every thread alive until all have called, so no finished thread's per-thread state can be freed and its address
+    handed to another's. Returns i -> the record after each of thread i's calls."""
+    lock, done, seen = threading.Lock(), threading.Barrier(threads), {}
+
+    def work(i):
+        for _ in range(calls):
+            with lock:
+                call(i)
+                seen.setdefault(i, []).append(record())
+        done.wait()
+
+    pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return seen
+
+
 def test_kernel_launch_packs_the_abi(pkg_dir, stub_driver):
     pkg = dispatch.read_package(pkg_dir)
     spec = next(s for s in pkg.kernels.values() if s.problem_class == CLS_COL)
@@ -746,26 +767,12 @@ def test_kernel_launch_with_pdl_goes_through_launch_ex(pkg_dir, stub_driver, pdl
     assert [g[-1] for g in native_grids] == [int(pdl_device), 0]
     assert (kl.native(1000, 512, 264)[5] != 0) == pdl_device
     # One PDL launch alone, from other threads: each fills its own argument block and config, the same one on each
-    # of its calls. The stub records globally, so the calls are serialized; the threads stay alive until all have
-    # called, so no finished thread's config can be freed and its address handed to another's.
+    # of its calls.
     solo = dispatch.KernelLaunch(dispatch.Driver(stub_driver.path), 0x7F00_1234_5000, [0x7F00_AAAA_0000],
                                  pdl_plan(spec), pdl_device=True)
     go1, _ = solo.bind(8, 16, 32)
-    lock, done, seen = threading.Lock(), threading.Barrier(4), {}
-
-    def work(i):
-        for _ in range(2):
-            with lock:
-                go1(a + 16 * i, b, c, 0, s + i)
-                r = stub_driver.record()
-                seen.setdefault(i, []).append((r[11], r[39], r[14:17], r[41], r[42]))
-        done.wait()
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    seen = {i: [(r[11], r[39], r[14:17], r[41], r[42]) for r in records] for i, records in
+            calls_from_live_threads(lambda i: go1(a + 16 * i, b, c, 0, s + i), stub_driver.record).items()}
     assert all(a_ == a + 16 * i and st == s + i and mnk == [8, 16, 32]
                for i, calls in seen.items() for a_, st, mnk, _, _ in calls)
     configs = {i: {(cfg, par) for *_, cfg, par in calls} for i, calls in seen.items()}
@@ -836,24 +843,9 @@ def test_shim_launch_passes_pointers_sizes_and_stream(stub_driver, packed):
     go(0x7F00_0000_0100, 0x7F00_0000_0200, 0x7F00_0000_0300, 0, 0x7F00_0000_0500)
     assert stub_driver.record()[20:29] == [0x7F00_0000_0100, 0x7F00_0000_0200, 0x7F00_0000_0300, 100, 200, 300,
                                            0, 100 * 4096, 0x7F00_0000_0500]
-    # Each thread: its own pointers arrive, and (packed) one block of its own, the same on each of its calls. The
-    # stub records globally, so the calls are serialized; the threads stay alive until all have called, so no
-    # finished thread's block can be freed and its address handed to another's.
-    lock, done, seen = threading.Lock(), threading.Barrier(4), {}
-
-    def work(i):
-        for _ in range(2):
-            with lock:
-                go(0x1000 * (i + 1), 0x20, 0x30, 0, 0)
-                r = stub_driver.record()
-                seen.setdefault(i, []).append((r[20], r[23:26], r[30]))
-        done.wait()
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    # Each thread: its own pointers arrive, and (packed) one block of its own, the same on each of its calls.
+    seen = {i: [(r[20], r[23:26], r[30]) for r in records] for i, records in
+            calls_from_live_threads(lambda i: go(0x1000 * (i + 1), 0x20, 0x30, 0, 0), stub_driver.record).items()}
     assert all(a == 0x1000 * (i + 1) and mnk == [100, 200, 300] for i, calls in seen.items() for a, mnk, _ in calls)
     if packed:
         blocks = {i: {blk for _, _, blk in calls} for i, calls in seen.items()}
