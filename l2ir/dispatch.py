@@ -426,54 +426,33 @@ class KernelLaunch:
     def bind(self, m: int, n: int, k: int):
         grids = self._grids(m, n, k)
         ws_bytes = self.plan.workspace_for(m, n, k)
-        if any(g[-1] for g in grids):
-            return self._bind_pdl(m, n, k, grids), ws_bytes
+        if len(grids) != 1 or grids[0][-1]:
+            return self._bind_each(m, n, k, grids), ws_bytes
+        # One ordinary launch, the common eager case: the shortest path, every value bound here.
         launch, set_ctx, ctx, vp = self.driver.launch, self.driver.set_ctx, self.ctx, ctypes.c_void_p
         tls = threading.local()
+        ((fn, gx, gy, gz, bx, by, bz, smem, _),) = grids
+        fn = vp(fn)
 
-        def args():
-            block = tls.block = _arg_block(m, n, k)
-            return block
-
-        def failed(rc):
-            _launch_failed("cuLaunchKernel", rc, m, n, k)
-
-        grids = [(vp(fn), *rest) for fn, *rest, _ in grids]
-        if len(grids) == 1:
-            ((fn, gx, gy, gz, bx, by, bz, smem),) = grids
-
-            def go(a: int, b: int, c: int, ws: int, stream: int) -> None:
-                try:
-                    block, params = tls.block
-                except AttributeError:
-                    block, params = args()
-                block.a = a
-                block.b = b
-                block.c = c
-                block.ws = ws
-                # torch binds the primary context to a thread lazily; the module lives there, so make it current.
-                set_ctx(ctx)
-                rc = launch(fn, gx, gy, gz, bx, by, bz, smem, vp(stream), params, None)
-                if rc:
-                    failed(rc)
-        else:
-            def go(a: int, b: int, c: int, ws: int, stream: int) -> None:
-                try:
-                    block, params = tls.block
-                except AttributeError:
-                    block, params = args()
-                block.a, block.b, block.c, block.ws = a, b, c, ws
-                s = vp(stream)
-                set_ctx(ctx)
-                for fn, gx, gy, gz, bx, by, bz, smem in grids:
-                    rc = launch(fn, gx, gy, gz, bx, by, bz, smem, s, params, None)
-                    if rc:
-                        failed(rc)
+        def go(a: int, b: int, c: int, ws: int, stream: int) -> None:
+            try:
+                block, params = tls.block
+            except AttributeError:
+                block, params = tls.block = _arg_block(m, n, k)
+            block.a = a
+            block.b = b
+            block.c = c
+            block.ws = ws
+            # torch binds the primary context to a thread lazily; the module lives there, so make it current.
+            set_ctx(ctx)
+            rc = launch(fn, gx, gy, gz, bx, by, bz, smem, vp(stream), params, None)
+            if rc:
+                _launch_failed("cuLaunchKernel", rc, m, n, k)
         return go, ws_bytes
 
-    def _bind_pdl(self, m: int, n: int, k: int, grids: list[tuple]):
-        """`go` for a plan with a PDL launch: each such launch through cuLaunchKernelEx with a config of this
-        thread's (the stream is set per call), the others through cuLaunchKernel."""
+    def _bind_each(self, m: int, n: int, k: int, grids: list[tuple]):
+        """`go` for several launches or a PDL one: each PDL launch through cuLaunchKernelEx with a config of this
+        thread's (the stream is set per call), the others through cuLaunchKernel, in the plan's order."""
         launch, launch_ex, set_ctx, ctx, vp = (self.driver.launch, self.driver.launch_ex, self.driver.set_ctx,
                                                self.ctx, ctypes.c_void_p)
         functions = [vp(g[0]) for g in grids]
