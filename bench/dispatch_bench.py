@@ -203,6 +203,19 @@ def near_shapes(shape):
     return out
 
 
+def without_pdl(make_runner):
+    """A runner factory whose cubin launches, eager (dispatch.KernelLaunch) and through cuda-python
+    (runtime.CubinLauncher), ignore the plan's PDL flag: every launch waits for the previous grid's end."""
+    def make(spec, index):
+        runner = make_runner(spec, index)
+        if hasattr(runner.launcher, "_pdl_device"):
+            runner.launcher._pdl_device = False
+        if hasattr(runner._fast, "pdl_device"):
+            runner._fast.pdl_device = False
+        return runner
+    return make
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--db", default=str(ROOT / "bench" / "results" / "tune_grid48_h200.db"))
@@ -213,6 +226,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch the package's cubins the ordinary way (the A of an A/B against programmatic "
+                         "dependent launch; host shims keep the launch compiled into them)")
     args = ap.parse_args(argv)
 
     import torch
@@ -231,6 +247,8 @@ def main(argv=None) -> int:
     export_s = time.time() - t0
     manifest = l2ir.load(pkg_dir)
     d = dispatch._dispatcher()
+    if args.no_pdl:
+        d.make_runner = without_pdl(d.make_runner)
     cls = "a=f16:row b=f16:col c=f16:row acc=f32"
 
     tuned = sorted({(m, n, k) for (m, n, k, c) in d.package.tuned if c == cls and 2 * m * n * k <= args.max_gflop * 1e9},
@@ -338,6 +356,7 @@ def main(argv=None) -> int:
               "package": {"content_hash": manifest["content_hash"], "tuned_shapes": len(d.package.tuned),
                           "kernels": len(d.package.kernels), "export_seconds": round(export_s, 1), **provenance},
               "settings": {"reps": args.reps, "calls": args.calls, "trials": args.trials,
+                           "cubin_launch": "ordinary (--no-pdl)" if args.no_pdl else "PDL where the plan asks",
                            "layout": "a row-major (M, K), b = W.t() with W row-major (N, K): problem " + cls},
               "fastpath": d.fastpath, "dispatch_stats": dispatch.dispatch_stats(), "summary": summary, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
