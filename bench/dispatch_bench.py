@@ -50,11 +50,11 @@ def build_package(db_path: Path, work: Path, cache: str, targets: tuple[str, ...
     import re
 
     from l2ir import export
-    from l2ir.search.db import RecordsDB
+    from l2ir.search.db import RecordsDB, open_readonly
     from l2ir.search.evaluator import environment
 
     here = environment(0)
-    src = export.open_readonly(db_path)                  # read-only: the committed DB is never migrated or written
+    src = open_readonly(db_path)                  # read-only: the committed DB is never migrated or written
     eid = export.choose_environment(src, None)
     measured_on = src.environment(eid)
     dst = RecordsDB(work / "bench.db")

@@ -92,38 +92,6 @@ class Choice:
         return dict(self.__dict__)
 
 
-def open_readonly(path: str | Path):
-    """The records DB at `path` for reading: SQLite opens the file with mode=ro, so nothing here can migrate or
-    write it (a DB of an older schema is copied into memory and migrated there). Raises DBError."""
-    import sqlite3
-
-    from l2ir.search.db import SCHEMA_VERSION, DBError, RecordsDB
-
-    path = Path(path)
-    if not path.is_file():
-        raise DBError(f"{path}: no such file")
-    try:
-        conn = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, isolation_level=None)
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-    except sqlite3.DatabaseError as e:
-        raise DBError(f"{path}: not a records DB ({e})") from None
-    if version > SCHEMA_VERSION:
-        conn.close()
-        raise DBError(f"{path}: schema version {version} is newer than this L2IR's ({SCHEMA_VERSION}); "
-                      "upgrade L2IR to read it")
-    if version < SCHEMA_VERSION:
-        memory = sqlite3.connect(":memory:", isolation_level=None)
-        conn.backup(memory)
-        conn.close()
-        conn = memory
-    db = RecordsDB.__new__(RecordsDB)          # RecordsDB's queries over this connection, without its opening
-    db.path, db.conn, db._depth = path, conn, 0
-    if version < SCHEMA_VERSION:
-        db._migrate()
-    return db
-
-
 def choose_environment(db, env: str | None) -> str:
     envs = [(eid, e, count) for eid, e, count in db.environments() if count and not e.get("standin")]
     if env is not None:
@@ -359,7 +327,7 @@ def export(db, out: str | Path, scenario: str = "offline", env: str | None = Non
 
 def cmd_export(args) -> int:
     """`l2ir export`: the CLI entry (registered in l2ir/cli.py)."""
-    from l2ir.search.db import DBError
+    from l2ir.search.db import DBError, open_readonly
 
     if not Path(args.db).is_file():
         print(f"error: --db {args.db}: no such file", file=sys.stderr)

@@ -492,11 +492,12 @@ class RecordsDB:
     # -- import -------------------------------------------------------------------------------------------------
 
     def import_jsonl(self, path: str | Path) -> int:
-        """Import a bench/results JSONL file (one Measurement per line; a line cut by a kill is skipped). The IR and
-        backend of each kernel are taken from the summary beside it (<prefix>.json, 'kernels'), where there is one;
-        a bench's `<prefix>-fresh.jsonl` (its winners re-timed on fresh samples) is imported with purpose "retime"
-        and the summary of <prefix>. Importing the same file twice adds nothing the second time. Returns the number
-        of measurements added."""
+        """Import a bench/results JSONL file (one Measurement per line; the last line, cut by a kill, is skipped, and
+        so are blank lines; any other line that is not a measurement record is a DBError naming file and line, and
+        nothing of the file is imported). The IR and backend of each kernel are taken from the summary beside it
+        (<prefix>.json, 'kernels'), where there is one; a bench's `<prefix>-fresh.jsonl` (its winners re-timed on
+        fresh samples) is imported with purpose "retime" and the summary of <prefix>. Importing the same file twice
+        adds nothing the second time. Returns the number of measurements added."""
         path = Path(path)
         try:
             lines = path.read_text().splitlines()
@@ -509,13 +510,19 @@ class RecordsDB:
         summary = path.with_name(path.stem[:-len("-fresh")] + ".json") if fresh else path.with_suffix(".json")
         ir = _summary_kernels(summary)
         added = 0
+        last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
         with self.transaction():
             for i, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
                 try:
                     rec = json.loads(line)
                     rec["kernel_hash"], rec["problem"], rec["scenario"]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    continue
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    if i == last:
+                        continue              # the line a kill cut short
+                    what = f"no '{e.args[0]}' field" if isinstance(e, KeyError) else type(e).__name__
+                    raise DBError(f"{path}:{i}: not a measurement record ({what})") from None
                 rec.pop("config", None)
                 self.add_many([rec], purpose="retime" if fresh else "import", source=source)
                 h = rec["kernel_hash"]
@@ -551,6 +558,34 @@ def _where(**conds) -> tuple[str, list]:
 def _statements(script: str) -> list[str]:
     # executescript() would COMMIT the open transaction first; run the migration's statements one by one inside it.
     return [s.strip() for s in script.split(";") if s.strip()]
+
+
+def open_readonly(path: str | Path) -> RecordsDB:
+    """The records DB at `path` for reading: SQLite opens the file with mode=ro, so nothing here can migrate or
+    write it (a DB of an older schema is copied into memory and migrated there). Raises DBError."""
+    path = Path(path)
+    if not path.is_file():
+        raise DBError(f"{path}: no such file")
+    try:
+        conn = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True, isolation_level=None)
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.DatabaseError as e:
+        raise DBError(f"{path}: not a records DB ({e})") from None
+    if version > SCHEMA_VERSION:
+        conn.close()
+        raise DBError(f"{path}: schema version {version} is newer than this L2IR's ({SCHEMA_VERSION}); "
+                      "upgrade L2IR to read it")
+    if version < SCHEMA_VERSION:
+        memory = sqlite3.connect(":memory:", isolation_level=None)
+        conn.backup(memory)
+        conn.close()
+        conn = memory
+    db = RecordsDB.__new__(RecordsDB)          # RecordsDB's queries over this connection, without its opening
+    db.path, db.conn, db._depth = path, conn, 0
+    if version < SCHEMA_VERSION:
+        db._migrate()
+    return db
 
 
 def open_db(path: str | Path, import_from: str | Path | None = None) -> RecordsDB:

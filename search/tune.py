@@ -97,6 +97,17 @@ def _open(path: str, seed_from_results: bool = True):
         raise TuneError(str(e)) from None
 
 
+def _read(path: str):
+    """The records DB at `path` for a command that only reads it (runs, best, report): a missing file or one that is
+    not a records DB is an error, never a new DB."""
+    from .db import DBError, open_readonly
+
+    try:
+        return open_readonly(path)
+    except DBError as e:
+        raise TuneError(str(e)) from None
+
+
 def _mode(args) -> tuple[str, str | None]:
     """The evaluation mode and, when the machine cannot do what was asked, the one line that says what runs."""
     from .preflight import missing
@@ -395,7 +406,7 @@ def cmd_runs(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    db = _open(args.db)
+    db = _read(args.db)
     t = Table(title=f"runs in {args.db}")
     for col in ("run", "status", "mode", "policy", "seed", "shapes", "candidates", "failures", "illegal", "GPU s",
                 "command"):
@@ -439,7 +450,7 @@ def cmd_best(args) -> int:
 
     base = parse_problem(args.problem, "--problem") if args.problem else Problem(1, 1, 1)
     ptext = print_problem(base.with_shape(*args.shape))
-    db = _open(args.db)
+    db = _read(args.db)
     got = best_for(db, ptext, args.env)
     if got is None:
         raise TuneError(f"no gate-clean measurement of '{ptext}' in {args.db} (l2ir tune --shape "
@@ -477,7 +488,7 @@ def cmd_db_import(args) -> int:
 
 
 def cmd_report(args) -> int:
-    db = _open(args.db)
+    db = _read(args.db)
     out = Path(args.out)
     paths = write_report(db, out, args.env, args.run)
     for p in paths:

@@ -169,6 +169,21 @@ def test_import_of_the_committed_bench_results(tmp_path):
     assert [r.speedup for r in ranked] == sorted((r.speedup for r in ranked), reverse=True)
 
 
+@pytest.mark.parametrize("bad,where", [("not json", 2), ('{"a": 1}', 2), ("[1, 2]", 2)])
+def test_import_of_a_line_that_is_no_record_is_a_db_error_and_imports_nothing(tmp_path, bad, where):
+    """Only the last line may be cut short (a kill mid-write); a bad line before it names file and line, and the
+    file's good lines are not imported either."""
+    good = json.dumps(meas("a" * 64, P1, ENV_A, 1.1).to_json())
+    path = tmp_path / "run.jsonl"
+    path.write_text(f"{good}\n{bad}\n{good}\n")
+    db = RecordsDB(tmp_path / "r.db")
+    with pytest.raises(DBError, match=rf"run.jsonl:{where}: not a measurement record"):
+        db.import_jsonl(path)
+    assert db.measurements() == []
+    path.write_text(f"{good}\n\n{bad}\n")                 # blank lines pass; a bad last line was cut
+    assert db.import_jsonl(path) == 1
+
+
 def test_import_of_a_missing_file_is_a_db_error(tmp_path):
     with pytest.raises(DBError, match="cannot read"):
         RecordsDB(tmp_path / "r.db").import_jsonl(tmp_path / "none.jsonl")

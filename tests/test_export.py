@@ -13,7 +13,7 @@ import pytest
 
 from l2ir import dispatch, export
 from l2ir.cli import main
-from l2ir.search.db import RecordsDB
+from l2ir.search.db import RecordsDB, open_readonly
 
 ROOT = Path(__file__).resolve().parents[1]
 CLS_COL = "a=f16:row b=f16:col c=f16:row acc=f32"
@@ -311,7 +311,7 @@ def test_export_opens_the_db_read_only(tmp_path, capsys):
         assert main(["export", "--db", str(db_file), "--out", str(tmp_path / "pkg"), "--cache",
                      str(tmp_path / "c"), "--target", "sm90a"]) == 0
         assert "0 served by L2IR kernels" in capsys.readouterr().out
-        with export.open_readonly(db_file) as db:
+        with open_readonly(db_file) as db:
             man = export.export(db, tmp_path / "pkg2", cache_dir=str(tmp_path / "c"), build=fake_build, fastpath=False,
                                 log=lambda s: None)
             with pytest.raises(sqlite3.OperationalError, match="readonly"):
@@ -336,7 +336,7 @@ def test_export_reads_an_older_schema_without_migrating_it(tmp_path):
             c.execute(f"ALTER TABLE llm_calls DROP COLUMN {col}")
         c.execute("PRAGMA user_version = 2")
     before = (tmp_path / "r.db").read_bytes()
-    with export.open_readonly(tmp_path / "r.db") as db:
+    with open_readonly(tmp_path / "r.db") as db:
         assert db.version == len(__import__("l2ir.search.db", fromlist=["MIGRATIONS"]).MIGRATIONS)
         export.export(db, tmp_path / "pkg", cache_dir=str(tmp_path / "c"), build=fake_build, fastpath=False, log=lambda s: None)
     assert (tmp_path / "r.db").read_bytes() == before

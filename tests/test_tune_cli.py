@@ -61,6 +61,20 @@ def test_best_of_an_unknown_shape_is_one_line(tuned, capsys):
     assert code == 1 and err.startswith("error: no gate-clean measurement") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("argv", [["runs"], ["best", "--shape", "64x64x64"], ["report", "--out", "rep"]],
+                         ids=["runs", "best", "report"])
+def test_reading_commands_never_make_a_db(tmp_path, capsys, argv, monkeypatch):
+    """runs, best and report only read: a missing DB or a file that is not one is a one-line error, and no DB (nor
+    an import of bench/results into one) is made."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run([*argv, "--db", "none.db"], capsys)
+    assert code == 1 and err == "error: none.db: no such file\n"
+    (tmp_path / "text.db").write_text("not sqlite\n")
+    code, _, err = run([*argv, "--db", "text.db"], capsys)
+    assert code == 1 and err.startswith("error: text.db: not a records DB") and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["text.db"]
+
+
 def test_report_writes_markdown_and_plots(tuned, tmp_path, capsys):
     db, _, _ = tuned
     out_dir = tmp_path / "rep"
