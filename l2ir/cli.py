@@ -383,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from l2ir.search.tune import add_parsers      # tune, runs, best, report, db: the search (search/tune.py)
 
-    add_parsers(sub, shape_arg)
+    add_parsers(sub, shape_arg, positive_int)
     from .export import add_parser as add_export  # export: the dispatch package for l2ir.matmul (l2ir/export.py)
 
     add_export(sub)

@@ -13,7 +13,6 @@ shown and never rank against a GPU's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -742,35 +741,26 @@ def _plots(db, eid: str, rows: list[dict], out: Path, label: str, only_run: int 
     return paths
 
 
-def _finalists(text: str) -> int:
-    try:
-        k = int(text)
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"--finalists {text}: expected a whole number of at least 1")
-    return k
-
-
-def add_parsers(sub, shape_type) -> None:
-    """Register tune, runs, best, report and db on the `l2ir` parser."""
+def add_parsers(sub, shape_type, count_type) -> None:
+    """Register tune, runs, best, report and db on the `l2ir` parser (`count_type`: argparse's type for a count of
+    at least 1)."""
     s = sub.add_parser("tune", help="search kernels for shapes (GPU; --compile-only or --standin without one)")
     s.add_argument("--shape", type=shape_type, action="append", help="MxNxK (repeatable)")
     s.add_argument("--shapes-file", help="a file with one MxNxK per line")
     s.add_argument("--grid", action="store_true", help="grid shapes, an equal share from each FLOP regime")
-    s.add_argument("--sample", type=int, default=48, help="how many grid shapes with --grid (default 48)")
+    s.add_argument("--sample", type=count_type, default=48, help="how many grid shapes with --grid (default 48)")
     s.add_argument("--policy", default="random", help="random, rules, learned, llm, or module:Factory")
-    s.add_argument("--budget-candidates", type=int,
+    s.add_argument("--budget-candidates", type=count_type,
                    help=f"candidates built and timed per shape (default {DEFAULT_CANDIDATES}; "
                         f"{FALLBACK_CANDIDATES} on the no-GPU compile-only path)")
     s.add_argument("--budget-seconds", type=float, default=math.inf, help="wall seconds for this invocation")
     s.add_argument("--budget-gpu-seconds", type=float, default=math.inf, help="GPU seconds for the whole run")
-    s.add_argument("--batch", type=int, default=4, help="proposals per step, compiled together")
-    s.add_argument("--init-size", type=int, default=6,
+    s.add_argument("--batch", type=count_type, default=4, help="proposals per step, compiled together")
+    s.add_argument("--init-size", type=count_type, default=6,
                    help="step 0's candidates per shape: seeds, nearby shapes' winners, sweeps (default 6)")
     s.add_argument("--interleave", action="store_true",
                    help="step all shapes in rounds, each round's kernels compiled together (many shapes)")
-    s.add_argument("--finalists", type=_finalists, default=3,
+    s.add_argument("--finalists", type=count_type, default=3,
                    help="the best candidates per shape re-timed in interleaved rounds; each scenario's winner is "
                         "the best median fresh speedup (default 3; 1: the incumbent alone, timed once)")
     s.add_argument("--seed", type=int, default=0, help="the same seed makes the same proposals")

@@ -61,6 +61,15 @@ def test_best_of_an_unknown_shape_is_one_line(tuned, capsys):
     assert code == 1 and err.startswith("error: no gate-clean measurement") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("flag", ["--budget-candidates", "--batch", "--init-size", "--finalists", "--sample"])
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_tune_counts_below_one_are_usage_errors(capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["tune", "--shape", "64x64x64", "--standin", flag, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument {flag}: " in err.splitlines()[-1]
+
+
 @pytest.mark.parametrize("argv", [["runs"], ["best", "--shape", "64x64x64"], ["report", "--out", "rep"]],
                          ids=["runs", "best", "report"])
 def test_reading_commands_never_make_a_db(tmp_path, capsys, argv, monkeypatch):
