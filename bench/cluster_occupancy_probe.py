@@ -50,6 +50,33 @@ def max_active_clusters(fn, grid, block, smem: int, cluster, stream) -> int:
     return int(_check(cu.cuOccupancyMaxActiveClusters(fn, config), "cuOccupancyMaxActiveClusters"))
 
 
+def shim_row(shape, case: str, kernel, built) -> dict:
+    """A host_shim plan launches inside its library, whose statically linked runtime alone can name the kernel: the
+    library answers (l2ir_max_active_clusters, cuda_ptx sm90a shims); the grid follows from the IR (one block per
+    tile and slice; reduce=cluster makes each tile's slices one cluster)."""
+    import ctypes
+
+    m, n, _ = shape
+    row = {"shape": list(shape), "case": case, "entry": "l2ir_run"}
+    lib = ctypes.CDLL(str(built.binary))
+    if not hasattr(lib, "l2ir_max_active_clusters"):
+        return {**row, "error": "the library exports no l2ir_max_active_clusters (only cuda_ptx sm90a shims do)"}
+    if kernel.pipeline is not None and kernel.pipeline.persistent:
+        return {**row, "error": "a persistent grid is one wave by construction"}
+    lib.l2ir_max_active_clusters.restype = ctypes.c_int
+    active = lib.l2ir_max_active_clusters()
+    if active < 0:
+        return {**row, "error": "cudaOccupancyMaxActiveClusters refused the launch configuration"}
+    bm, bn, _ = kernel.tile.block
+    sk = kernel.splitk
+    slices = sk.slices if sk is not None and sk.mode == "split_k" and sk.reduce != "block" else 1
+    size = slices if sk is not None and sk.reduce == "cluster" else 1
+    grid = (ceil_div(m, bm) * ceil_div(n, bn) * slices, 1, 1)
+    clusters, waves = cluster_waves(grid, (size, 1, 1), active)
+    return {**row, "grid": list(grid), "cluster": [size, 1, 1], "smem": None, "clusters": clusters,
+            "max_active_clusters": active, "waves": waves}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", type=case_arg, action="append", required=True, help="MxNxK:SWEEP:CONFIG (repeatable)")
@@ -70,12 +97,15 @@ def main(argv=None) -> int:
     rows = []
     for (m, n, k), sweep, config in args.case:
         try:
-            _, _, plan = lower_case((m, n, k), sweep, config)
+            kernel, _, plan = lower_case((m, n, k), sweep, config)
         except ValueError as e:
             ap.error(str(e))
         built = compile_plan(plan, CompileOptions())
         if not built.ok:
             rows.append({"shape": [m, n, k], "case": f"{sweep}/{config}", "error": built.summary()})
+            continue
+        if plan.form == "host_shim":
+            rows.append(shim_row((m, n, k), f"{sweep}/{config}", kernel, built))
             continue
         try:
             launcher = CubinLauncher(plan, built.binary)
@@ -111,7 +141,7 @@ def main(argv=None) -> int:
         if "error" in r:
             print(f"{shape:>16} {r['case']:<52} failed: {r['error']}")
             continue
-        print(f"{shape:>16} {r['case']:<52} {'x'.join(map(str, r['cluster'])):>7} {r['smem']:>7} {r['clusters']:>8} "
+        print(f"{shape:>16} {r['case']:<52} {'x'.join(map(str, r['cluster'])):>7} {str(r['smem']):>7} {r['clusters']:>8} "
               f"{r['max_active_clusters']:>10} {r['waves']:>5}")
     return 0
 

@@ -665,6 +665,17 @@ def test_host_shim_refuses_without_gpu(builds):
 
 
 @pytest.mark.nvcc
+def test_host_shim_answers_its_occupancy_only_on_a_gpu(builds):
+    """l2ir_max_active_clusters asks the library's own runtime (the one that registered the kernel): -1 where no
+    device can be set up, a positive count of resident clusters (here: blocks) on a GPU."""
+    import torch
+
+    so = shim_library(built(builds["coop_128x256x64_direct"]).binary)
+    active = so.l2ir_max_active_clusters()
+    assert (active > 0) if torch.cuda.is_available() else (active == -1), active
+
+
+@pytest.mark.nvcc
 def test_run_args_block_reaches_l2ir_run_field_by_field(builds):
     """l2ir_run_args (the shim's one-pointer entry, l2ir.runtime.RunArgs) gives l2ir_run's answer for the same
     arguments: each refusal below is decided by one field of the block (a, b, c, m, n, k, workspace_bytes,

@@ -44,8 +44,11 @@ def _kernels_form_cases():
             ("cuda_ptx_sm80", "ptx_sm80_16x128x64_w1x4_s6_splitk8_decode"),
             ("cuda_ptx_sm80", "ptx_sm80_32x128x64_w2x4_s4_splitk4_align1_decode"),
             ("cuda_ptx_direct", "direct_8x32x128_w1x4_s2_k4"),
-            ("cuda_ptx_direct", "direct_16x32x64_w1x4_s2_align1")):
-        out.append(pytest.param(backend, load_sweep(backend)[config], id=config))
+            ("cuda_ptx_direct", "direct_16x32x64_w1x4_s2_align1"),
+            ("cute_sm80", "64x128x32_w2x2_s4"),
+            ("cute_sm80", "64x64x32_w2x2_s3_splitk4")):
+        sweep = "sm80" if backend == "cute_sm80" else backend
+        out.append(pytest.param(backend, load_sweep(sweep)[config], id=f"{backend}-{config}"))
     return out
 
 
@@ -54,17 +57,22 @@ def test_kernels_form_waits_before_any_global_access_and_asks_for_pdl(backend, k
     problem = PROBLEM if kernel.pad.align == 8 else Problem(17, 999, 333)
     plan = lower(kernel, problem, backend=backend)
     src = plan.source
-    entry = src[src.index('extern "C" __global__'):]
-    # The wait is compiled for sm90+ device code only (compute_80 has no griddepcontrol); every cubin an sm90 GPU
-    # loads is built at compute_90 or later (gencode), so under a pdl launch the wait is always there. Every thread
-    # runs it, once, at the top level of the kernel.
-    assert entry.count(WAIT) == 1 and f"{GUARD}\n  {WAIT}" in entry
-    before = entry[:entry.index(WAIT)]
-    assert GLOBAL_ACCESS.search(entry), "the pattern must see this kernel's accesses"
-    found = GLOBAL_ACCESS.search(before)
-    assert found is None, f"a global access before the wait: {found.group(0) if found else ''}"
-    # The trigger after the main loop, before the epilogue: the next grid's prologue overlaps this one's stores.
-    assert entry.index(WAIT) < entry.index(TRIGGER) < entry.index("epilogue")
+    head = 'extern "C" __global__'
+    entries = [head + part for part in src.split(head)[1:]]
+    assert len(entries) == len(plan.launches), "one entry per launch"
+    for entry in entries:
+        # The wait is compiled for sm90+ device code only (compute_80 has no griddepcontrol); every cubin an sm90
+        # GPU loads is built at compute_90 or later (gencode), so under a pdl launch the wait is always there. Every
+        # thread runs it, once, at the top level of the kernel: a split-K reduction's too, which reads the
+        # partials the grid before it wrote.
+        assert entry.count(WAIT) == 1 and f"{GUARD}\n  {WAIT}" in entry
+        before = entry[:entry.index(WAIT)]
+        assert GLOBAL_ACCESS.search(entry), "the pattern must see this kernel's accesses"
+        found = GLOBAL_ACCESS.search(before)
+        assert found is None, f"a global access before the wait: {found.group(0) if found else ''}"
+    # The GEMM's trigger after the main loop, before the epilogue: the next grid's prologue overlaps its stores.
+    gemm = entries[0]
+    assert gemm.index(WAIT) < gemm.index(TRIGGER) < gemm.index("epilogue")
     assert all(launch.pdl for launch in plan.launches)
 
 

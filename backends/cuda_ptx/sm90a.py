@@ -1449,8 +1449,38 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "}",
         "",
         *run_args_cpp(),
+        *_max_active_clusters(cfg),
     ]
     return L
+
+
+def _max_active_clusters(cfg: PtxConfig) -> list[str]:
+    """l2ir_max_active_clusters: how many of the GEMM's clusters (reduce=cluster: SLICES blocks; otherwise one block)
+    the GPU holds at once, asked of the runtime that registered the kernel (the library's own, linked statically:
+    no other runtime can name its function). A cluster's blocks must share a GPC, so a GPU holds fewer four-block
+    clusters than its SM count / 4; bench/cluster_occupancy_probe.py compares the answer with the shape's grid."""
+    size = "SLICES" if cfg.cluster_reduce else "1"
+    return [
+        "// The GEMM's clusters resident at once (cudaOccupancyMaxActiveClusters), or -1 if the runtime refuses.",
+        'extern "C" int l2ir_max_active_clusters() {',
+        "  if (!configure_kernel()) return -1;",
+        "  cudaLaunchAttribute attr[1];",
+        "  attr[0].id = cudaLaunchAttributeClusterDimension;",
+        f"  attr[0].val.clusterDim.x = {size};",
+        "  attr[0].val.clusterDim.y = 1;",
+        "  attr[0].val.clusterDim.z = 1;",
+        "  cudaLaunchConfig_t config = {};",
+        f"  config.gridDim = dim3({size}, 1, 1);   // the grid only has to be a whole number of clusters",
+        "  config.blockDim = dim3(THREADS, 1, 1);",
+        "  config.dynamicSmemBytes = SMEM_BYTES;",
+        "  config.attrs = attr;",
+        "  config.numAttrs = 1;",
+        "  int clusters = 0;",
+        f"  if (cudaOccupancyMaxActiveClusters(&clusters, {ENTRY}, &config) != cudaSuccess) return -1;",
+        "  return clusters;",
+        "}",
+        "",
+    ]
 
 
 def _launch_ex(cfg: PtxConfig) -> list[str]:

@@ -27,12 +27,12 @@ M, N, K = Var("m"), Var("n"), Var("k")
 def _launches(p: Plan) -> tuple[Launch, ...]:
     tiles = cdiv(M, p.bm) * cdiv(N, p.bn)
     gemm = Launch(entry=GEMM_ENTRY, grid=(tiles, Const(1), Const(p.slices)), block=(p.threads, 1, 1),
-                  smem=p.smem_bytes)
+                  smem=p.smem_bytes, pdl=True)
     if p.splitk == "none":
         return (gemm,)
     entry = REDUCE_ENTRY if p.splitk == "workspace" else CONVERT_ENTRY
     reduce = Launch(entry=entry, grid=(cdiv(M * N, REDUCE_THREADS * p.reduce_vector), Const(1), Const(1)),
-                    block=(REDUCE_THREADS, 1, 1), smem=0)
+                    block=(REDUCE_THREADS, 1, 1), smem=0, pdl=True)
     return (gemm, reduce)
 
 

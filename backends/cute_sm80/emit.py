@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from l2ir.indexing import rasterize, splitk_range
 from l2ir.nodes import Kernel
 
+from ..cuda_ptx.common import grid_launch_dependents_lines, grid_wait_lines
 from .config import REDUCE_THREADS, OperandPlan, Plan
 
 GEMM_ENTRY = "l2ir_cute_sm80_gemm"
@@ -544,9 +545,11 @@ def emit_gemm_entry(w: Writer, p: Plan) -> None:
           "Tensor tXsB = s2r_thr_b.partition_S(sB);",
           "Tensor tXrB = s2r_thr_b.retile_D(tCrB);",
           "")
+        w(*grid_wait_lines(""))
         emit_loads(w, p)
         w("")
         emit_mainloop(w, p)
+        w(*grid_launch_dependents_lines(""))
         w("")
         emit_epilogue(w, p)
 
@@ -564,6 +567,7 @@ def emit_reduce_entry(w: Writer, p: Plan) -> None:
           ("float const* ws = static_cast<float const*>(workspace_);" if p.splitk == "workspace" else
            "float* ws = static_cast<float*>(workspace_);   // cleared after reading (zero_workspace: zeroed once)"),
           "TC* C = static_cast<TC*>(C_);",
+          *grid_wait_lines(""),
           "// C is row-major with leading dimension N, so the output is one contiguous run of M*N elements;",
           f"// each thread owns {v} consecutive ones (N is a multiple of {v} by pad.align).",
           "const int64_t total = int64_t(M) * N;",

@@ -561,3 +561,22 @@ extern "C" int l2ir_run_args(const L2irRunArgs* p) {
   if (p == nullptr) return L2IR_STATUS_BAD_ARGUMENT;
   return l2ir_run(p->a, p->b, p->c, p->m, p->n, p->k, p->workspace, p->workspace_bytes, p->stream);
 }
+
+// The GEMM's clusters resident at once (cudaOccupancyMaxActiveClusters), or -1 if the runtime refuses.
+extern "C" int l2ir_max_active_clusters() {
+  if (!configure_kernel()) return -1;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(1, 1, 1);   // the grid only has to be a whole number of clusters
+  config.blockDim = dim3(THREADS, 1, 1);
+  config.dynamicSmemBytes = SMEM_BYTES;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, l2ir_cuda_ptx_sm90a_gemm, &config) != cudaSuccess) return -1;
+  return clusters;
+}

@@ -141,6 +141,10 @@ l2ir_cute_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, int 
   Tensor tXsB = s2r_thr_b.partition_S(sB);
   Tensor tXrB = s2r_thr_b.retile_D(tCrB);
 
+  // Programmatic dependent launch (runtime.Launch.pdl): no global access before the previous grid is done.
+  #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  #endif
   // Issue the copies of k-tile `kt` of A into pipeline stage `pipe`.
   auto load_a = [&](int kt, int pipe) {
     // pad.k=zero_fill: every k-tile checks K; elements past K are written as zeros.
@@ -215,6 +219,10 @@ l2ir_cute_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, int 
     pipe_write = pipe_read;
     pipe_read = (pipe_read + 1 == kStages) ? 0 : pipe_read + 1;
   }
+  // The next grid may start its prologue once every block is past its main loop (its wait orders it).
+  #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  #endif
 
   // epilogue.path=smem: stage the C tile in shared memory, then store it row by row in coalesced vectors.
   // The ring is reused: wait for every cp.async still in flight and for every warp to leave the k-loop.

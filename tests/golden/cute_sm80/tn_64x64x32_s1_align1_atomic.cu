@@ -139,6 +139,10 @@ l2ir_cute_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, int 
   Tensor tXsB = s2r_thr_b.partition_S(sB);
   Tensor tXrB = s2r_thr_b.retile_D(tCrB);
 
+  // Programmatic dependent launch (runtime.Launch.pdl): no global access before the previous grid is done.
+  #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  #endif
   // Issue the copies of k-tile `kt` of A into pipeline stage `pipe`.
   auto load_a = [&](int kt, int pipe) {
     // pad.k=zero_fill: every k-tile checks K; elements past K are written as zeros.
@@ -184,6 +188,10 @@ l2ir_cute_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, int 
       gemm(tiled_mma, acc, tCrA(_, _, kb % kRegDepth), tCrB(_, _, kb % kRegDepth), acc);
     }
   }
+  // The next grid may start its prologue once every block is past its main loop (its wait orders it).
+  #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  #endif
 
   // epilogue.path=smem: stage the C tile in shared memory, then store it row by row in coalesced vectors.
   // The ring is reused: wait for every cp.async still in flight and for every warp to leave the k-loop.
@@ -224,6 +232,10 @@ l2ir_cute_sm80_splitk_convert(const void* A_, const void* B_, void* C_, int M, i
   (void)A_; (void)B_; (void)K;
   float* ws = static_cast<float*>(workspace_);   // cleared after reading (zero_workspace: zeroed once)
   TC* C = static_cast<TC*>(C_);
+  // Programmatic dependent launch (runtime.Launch.pdl): no global access before the previous grid is done.
+  #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  #endif
   // C is row-major with leading dimension N, so the output is one contiguous run of M*N elements;
   // each thread owns 1 consecutive ones (N is a multiple of 1 by pad.align).
   const int64_t total = int64_t(M) * N;

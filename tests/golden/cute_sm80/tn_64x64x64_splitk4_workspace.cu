@@ -144,6 +144,10 @@ l2ir_cute_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, int 
   Tensor tXsB = s2r_thr_b.partition_S(sB);
   Tensor tXrB = s2r_thr_b.retile_D(tCrB);
 
+  // Programmatic dependent launch (runtime.Launch.pdl): no global access before the previous grid is done.
+  #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  #endif
   // Issue the copies of k-tile `kt` of A into pipeline stage `pipe`.
   auto load_a = [&](int kt, int pipe) {
     // pad.k=zero_fill: every k-tile checks K; elements past K are written as zeros.
@@ -206,6 +210,10 @@ l2ir_cute_sm80_gemm(const void* A_, const void* B_, void* C_, int M, int N, int 
     pipe_write = pipe_read;
     pipe_read = (pipe_read + 1 == kStages) ? 0 : pipe_read + 1;
   }
+  // The next grid may start its prologue once every block is past its main loop (its wait orders it).
+  #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  #endif
 
   // epilogue.path=direct: each thread stores its accumulators straight from registers.
   Tensor cC = local_tile(make_identity_tensor(make_shape(M, N)), Shape<Int<kBM>, Int<kBN>>{},
@@ -240,6 +248,10 @@ l2ir_cute_sm80_splitk_reduce(const void* A_, const void* B_, void* C_, int M, in
   (void)A_; (void)B_; (void)K;
   float const* ws = static_cast<float const*>(workspace_);
   TC* C = static_cast<TC*>(C_);
+  // Programmatic dependent launch (runtime.Launch.pdl): no global access before the previous grid is done.
+  #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  #endif
   // C is row-major with leading dimension N, so the output is one contiguous run of M*N elements;
   // each thread owns 8 consecutive ones (N is a multiple of 8 by pad.align).
   const int64_t total = int64_t(M) * N;
