@@ -56,11 +56,11 @@ HOPPER_TILES = ((128, 256, "cooperative"), (256, 128, "cooperative"), (128, 128,
                 (64, 64, "pingpong"))
 
 
-# Four-block clusters of the cooperative split-K kernel (full ring) that the H200 ran in one wave: 27 (128x112 tiles
-# in 4 slices at 100x3000x4104, 16.7 us); 32 (128x96) ran 1.4x slower, as a second wave would (a cluster's blocks
-# must share one GPC, so fewer than 132 / 4 four-block clusters fit at once; not yet told apart from a cost of the
-# narrower tile itself: cudaOccupancyMaxActiveClusters would say). bench/results/ntile_split_h200.json.
-FOUR_BLOCK_CLUSTER_WAVE = 27
+# Four-block clusters of the cooperative split-K kernel (full ring) the H200 holds at once: 30, by
+# cudaOccupancyMaxActiveClusters (a cluster's blocks must share one GPC, so fewer than 132 / 4 fit;
+# bench/results/cluster_occupancy_h200.json). The timings agree: 27 clusters (128x112 tiles in 4 slices at
+# 100x3000x4104) ran in 16.7 us, 32 (128x96) 1.4x slower, in two waves (bench/results/ntile_split_h200.json).
+FOUR_BLOCK_CLUSTER_WAVE = 30
 
 
 def coop_split4_kernel(problem: Problem, sms: int) -> Kernel | None:
