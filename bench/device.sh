@@ -119,6 +119,7 @@ dispatch-pdl|590|bash -c 'python3 -m pytest -q -rs -s -m gpu -p no:cacheprovider
 pdl-streamk|560|python3 bench/pdl_probe.py --case 1024x1024x4096:sm90a_skinny:coop_128x128x64_c1x2_streamk --case 512x2048x4096:sm90a_skinny:coop_128x128x64_c1x2_splitk2 --case 128x4096x16384:sm90a_skinny:coop_128x128x64_c1x2_splitk4 --out bench/results/pdl_streamk_h200.json
 cute-pdl|200|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k cute_sm80
 dispatch-pdl-ab|560|bash -c 'rm -f /tmp/families_v3.db && python3 -m l2ir.cli db import --db /tmp/families_v3.db bench/results/families_small_v3_h200.jsonl bench/results/families_small_v3_h200-fresh.jsonl && python3 bench/dispatch_bench.py --db /tmp/families_v3.db --target sm80 --target sm90a --max-gflop 5 --out bench/results/dispatch_families_v7_pdl_h200.json && python3 bench/dispatch_bench.py --db /tmp/families_v3.db --target sm80 --target sm90a --max-gflop 5 --no-pdl --out bench/results/dispatch_families_v7_nopdl_h200.json'
+direct-deep-short|330|python3 -m l2ir.cli bench --target sm90a --shapes 0 --shape 1x4096x4096 --shape 8x4096x4096 --shape 4x11008x4096 --family cuda_ptx_direct=cuda_ptx_direct:direct_8x32x128_w1x4_s2_k4,direct_8x32x64_w1x4_s4_k4,direct_8x32x128_w1x4_s3_k2,direct_16x32x64_w1x4_s4_k2 --budget-s 230 --out bench/results/direct_deep_h200
 EOF
 }
 
