@@ -733,7 +733,7 @@ def pdl_plan(spec, second: bool = False):
 
     plan = dispatch.launch_plan(spec)
     (ln,) = plan.launches
-    launches = (dataclasses.replace(ln, pdl=True),) + ((ln,) if second else ())
+    launches = (dataclasses.replace(ln, pdl=True),) + ((dataclasses.replace(ln, pdl=False),) if second else ())
     return dataclasses.replace(plan, launches=launches)
 
 
