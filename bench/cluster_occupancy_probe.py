@@ -52,26 +52,27 @@ def max_active_clusters(fn, grid, block, smem: int, cluster, stream) -> int:
 
 def shim_row(shape, case: str, kernel, built) -> dict:
     """A host_shim plan launches inside its library, whose statically linked runtime alone can name the kernel: the
-    library answers (l2ir_max_active_clusters, cuda_ptx sm90a shims); the grid follows from the IR (one block per
-    tile and slice; reduce=cluster makes each tile's slices one cluster)."""
+    library answers (l2ir_max_active_clusters, cuda_ptx sm90a shims); the grid is the backend's own config's (one
+    block per tile and slice; reduce=cluster makes each tile's slices one cluster)."""
     import ctypes
 
-    m, n, _ = shape
+    from l2ir.backends.cuda_ptx.sm90a import canonicalize
+    from l2ir.nodes import Problem
+
     row = {"shape": list(shape), "case": case, "entry": "l2ir_run"}
     lib = ctypes.CDLL(str(built.binary))
     if not hasattr(lib, "l2ir_max_active_clusters"):
         return {**row, "error": "the library exports no l2ir_max_active_clusters (only cuda_ptx sm90a shims do)"}
-    if kernel.pipeline is not None and kernel.pipeline.persistent:
+    cfg = canonicalize(kernel, Problem(*shape))
+    if cfg.persistent:
         return {**row, "error": "a persistent grid is one wave by construction"}
     lib.l2ir_max_active_clusters.restype = ctypes.c_int
     active = lib.l2ir_max_active_clusters()
     if active < 0:
         return {**row, "error": "cudaOccupancyMaxActiveClusters refused the launch configuration"}
-    bm, bn, _ = kernel.tile.block
-    sk = kernel.splitk
-    slices = sk.slices if sk is not None and sk.mode == "split_k" and sk.reduce != "block" else 1
-    size = slices if sk is not None and sk.reduce == "cluster" else 1
-    grid = (ceil_div(m, bm) * ceil_div(n, bn) * slices, 1, 1)
+    m, n, _ = shape
+    grid = (ceil_div(m, cfg.bm) * ceil_div(n, cfg.bn) * (cfg.slices if cfg.split else 1), 1, 1)
+    size = cfg.slices if cfg.cluster_reduce else 1
     clusters, waves = cluster_waves(grid, (size, 1, 1), active)
     return {**row, "grid": list(grid), "cluster": [size, 1, 1], "smem": None, "clusters": clusters,
             "max_active_clusters": active, "waves": waves}

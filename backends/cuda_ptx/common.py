@@ -65,27 +65,3 @@ def mma_16816_lines(ptx_t: str) -> list[str]:
         '               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));',
         "}",
     ]
-
-
-def grid_wait_lines(indent: str = "  ") -> list[str]:
-    """griddepcontrol.wait before the kernel's first global memory access: under programmatic dependent launch the
-    grid may start while the stream's previous grid still runs; the wait returns once that grid has completed and
-    its stores are visible (its reads are done too, so C may be overwritten). A no-op on an ordinary launch."""
-    return [
-        f"{indent}// Programmatic dependent launch (runtime.Launch.pdl): no global access before the previous grid is done.",
-        "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900",
-        f'{indent}asm volatile("griddepcontrol.wait;" ::: "memory");',
-        "#endif",
-    ]
-
-
-def grid_launch_dependents_lines(indent: str = "  ") -> list[str]:
-    """griddepcontrol.launch_dependents once a block's main loop is done: when every block of this grid has passed
-    it (or exited), the stream's next grid may be placed on the SMs this one frees and run its prologue up to its own
-    wait, instead of starting after this grid's completion. It orders nothing; the next grid's wait does."""
-    return [
-        f"{indent}// The next grid may start its prologue once every block is past its main loop (its wait orders it).",
-        "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900",
-        f'{indent}asm volatile("griddepcontrol.launch_dependents;" ::: "memory");',
-        "#endif",
-    ]

@@ -42,13 +42,12 @@ from dataclasses import dataclass
 from l2ir.analysis import direct_half_fed, direct_reduce_bytes, direct_shape, direct_slices, threads
 from l2ir.indexing import Const, DirectFeed, Var, cdiv, rasterize
 from l2ir.nodes import Kernel, Problem, Swizzle
-from l2ir.runtime import Launch, LaunchPlan
+from l2ir.runtime import Launch, LaunchPlan, grid_launch_dependents_lines, grid_wait_lines
 from l2ir.target import CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, NVCC_ARCH
 from l2ir.text import print_problem_class
 from l2ir.verify import verify, verify_problem
 
-from .common import (UnsupportedLowering, check_problem_class, grid_launch_dependents_lines, grid_wait_lines,
-                     header_lines, mma_16816_lines)
+from .common import UnsupportedLowering, check_problem_class, header_lines, mma_16816_lines
 
 GEMM_ENTRY = "l2ir_cuda_ptx_direct_gemm"
 ABI = "const void* A_, const void* B_, void* C_, int M, int N, int K, void* workspace_"

@@ -12,8 +12,8 @@ from contextlib import contextmanager
 
 from l2ir.indexing import rasterize, splitk_range
 from l2ir.nodes import Kernel
+from l2ir.runtime import grid_launch_dependents_lines, grid_wait_lines
 
-from ..cuda_ptx.common import grid_launch_dependents_lines, grid_wait_lines
 from .config import REDUCE_THREADS, OperandPlan, Plan
 
 GEMM_ENTRY = "l2ir_cute_sm80_gemm"
