@@ -7,6 +7,7 @@ Each is a pure function of the kernel (and the element sizes); hardware limits c
 
 from __future__ import annotations
 
+from .indexing import ClusterMulticast
 from .nodes import Kernel, Problem
 from .target import (DTYPE_BYTES, KB, PRODUCER_THREADS, SMEM_LIMIT, TMA_BARRIER_BYTES, WARP_THREADS,
                      WARPGROUP_THREADS)
@@ -141,6 +142,16 @@ def cluster_reduce(kernel: Kernel) -> bool:
 def block_reduce(kernel: Kernel) -> bool:
     """split-K whose 2 slices are one block's consumer warpgroups (l2ir.indexing.BlockSplit)."""
     return kernel.splitk is not None and kernel.splitk.reduce == "block"
+
+
+def multicast(kernel: Kernel) -> ClusterMulticast | None:
+    """The cluster's operand sharing (l2ir.indexing.ClusterMulticast) of a TMA kernel with one tile per block in a
+    cluster larger than 1x1, without split-K; None for every other kernel (a persistent cluster kernel walks tiles
+    in its library's own order)."""
+    if (kernel.is_source or kernel.tile.cluster == (1, 1) or kernel.pipeline.mode != "tma_ws" or kernel.pipeline.persistent
+            or kernel.splitk is not None):
+        return None
+    return ClusterMulticast(*kernel.tile.cluster)
 
 
 def shares_fragments(kernel: Kernel) -> bool:

@@ -266,6 +266,101 @@ def rasterize(order: str, group: int) -> tuple[Expr, Expr]:
     return idx_minor, idx_major
 
 
+
+def substitute(expr: Expr, values: Mapping[str, Expr]) -> Expr:
+    """`expr` with each variable named in `values` replaced by its expression (the others kept)."""
+    if isinstance(expr, Var):
+        return values.get(expr.name, expr)
+    if isinstance(expr, Bin):
+        return Bin(expr.op, substitute(expr.a, values), substitute(expr.b, values))
+    if isinstance(expr, Call):
+        return Call(expr.fn, tuple(substitute(a, values) for a in expr.args))
+    return expr
+
+
+RANK = Var("rank")
+
+
+@dataclass(frozen=True)
+class ClusterMulticast:
+    """tile.cluster = CM x CN with one output tile per block (pipeline.persistent=false): the CM x CN blocks of a
+    cluster own a CM x CN patch of output tiles, and TMA multicast lets each fetch only a share of its operands.
+
+    The CN blocks of a patch row (same tile_m) need the same A tile; the CM blocks of a patch column (same tile_n)
+    the same B tile. Each block loads 1/CN of the A box's rows (`a_first`, `a_rows`) and writes them into the
+    shared memory of every block of its row (`a_mask`), and 1/CM of the B box's rows into every block of its
+    column (`b_mask`). Every block still receives the whole A and B box of each k tile (each row from exactly one
+    block), so its stage's full barrier expects the same bytes as without a cluster; L2 serves each operand row
+    once per patch row or column instead of once per block.
+
+    Blocks: cluster `pid / SIZE` (rasterized over the ceil(tiles_m / CM) x ceil(tiles_n / CN) patch grid), rank
+    `pid % SIZE` (%cluster_ctarank of a 1-D cluster of SIZE consecutive blocks), position in the patch (rank % CM,
+    rank / CM) (`tile`). A block whose tile lies past the grid (tiles_m or tiles_n not a multiple of CM or CN) still
+    loads its share for the others and runs the K loop; it only stores nothing.
+
+    A stage of block d is overwritten by every block that multicasts into it, so before a producer reuses stage s
+    all of those blocks must have released it: each consumer warp arrives at stage s's empty barrier in every block
+    of its row and column (`release_mask`, CM + CN - 1 blocks, itself included), and each empty barrier counts
+    `release_arrivals` warp arrivals a phase."""
+
+    cm: int
+    cn: int
+
+    def __post_init__(self):
+        for d in (self.cm, self.cn):
+            if d < 1 or d & (d - 1):
+                raise ExprError(f"cluster {self.cm}x{self.cn}: each dimension must be a power of two")
+
+    @property
+    def size(self) -> int:
+        return self.cm * self.cn
+
+    def tile(self, order: str, group: int) -> tuple[Expr, Expr]:
+        """Block id `pid` -> its (tile_m, tile_n): the cluster's patch by rasterize(order, group) over the patch
+        grid, then the block's place in the patch."""
+        pm, pn = rasterize(order, group)
+        patch = {"pid": PID // self.size, "tiles_m": cdiv(TILES_M, self.cm), "tiles_n": cdiv(TILES_N, self.cn)}
+        rank = PID % self.size
+        return (substitute(pm, patch) * self.cm + rank % self.cm, substitute(pn, patch) * self.cn + rank // self.cm)
+
+    def clusters(self) -> Expr:
+        """Clusters in the grid (the launch has SIZE x this many blocks)."""
+        return cdiv(TILES_M, self.cm) * cdiv(TILES_N, self.cn)
+
+    def a_first(self, bm: int) -> Expr:
+        """First row of the A box that block `rank` loads (its column in the patch picks the share)."""
+        return RANK // self.cm * (bm // self.cn)
+
+    def a_rows(self, bm: int) -> int:
+        return bm // self.cn
+
+    def b_first(self, bn: int) -> Expr:
+        """First row of the B box (BN x BK, K-major) that block `rank` loads (its row in the patch picks it)."""
+        return RANK % self.cm * (bn // self.cm)
+
+    def b_rows(self, bn: int) -> int:
+        return bn // self.cm
+
+    def a_mask(self) -> Expr:
+        """Cluster ranks that receive block `rank`'s A rows: its patch row, ranks rank % CM + CM j."""
+        row = sum(1 << (self.cm * j) for j in range(self.cn))
+        return Const(row) << (RANK % self.cm)
+
+    def b_mask(self) -> Expr:
+        """Cluster ranks that receive block `rank`'s B rows: its patch column, ranks CM (rank / CM) + i."""
+        return Const((1 << self.cm) - 1) << (RANK // self.cm * self.cm)
+
+    def release_mask(self) -> Expr:
+        """Ranks whose stages block `rank`'s own stages are filled from (its row and column): where its consumers
+        release each stage. The two masks share only bit `rank`, which the XOR of both drops and the last term
+        restores."""
+        return self.a_mask() ^ self.b_mask() ^ (Const(1) << RANK)
+
+    def release_arrivals(self, consumer_warps: int) -> int:
+        """Arrivals that complete one phase of a stage's empty barrier: every consumer warp of CM + CN - 1 blocks."""
+        return (self.cm + self.cn - 1) * consumer_warps
+
+
 OFFSET = Var("offset")
 
 

@@ -24,10 +24,10 @@ import ml_dtypes
 import numpy as np
 
 from .errors import InterpError
-from .indexing import (REPACK_ALIGN, BlockSplit, ClusterReduce, DirectFeed, Repack, SplitKTree, ceil_div, rasterize, smem_swizzle,
+from .indexing import (REPACK_ALIGN, BlockSplit, ClusterMulticast, ClusterReduce, DirectFeed, Repack, SplitKTree, ceil_div, rasterize, smem_swizzle,
                        splitk_range)
 from .nodes import Kernel, Problem
-from .analysis import block_reduce, direct_half_fed, direct_shape, direct_slices, resolved_stages, shares_fragments, warpgroups_m
+from .analysis import block_reduce, multicast, direct_half_fed, direct_shape, direct_slices, resolved_stages, shares_fragments, warpgroups_m
 from .target import H200_SMS, UNIT_ROUNDOFF
 from .verify import check_problem
 
@@ -133,8 +133,9 @@ class _Schedule:
         return out
 
     # ---- the main loop of one block -------------------------------------------------------------------------
-    def mainloop(self, tm: int, tn: int, kb: int, ke: int) -> np.ndarray:
-        """Accumulate k tiles [kb, ke) of output tile (tm, tn) through the stage ring."""
+    def mainloop(self, tm: int, tn: int, kb: int, ke: int, feed=None) -> np.ndarray:
+        """Accumulate k tiles [kb, ke) of output tile (tm, tn) through the stage ring. `feed(kt)`, if given, is
+        what lands in the block's stage for k tile kt (a cluster's multicast), instead of its own two boxes."""
         ring_a = _Ring(self.stages, self.bm, self.bk, self.perm_a, self.in_dtype, np.nan)
         ring_b = _Ring(self.stages, self.bn, self.bk, self.perm_b, self.in_dtype, np.nan)
         acc = np.zeros((self.bm, self.bn), dtype=self.acc_dtype)
@@ -142,7 +143,12 @@ class _Schedule:
 
         def produce(i: int) -> None:
             """The copy of k tile kb+i into its ring slot."""
-            self._load(ring_a, ring_b, i % stages, tm, tn, kb + i)
+            if feed is None:
+                self._load(ring_a, ring_b, i % stages, tm, tn, kb + i)
+            else:
+                a_t, b_t = feed(kb + i)
+                ring_a.store(i % stages, a_t)
+                ring_b.store(i % stages, b_t)
 
         # The producer runs stages-1 tiles ahead: the prologue fills all but one slot, and each iteration refills
         # the slot consumed one iteration earlier before it consumes its own. A wrong slot mapping therefore
@@ -265,10 +271,18 @@ class _Schedule:
 
     # ---- the launch -----------------------------------------------------------------------------------------
     def tile_order(self) -> list[tuple[int, int]]:
+        """Each block's output tile in launch order. With a multicast cluster the grid is whole clusters, so blocks
+        past the tile grid (tiles_m or tiles_n not a multiple of the cluster's) are in it too."""
         sw = self.kernel.swizzle
         order, group = (sw.raster, sw.group) if sw is not None else ("along_n", 1)
-        em, en = rasterize(order, group)
-        pid = np.arange(self.tiles_m * self.tiles_n, dtype=np.int64)
+        mc = multicast(self.kernel)
+        if mc is None:
+            em, en = rasterize(order, group)
+            blocks = self.tiles_m * self.tiles_n
+        else:
+            em, en = mc.tile(order, group)
+            blocks = mc.size * int(mc.clusters().eval({"tiles_m": self.tiles_m, "tiles_n": self.tiles_n}))
+        pid = np.arange(blocks, dtype=np.int64)
         env = {"pid": pid, "tiles_m": self.tiles_m, "tiles_n": self.tiles_n}
         tm, tn = np.broadcast_to(em.eval(env), pid.shape), np.broadcast_to(en.eval(env), pid.shape)
         return list(zip(tm.tolist(), tn.tolist()))
@@ -281,7 +295,10 @@ class _Schedule:
         c = np.full((p.m, p.n), np.nan, dtype=self.out_dtype)
         writes = np.zeros((p.m, p.n), dtype=np.int32)
         order = self.tile_order()
+        mc = multicast(self.kernel)
         for tm, tn in order:
+            if mc is not None and tm >= 0 and tn >= 0:
+                continue        # a cluster's block past the grid loads for the others and stores nothing
             if not (0 <= tm < self.tiles_m and 0 <= tn < self.tiles_n):
                 raise InterpError(f"rasterization sent a block to tile ({tm}, {tn}) outside the "
                                   f"{self.tiles_m}x{self.tiles_n} grid")
@@ -291,6 +308,8 @@ class _Schedule:
         if self.kernel.pipeline.mode == "direct":
             self._direct(c, writes, order)
             k_cover = {t: [(0, self.k_tiles)] for t in order}
+        elif mc is not None:
+            self._multicast(c, writes, order, mc, k_cover)
         elif sk is None:
             for tm, tn in order:
                 self.store(c, writes, tm, tn, self.mainloop(tm, tn, 0, self.k_tiles))
@@ -315,6 +334,52 @@ class _Schedule:
         if ws_writes is not None:
             _check_once(ws_writes, "the split-K workspace", ws_expected)
         return InterpResult(c, order, writes, ws_writes, k_cover, repack_writes)
+
+    # ---- tile.cluster with TMA multicast ---------------------------------------------------------------------
+    def _multicast(self, c, writes, order, mc: ClusterMulticast, k_cover: dict) -> None:
+        """One tile per block in clusters of mc.size consecutive blocks (l2ir.indexing.ClusterMulticast): each block
+        loads its share of its own A and B boxes (a_first/a_rows, b_first/b_rows at its own tile) and it lands in
+        the stage of every block its masks name. A block's stage is what the cluster delivered, each row counted:
+        every row of both boxes must arrive exactly once, or the schedule raises; a share taken from another
+        block's tile shows in C. The empty barriers' arrivals are counted too: each block's must receive
+        release_arrivals per phase from the blocks its stages are filled from."""
+        size, warps = mc.size, self.kernel.tile.warps[0] * self.kernel.tile.warps[1]
+        for first in range(0, len(order), size):
+            blocks = order[first:first + size]
+            env = {"rank": np.arange(size, dtype=np.int64)}
+            a_first, b_first = mc.a_first(self.bm).eval(env), mc.b_first(self.bn).eval(env)
+            a_mask, b_mask = mc.a_mask().eval(env), mc.b_mask().eval(env)
+            release = mc.release_mask().eval(env)
+            arrivals = [sum(warps for src in range(size) if release[src] >> dst & 1) for dst in range(size)]
+            if arrivals != [mc.release_arrivals(warps)] * size:
+                raise InterpError(f"cluster {mc.cm}x{mc.cn}: empty barriers receive {arrivals} warp arrivals a "
+                                  f"phase, initialized for {mc.release_arrivals(warps)}")
+            a_rows, b_rows = mc.a_rows(self.bm), mc.b_rows(self.bn)
+
+            def feed(kt: int, dst: int):
+                a_t = np.zeros((self.bm, self.bk), dtype=self.in_dtype)
+                b_t = np.zeros((self.bn, self.bk), dtype=self.in_dtype)
+                got_a, got_b = np.zeros(self.bm, np.int32), np.zeros(self.bn, np.int32)
+                for src, (stm, stn) in enumerate(blocks):
+                    if a_mask[src] >> dst & 1:
+                        r0 = int(a_first[src])
+                        a_t[r0:r0 + a_rows] = self._tile(self.a, stm * self.bm + r0, a_rows, kt * self.bk, self.bk,
+                                                         "m", "k")
+                        got_a[r0:r0 + a_rows] += 1
+                    if b_mask[src] >> dst & 1:
+                        r0 = int(b_first[src])
+                        b_t[r0:r0 + b_rows] = self._tile(self.b.T, stn * self.bn + r0, b_rows, kt * self.bk,
+                                                         self.bk, "n", "k")
+                        got_b[r0:r0 + b_rows] += 1
+                _check_once(got_a, f"block {first + dst}'s A stage (rows from its cluster)")
+                _check_once(got_b, f"block {first + dst}'s B stage (rows from its cluster)")
+                return a_t, b_t
+
+            for dst, (tm, tn) in enumerate(blocks):
+                acc = self.mainloop(tm, tn, 0, self.k_tiles, feed=lambda kt, d=dst: feed(kt, d))
+                if tm < self.tiles_m and tn < self.tiles_n:
+                    self.store(c, writes, tm, tn, acc)
+                    k_cover[(tm, tn)] = [(0, self.k_tiles)]
 
     # ---- pipeline mode=direct ------------------------------------------------------------------------------
     def _direct(self, c: np.ndarray, writes: np.ndarray, order: list[tuple[int, int]]) -> None:

@@ -240,7 +240,8 @@ def _assert_splitk_repeatable(kernel, plan, art, shape, seed, counters_per_tile=
     ws_bytes = plan.workspace_for(mm, nn, kk)
     ws = torch.zeros(max(ws_bytes, 1), dtype=torch.uint8, device="cuda")
     tiles = -(-mm // kernel.tile.bm) * -(-nn // kernel.tile.bn)
-    partial_bytes = tiles * kernel.splitk.slices * kernel.tile.bm * kernel.tile.bn * 4
+    slices = kernel.splitk.slices if kernel.splitk is not None else 0      # no split: a repeatability check only
+    partial_bytes = tiles * slices * kernel.tile.bm * kernel.tile.bn * 4
     counters = ws[partial_bytes:ws_bytes]
     if ws_bytes:
         assert counters.numel() >= 4 * tiles, (ws_bytes, partial_bytes)
@@ -323,6 +324,55 @@ def test_cuda_ptx_small_shape_families_pass_every_gate(evaluator, tmp_path_facto
         tree = kernel.splitk.reduce == "workspace"      # reduce=cluster and reduce=block ask for no workspace
         _assert_splitk_repeatable(kernel, plan, art, shapes[0], seed=7,
                                   counters_per_tile=SplitKTree(kernel.splitk.slices).counters if tree else None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cuda_ptx sm90a TMA multicast in thread-block clusters (tile.cluster, l2ir.indexing.ClusterMulticast): one tile per
+# block, each block loading a share of its A box for its patch row and of its B box for its patch column. At shapes
+# whose tile grid is not a whole number of clusters (blocks past the grid load for the others and store nothing:
+# 64x64x64 is one tile in a cluster of 8), at the skinny shape the family is for, and at many clusters; every gate,
+# then three launches bit-identical (no race between a remote release and a refill).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _multicast_kernels() -> dict[str, Kernel]:
+    def lat(block, cluster, epilogue=("direct", 2), pad="zero_fill"):
+        return Kernel(target=Target("sm90a"), tile=Tile(block, (4, 1), cluster), mma=Mma("wgmma", (64, block[1], 16)),
+                      pipeline=Pipeline("tma_ws", "auto", "pingpong", persistent=False),
+                      swizzle=Swizzle((3, 3, 3), "along_n", 8), pad=Pad(pad, pad, "zero_fill", 8),
+                      epilogue=Epilogue(*epilogue))
+
+    kernels = {f"w4x1_64x64x64_c{cm}x{cn}": lat((64, 64, 64), (cm, cn))
+               for cm, cn in ((1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 2), (8, 1))}
+    kernels["w4x1_64x128x64_c1x4_smem8"] = lat((64, 128, 64), (1, 4), epilogue=("smem", 8))
+    kernels["w4x1_64x64x64_c2x2_divisible"] = lat((64, 64, 64), (2, 2), pad="divisible")
+    coop = ptx(block=(128, 64, 64), persistent=False)
+    kernels["coop_128x64x64_c1x4"] = coop.replace(tile=Tile((128, 64, 64), (8, 1), (1, 4)))
+    kernels["coop_128x64x64_c2x1_smem8"] = coop.replace(tile=Tile((128, 64, 64), (8, 1), (2, 1)),
+                                                        epilogue=Epilogue("smem", 8))
+    return kernels
+
+
+MULTICAST = _multicast_kernels()
+MULTICAST_SHAPES = ((100, 3000, 4104), (130, 200, 136), (64, 64, 64), (1000, 1000, 2048), (256, 512, 1024))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", list(MULTICAST))
+def test_cuda_ptx_multicast_passes_every_gate(evaluator, tmp_path_factory, name):
+    from l2ir.search.gates import admits
+
+    _skip_unless_hopper()
+    kernel = MULTICAST[name]
+    plan = lower(kernel, F16, "cuda_ptx")
+    assert "tma_load_2d_multicast" in plan.source
+    art = _build_for_this_gpu(plan, tmp_path_factory.mktemp("multicast"))
+    shapes = [s for s in MULTICAST_SHAPES if admits(kernel, F16.with_shape(*s))[0]]
+    assert len(shapes) >= 2, shapes
+    _assert_passes_every_gate(evaluator, kernel, F16, plan, art, shapes, name,
+                              {"accuracy", "ulp", "all_written", "guard_bands"})
+    _assert_splitk_repeatable(kernel, plan, art, shapes[0], seed=11, counters_per_tile=None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -94,6 +94,13 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
         coop((128, 48, 64), pipeline=Pipeline("tma_ws", 4, "cooperative", persistent=False),
              splitk=SplitK("split_k", 2, "block")),
         Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col"), c=("bf16", "row"))),
+    "w4x1_64x64x64_cluster2x4": (lat((64, 64, 64), tile=Tile((64, 64, 64), (4, 1), (2, 4)),
+                                     swizzle=Swizzle((3, 3, 3), "along_n", 8)), PROBLEM),
+    "w4x1_64x128x64_cluster1x4_divisible": (
+        lat(tile=Tile((64, 128, 64), (4, 1), (1, 4)), pad=Pad("divisible", "divisible", "zero_fill", 8)), PROBLEM),
+    "coop_128x64x64_cluster2x1_smem8": (
+        coop((128, 64, 64), tile=Tile((128, 64, 64), (8, 1), (2, 1)), epilogue=Epilogue("smem", 8),
+             pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=False)), PROBLEM),
 }
 
 
@@ -229,7 +236,9 @@ def test_short_prologue(name):
     assert kernel_src.index("prefetch.tensormap") < kernel_src.index("mbar_init(")
     host = src[src.index('extern "C" int l2ir_run'):]
     assert "thread_local MapCache cache_a, cache_b;" in host and "encode_operand" not in host
-    assert "operand_map(cache_a, a_read, M, K, lda, BM)" in host and "operand_map(cache_b, b_read, N, K, ldb, BN)" in host
+    a_box, b_box = ("A_BOX_ROWS", "B_BOX_ROWS") if "CLUSTER_SIZE" in src else ("BM", "BN")   # tile.cluster: shares
+    assert (f"operand_map(cache_a, a_read, M, K, lda, {a_box})" in host
+            and f"operand_map(cache_b, b_read, N, K, ldb, {b_box})" in host)
     helper = src[src.index("const CUtensorMap* operand_map("):src.index('extern "C" int l2ir_run')]
     assert helper.index("return &cache.map;") < helper.index("encode_operand(")   # the hit returns before encoding
 
@@ -525,7 +534,9 @@ def test_repack_renders_the_copy_and_reads_it():
 # ---------------------------------------------------------------------------------------------------------------
 
 REFUSALS = [
-    ("tile.cluster", coop(tile=Tile((128, 256, 64), (8, 1), (2, 1))), PROBLEM),
+    ("tile.cluster", coop(tile=Tile((128, 256, 64), (8, 1), (2, 1))), PROBLEM),      # persistent
+    ("tile.cluster", lat((64, 56, 64), tile=Tile((64, 56, 64), (4, 1), (2, 1))), PROBLEM),   # B shares of 28 rows
+    ("tile.cluster", lat(tile=Tile((64, 128, 64), (4, 1), (1, 2)), splitk=SplitK("split_k", 4)), PROBLEM),
     ("splitk", coop(splitk=SplitK("stream_k")), PROBLEM),
     ("splitk", coop(splitk=SplitK("split_k", 2, "atomic")), PROBLEM),
     ("epilogue.path", lat(splitk=SplitK("split_k", 4, "cluster"), epilogue=Epilogue("smem", 8)), PROBLEM),
@@ -597,6 +608,76 @@ def test_illegal_ir_raises_verify_error():
 # nvcc builds (skip cleanly without nvcc).
 # ---------------------------------------------------------------------------------------------------------------
 
+def test_multicast_renders_shares_and_remote_releases():
+    """tile.cluster=2x4: grid of whole clusters (ClusterMulticast.clusters) launched with the cluster dimension;
+    the tile map, shares and masks rendered from l2ir.indexing; each k block loads A_BOX_ROWS of A and B_BOX_ROWS
+    of B with .multicast::cluster; the empty barriers count every consumer warp of the row and column and are
+    released through mapa; cluster barriers after setup and at exit; blocks past the grid skip the epilogue."""
+    from l2ir.indexing import ClusterMulticast
+
+    kernel, problem = CASES["w4x1_64x64x64_cluster2x4"]
+    src = lower(kernel, problem).source
+    mc = ClusterMulticast(2, 4)
+    tm, tn = mc.tile("along_n", 8)
+    for line in ("constexpr int CLUSTER_M = 2, CLUSTER_N = 4;", "constexpr int A_BOX_ROWS = BM / CLUSTER_N;",
+                 "constexpr int B_BOX_ROWS = BN / CLUSTER_M;", "constexpr uint32_t EMPTY_ARRIVALS = 20;",
+                 f"const int num_blocks = CLUSTER_SIZE * {mc.clusters().to_cpp()};",
+                 f"const int a_first = {mc.a_first(64).to_cpp()};", f"const uint16_t a_mask = {mc.a_mask().to_cpp()};",
+                 f"const int b_first = {mc.b_first(64).to_cpp()};", f"const uint16_t b_mask = {mc.b_mask().to_cpp()};",
+                 f"const uint32_t release_mask = {mc.release_mask().to_cpp()};",
+                 f"const int tile_m = {tm.to_cpp()};", f"const int tile_n = {tn.to_cpp()};",
+                 "tma_load_2d_multicast(smem_base + SMEM_A + stage * A_STAGE_BYTES + kb * A_KBLOCK_BYTES + a_first * "
+                 "ROW_BYTES, &tmap_a, full, k0,", "tile_m * BM + a_first, a_mask);", "tile_n * BN + b_first, b_mask);",
+                 "mbar_init(bars + 8 * (STAGES + s), EMPTY_ARRIVALS);",
+                 "mbar_wait_cluster(bars + 8 * (STAGES + stage), phase ^ 1);",
+                 "if (lane < CLUSTER_SIZE && (release_mask >> lane & 1)) mbar_arrive_cluster(bars + 8 * (STAGES + s), lane);",
+                 "if (tile_m >= tiles_m || tile_n >= tiles_n) continue;",
+                 "operand_map(cache_a, a_read, M, K, lda, A_BOX_ROWS);", "operand_map(cache_b, b_read, N, K, ldb, B_BOX_ROWS);",
+                 "const int grid = int(num_blocks);", "attr[num_attrs].val.clusterDim.x = CLUSTER_SIZE;",
+                 "attr[0].val.clusterDim.x = CLUSTER_SIZE;"):
+        assert line in src, line
+    assert src.count("cluster_sync();") == 2
+    assert "mbar_arrive(bars" not in src and "tma_load_2d(smem" not in src
+    # One dimension of 1 shares nothing along it: 1x4 multicasts A only and loads its whole B box.
+    one = lower(*CASES["w4x1_64x128x64_cluster1x4_divisible"]).source
+    assert "tile_n * BN);   // not shared: the whole box" in one and "b_mask" not in one
+    assert "constexpr uint32_t EMPTY_ARRIVALS = 16;" in one
+
+
+def test_multicast_kernels_lower_for_every_cluster():
+    """Every cluster shape up to 8 blocks on the one-consumer and cooperative tiles lowers, or is refused naming
+    tile.cluster exactly when a share would not be whole 8-row atoms."""
+    from hypothesis import given, settings, strategies as st
+
+    from l2ir.verify import verify
+
+    @settings(max_examples=60, database=None, derandomize=True)
+    @given(st.sampled_from([(cm, cn) for cm in (1, 2, 4, 8) for cn in (1, 2, 4, 8) if 1 < cm * cn <= 8]),
+           st.sampled_from([1, 2]), st.sampled_from([16, 24, 48, 56, 64, 96, 128, 256]),
+           st.sampled_from([("direct", 2), ("smem", 8)]))
+    def check(cluster, wgs, bn, epi):
+        bm = 64 * wgs
+        kernel = Kernel(target=Target("sm90a"), tile=Tile((bm, bn, 64), (4 * wgs, 1), cluster),
+                        mma=Mma("wgmma", (64, bn, 16)),
+                        pipeline=Pipeline("tma_ws", "auto", "cooperative" if wgs == 2 else "pingpong", persistent=False),
+                        swizzle=Swizzle((3, 3, 3), "along_n", 8), pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+                        epilogue=Epilogue(*epi))
+        try:
+            verify(kernel)
+        except L2IRError:
+            return
+        whole = bm % (8 * cluster[1]) == 0 and bn % (8 * cluster[0]) == 0
+        if not whole:
+            with pytest.raises(UnsupportedLowering, match="tile.cluster"):
+                lower(kernel, PROBLEM)
+            return
+        src = lower(kernel, PROBLEM).source
+        assert f"constexpr int CLUSTER_M = {cluster[0]}, CLUSTER_N = {cluster[1]};" in src
+        assert ("tma_load_2d_multicast" in src) and src.count("cluster_sync();") == 2
+
+    check()
+
+
 def _sweep_splitk_cases() -> dict[str, tuple[Kernel, Problem]]:
     """Every split-K kernel of the cuda_ptx sweep: each must build without spills under its launch bounds."""
     from l2ir.search.sweeps import load_sweep
@@ -609,7 +690,8 @@ NVCC_CASES = ["coop_128x256x64_direct", "coop_256x128x64_smem8_along_m8", "w4x1_
               "w4x1_64x128x64_s4_two_per_sm", "w4x1_64x64x64_s4_two_per_sm_splitk5", "w4x1_64x64x64_splitk8_cluster",
               "w4x1_64x128x64_s4_two_per_sm_splitk16_cluster", "coop_128x128x64_splitk4_cluster_nonpersistent",
               "coop_128x128x64_repack", "w4x1_64x64x64_s4_two_per_sm_splitk4_repack",
-              "w4x1_64x64x64_splitk8_cluster_repack", "coop_128x48x64_s4_splitk2_block_bf16"]
+              "w4x1_64x64x64_splitk8_cluster_repack", "coop_128x48x64_s4_splitk2_block_bf16",
+              "w4x1_64x64x64_cluster2x4", "w4x1_64x128x64_cluster1x4_divisible", "coop_128x64x64_cluster2x1_smem8"]
 BUILD_CASES = {**{name: CASES[name] for name in NVCC_CASES}, **_sweep_splitk_cases()}
 
 

@@ -217,3 +217,74 @@ def test_block_split_positions_are_the_producers_order():
             for j in range(ke - kb):
                 p = int(BlockSplit.position().eval({"step": j, "slice": s, "k_tiles": k_tiles}))
                 assert p < k_tiles and loads[p] == kb + j, (k_tiles, s, j)
+
+
+CLUSTERS = [(cm, cn) for cm in (1, 2, 4, 8) for cn in (1, 2, 4, 8) if cm * cn <= 8 and cm * cn > 1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(CLUSTERS), st.integers(1, 13), st.integers(1, 13), st.sampled_from(["along_m", "along_n"]),
+       st.sampled_from([1, 2, 3, 8]))
+def test_cluster_multicast_covers_every_tile_and_row_once(cluster, tiles_m, tiles_n, order, group):
+    """ClusterMulticast: the whole clusters' blocks cover every output tile once (the rest lie past the grid);
+    within a cluster each block's A stage gets every row once, from blocks of its own tile row (same tile_m), and
+    its B stage likewise from its tile column; a block releases exactly the blocks that fill it, so each empty
+    barrier counts release_arrivals per phase."""
+    from l2ir.indexing import ClusterMulticast
+
+    mc = ClusterMulticast(*cluster)
+    bm, bn = 64 * mc.cn, 8 * mc.cm * 3
+    em, en = mc.tile(order, group)
+    blocks = mc.size * mc.clusters().eval({"tiles_m": tiles_m, "tiles_n": tiles_n})
+    pid = np.arange(blocks)
+    env = {"pid": pid, "tiles_m": tiles_m, "tiles_n": tiles_n}
+    tm, tn = np.broadcast_to(em.eval(env), pid.shape), np.broadcast_to(en.eval(env), pid.shape)
+    inside = (tm < tiles_m) & (tn < tiles_n)
+    hits = np.zeros((tiles_m, tiles_n), int)
+    np.add.at(hits, (tm[inside], tn[inside]), 1)
+    assert (hits == 1).all()
+    rank = {"rank": np.arange(mc.size)}
+    a0, b0 = mc.a_first(bm).eval(rank), mc.b_first(bn).eval(rank)
+    am, bmask, rel = mc.a_mask().eval(rank), mc.b_mask().eval(rank), mc.release_mask().eval(rank)
+    for first in range(0, blocks, mc.size):
+        ctm, ctn = tm[first:first + mc.size], tn[first:first + mc.size]
+        for dst in range(mc.size):
+            got_a, got_b, fillers = np.zeros(bm, int), np.zeros(bn, int), set()
+            for src in range(mc.size):
+                if am[src] >> dst & 1:
+                    assert ctm[src] == ctm[dst]
+                    got_a[a0[src]:a0[src] + mc.a_rows(bm)] += 1
+                    fillers.add(src)
+                if bmask[src] >> dst & 1:
+                    assert ctn[src] == ctn[dst]
+                    got_b[b0[src]:b0[src] + mc.b_rows(bn)] += 1
+                    fillers.add(src)
+            assert (got_a == 1).all() and (got_b == 1).all()
+            assert fillers == {src for src in range(mc.size) if rel[dst] >> src & 1}
+            assert len(fillers) * 4 == mc.release_arrivals(4)
+
+
+def test_cluster_multicast_cpp_matches_python(tmp_path):
+    """The rendered tile map and masks give the values the interpreter uses."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    from l2ir.indexing import ClusterMulticast
+
+    mc = ClusterMulticast(2, 4)
+    em, en = mc.tile("along_n", 8)
+    exprs = (em, en, mc.a_first(64), mc.b_first(64), mc.a_mask(), mc.b_mask(), mc.release_mask())
+    src = ("#include <algorithm>\n#include <cstdio>\nusing std::min;\nint main() {\n"
+           "  for (int tiles_m = 1; tiles_m <= 5; ++tiles_m) for (int tiles_n = 1; tiles_n <= 9; ++tiles_n)\n"
+           f"    for (int pid = 0; pid < 8 * {mc.clusters().to_cpp()}; ++pid) {{ const int rank = pid % 8;\n"
+           "      printf(\"" + " ".join(["%d"] * len(exprs)) + "\\n\", "
+           + ", ".join(e.to_cpp() for e in exprs) + "); }\n}\n")
+    (tmp_path / "t.cpp").write_text(src)
+    subprocess.run(["g++", "-O1", "-o", str(tmp_path / "t"), str(tmp_path / "t.cpp")], check=True)
+    got = subprocess.run([str(tmp_path / "t")], check=True, capture_output=True, text=True).stdout.split("\n")[:-1]
+    want = []
+    for tiles_m in range(1, 6):
+        for tiles_n in range(1, 10):
+            for pid in range(8 * mc.clusters().eval({"tiles_m": tiles_m, "tiles_n": tiles_n})):
+                env = {"pid": pid, "tiles_m": tiles_m, "tiles_n": tiles_n, "rank": pid % 8}
+                want.append(" ".join(str(int(e.eval(env))) for e in exprs))
+    assert got == want

@@ -523,3 +523,59 @@ def test_broken_repack_is_caught(monkeypatch, attr, broken, match):
     p = Problem(70, 130, 1027)
     with pytest.raises(InterpError, match=match):
         interpret(_repack_kernel(), p, *random_inputs(p, np.random.default_rng(0), integers=True))
+
+
+def _multicast_kernel(cluster, schedule="pingpong", bn=64):
+    from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Swizzle, Target, Tile
+
+    warps, bm = ((4, 1), 64) if schedule == "pingpong" else ((8, 1), 128)
+    return Kernel(target=Target("sm90a"), tile=Tile((bm, bn, 64), warps, cluster), mma=Mma("wgmma", (64, bn, 16)),
+                  pipeline=Pipeline("tma_ws", "auto", schedule, persistent=False),
+                  swizzle=Swizzle((3, 3, 3), "along_n", 8), pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+                  epilogue=Epilogue("direct", 2))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([(1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 2), (4, 1)]),
+       st.sampled_from(["pingpong", "cooperative"]), st.integers(1, 300), st.integers(1, 40), st.integers(1, 30),
+       st.integers(0, 2 ** 32 - 1))
+def test_multicast_fuzzed(cluster, schedule, m, n8, k8, seed):
+    """tile.cluster with TMA multicast (one tile per block): every block's stages assembled from its cluster's
+    shares give A @ B, the blocks past the grid store nothing, and every element of C is written once."""
+    kernel = _multicast_kernel(cluster, schedule)
+    result = _check(kernel, Problem(m, 8 * n8, 8 * k8), seed)
+    cm, cn = cluster
+    tiles = (-(-m // kernel.tile.bm), -(-(8 * n8) // 64))
+    assert len(result.order) == cm * cn * -(-tiles[0] // cm) * -(-tiles[1] // cn)
+
+
+@pytest.mark.parametrize("attr, broken, match", [
+    ("a_first", lambda self, bm: Var("rank") % self.cm * (bm // self.cn), "A stage"),     # the wrong rank digit
+    # every column's B share to column 0 (the release mask, built from the masks, goes wrong first)
+    ("b_mask", lambda self: Const((1 << self.cm) - 1), "empty barriers|B stage"),
+    ("release_mask", lambda self: Const(1) << Var("rank"), "empty barriers"),              # release only itself
+])
+def test_broken_multicast_is_caught(monkeypatch, attr, broken, match):
+    from l2ir.indexing import ClusterMulticast
+
+    monkeypatch.setattr(ClusterMulticast, attr, broken)
+    p = Problem(200, 512, 128)
+    with pytest.raises(InterpError, match=match):
+        interpret(_multicast_kernel((2, 4)), p, *random_inputs(p, np.random.default_rng(0)))
+
+
+def test_multicast_share_of_another_tile_gives_a_wrong_product(monkeypatch):
+    """A block that loads its share from its neighbour's tile still delivers every row once: only C shows it."""
+    p = Problem(128, 512, 128)
+    a, b = random_inputs(p, np.random.default_rng(1))
+    good = interpret(_multicast_kernel((2, 4)), p, a, b).c
+    orig_tile = interp_mod._Schedule._tile
+
+    def neighbour(self, src, r0, rows, c0, cols, row_dim, col_dim):
+        if row_dim == "n" and rows < self.bn:          # a B share: taken 64 columns further along N
+            r0 = (r0 + self.bn) % src.shape[0]
+        return orig_tile(self, src, r0, rows, c0, cols, row_dim, col_dim)
+
+    monkeypatch.setattr(interp_mod._Schedule, "_tile", neighbour)
+    bad = interpret(_multicast_kernel((2, 4)), p, a, b).c
+    assert not np.array_equal(good, bad)

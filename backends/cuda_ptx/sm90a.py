@@ -62,7 +62,13 @@ Field -> code map (the generated lines name their field in a comment):
   tile.block BMxBNxBK      tile constants, TMA box sizes, wgmma N (= BN), slabs per warpgroup, K steps per stage
   tile.warps               8x1: two consumer warpgroups split BM (cooperative), or K with reduce=block; 4x1: one
                            consumer warpgroup (pingpong)
-  tile.cluster             1x1 only (no multicast yet): anything else raises
+  tile.cluster             1x1, or CMxCN with persistent=false and no split-K: TMA multicast
+                           (l2ir.indexing.ClusterMulticast): clusters of CM x CN consecutive blocks own a CM x CN patch
+                           of tiles; each block loads BM/CN rows of its A box into its patch row's blocks and BN/CM
+                           rows of its B box into its patch column's (cp.async.bulk.tensor .multicast::cluster with
+                           the rank masks), and each consumer warp releases a stage at the empty barriers of its row
+                           and column (mapa + a cluster-scope arrive); cluster barriers after the barrier setup and
+                           before the block exits
   mma.shape                64xBNx16: the wgmma instruction emitted
   pipeline.schedule        cooperative; pingpong only with persistent=false (one tile per block, nothing to alternate)
   pipeline.stages          ring depth; auto resolved by l2ir.verify.resolved_stages
@@ -91,13 +97,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from l2ir.errors import ResourceError
-from l2ir.indexing import (REPACK_ALIGN, BlockSplit, ClusterReduce, Const, Expr, Repack, SplitKTree, Var, cdiv,
+from l2ir.indexing import (REPACK_ALIGN, BlockSplit, ClusterMulticast, ClusterReduce, Const, Expr, Repack, SplitKTree, Var, cdiv,
                            rasterize, splitk_range)
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.text import print_problem_class
 from l2ir.target import (KB, CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, H200_SMS,
                          MAX_CLUSTER, SMEM_LIMIT, TMA_BOX_MAX, TMA_DTYPE)
-from l2ir.analysis import block_reduce, cluster_reduce, resolved_stages, warpgroups_m
+from l2ir.analysis import block_reduce, cluster_reduce, multicast, resolved_stages, warpgroups_m
 from l2ir.verify import verify, verify_problem
 
 from l2ir.runtime import LaunchPlan, pdl_macro_cpp, run_args_cpp, status_constants_cpp
@@ -148,6 +154,12 @@ class PtxConfig:
     cluster_reduce: bool = False   # splitk reduce=cluster: the slices reduce in a cluster's shared memory
     block_reduce: bool = False     # splitk reduce=block: the 2 slices are the block's consumer warpgroups
     repack: str = ""          # repack operands=a|b|ab: operands copied to aligned rows when K % 8 != 0 ("" = none)
+    cluster: tuple[int, int] = (1, 1)   # tile.cluster CM x CN: TMA multicast, one tile per block (1x1: none)
+
+    @property
+    def multicast(self) -> ClusterMulticast | None:
+        """The cluster's operand sharing, or None without a cluster."""
+        return None if self.cluster == (1, 1) else ClusterMulticast(*self.cluster)
 
     @property
     def split(self) -> bool:
@@ -337,9 +349,10 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
         raise UnsupportedLowering("pipeline.schedule", f"'{pipe.schedule}': cooperative or pingpong")
     if pipe.prefetch:
         raise UnsupportedLowering("pipeline.prefetch", "wgmma reads shared memory; there are no fragments to prefetch")
-    if tile.cluster != (1, 1):
-        raise UnsupportedLowering("tile.cluster", f"{tile.cluster[0]}x{tile.cluster[1]}: TMA multicast across a "
-                                  "cluster is not generated; use 1x1")
+    if tile.cluster != (1, 1) and multicast(kernel) is None:
+        raise UnsupportedLowering("tile.cluster", f"{tile.cluster[0]}x{tile.cluster[1]} with "
+                                  f"{'pipeline.persistent=true' if pipe.persistent else 'split-K'}: TMA multicast is "
+                                  "generated for one tile per block without split-K (pipeline.persistent=false)")
     slices = 1
     if kernel.splitk is not None:
         sk = kernel.splitk
@@ -377,6 +390,11 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
         raise UnsupportedLowering("mma.shape", f"{'x'.join(map(str, mma.shape))}: each warpgroup issues "
                                   f"64x{bn}x16 (the whole BN in one instruction)")
     bits, swizzle_field = _swizzle_bits(swz, bk)
+    cm, cn = tile.cluster
+    if bm % (8 * cn) or bn % (8 * cm):
+        raise UnsupportedLowering("tile.cluster", f"{cm}x{cn} with {bm}x{bn} tiles: each block multicasts BM/CN = "
+                                  f"{bm / cn:g} rows of A and BN/CM = {bn / cm:g} rows of B, which must be whole "
+                                  "8-row swizzle atoms")
 
     if pad.align != 8:
         raise UnsupportedLowering("pad.align", f"{pad.align}: TMA needs 16-byte strides (align 8)")
@@ -401,6 +419,7 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
         epilogue=epi.path, vector=epi.vector, slices=slices,
         cluster_reduce=cluster_reduce(kernel), block_reduce=block_reduce(kernel),
         repack=kernel.repack.operands if kernel.repack is not None else "",
+        cluster=tuple(tile.cluster),
     )
     total, limit = cfg.layout["total"], SMEM_LIMIT["sm90a"]
     if total > limit:
@@ -452,8 +471,16 @@ def _wgmma_function(cfg: PtxConfig) -> list[str]:
 def _tile_loop(cfg: PtxConfig, indent: str) -> list[str]:
     """The tile loop header, the rasterized tile coordinates (l2ir.indexing.rasterize, rendered) and, with split-K,
     the slice's k-tile range (l2ir.indexing.splitk_range, rendered: the interpreter's and the verifier's partition)."""
-    tile_m, tile_n = rasterize(cfg.raster, cfg.group)
-    if cfg.cluster_reduce:
+    mc = cfg.multicast
+    tile_m, tile_n = rasterize(cfg.raster, cfg.group) if mc is None else mc.tile(cfg.raster, cfg.group)
+    if mc is not None:
+        head = [
+            f"{indent}// tile.cluster={mc.cm}x{mc.cn}: one tile per block. Block pid is rank pid % CLUSTER_SIZE of cluster",
+            f"{indent}// pid / CLUSTER_SIZE, whose CLUSTER_M x CLUSTER_N patch of tiles is rasterized over the patch grid",
+            f"{indent}// (l2ir.indexing.ClusterMulticast.tile). Every block runs the K loop, its tile in the grid or not.",
+            f"{indent}for (int pid = blockIdx.x; pid < num_blocks; pid = num_blocks) {{",
+        ]
+    elif cfg.cluster_reduce:
         head = [
             f"{indent}// splitk mode=split_k slices={cfg.slices} reduce=cluster: one cluster of SLICES consecutive blocks per",
             f"{indent}// tile, so work unit = tile * SLICES + slice and the slice is the block's rank in its cluster",
@@ -489,7 +516,8 @@ def _tile_loop(cfg: PtxConfig, indent: str) -> list[str]:
                  f"{indent}  const int kt_begin = {begin.to_cpp()};",
                  f"{indent}  const int kt_end = {end.to_cpp()};"]
     return head + [
-        f"{indent}  // swizzle.raster={cfg.raster} group={cfg.group} (l2ir.indexing.rasterize)",
+        f"{indent}  // swizzle.raster={cfg.raster} group={cfg.group} (l2ir.indexing."
+        + ("rasterize)" if mc is None else "ClusterMulticast.tile)"),
         f"{indent}  const int tile_m = {tile_m.to_cpp()};",
         f"{indent}  const int tile_n = {tile_n.to_cpp()};",
     ]
@@ -681,7 +709,8 @@ def _header(cfg: PtxConfig) -> list[str]:
         f"// tile {cfg.bm}x{cfg.bn}x{cfg.bk} {cfg.schedule_text}, wgmma 64x{cfg.bn}x16, "
         f"stages {cfg.stages} (pipeline.stages={cfg.stages_field}),",
         f"// swizzle {cfg.swizzle_field}, raster {cfg.raster}/{cfg.group}, persistent "
-        f"{str(cfg.persistent).lower()}, epilogue {cfg.epilogue}/{cfg.vector}",
+        f"{str(cfg.persistent).lower()}, epilogue {cfg.epilogue}/{cfg.vector}"
+        + ("" if cfg.multicast is None else f", cluster {cfg.cluster[0]}x{cfg.cluster[1]} (TMA multicast)"),
         "//",
         "// Host shim ABI (l2ir/runtime.py):",
         "//   size_t l2ir_workspace_size(int M, int N, int K);   // 0",
@@ -751,6 +780,15 @@ def _config(cfg: PtxConfig) -> list[str]:
           if cfg.tree else []),
         *([f"constexpr int NUM_SMS = {cfg.num_sms};            // persistent grid size (H200: 132 SMs)"]
           if cfg.persistent else []),
+        *([] if cfg.multicast is None else [
+            f"constexpr int CLUSTER_M = {cfg.cluster[0]}, CLUSTER_N = {cfg.cluster[1]};   // tile.cluster: a patch of "
+            "tiles per cluster",
+            "constexpr int CLUSTER_SIZE = CLUSTER_M * CLUSTER_N;",
+            "constexpr int A_BOX_ROWS = BM / CLUSTER_N;   // each block's share of its A box (its patch row shares it)",
+            "constexpr int B_BOX_ROWS = BN / CLUSTER_M;   // ... of its B box (its patch column shares it)",
+            f"constexpr uint32_t EMPTY_ARRIVALS = {cfg.multicast.release_arrivals(4 * cfg.consumer_wgs)};   "
+            "// (CLUSTER_M + CLUSTER_N - 1) x consumer warps",
+            "static_assert(A_BOX_ROWS % 8 == 0 && B_BOX_ROWS % 8 == 0, \"shares are whole 8-row swizzle atoms\");"]),
         "",
         f"// ---- shared memory (swizzle.smem = {cfg.swizzle_field}, pipeline.stages) ----",
         f"// A tile row of ATOM_K elements is one {cfg.row_bytes}-byte swizzle row: the TMA box's inner extent and the",
@@ -823,10 +861,10 @@ def _device_functions(cfg: PtxConfig) -> list[str]:
         '  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");',
         "}",
         "",
-        "__device__ __forceinline__ void mbar_arrive(uint32_t bar) {",
-        '  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");',
-        "}",
-        "",
+        *(["__device__ __forceinline__ void mbar_arrive(uint32_t bar) {",
+           '  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");',
+           "}",
+           ""] if cfg.multicast is None else []),   # tile.cluster releases through mbar_arrive_cluster
         "// Wait until the phase with this parity has completed. try_wait has acquire semantics, so the TMA bytes that",
         "// completed the phase are visible to the wgmma reads that follow.",
         "__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {",
@@ -842,15 +880,18 @@ def _device_functions(cfg: PtxConfig) -> list[str]:
         "  } while (!done);",
         "}",
         "",
-        "// 2D TMA load of one box into shared memory, completing `bytes` on the mbarrier. c0 is the innermost (K)",
-        "// coordinate, c1 the row. Out-of-bounds elements arrive as zeros (the K, M and N tails).",
-        "__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {",
-        "  asm volatile(",
-        '      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"',
-        '      :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1) : "memory");',
-        "}",
-        "",
+        *([
+            "// 2D TMA load of one box into shared memory, completing `bytes` on the mbarrier. c0 is the innermost (K)",
+            "// coordinate, c1 the row. Out-of-bounds elements arrive as zeros (the K, M and N tails).",
+            "__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {",
+            "  asm volatile(",
+            '      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"',
+            '      :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1) : "memory");',
+            "}",
+            "",
+        ] if cfg.multicast is None or 1 in cfg.cluster else []),   # a box not shared along one cluster dimension
         *(_cluster_functions() if cfg.cluster_reduce else []),
+        *(_multicast_functions() if cfg.multicast is not None else []),
         "__device__ __forceinline__ void wgmma_fence() { asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\"); }",
         "__device__ __forceinline__ void wgmma_commit() { asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\"); }",
         "template <int N>",
@@ -1006,6 +1047,88 @@ def _cluster_functions() -> list[str]:
     ]
 
 
+def _multicast_functions() -> list[str]:
+    """tile.cluster: the cluster barrier, the multicast TMA load, and the empty barriers' remote release and wait."""
+    return [
+        "// tile.cluster: every thread of every block of the cluster arrives (release) and waits (acquire).",
+        "__device__ __forceinline__ void cluster_sync() {",
+        '  asm volatile("barrier.cluster.arrive.release;" ::: "memory");',
+        '  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");',
+        "}",
+        "",
+        "// 2D TMA load of one box into the same shared-memory offset of every block of the cluster named in `mask`",
+        "// (bit r = cluster rank r), completing `bytes` on the mbarrier at the same offset in each of them.",
+        "__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,",
+        "                                                      int c1, uint16_t mask) {",
+        "  asm volatile(",
+        '      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"',
+        '      " [%0], [%1, {%3, %4}], [%2], %5;"',
+        '      :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(mask) : "memory");',
+        "}",
+        "",
+        "// One arrival at the mbarrier at this block's offset `bar` in the block of cluster rank `rank`. Release at",
+        "// cluster scope: this warp's wgmma reads of the stage are done before that block's producer refills it.",
+        "__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {",
+        "  uint32_t remote;",
+        '  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(rank));',
+        '  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(remote) : "memory");',
+        "}",
+        "",
+        "// The producer's wait on its empty barrier, whose arrivals come from other blocks too: acquire at cluster scope.",
+        "__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {",
+        "  uint32_t done = 0;",
+        "  do {",
+        "    asm volatile(",
+        '        "{\\n"',
+        '        ".reg .pred p;\\n"',
+        '        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\\n"',
+        '        "selp.u32 %0, 1, 0, p;\\n"',
+        '        "}\\n"',
+        '        : "=r"(done) : "r"(bar), "r"(parity) : "memory");',
+        "  } while (!done);",
+        "}",
+        "",
+    ]
+
+
+def _multicast_ranks(cfg: PtxConfig) -> list[str]:
+    """tile.cluster: the grid's blocks and this block's rank, share of each box and the blocks each share goes to
+    (l2ir.indexing.ClusterMulticast, rendered)."""
+    mc = cfg.multicast
+    if mc is None:
+        return []
+    return [
+        f"  const int num_blocks = CLUSTER_SIZE * {mc.clusters().to_cpp()};   // whole clusters",
+        "  const int rank = blockIdx.x % CLUSTER_SIZE;   // %cluster_ctarank of the 1-D cluster",
+        *([f"  const int a_first = {mc.a_first(cfg.bm).to_cpp()};   // this block's A_BOX_ROWS rows of the A box",
+           f"  const uint16_t a_mask = {mc.a_mask().to_cpp()};   // ... go to its patch row"] if mc.cn > 1 else []),
+        *([f"  const int b_first = {mc.b_first(cfg.bn).to_cpp()};   // this block's B_BOX_ROWS rows of the B box",
+           f"  const uint16_t b_mask = {mc.b_mask().to_cpp()};   // ... go to its patch column"] if mc.cm > 1 else []),
+        f"  const uint32_t release_mask = {mc.release_mask().to_cpp()};   // row and column: where stages are released",
+    ]
+
+
+def _multicast_loads(cfg: PtxConfig) -> list[str]:
+    """The producer's TMA loads of one k block: its own A and B boxes, or with tile.cluster its share of each,
+    multicast to the blocks that use it (l2ir.indexing.ClusterMulticast)."""
+    mc = cfg.multicast
+    a_dst = "smem_base + SMEM_A + stage * A_STAGE_BYTES + kb * A_KBLOCK_BYTES"
+    b_dst = "smem_base + SMEM_B + stage * B_STAGE_BYTES + kb * B_KBLOCK_BYTES"
+    if mc is None:
+        return [f"            tma_load_2d({a_dst}, &tmap_a, full, k0,",
+                "                        tile_m * BM);",
+                f"            tma_load_2d({b_dst}, &tmap_b, full, k0,",
+                "                        tile_n * BN);"]
+    out = []
+    for op, dst, tile, box, share in (("a", a_dst, "tile_m * BM", "A", mc.cn), ("b", b_dst, "tile_n * BN", "B", mc.cm)):
+        if share == 1:
+            out += [f"            tma_load_2d({dst}, &tmap_{op}, full, k0, {tile});   // not shared: the whole box"]
+        else:
+            out += [f"            tma_load_2d_multicast({dst} + {op}_first * ROW_BYTES, &tmap_{op}, full, k0,",
+                    f"                                  {tile} + {op}_first, {op}_mask);"]
+    return out
+
+
 def _block_ranges(cfg: PtxConfig) -> list[str]:
     """reduce=block: the k tiles of consumer warpgroup `slice` (l2ir.indexing.splitk_range with 2 slices, rendered),
     which the producer and both consumers use."""
@@ -1066,11 +1189,12 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "",
         "  const int tiles_m = (M + BM - 1) / BM;",
         "  const int tiles_n = (N + BN - 1) / BN;",
-        "  const int num_tiles = tiles_m * tiles_n;",
+        *(["  const int num_tiles = tiles_m * tiles_n;"] if cfg.multicast is None else []),
         *(["  const int num_units = num_tiles * SLICES;   // (tile, slice) work units; l2ir_run checked the product"]
           if cfg.split else []),
         "  const int k_tiles = (K + BK - 1) / BK;   // the K tail is a zero-filled box (pad.k)",
         *_block_ranges(cfg),
+        *_multicast_ranks(cfg),
         "  const int wg = threadIdx.x / 128;",
         "",
         "  if (threadIdx.x == 0) {",
@@ -1082,7 +1206,10 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "      mbar_init(bars + 8 * s, 1);                           // full: the producer's arrive.expect_tx",
         *(["      mbar_init(bars + 8 * (STAGES + s), 4);   // empty: one warpgroup reads a stage (reduce=block), one "
            "arrival per warp"] if cfg.block_reduce else
-          ["      mbar_init(bars + 8 * (STAGES + s), CONSUMER_WGS * 4);  // empty: one arrival per consumer warp"]),
+          ["      mbar_init(bars + 8 * (STAGES + s), CONSUMER_WGS * 4);  // empty: one arrival per consumer warp"]
+          if cfg.multicast is None else
+          ["      mbar_init(bars + 8 * (STAGES + s), EMPTY_ARRIVALS);   // empty: every consumer warp of its row and "
+           "column"]),
         "    }",
         "    // Make the initialized barriers visible to the other threads and to the async proxy (TMA complete_tx).",
         '    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");',
@@ -1092,6 +1219,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "  // After it the warpgroups meet only through mbarriers, named barriers among the consumers and, with",
         "  // splitk reduce=cluster, the cluster barriers.",
         "  __syncthreads();",
+        *(["  // tile.cluster: nor may another block of the cluster multicast into this one or arrive at its barriers.",
+           "  cluster_sync();"] if cfg.multicast is not None else []),
         "",
         "  if (wg == 0) {",
         "    // ---- producer warpgroup: TMA only, so it releases its registers (REG_BUDGET) ----",
@@ -1107,16 +1236,14 @@ def _kernel(cfg: PtxConfig) -> list[str]:
           [f"        for (int kt = {cfg.k_first}; kt < {cfg.k_last}; ++kt) {{"]),
         "          // Wait until the consumers released this stage. On the first pass (phase 0) parity 1 refers to the",
         "          // phase before initialization, which counts as complete, so the ring fills without waiting.",
-        "          mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);",
+        ("          mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);" if cfg.multicast is None else
+         "          mbar_wait_cluster(bars + 8 * (STAGES + stage), phase ^ 1);   // released by its row and column"),
         "          const uint32_t full = bars + 8 * stage;",
         "          mbar_arrive_expect_tx(full, STAGE_TX_BYTES);",
         "#pragma unroll",
         "          for (int kb = 0; kb < K_BLOCKS; ++kb) {",
         "            const int k0 = kt * BK + kb * ATOM_K;",
-        "            tma_load_2d(smem_base + SMEM_A + stage * A_STAGE_BYTES + kb * A_KBLOCK_BYTES, &tmap_a, full, k0,",
-        "                        tile_m * BM);",
-        "            tma_load_2d(smem_base + SMEM_B + stage * B_STAGE_BYTES + kb * B_KBLOCK_BYTES, &tmap_b, full, k0,",
-        "                        tile_n * BN);",
+        *_multicast_loads(cfg),
         "          }",
         "          if (++stage == STAGES) { stage = 0; phase ^= 1; }",
         "        }",
@@ -1148,6 +1275,12 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "#pragma unroll",
         f"      for (int i = 0; i < {nr}; ++i) acc[j][i] = 0.f;",
         *([] if cfg.block_reduce else ["    int stage = 0;", "    uint32_t phase = 0;"]),
+        *([] if cfg.multicast is None else [
+            "    // tile.cluster: a stage is filled from every block of this block's patch row and column, so a warp",
+            "    // releases it at each of their empty barriers: lane r signals cluster rank r.",
+            "    auto release = [&](int s) {",
+            "      if (lane < CLUSTER_SIZE && (release_mask >> lane & 1)) mbar_arrive_cluster(bars + 8 * (STAGES + s), lane);",
+            "    };"]),
         *_tile_loop(cfg, "    "),
         "      int prev = -1;",
         *(_block_consumer_loop() if cfg.block_reduce else
@@ -1180,7 +1313,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "        wgmma_wait<1>();",
         "#pragma unroll",
         "        for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
-        "        if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));",
+        ("        if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));" if cfg.multicast is None else
+         "        if (prev >= 0) release(prev);"),
         "        prev = stage;",
         *([] if cfg.block_reduce else ["        if (++stage == STAGES) { stage = 0; phase ^= 1; }"]),
         "      }",
@@ -1189,7 +1323,9 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "      for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
         *(["      if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));"]
           if cfg.split or cfg.block_reduce else
-          ["      if (lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));"]),
+          ["      if (lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));"] if cfg.multicast is None else
+          ["      release(prev);",
+           "      if (tile_m >= tiles_m || tile_n >= tiles_n) continue;   // a cluster's block past the grid stores nothing"]),
         "",
         *(_splitk_reduce(cfg) if cfg.tree else _cluster_reduce(cfg) if cfg.cluster_reduce else
           _block_reduce(cfg) if cfg.block_reduce else []),
@@ -1198,6 +1334,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
           if cfg.cluster_reduce else []),
         "    }",
         "  }",
+        *(["  // tile.cluster: no block leaves while a block of its row or column may still arrive at its empty barriers.",
+           "  cluster_sync();"] if cfg.multicast is not None else []),
         "}",
         "",
     ]
@@ -1308,6 +1446,8 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         grid_line = f"  const int grid = {units} < NUM_SMS ? int({units}) : NUM_SMS;   // pipeline.persistent=true"
     elif cfg.split:
         grid_line = "  const int grid = int(num_units);   // pipeline.persistent=false: one block per (tile, slice)"
+    elif cfg.multicast is not None:
+        grid_line = "  const int grid = int(num_blocks);   // tile.cluster: whole clusters, one tile per block"
     else:
         grid_line = "  const int grid = int(num_tiles);   // pipeline.persistent=false: one block per tile"
     L: list[str] = [
@@ -1425,6 +1565,10 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
             "  const long long num_units = num_tiles * SLICES;"
             + ("   // reduce=cluster: SLICES blocks (one cluster) a tile" if cfg.cluster_reduce else ""),
             "  if (num_units > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;"]),
+        *([] if cfg.multicast is None else [
+            "  const long long tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;",
+            f"  const long long num_blocks = CLUSTER_SIZE * {cfg.multicast.clusters().to_cpp()};   // whole clusters",
+            "  if (num_blocks > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;"]),
         *([] if not cfg.tree else [
             "  // splitk: the partials, then SLICES - 1 pair counters per tile (zero before the first launch:",
             "  // plan.zero_workspace; every launch leaves them zero). float4 partial stores need 16-byte alignment.",
@@ -1438,8 +1582,8 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
             "  unsigned* counters = reinterpret_cast<unsigned*>(ws + num_tiles * SLICES * PARTIAL_FLOATS);"]),
         "  // Encoding a tensor map is a driver call: a repeated call on the same operand re-uses its map.",
         "  thread_local MapCache cache_a, cache_b;",
-        "  const CUtensorMap* tmap_a = operand_map(cache_a, a_read, M, K, lda, BM);",
-        "  const CUtensorMap* tmap_b = operand_map(cache_b, b_read, N, K, ldb, BN);",
+        f"  const CUtensorMap* tmap_a = operand_map(cache_a, a_read, M, K, lda, {'BM' if cfg.multicast is None else 'A_BOX_ROWS'});",
+        f"  const CUtensorMap* tmap_b = operand_map(cache_b, b_read, N, K, ldb, {'BN' if cfg.multicast is None else 'B_BOX_ROWS'});",
         "  if (tmap_a == nullptr || tmap_b == nullptr) return L2IR_STATUS_TENSOR_MAP;",
         "  if (!configure_kernel()) return L2IR_STATUS_CUDA_ERROR;",
         *(_repack_launch(cfg) if cfg.repack else []),
@@ -1459,7 +1603,7 @@ def _max_active_clusters(cfg: PtxConfig) -> list[str]:
     the GPU holds at once, asked of the runtime that registered the kernel (the library's own, linked statically:
     no other runtime can name its function). A cluster's blocks must share a GPC, so a GPU holds fewer four-block
     clusters than its SM count / 4; bench/cluster_occupancy_probe.py compares the answer with the shape's grid."""
-    size = "SLICES" if cfg.cluster_reduce else "1"
+    size = "SLICES" if cfg.cluster_reduce else "CLUSTER_SIZE" if cfg.multicast is not None else "1"
     return [
         "// The GEMM's clusters resident at once (cudaOccupancyMaxActiveClusters), or -1 if the runtime refuses.",
         'extern "C" int l2ir_max_active_clusters() {',
@@ -1490,6 +1634,16 @@ def _launch_ex(cfg: PtxConfig) -> list[str]:
     Built with -DL2IR_PDL=0 it is an ordinary launch (bench/pdl_probe.py compares the two)."""
     args = "*tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K" + (", ws, counters" if cfg.tree else "")
     L = ["  cudaLaunchAttribute attr[2];", "  unsigned num_attrs = 0;"]
+    if cfg.multicast is not None:
+        L += [
+            "  // tile.cluster: clusters of CLUSTER_SIZE consecutive blocks, a patch of tiles each; the hardware",
+            "  // co-schedules a cluster's blocks on one GPC, which is what lets TMA write into all of them.",
+            "  attr[num_attrs].id = cudaLaunchAttributeClusterDimension;",
+            "  attr[num_attrs].val.clusterDim.x = CLUSTER_SIZE;",
+            "  attr[num_attrs].val.clusterDim.y = 1;",
+            "  attr[num_attrs].val.clusterDim.z = 1;",
+            "  ++num_attrs;",
+        ]
     if cfg.cluster_reduce:
         L += [
             "  // splitk reduce=cluster: clusters of SLICES consecutive blocks, one per tile; the hardware co-schedules a",
