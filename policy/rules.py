@@ -80,6 +80,27 @@ def coop_split4_kernel(problem: Problem, sms: int) -> Kernel | None:
     return split_tile_kernel((128, bn, 64), "cooperative", SplitK("split_k", slices, "cluster"))
 
 
+# A multicast along N (tile.cluster 1x4): the four blocks of a cluster share one read of their A tile. At
+# 100x3000x4104 CUTLASS's ping-pong 64x64 in 1x4 clusters, one tile per block (24 clusters), ran 13.8 us against
+# 22.6 without the cluster and 16.7 for the cluster split-K; at 127x4096x4096 its 32 clusters, more than a wave,
+# ran 19.7 us against 13.4 (bench/results/multicast_np_h200.json).
+MULTICAST_N = 4
+
+
+def multicast_kernel(problem: Problem, sms: int, backend: str) -> Kernel | None:
+    """M <= 128 with a long K and many N tiles: ping-pong 64x64 tiles, one per block, in 1 x MULTICAST_N clusters
+    (TMA multicast of A along N), when the clusters fit one wave (FOUR_BLOCK_CLUSTER_WAVE) and fill at least half
+    the SMs. `backend` cutlass_sm90 (TMA store) or cuda_ptx (direct stores). None elsewhere."""
+    if problem.m > 128 or ceil_div(problem.k, 64) < SHORT_K_TILES:
+        return None
+    clusters = ceil_div(problem.m, 64) * ceil_div(ceil_div(problem.n, 64), MULTICAST_N)
+    if not (2 * clusters * MULTICAST_N >= sms and clusters <= FOUR_BLOCK_CLUSTER_WAVE * sms // H200_SMS):
+        return None
+    k = hopper_kernel(problem, 64, 64, "pingpong", cluster=(1, MULTICAST_N), raster=Swizzle(raster="along_n", group=8))
+    k = k.replace(pipeline=dataclasses.replace(k.pipeline, persistent=False))
+    return k if backend == "cutlass_sm90" else k.replace(epilogue=Epilogue("direct", 2))
+
+
 def tiles_of(problem: Problem, bm: int, bn: int) -> int:
     return ceil_div(problem.m, bm) * ceil_div(problem.n, bn)
 
@@ -292,6 +313,16 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
             9.25, direct_decode_kernel(problem, arch, deep=True),
             f"decode: {m} row(s) of A, as the direct kernel above with four register sets of half the k step: three "
             "steps of B stay in flight while one multiplies", backend="cuda_ptx_direct"))
+
+    # Skinny M, many N tiles, a long K: share each A read between the blocks of a cluster (TMA multicast along N).
+    if hopper:
+        for backend, priority in (("cutlass_sm90", 9.95), ("cuda_ptx", 9.94)):
+            mc = multicast_kernel(problem, sms, backend) if backend != "cuda_ptx" or cuda_ptx_lowered(problem) else None
+            if mc is not None:
+                out.append(Candidate(
+                    priority, mc, f"multicast: {ceil_div(m, 64)} tile row(s) of 64 against {ceil_div(n, 64)} tile "
+                    f"columns and {ceil_div(k, 64)} k tiles: 1x{MULTICAST_N} clusters, one 64x64 tile per block, "
+                    f"share each A read (bench/results/multicast_np_h200.json)", backend=backend))
 
     # Few small tiles with a short K loop: the block's two consumer warpgroups split it (cuda_ptx).
     if hopper and cuda_ptx_lowered(problem):
