@@ -629,7 +629,7 @@ def test_multicast_renders_shares_and_remote_releases():
                  "tma_load_2d_multicast(smem_base + SMEM_A + stage * A_STAGE_BYTES + kb * A_KBLOCK_BYTES + a_first * "
                  "ROW_BYTES, &tmap_a, full, k0,", "tile_m * BM + a_first, a_mask);", "tile_n * BN + b_first, b_mask);",
                  "mbar_init(bars + 8 * (STAGES + s), EMPTY_ARRIVALS);",
-                 "mbar_wait_cluster(bars + 8 * (STAGES + stage), phase ^ 1);",
+                 "mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);   // tile.cluster: released by its row and column",
                  "if (lane < CLUSTER_SIZE && (release_mask >> lane & 1)) mbar_arrive_cluster(bars + 8 * (STAGES + s), lane);",
                  "if (tile_m >= tiles_m || tile_n >= tiles_n) continue;",
                  "operand_map(cache_a, a_read, M, K, lda, A_BOX_ROWS);", "operand_map(cache_b, b_read, N, K, ldb, B_BOX_ROWS);",

@@ -142,26 +142,15 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtens
       :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(mask) : "memory");
 }
 
-// One arrival at the mbarrier at this block's offset `bar` in the block of cluster rank `rank`. Release at
-// cluster scope: this warp's wgmma reads of the stage are done before that block's producer refills it.
+// One arrival at the mbarrier at this block's offset `bar` in the block of cluster rank `rank`, with the
+// arrive's default (release, CTA scope) semantics: the warp's wgmma reads of the stage completed at its
+// wait_group, before this arrival, and the refill that the arrival allows is that block's own TMA write.
+// A cluster-scope release here costs a fence per k tile: it ran the 64x64 kernel 2.4x slower
+// (bench/results/multicast_ptx_release_cluster_h200.json).
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(rank));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(remote) : "memory");
-}
-
-// The producer's wait on its empty barrier, whose arrivals come from other blocks too: acquire at cluster scope.
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(remote) : "memory");
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -271,7 +260,7 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
         for (int kt = 0; kt < k_tiles; ++kt) {
           // Wait until the consumers released this stage. On the first pass (phase 0) parity 1 refers to the
           // phase before initialization, which counts as complete, so the ring fills without waiting.
-          mbar_wait_cluster(bars + 8 * (STAGES + stage), phase ^ 1);   // released by its row and column
+          mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);   // tile.cluster: released by its row and column
           const uint32_t full = bars + 8 * stage;
           mbar_arrive_expect_tx(full, STAGE_TX_BYTES);
 #pragma unroll
