@@ -80,23 +80,28 @@ def coop_split4_kernel(problem: Problem, sms: int) -> Kernel | None:
     return split_tile_kernel((128, bn, 64), "cooperative", SplitK("split_k", slices, "cluster"))
 
 
-# A multicast along N (tile.cluster 1x4): the four blocks of a cluster share one read of their A tile. At
-# 100x3000x4104 CUTLASS's ping-pong 64x64 in 1x4 clusters, one tile per block (24 clusters), ran 13.8 us against
-# 22.6 without the cluster and 16.7 for the cluster split-K; at 127x4096x4096 its 32 clusters, more than a wave,
-# ran 19.7 us against 13.4 (bench/results/multicast_np_h200.json).
-MULTICAST_N = 4
+# A multicast along N: the blocks of a 1xN cluster share one read of their A tile. At 100x3000x4104 CUTLASS's
+# ping-pong 64x64, one tile per block, ran 12.9 us in 1x8 clusters (12 of them), 13.8 in 1x4 (24), 18.0 in 1x2 and
+# 22.6 without a cluster; at 127x4096x4096 its 32 four-block clusters, more than a wave, ran 19.6 us against the
+# seed's 13.4 (bench/results/multicast_np_h200.json, multicast_np_wide_h200.json). The cuda_ptx kernel gains from
+# sharing B along M as well (2x4: 15.5 us, 1x4: 19.9) but stays behind CUTLASS's there.
+# Resident clusters of a full-ring one-block-per-SM kernel, by size (cudaOccupancyMaxActiveClusters on the H200,
+# bench/results/cluster_occupancy_h200.json).
+CLUSTER_WAVE = {4: FOUR_BLOCK_CLUSTER_WAVE, 8: 15}
 
 
-def multicast_kernel(problem: Problem, sms: int, backend: str) -> Kernel | None:
-    """M <= 128 with a long K and many N tiles: ping-pong 64x64 tiles, one per block, in 1 x MULTICAST_N clusters
-    (TMA multicast of A along N), when the clusters fit one wave (FOUR_BLOCK_CLUSTER_WAVE) and fill at least half
-    the SMs. `backend` cutlass_sm90 (TMA store) or cuda_ptx (direct stores). None elsewhere."""
-    if problem.m > 128 or ceil_div(problem.k, 64) < SHORT_K_TILES:
+def multicast_kernel(problem: Problem, sms: int, backend: str, cluster: tuple[int, int]) -> Kernel | None:
+    """M <= 128 with a long K and many N tiles: ping-pong 64x64 tiles, one per block, in `cluster` (CM x CN; TMA
+    multicast of A along N, of B along M when CM > 1), when the clusters fit one wave (CLUSTER_WAVE) and fill at
+    least half the SMs. `backend` cutlass_sm90 (TMA store) or cuda_ptx (direct stores). None elsewhere."""
+    cm, cn = cluster
+    tiles_m = ceil_div(problem.m, 64)
+    if problem.m > 128 or ceil_div(problem.k, 64) < SHORT_K_TILES or cm > tiles_m:
         return None
-    clusters = ceil_div(problem.m, 64) * ceil_div(ceil_div(problem.n, 64), MULTICAST_N)
-    if not (2 * clusters * MULTICAST_N >= sms and clusters <= FOUR_BLOCK_CLUSTER_WAVE * sms // H200_SMS):
+    clusters = ceil_div(tiles_m, cm) * ceil_div(ceil_div(problem.n, 64), cn)
+    if not (2 * clusters * cm * cn >= sms and clusters <= CLUSTER_WAVE[cm * cn] * sms // H200_SMS):
         return None
-    k = hopper_kernel(problem, 64, 64, "pingpong", cluster=(1, MULTICAST_N), raster=Swizzle(raster="along_n", group=8))
+    k = hopper_kernel(problem, 64, 64, "pingpong", cluster=cluster, raster=Swizzle(raster="along_n", group=8))
     k = k.replace(pipeline=dataclasses.replace(k.pipeline, persistent=False))
     return k if backend == "cutlass_sm90" else k.replace(epilogue=Epilogue("direct", 2))
 
@@ -316,13 +321,16 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
 
     # Skinny M, many N tiles, a long K: share each A read between the blocks of a cluster (TMA multicast along N).
     if hopper:
-        for backend, priority in (("cutlass_sm90", 9.95), ("cuda_ptx", 9.94)):
-            mc = multicast_kernel(problem, sms, backend) if backend != "cuda_ptx" or cuda_ptx_lowered(problem) else None
+        for backend, cluster, priority in (("cutlass_sm90", (1, 8), 9.96), ("cutlass_sm90", (1, 4), 9.95),
+                                           ("cuda_ptx", (2, 4), 9.0)):
+            if backend == "cuda_ptx" and not cuda_ptx_lowered(problem):
+                continue
+            mc = multicast_kernel(problem, sms, backend, cluster)
             if mc is not None:
                 out.append(Candidate(
                     priority, mc, f"multicast: {ceil_div(m, 64)} tile row(s) of 64 against {ceil_div(n, 64)} tile "
-                    f"columns and {ceil_div(k, 64)} k tiles: 1x{MULTICAST_N} clusters, one 64x64 tile per block, "
-                    f"share each A read (bench/results/multicast_np_h200.json)", backend=backend))
+                    f"columns and {ceil_div(k, 64)} k tiles: {cluster[0]}x{cluster[1]} clusters, one 64x64 tile per "
+                    "block, share each A read (bench/results/multicast_np_wide_h200.json)", backend=backend))
 
     # Few small tiles with a short K loop: the block's two consumer warpgroups split it (cuda_ptx).
     if hopper and cuda_ptx_lowered(problem):
