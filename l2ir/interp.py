@@ -345,17 +345,18 @@ class _Schedule:
         block's tile shows in C. The empty barriers' arrivals are counted too: each block's must receive
         release_arrivals per phase from the blocks its stages are filled from."""
         size, warps = mc.size, self.kernel.tile.warps[0] * self.kernel.tile.warps[1]
+        # Shares, masks and releases depend on the rank alone: the same in every cluster.
+        env = {"rank": np.arange(size, dtype=np.int64)}
+        a_first, b_first = mc.a_first(self.bm).eval(env), mc.b_first(self.bn).eval(env)
+        a_mask, b_mask = mc.a_mask().eval(env), mc.b_mask().eval(env)
+        release = mc.release_mask().eval(env)
+        arrivals = [sum(warps for src in range(size) if release[src] >> dst & 1) for dst in range(size)]
+        if arrivals != [mc.release_arrivals(warps)] * size:
+            raise InterpError(f"cluster {mc.cm}x{mc.cn}: empty barriers receive {arrivals} warp arrivals a "
+                              f"phase, initialized for {mc.release_arrivals(warps)}")
+        a_rows, b_rows = mc.a_rows(self.bm), mc.b_rows(self.bn)
         for first in range(0, len(order), size):
             blocks = order[first:first + size]
-            env = {"rank": np.arange(size, dtype=np.int64)}
-            a_first, b_first = mc.a_first(self.bm).eval(env), mc.b_first(self.bn).eval(env)
-            a_mask, b_mask = mc.a_mask().eval(env), mc.b_mask().eval(env)
-            release = mc.release_mask().eval(env)
-            arrivals = [sum(warps for src in range(size) if release[src] >> dst & 1) for dst in range(size)]
-            if arrivals != [mc.release_arrivals(warps)] * size:
-                raise InterpError(f"cluster {mc.cm}x{mc.cn}: empty barriers receive {arrivals} warp arrivals a "
-                                  f"phase, initialized for {mc.release_arrivals(warps)}")
-            a_rows, b_rows = mc.a_rows(self.bm), mc.b_rows(self.bn)
 
             def feed(kt: int, dst: int):
                 a_t = np.zeros((self.bm, self.bk), dtype=self.in_dtype)
