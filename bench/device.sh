@@ -111,6 +111,8 @@ gpu-backends-a|560|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/tes
 gpu-backends-b|560|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k "test_generated_kernel or test_cutlass_kept or test_odd_n or test_cuda_ptx_repack"
 gpu-backends-c|560|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k "test_cuda_ptx_direct or test_cuda_ptx_splitk_reduction"
 gpu-rest|560|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_loop_gpu.py tests/test_pool_gpu.py tests/test_pipeline_gpu.py tests/test_train_policy.py tests/test_cluster.py
+dram-ceiling|300|python3 bench/dram_ceiling_probe.py --out bench/results/dram_ceiling_h200.json
+dram-ceiling-writes|400|python3 bench/dram_ceiling_probe.py --writes --out bench/results/dram_ceiling_writes_h200.json
 direct-deep|420|python3 -m l2ir.cli bench --target sm90a --shapes 0 --shape 1x4096x4096 --shape 8x4096x4096 --shape 4x11008x4096 --shape 16x8192x8192 --shape 1x8192x28672 --family cuda_ptx_direct=cuda_ptx_direct:direct_8x32x128_w1x4_s2_k4,direct_8x32x64_w1x4_s4_k4,direct_8x32x128_w1x4_s3_k2,direct_16x32x64_w1x4_s4_k2 --budget-s 360 --out bench/results/direct_deep_h200
 block-tests|150|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k "block_coop or splitk_block"
 gpu-tests-serial|300|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_evaluator_gpu.py tests/test_loop_gpu.py tests/test_pool_gpu.py tests/test_pipeline_gpu.py tests/test_train_policy.py
