@@ -178,7 +178,6 @@ def main(argv=None) -> int:
     if not built.ok:
         print(f"dram_ceiling_probe: the stream kernel did not compile: {built.summary()}", file=sys.stderr)
         return 1
-    launchers = [CubinLauncher(p, built.binary) for p in plans]
     names = [f"stream_{per_sm}x{threads}" for per_sm, threads in VARIANTS] + ["empty"]
     if args.writes:
         for w in WRITE_KERNELS:
@@ -186,6 +185,7 @@ def main(argv=None) -> int:
                 plans.append(LaunchPlan(source=STREAM_SOURCE, arch="sm_90a", launches=(Launch(
                     entry=f"l2ir_write_{w}", grid=(Const(sms * per_sm), Const(1), Const(1)), block=(256, 1, 1)),)))
                 names.append(f"write_{w}_{per_sm}")
+    launchers = [CubinLauncher(p, built.binary) for p in plans]
     cfg = TimingConfig()
     ws = torch.zeros(16, dtype=torch.uint8, device="cuda")
     rows = []
