@@ -10,6 +10,10 @@ replaced by a later run's row only when the later run evaluated the current winn
 that shape: the later winner then beat it in one selection, and its fresh times come from one run, so a replaced row
 is never a best-of-runs pick. Shapes of a later run outside the base set are ignored. The groups (FLOP regimes,
 unaligned shapes, DRAM-bound shapes and their roofline shares) are search.report.fresh_summary's, the bench's own.
+
+--ceiling FILE (bench/dram_ceiling_probe.py's output) adds to each DRAM-bound row the time of a kernel that only
+streams the shape's bytes, and the share of that ceiling the winner reaches: what is left to gain, where the
+roofline share alone mixes it with what no kernel can reach.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 
 from l2ir.search.db import split_problem
 from l2ir.search.records import JsonlStore
-from l2ir.search.report import REGIMES, ShapeResult, fresh_summary, gflop
+from l2ir.search.report import REGIMES, ShapeResult, fresh_summary, gflop, median
 
 
 class DeriveError(Exception):
@@ -84,13 +88,42 @@ def derive(prefixes: list[str]) -> dict:
                                         "wins_by_family")}}
 
 
+def add_ceiling(result: dict, ceiling_path: Path) -> None:
+    """The DRAM-bound rows' stream-kernel ceilings (dram_ceiling_probe), and the winners' share of them."""
+    try:
+        probe = json.loads(ceiling_path.read_text())
+        ceiling = {tuple(r["shape"]): r["ceiling_us"] for r in probe["rows"] if r.get("ceiling_us")}
+    except OSError as e:
+        raise DeriveError(f"{ceiling_path}: cannot read: {e.strerror}") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise DeriveError(f"{ceiling_path}: not a dram_ceiling_probe output ({e})") from None
+    group = result["groups"].get("dram_bound")
+    if not group:
+        return
+    of_ceiling = []
+    for row in group["rows"]:
+        c = ceiling.get(tuple(row["shape"]))
+        if c is None or not row.get("kernel_share"):
+            continue
+        kernel_us = row["floor_us"] / row["kernel_share"]
+        row["ceiling_us"], row["ceiling_share"] = c, row["floor_us"] / c
+        row["kernel_share_of_ceiling"] = c / kernel_us
+        of_ceiling.append(row["kernel_share_of_ceiling"])
+    group["ceiling_source"] = ceiling_path.name
+    group["median_ceiling_share"] = median([r["ceiling_share"] for r in group["rows"] if "ceiling_share" in r])
+    group["median_kernel_share_of_ceiling"] = median(of_ceiling)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("prefixes", nargs="+", help="bench result prefixes: the base run first, then later runs")
+    ap.add_argument("--ceiling", type=Path, help="dram_ceiling_probe output: per DRAM-bound shape, the stream ceiling")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     try:
         result = derive(args.prefixes)
+        if args.ceiling:
+            add_ceiling(result, args.ceiling)
     except DeriveError as e:
         print(f"derive_families: {e}", file=sys.stderr)
         return 2
@@ -107,7 +140,10 @@ def main(argv=None) -> int:
           f"fresh geomean {g['unaligned']['fresh_geomean_speedup']:.3f}x")
     if "dram_bound" in g:
         print(f"  DRAM-bound: {g['dram_bound']['shapes']} shapes, median roofline share kernel "
-              f"{g['dram_bound']['median_kernel_share']:.3f}, torch {g['dram_bound']['median_torch_share']:.3f}")
+              f"{g['dram_bound']['median_kernel_share']:.3f}, torch {g['dram_bound']['median_torch_share']:.3f}"
+              + (f"; stream ceiling {g['dram_bound']['median_ceiling_share']:.3f}, winners at a median "
+                 f"{g['dram_bound']['median_kernel_share_of_ceiling']:.3f} of it"
+                 if g["dram_bound"].get("median_kernel_share_of_ceiling") else ""))
     for r in result["replaced"]:
         print(f"  replaced {r['shape']}: {r['speedup_before']:.3f}x ({r['from']}) -> {r['speedup_after']:.3f}x "
               f"({r['to']})")

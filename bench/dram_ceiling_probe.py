@@ -162,10 +162,11 @@ def main(argv=None) -> int:
         print("dram_ceiling_probe: no CUDA GPU here", file=sys.stderr)
         return 1
     from l2ir.backends.compile import CompileOptions, compile_plan
-    from l2ir.indexing import Const
-    from l2ir.runtime import CubinLauncher, Launch, LaunchPlan
     from l2ir.search.evaluator import environment
     from l2ir.search.timing import TimingConfig, sets_for, time_offline
+
+    from l2ir.indexing import Const
+    from l2ir.runtime import CubinLauncher, Launch, LaunchPlan
 
     torch.cuda.init()
     props = torch.cuda.get_device_properties(0)
@@ -195,7 +196,7 @@ def main(argv=None) -> int:
                  torch.empty(m, n, device="cuda", dtype=torch.half), torch.empty(m, n, device="cuda", dtype=torch.half))
                 for _ in range(n_sets)]
 
-        def baseline(i):
+        def baseline(i, sets=sets):
             a, b, _, cb = sets[i]
             torch.matmul(a, b.t(), out=cb)
 
@@ -204,9 +205,9 @@ def main(argv=None) -> int:
         for name, launcher in zip(names, launchers):
             if name.startswith("write_tiles") and (m % 128 or n % 256):
                 continue
-            def kernel(i, launcher=launcher):
+            def kernel(i, launcher=launcher, sets=sets, mnk=(m, n, k)):
                 a, b, c, _ = sets[i]
-                launcher(a.data_ptr(), b.data_ptr(), c.data_ptr(), m, n, k, ws.data_ptr(), 16)
+                launcher(a.data_ptr(), b.data_ptr(), c.data_ptr(), *mnk, ws.data_ptr(), 16)
 
             for _, _, c, _ in sets:
                 c.fill_(0)

@@ -4,12 +4,12 @@ import json
 from importlib import resources
 
 import pytest
-
-from l2ir.errors import L2IRError
 from l2ir.search.bench import GRID, default_sweep, grid_shapes
 from l2ir.search.records import JsonlStore, MemoryStore, first_failure, passed
 from l2ir.search.report import RunStats, ShapeResult, geomean, short_symbol, summarize
 from l2ir.search.sweeps import load_sweep, sweep_names
+
+from l2ir.errors import L2IRError
 from l2ir.text import print_kernel
 from l2ir.verify import verify
 
@@ -47,7 +47,7 @@ def test_every_sweep_file_is_a_legal_kernel_in_canonical_text(name):
 def test_sweep_names_and_bad_sweep_files_are_errors(tmp_path, monkeypatch):
     with pytest.raises(L2IRError, match="unknown sweep 'nope'"):
         load_sweep("nope")
-    import l2ir.search.sweeps as sweeps
+    from l2ir.search import sweeps
 
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "x.l2").write_text("kernel {\n  target arch=sm80\n  tile block=128x128x32 warps=2x2\n"
@@ -158,6 +158,7 @@ class _Evaluator:
     def evaluate(self, kernel, problem, plan, artifact, time_kernel=True):
         from l2ir.search.evaluator import Measurement
         from l2ir.search.gates import Verdict
+
         from l2ir.text import print_problem
 
         h = kernel.content_hash()
@@ -302,3 +303,31 @@ def test_derive_families_replaces_a_row_only_where_the_later_run_raced_its_winne
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(derive.DeriveError, match=r"bad\.json: not JSON"):
         derive.derive([str(tmp_path / "bad")])
+
+
+def test_derive_families_ceiling_adds_each_dram_bound_shapes_stream_ceiling(tmp_path):
+    """--ceiling: each DRAM-bound row gets the stream kernel's time and the share of it the winner reaches (the
+    winner's time over the ceiling's, not the roofline floor's); a file that is not the probe's output is a
+    DeriveError naming it."""
+    derive = _derive_module()
+    shape = (128, 4096, 16384)
+    base = _bench_run(tmp_path, "base", [(shape, "bbbbbbbbbbbb", 0.5)], {shape: ["bbbbbbbbbbbb"]})
+    summary = json.loads((tmp_path / "base.json").read_text())
+    summary["environment"] = {"gpu": "NVIDIA H200"}        # the roofline's ceilings are the H200's
+    (tmp_path / "base.json").write_text(json.dumps(summary))
+    out = derive.derive([base])
+    (row,) = out["groups"]["dram_bound"]["rows"]
+    kernel_us = row["floor_us"] / row["kernel_share"]
+    assert kernel_us == pytest.approx(20.0, rel=1e-4)     # 10 us of torch / 0.5x (floor_us is rounded)
+    ceiling = tmp_path / "ceiling.json"
+    ceiling.write_text(json.dumps({"rows": [{"shape": list(shape), "ceiling_us": 16.0},
+                                            {"shape": [1, 2, 3], "ceiling_us": 1.0}]}))
+    derive.add_ceiling(out, ceiling)
+    (row,) = out["groups"]["dram_bound"]["rows"]
+    assert row["ceiling_us"] == 16.0
+    assert row["kernel_share_of_ceiling"] == pytest.approx(16.0 / kernel_us)
+    assert row["ceiling_share"] == pytest.approx(row["floor_us"] / 16.0)
+    assert out["groups"]["dram_bound"]["median_kernel_share_of_ceiling"] == pytest.approx(16.0 / kernel_us)
+    ceiling.write_text(json.dumps({"shapes": []}))
+    with pytest.raises(derive.DeriveError, match=r"ceiling\.json: not a dram_ceiling_probe output"):
+        derive.add_ceiling(out, ceiling)
