@@ -65,12 +65,15 @@ def epilogue_smem_bytes(kernel: Kernel, out_bytes: int = 2) -> int:
     return bm * (bn + C_ROW_PAD) * staged
 
 
-def resolved_stages(kernel: Kernel, ebytes: int = 2) -> int:
-    """The stage count, with 'auto' resolved the way the CUTLASS auto carve-out does: fill what the epilogue leaves."""
+def resolved_stages(kernel: Kernel, ebytes: int = 2, epilogue_bytes: int | None = None) -> int:
+    """The stage count, with 'auto' resolved the way the CUTLASS auto carve-out does: fill what the epilogue leaves.
+    `epilogue_bytes` is a backend's own epilogue footprint where it differs from epilogue_smem_bytes' (the cuda_ptx
+    rule's TMA store stages the whole tile, CUTLASS's double-buffered sub-tiles)."""
     stages = kernel.pipeline.stages
     if stages != "auto":
         return stages
-    free = SMEM_LIMIT[kernel.target.arch] - epilogue_smem_bytes(kernel)
+    epi = epilogue_smem_bytes(kernel) if epilogue_bytes is None else epilogue_bytes
+    free = SMEM_LIMIT[kernel.target.arch] - epi
     stages = max(0, free // stage_bytes(kernel, ebytes))
     if block_reduce(kernel):
         stages -= stages % 2      # an even ring: each consumer warpgroup owns its stages (l2ir.indexing.BlockSplit)

@@ -377,6 +377,33 @@ def smem_swizzle(bits: int, base: int, shift: int) -> Expr:
     return OFFSET ^ ((OFFSET & mask) >> shift)
 
 
+# epilogue.path=tma (the cuda_ptx sm90a rule): each consumer warpgroup stages its WG_M x BN block of C in shared
+# memory as BN / TMA_STORE_BOX_COLS boxes of WG_M rows x 128 bytes (the widest row the 128-byte swizzle allows), each
+# swizzled as TMA reads it (16-byte chunk XOR row % 8: the 8 rows a warp's fragment store touches land on all 32
+# banks), and one thread stores each box with cp.async.bulk.tensor; the store clips rows past M and columns past N.
+STAGE_ROW, STAGE_COL, BOX = Var("r"), Var("col"), Var("box")
+TILE_M_, TILE_N_, CONSUMER_WG = Var("tile_m"), Var("tile_n"), Var("cw")
+TMA_STORE_BOX_BYTES = 128
+
+
+def tma_store_box_cols(elem_bytes: int) -> int:
+    """Columns of C in one store box (64 for fp16/bf16)."""
+    return TMA_STORE_BOX_BYTES // elem_bytes
+
+
+def tma_store_staging(wg_m: int, box_cols: int) -> Expr:
+    """Element offset, in a warpgroup's staging buffer, of row `r`, column `col` of its WG_M x BN block: box
+    col / box_cols, then the row, then the 16-byte chunk XORed with r % 8 (TMA's SWIZZLE_128B on 2-byte data; a
+    bijection on each box, whose buffers start on 1024-byte boundaries)."""
+    within = STAGE_ROW * box_cols + STAGE_COL % box_cols
+    return (STAGE_COL // box_cols) * (wg_m * box_cols) + substitute(smem_swizzle(3, 3, 3), {"offset": within})
+
+
+def tma_store_origin(bm: int, bn: int, wg_m: int, box_cols: int) -> tuple[Expr, Expr]:
+    """(row, column) of C where box `box` of consumer warpgroup `cw` of tile (tile_m, tile_n) starts."""
+    return TILE_M_ * bm + CONSUMER_WG * wg_m, TILE_N_ * bn + BOX * box_cols
+
+
 SLICE, K_TILES = Var("slice"), Var("k_tiles")
 
 

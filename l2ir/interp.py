@@ -26,7 +26,7 @@ import numpy as np
 
 from .errors import InterpError
 from .indexing import (REPACK_ALIGN, BlockSplit, ClusterMulticast, ClusterReduce, DirectFeed, Repack, SplitKTree, ceil_div, rasterize, smem_swizzle,
-                       splitk_range)
+                       splitk_range, tma_store_box_cols, tma_store_origin, tma_store_staging)
 from .nodes import Kernel, Problem
 from .analysis import block_reduce, multicast, direct_half_fed, direct_shape, direct_slices, resolved_stages, shares_fragments, warpgroups_m
 from .target import H200_SMS, UNIT_ROUNDOFF
@@ -254,6 +254,10 @@ class _Schedule:
         """Round to the output dtype and store the in-range part in vectors of epilogue.vector elements; with a
         `mask` (BM x BN), only the tile elements it selects (one block's share of a cluster-reduced tile)."""
         out = tile.astype(np.float32).astype(self.out_dtype)   # (the smem path only reorders the same stores)
+        box_cols = tma_store_box_cols(np.dtype(self.out_dtype).itemsize)
+        if self.kernel.epilogue.path == "tma" and mask is None and self.bn % box_cols == 0:
+            self._store_boxes(c, writes, tm, tn, out, box_cols)
+            return
         r0, c0 = tm * self.bm, tn * self.bn
         vr = min(self.bm, self.problem.m - r0)
         vc = min(self.bn, self.problem.n - c0)
@@ -269,6 +273,34 @@ class _Schedule:
             dst = c[r0:r0 + vr, c0 + j:c0 + j + vec]
             dst[sel] = out[:vr, j:j + vec][sel]
             writes[r0:r0 + vr, c0 + j:c0 + j + vec] += sel
+
+    def _store_boxes(self, c: np.ndarray, writes: np.ndarray, tm: int, tn: int, out: np.ndarray,
+                     box_cols: int) -> None:
+        """epilogue.path=tma: each consumer warpgroup stages its WG_M x BN block through the swizzled box layout
+        (l2ir.indexing.tma_store_staging), which must fill its buffer exactly once, then each box is stored at its
+        origin (tma_store_origin), clipped at M and N as TMA clips it."""
+        wg_m = self.bm // warpgroups_m(self.kernel)
+        staging = tma_store_staging(wg_m, box_cols)
+        row0, col0 = tma_store_origin(self.bm, self.bn, wg_m, box_cols)
+        r, col = np.meshgrid(np.arange(wg_m), np.arange(self.bn), indexing="ij")
+        offsets = np.broadcast_to(staging.eval({"r": r, "col": col}), r.shape)
+        slots = np.bincount(offsets.ravel(), minlength=wg_m * self.bn)
+        if offsets.min() < 0 or len(slots) != wg_m * self.bn or (slots != 1).any():
+            raise InterpError(f"epilogue.path=tma: the staging layout of a {wg_m}x{self.bn} block does not fill its "
+                              "buffer exactly once")
+        for cw in range(self.bm // wg_m):
+            buf = np.empty(wg_m * self.bn, dtype=out.dtype)
+            buf[offsets] = out[cw * wg_m:(cw + 1) * wg_m]
+            for box in range(self.bn // box_cols):
+                env = {"tile_m": tm, "tile_n": tn, "cw": cw, "box": box}
+                gr, gc = int(row0.eval(env)), int(col0.eval(env))
+                rows, cols = min(wg_m, self.problem.m - gr), min(box_cols, self.problem.n - gc)
+                if rows <= 0 or cols <= 0:
+                    continue                       # a box wholly outside C: TMA writes nothing
+                # TMA reads box `box` (rows x box_cols) through the same swizzle it was staged with.
+                part = buf[offsets[:, box * box_cols:(box + 1) * box_cols]]
+                c[gr:gr + rows, gc:gc + cols] = part[:rows, :cols]
+                writes[gr:gr + rows, gc:gc + cols] += 1
 
     # ---- the launch -----------------------------------------------------------------------------------------
     def tile_order(self) -> list[tuple[int, int]]:

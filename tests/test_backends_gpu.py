@@ -376,6 +376,43 @@ def test_cuda_ptx_multicast_passes_every_gate(evaluator, tmp_path_factory, name)
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# cuda_ptx sm90a with epilogue.path=tma: C staged as swizzled 64-column boxes and stored by cp.async.bulk.tensor
+# (clipped at M and N), persistent cooperative tiles (the buffer reused once the previous tile's store has read it),
+# a 256-row tile, and the two-blocks-per-SM one-warpgroup tile; ragged shapes, every gate, then repeated launches
+# bit-identical.
+# ---------------------------------------------------------------------------------------------------------------
+
+TMA_STORE = {
+    "coop_128x256x64_tma": ptx(epilogue=("tma", 8)),
+    "coop_128x128x64_tma": ptx(block=(128, 128, 64), epilogue=("tma", 8)),
+    "coop_256x128x64_tma_along_m": ptx(block=(256, 128, 64), epilogue=("tma", 8), raster=("along_m", 8)),
+    "w4x1_64x128x64_s4_tma": Kernel(
+        target=Target("sm90a"), tile=Tile((64, 128, 64), (4, 1), (1, 1)), mma=Mma("wgmma", (64, 128, 16)),
+        pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False), swizzle=Swizzle((3, 3, 3), "along_n", 1),
+        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8), epilogue=Epilogue("tma", 8)),
+}
+TMA_STORE_SHAPES = ((130, 200, 136), (8192, 4096, 128), (100, 3000, 4104), (64, 64, 64), (1000, 1000, 2048))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", list(TMA_STORE))
+def test_cuda_ptx_tma_store_passes_every_gate(evaluator, tmp_path_factory, name):
+    from l2ir.search.gates import admits
+
+    _skip_unless_hopper()
+    kernel = TMA_STORE[name]
+    plan = lower(kernel, F16, "cuda_ptx")
+    assert "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in plan.source
+    art = _build_for_this_gpu(plan, tmp_path_factory.mktemp("tma_store"))
+    shapes = [s for s in TMA_STORE_SHAPES if admits(kernel, F16.with_shape(*s))[0]]
+    assert len(shapes) >= 3, shapes
+    _assert_passes_every_gate(evaluator, kernel, F16, plan, art, shapes, name,
+                              {"accuracy", "ulp", "all_written", "guard_bands"})
+    _assert_splitk_repeatable(kernel, plan, art, shapes[0], seed=13, counters_per_tile=None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # cuda_ptx sm90a split-K reduced in the kernel, both ways:
 # - the pairwise tree through the workspace (l2ir.indexing.SplitKTree), at slice counts that are and are not powers
 #   of two, on the two-blocks-per-SM 64x64 tile, the one-block 64x128 tile and a persistent cooperative kernel (256

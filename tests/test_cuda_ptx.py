@@ -101,6 +101,10 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
     "coop_128x64x64_cluster2x1_smem8": (
         coop((128, 64, 64), tile=Tile((128, 64, 64), (8, 1), (2, 1)), epilogue=Epilogue("smem", 8),
              pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=False)), PROBLEM),
+    "coop_128x256x64_tma_store": (coop((128, 256, 64), epilogue=Epilogue("tma", 8)), PROBLEM),
+    "w4x1_64x128x64_s4_two_per_sm_tma_store_bf16": (
+        lat(pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False), epilogue=Epilogue("tma", 8)),
+        Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col"), c=("bf16", "row"))),
 }
 
 
@@ -120,10 +124,13 @@ def test_plan_fields():
 
 
 def test_auto_stages_follow_verify():
-    """stages=auto is the verifier's resolution, and the layout fits the sm90 opt-in."""
+    """stages=auto is the verifier's resolution (with epilogue.path=tma, of what this rule's whole-tile staging
+    leaves: CUTLASS's TMA epilogue, which the verifier counts by default, double-buffers sub-tiles), and the layout
+    fits the sm90 opt-in."""
     for kernel, problem in CASES.values():
         cfg = sm90a.canonicalize(kernel, problem)
-        assert cfg.stages == resolved_stages(kernel)
+        whole_tile = kernel.tile.bm * kernel.tile.bn * 2 if kernel.epilogue.path == "tma" else None
+        assert cfg.stages == resolved_stages(kernel, epilogue_bytes=whole_tile)
         assert cfg.layout["total"] <= SMEM_LIMIT["sm90a"]
         assert f"constexpr int STAGES = {cfg.stages};" in sm90a.render(cfg)
 
@@ -164,6 +171,8 @@ FIELD_CASES = [
     ("pad.k", coop(pad=Pad("zero_fill", "zero_fill", "divisible", 8)), PROBLEM,
      "if (K % BK != 0) return L2IR_STATUS_NOT_DIVISIBLE;"),
     ("epilogue.path", coop(epilogue=Epilogue("smem", 8)), PROBLEM, "// epilogue.path=smem"),
+    ("epilogue.path.tma", coop(epilogue=Epilogue("tma", 8)), PROBLEM,
+     "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"),
     ("epilogue.vector", coop(epilogue=Epilogue("direct", 1)), PROBLEM, "// epilogue.vector=1"),
     ("epilogue.vector.smem", coop(epilogue=Epilogue("smem", 4)), PROBLEM, "*reinterpret_cast<uint2*>(C"),
     ("problem.dtype", coop(), Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col")),
@@ -227,12 +236,14 @@ def test_two_blocks_per_sm_when_the_ring_leaves_room():
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_short_prologue(name):
-    """One thread prefetches both tensor maps before it initializes the barriers (the descriptor fetch overlaps the
-    setup); one block-wide barrier in the whole kernel; the host shim encodes tensor maps only on a cache miss."""
-    src = lower(*CASES[name]).source
+    """One thread prefetches the tensor maps (A, B, and C with epilogue.path=tma) before it initializes the barriers
+    (the descriptor fetch overlaps the setup); one block-wide barrier in the whole kernel; the host shim encodes
+    tensor maps only on a cache miss."""
+    kernel, problem = CASES[name]
+    src = lower(kernel, problem).source
     kernel_src = src[src.index("__launch_bounds__"):src.index("// ---- trusted host code")]
     assert kernel_src.count("__syncthreads()") == 1
-    assert kernel_src.count("prefetch.tensormap") == 2
+    assert kernel_src.count("prefetch.tensormap") == (3 if kernel.epilogue.path == "tma" else 2)
     assert kernel_src.index("prefetch.tensormap") < kernel_src.index("mbar_init(")
     host = src[src.index('extern "C" int l2ir_run'):]
     assert "thread_local MapCache cache_a, cache_b;" in host and "encode_operand" not in host
@@ -241,6 +252,10 @@ def test_short_prologue(name):
             and f"operand_map(cache_b, b_read, N, K, ldb, {b_box})" in host)
     helper = src[src.index("const CUtensorMap* operand_map("):src.index('extern "C" int l2ir_run')]
     assert helper.index("return &cache.map;") < helper.index("encode_operand(")   # the hit returns before encoding
+    if kernel.epilogue.path == "tma":
+        assert "output_map(cache_c, C, M, N)" in host
+        out = src[src.index("const CUtensorMap* output_map("):]
+        assert out.index("return &cache.map;") < out.index("encode_output(")
 
 
 def test_splitk_renders_the_pairwise_tree_reduction():
@@ -542,7 +557,9 @@ REFUSALS = [
     ("epilogue.path", lat(splitk=SplitK("split_k", 4, "cluster"), epilogue=Epilogue("smem", 8)), PROBLEM),
     ("pipeline.schedule", coop((128, 128, 64), tile=Tile((128, 128, 64), (4, 1), (1, 1)),
                                pipeline=Pipeline("tma_ws", "auto", "pingpong", persistent=True)), PROBLEM),
-    ("epilogue.path", coop(epilogue=Epilogue("tma", 8)), PROBLEM),
+    ("epilogue.path", coop((128, 96, 64), epilogue=Epilogue("tma", 8)), PROBLEM),          # BN not whole boxes
+    ("epilogue.vector", coop(epilogue=Epilogue("tma", 4)), PROBLEM),                       # TMA moves 16 B units
+    ("epilogue.path", lat(splitk=SplitK("split_k", 4), epilogue=Epilogue("tma", 8)), PROBLEM),
     ("epilogue.vector", coop(epilogue=Epilogue("direct", 8)), PROBLEM),
     ("problem.a", coop(), Problem(m=1, n=1, k=1, a=("f16", "col"))),
     ("problem.b", coop(), Problem(m=1, n=1, k=1, b=("f16", "row"))),

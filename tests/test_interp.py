@@ -579,3 +579,53 @@ def test_multicast_share_of_another_tile_gives_a_wrong_product(monkeypatch):
     monkeypatch.setattr(interp_mod._Schedule, "_tile", neighbour)
     bad = interpret(_multicast_kernel((2, 4)), p, a, b).c
     assert not np.array_equal(good, bad)
+
+
+def _tma_store_kernel(schedule="cooperative", bm=128, bn=256, persistent=True):
+    from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Swizzle, Target, Tile
+
+    warps = (8, 1) if schedule == "cooperative" else (4, 1)
+    return Kernel(target=Target("sm90a"), tile=Tile((bm, bn, 64), warps, (1, 1)), mma=Mma("wgmma", (64, bn, 16)),
+                  pipeline=Pipeline("tma_ws", "auto", schedule, persistent=persistent),
+                  swizzle=Swizzle((3, 3, 3), "along_n", 8), pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+                  epilogue=Epilogue("tma", 8))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([("cooperative", 128, 256, True), ("cooperative", 128, 128, True),
+                        ("cooperative", 256, 128, True), ("pingpong", 64, 128, False), ("pingpong", 64, 64, False)]),
+       st.integers(1, 400), st.integers(1, 60), st.integers(1, 30), st.integers(0, 2 ** 32 - 1))
+def test_tma_store_fuzzed(config, m, n8, k8, seed):
+    """epilogue.path=tma: every warpgroup's block staged through the swizzled box layout and stored box by box at
+    the boxes' origins, clipped at M and N, gives A @ B with every element of C written once."""
+    _check(_tma_store_kernel(*config), Problem(m, 8 * n8, 8 * k8), seed)
+
+
+def test_broken_tma_store_is_caught(monkeypatch):
+    """A staging layout that is not a bijection on the buffer raises; a box origin one box off writes some columns
+    twice and others never, which the write count catches."""
+    from l2ir.indexing import BOX, CONSUMER_WG, STAGE_COL, STAGE_ROW, TILE_M_, TILE_N_
+
+    p = Problem(200, 512, 128)
+    a, b = random_inputs(p, np.random.default_rng(0))
+    monkeypatch.setattr(interp_mod, "tma_store_staging",
+                        lambda wg_m, box_cols: STAGE_ROW * box_cols + STAGE_COL % box_cols)   # boxes overlap
+    with pytest.raises(InterpError, match="staging layout"):
+        interpret(_tma_store_kernel(), p, a, b)
+    monkeypatch.undo()
+    monkeypatch.setattr(interp_mod, "tma_store_origin", lambda bm, bn, wg_m, box_cols: (
+        TILE_M_ * bm + CONSUMER_WG * wg_m, TILE_N_ * bn + (BOX // 2) * box_cols))              # boxes 2i, 2i+1 collide
+    with pytest.raises(InterpError, match="written a wrong number of times"):
+        interpret(_tma_store_kernel(), p, a, b)
+
+
+def test_tma_store_staging_swizzles_each_row_over_all_banks():
+    """The staging layout is TMA's SWIZZLE_128B on 2-byte data: within a box, row r's 16-byte chunk j sits at
+    chunk j ^ (r % 8), so the 8 rows of one fragment store (same chunk, rows r..r+7) hit 8 different chunks."""
+    from l2ir.indexing import tma_store_staging
+
+    off = tma_store_staging(64, 64)
+    for r in range(16):
+        chunks = {int(off.eval({"r": r + i, "col": 8 * 3})) % 64 // 8 for i in range(8)}
+        assert len(chunks) == 8
+    assert int(off.eval({"r": 0, "col": 64})) == 64 * 64      # the second box starts after the first's 64 rows

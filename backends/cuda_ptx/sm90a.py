@@ -87,7 +87,11 @@ Field -> code map (the generated lines name their field in a comment):
                            launch; reduce=cluster: grid x slices in clusters of `slices`, no workspace, path=direct
                            only; reduce=block: one block per tile, the 2 slices its consumer warpgroups, no
                            workspace, path=direct only; reduce=atomic and stream_k raise
-  epilogue.path            direct | smem; tma raises (not implemented)
+  epilogue.path            direct | smem | tma. tma: each consumer warpgroup stages its block of C as 128-byte-wide
+                           boxes swizzled as TMA reads them (l2ir.indexing.tma_store_staging) and one thread stores
+                           them with cp.async.bulk.tensor (clipped at M and N), so the warps go on to the next
+                           tile's wgmma while the store drains; the buffer is reused after the store has read it
+                           (cp.async.bulk.wait_group.read). fp16/bf16 C, BN a multiple of 64, vector=8, no split-K
   epilogue.vector          elements per global store (direct: 1 or 2, the accumulator fragment's adjacent pair)
   problem                  a row (K-major), b col (K-major), f16 or bf16 in, f16 or bf16 out, acc f32
 """
@@ -98,6 +102,7 @@ from dataclasses import dataclass
 
 from l2ir.errors import ResourceError
 from l2ir.indexing import (REPACK_ALIGN, BlockSplit, ClusterMulticast, ClusterReduce, Const, Expr, Repack, SplitKTree, Var, cdiv,
+                           tma_store_box_cols, tma_store_origin, tma_store_staging,
                            rasterize, splitk_range)
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.text import print_problem_class
@@ -275,7 +280,7 @@ class PtxConfig:
 
     @property
     def c_stage_bytes(self) -> int:
-        return self.bm * self.bn * DTYPE_BYTES[self.out_dtype] if self.epilogue == "smem" else 0
+        return self.bm * self.bn * DTYPE_BYTES[self.out_dtype] if self.epilogue in ("smem", "tma") else 0
 
     @property
     def layout(self) -> dict[str, int]:
@@ -402,13 +407,28 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
         if getattr(pad, dim) not in ("zero_fill", "divisible"):
             raise UnsupportedLowering(f"pad.{dim}", f"{getattr(pad, dim)}: TMA loads are zero-filled, not predicated")
 
-    if epi.path not in ("direct", "smem"):
-        raise UnsupportedLowering("epilogue.path", f"{epi.path}: the TMA store is not generated; use direct or smem")
+    if epi.path == "tma":
+        if DTYPE_BYTES[problem.c[0]] != 2:
+            raise UnsupportedLowering("epilogue.path", f"tma with c={problem.c[0]}: the store boxes are laid out for "
+                                      "2-byte C (fp16, bf16)")
+        box_cols = tma_store_box_cols(2)
+        if tile.block[1] % box_cols:
+            raise UnsupportedLowering("epilogue.path", f"tma with BN={tile.block[1]}: C is stored in boxes of "
+                                      f"{box_cols} columns, so BN must be a multiple of {box_cols}")
+        if epi.vector != 8:
+            raise UnsupportedLowering("epilogue.vector", f"{epi.vector} with path=tma: TMA moves 16-byte units of "
+                                      "C (set vector=8; N must be a multiple of 8)")
+        if kernel.splitk is not None:
+            raise UnsupportedLowering("epilogue.path", "tma with split-K: the reductions store through the direct "
+                                      "or smem epilogue")
     if epi.path == "direct" and epi.vector > 2:
         raise UnsupportedLowering("epilogue.vector", f"{epi.vector} with path=direct: a thread's accumulator fragment "
                                   "holds 2 adjacent columns; use path=smem for wider stores")
 
-    stages = resolved_stages(kernel)
+    # epilogue.path=tma stages the whole BM x BN tile (CUTLASS's TMA epilogue, which analysis counts, double-buffers
+    # sub-tiles), so an auto ring fills what that leaves.
+    stages = resolved_stages(kernel, epilogue_bytes=(tile.block[0] * tile.block[1] * DTYPE_BYTES[problem.c[0]]
+                                                     if epi.path == "tma" else None))
     cfg = PtxConfig(
         in_dtype=problem.a[0], out_dtype=problem.c[0],
         problem_class=print_problem_class(problem),
@@ -690,6 +710,47 @@ def _epilogue_smem(cfg: PtxConfig) -> list[str]:
     ]
 
 
+def _epilogue_tma(cfg: PtxConfig) -> list[str]:
+    box_cols = tma_store_box_cols(DTYPE_BYTES[cfg.out_dtype])
+    offset = tma_store_staging(cfg.wg_m, box_cols).to_cpp()
+    row0, col0 = tma_store_origin(cfg.bm, cfg.bn, cfg.wg_m, box_cols)
+    return [
+        "      // epilogue.path=tma: stage this warpgroup's WG_M x BN block as C_BOXES boxes of WG_M rows x 128 bytes,",
+        "      // swizzled as TMA reads them (l2ir.indexing.tma_store_staging: the 16-byte chunk XOR row % 8, so the 8",
+        "      // rows of a fragment store land on all 32 banks); one thread then hands the boxes to TMA, which clips",
+        "      // rows past M and columns past N, and the warps go on to the next tile's wgmma while the store drains.",
+        "      uint8_t* c_stage = smem + SMEM_C + cw * (WG_M * BN * (int)sizeof(OutT));",
+        "      // The previous tile's bulk stores must have read this buffer before it is overwritten: the issuing",
+        "      // thread waits for their reads (not their writes to global memory), then the warpgroup meets.",
+        '      if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");',
+        '      asm volatile("bar.sync %0, 128;" :: "r"(1 + cw) : "memory");',
+        "#pragma unroll",
+        "      for (int j = 0; j < SLABS; ++j) {",
+        "#pragma unroll",
+        "        for (int c = 0; c < WGMMA_N / 8; ++c) {",
+        "#pragma unroll",
+        "          for (int h = 0; h < 2; ++h) {",
+        "            const int r = 64 * j + 16 * warp + lane / 4 + 8 * h;",
+        "            const int col = 8 * c + 2 * (lane % 4);   // and col + 1: the same 16-byte chunk",
+        f"            const int off = ({offset}) * (int)sizeof(OutT);",
+        "            *reinterpret_cast<Out2T*>(c_stage + off) = pack2(acc[j][4 * c + 2 * h], acc[j][4 * c + 2 * h + 1]);",
+        "          }",
+        "        }",
+        "      }",
+        "      // The fragment writes are generic-proxy stores; TMA reads through the async proxy.",
+        '      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
+        '      asm volatile("bar.sync %0, 128;" :: "r"(1 + cw) : "memory");',
+        "      if (tid == 0) {",
+        "#pragma unroll",
+        "        for (int box = 0; box < C_BOXES; ++box) {",
+        "          tma_store_2d(&tmap_c, smem_addr(c_stage) + box * (WG_M * C_BOX_COLS * (int)sizeof(OutT)),",
+        f"                       {col0.to_cpp()}, {row0.to_cpp()});",
+        "        }",
+        '        asm volatile("cp.async.bulk.commit_group;" ::: "memory");',
+        "      }",
+    ]
+
+
 def _c_swz_mask(bn: int) -> int:
     """XOR mask for the C staging swizzle: the largest power of two dividing the 16-byte chunks per row, up to 8
     (XORing inside an aligned group of chunks keeps every index inside the row)."""
@@ -807,6 +868,13 @@ def _config(cfg: PtxConfig) -> list[str]:
         *([f"constexpr int SMEM_C = {lay['c']};   // epilogue.path=smem: the C staging tile",
            f"constexpr int C_SWZ_MASK = {_c_swz_mask(cfg.bn)};   // XOR of the 16-byte chunk index with the row"]
           if cfg.epilogue == "smem" else []),
+        *([f"constexpr int SMEM_C = {lay['c']};   // epilogue.path=tma: each consumer warpgroup's store boxes",
+           f"constexpr int C_BOX_COLS = {tma_store_box_cols(DTYPE_BYTES[cfg.out_dtype])};   // 128 bytes of C: "
+           "the widest box row SWIZZLE_128B allows",
+           "constexpr int C_BOXES = BN / C_BOX_COLS;",
+           "static_assert(SMEM_C % 1024 == 0 && (WG_M * C_BOX_COLS * 2) % 1024 == 0,",
+           '              "each store box must start on the 128-byte swizzle\'s 1024-byte period");']
+          if cfg.epilogue == "tma" else []),
         *([f"constexpr int SMEM_FLAG = {lay['flag']};   // split-K: the block reduces its tile (1) or not (0)"]
           if cfg.tree else []),
         *(["constexpr int SMEM_PARTIAL = 0;   // reduce=cluster: the fp32 partial, over the finished stage rings",
@@ -892,6 +960,15 @@ def _device_functions(cfg: PtxConfig) -> list[str]:
         ] if cfg.multicast is None or 1 in cfg.cluster else []),   # a box not shared along one cluster dimension
         *(_cluster_functions() if cfg.cluster_reduce else []),
         *(_multicast_functions() if cfg.multicast is not None else []),
+        *([
+            "// 2D TMA store of one box of C from shared memory (epilogue.path=tma); c0 is the column, c1 the row.",
+            "// Elements outside the tensor map's M x N are not written. Completion is tracked per bulk group.",
+            "__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t src, int c0, int c1) {",
+            "  asm volatile(\"cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\"",
+            "               :: \"l\"(reinterpret_cast<uint64_t>(map)), \"r\"(src), \"r\"(c0), \"r\"(c1) : \"memory\");",
+            "}",
+            "",
+        ] if cfg.epilogue == "tma" else []),
         "__device__ __forceinline__ void wgmma_fence() { asm volatile(\"wgmma.fence.sync.aligned;\" ::: \"memory\"); }",
         "__device__ __forceinline__ void wgmma_commit() { asm volatile(\"wgmma.commit_group.sync.aligned;\" ::: \"memory\"); }",
         "template <int N>",
@@ -1166,6 +1243,7 @@ def _kernel(cfg: PtxConfig) -> list[str]:
            "// and each block's pool is half the register file, which setmaxnreg hands from producer to consumer."]),
         f'extern "C" __global__ void __launch_bounds__(THREADS, {cfg.blocks_per_sm})',
         f"{ENTRY}(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,",
+        *(["        const __grid_constant__ CUtensorMap tmap_c,   // epilogue.path=tma"] if cfg.epilogue == "tma" else []),
         ("        OutT* __restrict__ C, int M, int N, int K, float* __restrict__ ws, unsigned* __restrict__ counters) {"
          if cfg.tree else "        OutT* __restrict__ C, int M, int N, int K) {"),
         "  // 1024-byte alignment: the 128-byte swizzle pattern repeats every 8 rows x 128 B, and TMA and wgmma both",
@@ -1191,6 +1269,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "    // now overlaps that latency with the barrier setup and the block-wide barrier below.",
         '    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_a)) : "memory");',
         '    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_b)) : "memory");',
+        *(['    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_c)) : "memory");']
+          if cfg.epilogue == "tma" else []),
         "    for (int s = 0; s < STAGES; ++s) {",
         "      mbar_init(bars + 8 * s, 1);                           // full: the producer's arrive.expect_tx",
         *(["      mbar_init(bars + 8 * (STAGES + s), 4);   // empty: one warpgroup reads a stage (reduce=block), one "
@@ -1318,10 +1398,14 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "",
         *(_splitk_reduce(cfg) if cfg.tree else _cluster_reduce(cfg) if cfg.cluster_reduce else
           _block_reduce(cfg) if cfg.block_reduce else []),
-        *(_epilogue_direct(cfg) if cfg.epilogue == "direct" else _epilogue_smem(cfg)),
+        *(_epilogue_direct(cfg) if cfg.epilogue == "direct" else
+          _epilogue_tma(cfg) if cfg.epilogue == "tma" else _epilogue_smem(cfg)),
         *(["      cluster_wait();   // no block leaves while another may still read its shared memory"]
           if cfg.cluster_reduce else []),
         "    }",
+        *(["    // The last bulk stores must have read the staging buffers before the block's shared memory is freed.",
+           '    if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");']
+          if cfg.epilogue == "tma" else []),
         "  }",
         *(["  // tile.cluster: no block leaves while a block of its row or column may still arrive at its empty barriers.",
            "  cluster_sync();"] if cfg.multicast is not None else []),
@@ -1475,6 +1559,20 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "  return r == CUDA_SUCCESS;",
         "}",
         "",
+        *([] if cfg.epilogue != "tma" else [
+            "// epilogue.path=tma: C (M x N, N contiguous) as a 2D tensor {N, M}; each box is C_BOX_COLS x WG_M, read",
+            "// from shared memory with the 128-byte swizzle the epilogue staged it in.",
+            "bool encode_output(EncodeTiledFn encode, CUtensorMap* map, void* ptr, int M, int N) {",
+            "  cuuint64_t dims[2] = {cuuint64_t(N), cuuint64_t(M)};",
+            "  cuuint64_t strides[1] = {cuuint64_t(N) * sizeof(OutT)};   // a multiple of 16 (N % 8 == 0, checked)",
+            "  cuuint32_t box[2] = {cuuint32_t(C_BOX_COLS), cuuint32_t(WG_M)};",
+            "  cuuint32_t elem_strides[2] = {1, 1};",
+            f"  CUresult r = encode(map, {TMA_DTYPE[cfg.out_dtype]}, 2, ptr, dims, strides, box, elem_strides,",
+            "                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,",
+            "                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);",
+            "  return r == CUDA_SUCCESS;",
+            "}",
+            ""]),
         "// One operand's encoded map from the last call (per host thread, per operand, so a layer's fixed weights hit",
         "// while its activations change). CUtensorMap's own declaration carries the alignment the driver requires.",
         "struct MapCache {",
@@ -1496,6 +1594,17 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "  return &cache.map;",
         "}",
         "",
+        *([] if cfg.epilogue != "tma" else [
+            "// C's map, encoded only when the pointer or the shape changed (as operand_map).",
+            "const CUtensorMap* output_map(MapCache& cache, void* ptr, int M, int N) {",
+            "  if (cache.valid && cache.ptr == ptr && cache.rows == M && cache.k == N) return &cache.map;",
+            "  cache.valid = false;",
+            "  EncodeTiledFn encode = tensor_map_encoder();",
+            "  if (encode == nullptr || !encode_output(encode, &cache.map, ptr, M, N)) return nullptr;",
+            "  cache.ptr = ptr; cache.rows = M; cache.k = N; cache.ld = N; cache.valid = true;",
+            "  return &cache.map;",
+            "}",
+            ""]),
         "// Opt the kernel into SMEM_BYTES of dynamic shared memory (above the 48 KB default), once per device, so",
         "// calls captured into a CUDA graph issue only the launch.",
         "bool configure_kernel() {",
@@ -1574,6 +1683,10 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         f"  const CUtensorMap* tmap_a = operand_map(cache_a, a_read, M, K, lda, {'BM' if cfg.multicast is None else 'A_BOX_ROWS'});",
         f"  const CUtensorMap* tmap_b = operand_map(cache_b, b_read, N, K, ldb, {'BN' if cfg.multicast is None else 'B_BOX_ROWS'});",
         "  if (tmap_a == nullptr || tmap_b == nullptr) return L2IR_STATUS_TENSOR_MAP;",
+        *([] if cfg.epilogue != "tma" else [
+            "  thread_local MapCache cache_c;",
+            "  const CUtensorMap* tmap_c = output_map(cache_c, C, M, N);",
+            "  if (tmap_c == nullptr) return L2IR_STATUS_TENSOR_MAP;"]),
         "  if (!configure_kernel()) return L2IR_STATUS_CUDA_ERROR;",
         *(_repack_launch(cfg) if cfg.repack else []),
         grid_line,
@@ -1621,7 +1734,8 @@ def _launch_ex(cfg: PtxConfig) -> list[str]:
     blocks, and programmatic dependent launch (the GEMM's blocks may be placed while the stream's previous grid, a
     repack copy or any kernel, drains; its producer waits with griddepcontrol.wait before the first TMA load).
     Built with -DL2IR_PDL=0 it is an ordinary launch (bench/pdl_probe.py compares the two)."""
-    args = "*tmap_a, *tmap_b, static_cast<OutT*>(C), M, N, K" + (", ws, counters" if cfg.tree else "")
+    args = ("*tmap_a, *tmap_b, " + ("*tmap_c, " if cfg.epilogue == "tma" else "") + "static_cast<OutT*>(C), M, N, K"
+            + (", ws, counters" if cfg.tree else ""))
     L = ["  cudaLaunchAttribute attr[2];", "  unsigned num_attrs = 0;"]
     if cfg.multicast is not None:
         L += [
