@@ -32,7 +32,7 @@ from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Sw
 from l2ir.seed import (COOP_SPLIT_M, REPACK_MIN_M, REPACK_TILES, alignment, cluster_split_kernel, coop_split_kernel,
                        cuda_ptx_lowered, repack_kernel, repack_tile, split_tile_kernel, store_vector)
 from l2ir.seed import split_slices as seed_split_slices
-from l2ir.target import H200_SMS
+from l2ir.target import DTYPE_BYTES, H200_SMS
 
 from .actions import diff_edits, normal_backend
 from .base import Context, Dedupe, Proposal, StatelessPolicy, try_legalize
@@ -163,19 +163,58 @@ def sm80_kernel(problem: Problem, block, warps, stages: int, slices: int = 1, ra
 DECODE_ROWS = 32
 
 
-def decode_align_kernel(problem: Problem, arch: str) -> Kernel:
+def decode_align_kernel(problem: Problem, arch: str, stages: int = 4, slices: int = 4) -> Kernel:
     """The cuda_ptx_sm80 decode kernel for unaligned rows (search/sweeps/cuda_ptx_sm80/
     ptx_sm80_32x128x64_w2x4_s4_splitk4_align1_decode.l2, on the problem's target): 32x128 tiles over 8 warps, 4
-    stages, split-K 4 reduced in the kernel, direct stores of single elements."""
+    stages, split-K 4 reduced in the kernel, direct stores of single elements; or another ring and split."""
     return Kernel(
         target=Target(arch),
         tile=Tile(block=(32, 128, 64), warps=(2, 4)),
         mma=Mma("mma_sync", (16, 8, 16)),
-        pipeline=Pipeline("multistage", 4, prefetch=True),
+        pipeline=Pipeline("multistage", stages, prefetch=True),
         swizzle=Swizzle(smem=(3, 3, 3)),
         pad=Pad("predicate", "zero_fill", "zero_fill", 1),
-        splitk=SplitK("split_k", 4),
+        splitk=SplitK("split_k", slices),
         epilogue=Epilogue("direct", 1),
+    )
+
+
+# The decode kernel's 4-stage ring (130 KB) leaves one block per SM, its 3-stage ring (108 KB) two. Where 4 slices
+# of the 4-stage kernel need more than one wave, the 3-stage kernel with as many slices as fit two blocks per SM in
+# one wave ran faster: 17x9999x3333 47.4 us against 59.9 (3 slices, 237 blocks), 8x11008x4095 54.3 against 71.0
+# (258 blocks); at 31x4001x2047 (32 tiles x 4 slices: one wave already) the 4-stage kernel stayed best
+# (bench/results/odd_k_decode_h200.json).
+DECODE_WAVE_BLOCKS_PER_SM = 2
+
+
+def decode_one_wave_slices(problem: Problem, sms: int) -> int | None:
+    """Split-K slices of the 3-stage decode kernel that fill one wave at two blocks per SM, or None where the 4-stage
+    kernel's 4 slices already fit one wave of one block per SM (or fewer than 2 slices would fit)."""
+    tiles = tiles_of(problem, 32, 128)
+    if tiles * 4 <= sms:
+        return None
+    slices = min(4, DECODE_WAVE_BLOCKS_PER_SM * sms // tiles)
+    return slices if slices >= 2 else None
+
+
+# C-write-bound GEMMs (K of 64-256 and a C much larger than L2): the cuda_ptx cooperative 128x256 tile with the TMA
+# store epilogue lets the warps start the next tile while C drains: 8192x4096x128 23.2 us (fresh 1.205x) against 27.2
+# with the staged 16-byte stores and 27.1 for CUTLASS's ping-pong; at 12288x12288x64 and 1024x12288x128 it tied or
+# trailed them (bench/results/tma_store_h200.json), so it is proposed beside them, not over them.
+WRITE_BOUND_MAX_K = 256
+WRITE_BOUND_MIN_C_BYTES = 32 << 20
+
+
+def tma_store_kernel(problem: Problem) -> Kernel:
+    """search/sweeps/cuda_ptx/ptx_coop_128x256x64_tma.l2: cooperative, persistent, C through TMA bulk stores."""
+    return Kernel(
+        target=Target("sm90a"),
+        tile=Tile(block=(128, 256, 64), warps=(8, 1)),
+        mma=Mma("wgmma", (64, 256, 16)),
+        pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=True),
+        swizzle=Swizzle((3, 3, 3), "along_n", 8),
+        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+        epilogue=Epilogue("tma", 8),
     )
 
 
@@ -305,6 +344,21 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
             f"decode, odd K: {m} row(s) of A, every row of A and B on a 2-byte boundary; 32x128 tiles stage the "
             "aligned 16-byte blocks around each row by cp.async and realign them in shared memory, 4 split-K slices",
             backend="cuda_ptx_sm80"))
+        slices = decode_one_wave_slices(problem, sms)
+        if slices is not None:
+            out.append(Candidate(
+                9.21, decode_align_kernel(problem, arch, stages=3, slices=slices),
+                f"decode, odd K, one wave: {tiles_of(problem, 32, 128)} tiles x 4 slices of the 4-stage kernel take "
+                f"more than one wave; a 3-stage ring fits two blocks per SM, {slices} slices fill one wave "
+                "(bench/results/odd_k_decode_h200.json)", backend="cuda_ptx_sm80"))
+
+    # C-write-bound: the TMA store epilogue (cuda_ptx).
+    if (hopper and k <= WRITE_BOUND_MAX_K and m * n * DTYPE_BYTES[problem.c[0]] >= WRITE_BOUND_MIN_C_BYTES
+            and DTYPE_BYTES[problem.c[0]] == 2 and cuda_ptx_lowered(problem)):
+        out.append(Candidate(
+            8.5, tma_store_kernel(problem),
+            f"write-bound: K={k} against a {m * n * DTYPE_BYTES[problem.c[0]] >> 20} MB C; TMA stores C from shared "
+            "memory while the warps start the next tile (bench/results/tma_store_h200.json)", backend="cuda_ptx"))
 
     # Decode with 16-byte rows: stream B straight into registers (cuda_ptx_direct, its only backend); K must give
     # each of the 4 slices of warps a k step of 128.

@@ -243,7 +243,7 @@ def test_rules_odd_k_decode_takes_the_realigned_sm80_kernel_by_name():
 
     p = Problem(17, 9999, 3333)
     ctx = Context(p, seed(p, "sm90a"), count=16, arch="sm90a")
-    props = [q for q in Rules().propose(ctx) if q.note.startswith("decode, odd K")]
+    props = [q for q in Rules().propose(ctx) if q.note.startswith("decode, odd K:")]   # (not its one-wave form)
     assert len(props) == 1 and props[0].backend == "cuda_ptx_sm80"
     kernel = props[0].apply(ctx.parent, p)
     swept = load_sweep("cuda_ptx_sm80")["ptx_sm80_32x128x64_w2x4_s4_splitk4_align1_decode"]
@@ -567,3 +567,41 @@ def test_rules_skinny_m_many_n_tiles_propose_a_multicast_along_n():
         p = Problem(*shape)
         props = Rules().propose(Context(p, hopper_kernel(p, 128, 128, "cooperative"), count=12, arch="sm90a"))
         assert not [q for q in props if q.note.startswith("multicast")], shape
+
+
+def test_rules_odd_k_decode_fills_one_wave_with_the_three_stage_ring():
+    """Where the 4-stage decode kernel's 4 slices take more than one wave (17x9999x3333: 79 tiles), the rules also
+    propose its 3-stage form (two blocks per SM) with the slices that fill one wave, ranked first; it is the
+    measured sweep configuration and lowers. At 31x4001x2047 (32 tiles x 4 slices: one wave) they do not."""
+    from l2ir.backends.registry import lower
+    from l2ir.search.sweeps import load_sweep
+
+    p = Problem(17, 9999, 3333)
+    ctx = Context(p, seed(p, "sm90a"), count=16, arch="sm90a")
+    props = [q for q in Rules().propose(ctx) if q.note.startswith("decode, odd K")]
+    assert [q.note.startswith("decode, odd K, one wave") for q in props] == [True, False]
+    kernel = props[0].apply(ctx.parent, p)
+    swept = load_sweep("cuda_ptx_sm80")["ptx_sm80_32x128x64_w2x4_s3_splitk3_align1_decode"]
+    assert kernel.replace(target=swept.target) == swept
+    lower(kernel, p, "cuda_ptx_sm80")
+    q = Problem(31, 4001, 2047)
+    qctx = Context(q, seed(q, "sm90a"), count=16, arch="sm90a")
+    assert not any(x.note.startswith("decode, odd K, one wave") for x in Rules().propose(qctx))
+
+
+def test_rules_write_bound_shapes_get_the_tma_store_kernel():
+    """K <= 256 with a C of at least 32 MB (8192x4096x128: 64 MB): the cuda_ptx TMA-store kernel, the measured sweep
+    configuration, which lowers with the bulk store; a long K or a small C does not get it."""
+    from l2ir.backends.registry import lower
+    from l2ir.search.sweeps import load_sweep
+
+    p = Problem(8192, 4096, 128)
+    ctx = Context(p, seed(p, "sm90a"), count=16, arch="sm90a")
+    props = [q for q in Rules().propose(ctx) if q.note.startswith("write-bound")]
+    assert len(props) == 1 and props[0].backend == "cuda_ptx"
+    kernel = props[0].apply(ctx.parent, p)
+    assert kernel == load_sweep("cuda_ptx")["ptx_coop_128x256x64_tma"]
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in lower(kernel, p, "cuda_ptx").source
+    for q in (Problem(8192, 4096, 1024), Problem(1024, 1024, 128)):
+        qctx = Context(q, seed(q, "sm90a"), count=16, arch="sm90a")
+        assert not any(x.note.startswith("write-bound") for x in Rules().propose(qctx)), q
