@@ -37,6 +37,16 @@ NP_DTYPES = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16), 
 DEFAULT_WORKERS = H200_SMS   # SMs of an H100/H200: the persistent grid of a stream-K launch
 
 
+def tma_swizzle_128b_read(box: int, wg_m: int, box_cols: int) -> np.ndarray:
+    """Element indices, in a warpgroup's staging buffer, that a TMA load or store with CU_TENSOR_MAP_SWIZZLE_128B
+    reads for box `box` (wg_m rows x box_cols 2-byte columns, box_cols * 2 = 128 bytes, base 1024-byte aligned): the
+    hardware's rule on the byte address, 16-byte chunk c of row r at chunk c ^ (r % 8) (CUDA programming guide, TMA
+    swizzle modes), stated here apart from l2ir.indexing.tma_store_staging so that the two must agree."""
+    r, c = np.meshgrid(np.arange(wg_m), np.arange(box_cols), indexing="ij")
+    byte = box * wg_m * 128 + r * 128 + (((2 * c) // 16) ^ (r % 8)) * 16 + (2 * c) % 16
+    return byte // 2
+
+
 @dataclass
 class InterpResult:
     c: np.ndarray                          # M x N in the output dtype
@@ -254,8 +264,9 @@ class _Schedule:
         """Round to the output dtype and store the in-range part in vectors of epilogue.vector elements; with a
         `mask` (BM x BN), only the tile elements it selects (one block's share of a cluster-reduced tile)."""
         out = tile.astype(np.float32).astype(self.out_dtype)   # (the smem path only reorders the same stores)
-        box_cols = tma_store_box_cols(np.dtype(self.out_dtype).itemsize)
-        if self.kernel.epilogue.path == "tma" and mask is None and self.bn % box_cols == 0:
+        elem = np.dtype(self.out_dtype).itemsize
+        box_cols = tma_store_box_cols(elem)
+        if self.kernel.epilogue.path == "tma" and mask is None and elem == 2 and self.bn % box_cols == 0:
             self._store_boxes(c, writes, tm, tn, out, box_cols)
             return
         r0, c0 = tm * self.bm, tn * self.bn
@@ -276,9 +287,11 @@ class _Schedule:
 
     def _store_boxes(self, c: np.ndarray, writes: np.ndarray, tm: int, tn: int, out: np.ndarray,
                      box_cols: int) -> None:
-        """epilogue.path=tma: each consumer warpgroup stages its WG_M x BN block through the swizzled box layout
-        (l2ir.indexing.tma_store_staging), which must fill its buffer exactly once, then each box is stored at its
-        origin (tma_store_origin), clipped at M and N as TMA clips it."""
+        """epilogue.path=tma (2-byte C): each consumer warpgroup stages its WG_M x BN block through the swizzled box
+        layout (l2ir.indexing.tma_store_staging), which must fill its buffer exactly once; then TMA reads each box as
+        the hardware does (tma_swizzle_128b_read, written independently of the staging formula, so a staging layout
+        that is a bijection but not TMA's swizzle gives a wrong C) and stores it at its origin (tma_store_origin),
+        clipped at M and N."""
         wg_m = self.bm // warpgroups_m(self.kernel)
         staging = tma_store_staging(wg_m, box_cols)
         row0, col0 = tma_store_origin(self.bm, self.bn, wg_m, box_cols)
@@ -297,8 +310,7 @@ class _Schedule:
                 rows, cols = min(wg_m, self.problem.m - gr), min(box_cols, self.problem.n - gc)
                 if rows <= 0 or cols <= 0:
                     continue                       # a box wholly outside C: TMA writes nothing
-                # TMA reads box `box` (rows x box_cols) through the same swizzle it was staged with.
-                part = buf[offsets[:, box * box_cols:(box + 1) * box_cols]]
+                part = buf[tma_swizzle_128b_read(box, wg_m, box_cols)]
                 c[gr:gr + rows, gc:gc + cols] = part[:rows, :cols]
                 writes[gr:gr + rows, gc:gc + cols] += 1
 

@@ -586,6 +586,15 @@ def test_other_backends_refuse_repack():
         assert getattr(info.value, "field", "repack") == "repack" and "repack" in str(info.value)
 
 
+def test_tma_store_tile_leaving_one_stage_is_refused():
+    """128x256x128 with epilogue.path=tma: the whole-tile staging (64 KB) leaves room for one 96 KB stage, and a
+    one-stage ring deadlocks (a stage is released only after the next is waited on): a ResourceError, not a kernel."""
+    from l2ir.errors import ResourceError
+
+    with pytest.raises(ResourceError, match="at least 2"):
+        lower(coop((128, 256, 128), epilogue=Epilogue("tma", 8)), PROBLEM)
+
+
 @pytest.mark.parametrize("field,kernel,problem", REFUSALS, ids=[r[0] for r in REFUSALS])
 def test_refusals_name_the_field(field, kernel, problem):
     with pytest.raises(UnsupportedLowering) as info:

@@ -619,6 +619,27 @@ def test_broken_tma_store_is_caught(monkeypatch):
         interpret(_tma_store_kernel(), p, a, b)
 
 
+def test_tma_store_staging_that_is_not_tmas_swizzle_gives_a_wrong_product(monkeypatch):
+    """A staging layout that fills the buffer once but XORs the chunk with (r + 1) % 8 is read back by the
+    interpreter's model of TMA's SWIZZLE_128B (not by the staging formula), so C comes out permuted."""
+    from l2ir.indexing import STAGE_COL, STAGE_ROW, tma_store_staging
+
+    p = Problem(128, 256, 64)
+    a, b = random_inputs(p, np.random.default_rng(2))
+    good = interpret(_tma_store_kernel(), p, a, b).c
+    np.testing.assert_allclose(good.astype(np.float64), reference(a, b), atol=0.2)
+
+    def shifted(wg_m, box_cols):
+        within = STAGE_ROW * box_cols + STAGE_COL % box_cols
+        chunk = (within // 8) % 8 ^ ((STAGE_ROW + 1) % 8)
+        return ((STAGE_COL // box_cols) * (wg_m * box_cols) + (within // 64) * 64 + chunk * 8 + within % 8)
+
+    assert tma_store_staging(64, 64) is not None
+    monkeypatch.setattr(interp_mod, "tma_store_staging", shifted)
+    bad = interpret(_tma_store_kernel(), p, a, b).c
+    assert not np.array_equal(bad, good)
+
+
 def test_tma_store_staging_swizzles_each_row_over_all_banks():
     """The staging layout is TMA's SWIZZLE_128B on 2-byte data: within a box, row r's 16-byte chunk j sits at
     chunk j ^ (r % 8), so the 8 rows of one fragment store (same chunk, rows r..r+7) hit 8 different chunks."""

@@ -429,6 +429,11 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
     # sub-tiles), so an auto ring fills what that leaves.
     stages = resolved_stages(kernel, epilogue_bytes=(tile.block[0] * tile.block[1] * DTYPE_BYTES[problem.c[0]]
                                                      if epi.path == "tma" else None))
+    if stages < 2:
+        # One stage cannot be refilled while it is read: the consumer releases a stage only after waiting on the next.
+        raise ResourceError("pipeline", "smem_layout", f"{stages} stage(s) of {tile.block[0]}x{tile.block[1]}x"
+                            f"{tile.block[2]} fit beside the {epi.path} epilogue's staging; the ring needs at least 2 "
+                            "(use a smaller tile or BK)")
     cfg = PtxConfig(
         in_dtype=problem.a[0], out_dtype=problem.c[0],
         problem_class=print_problem_class(problem),
@@ -872,7 +877,7 @@ def _config(cfg: PtxConfig) -> list[str]:
            f"constexpr int C_BOX_COLS = {tma_store_box_cols(DTYPE_BYTES[cfg.out_dtype])};   // 128 bytes of C: "
            "the widest box row SWIZZLE_128B allows",
            "constexpr int C_BOXES = BN / C_BOX_COLS;",
-           "static_assert(SMEM_C % 1024 == 0 && (WG_M * C_BOX_COLS * 2) % 1024 == 0,",
+           "static_assert(SMEM_C % 1024 == 0 && (WG_M * C_BOX_COLS * sizeof(OutT)) % 1024 == 0,",
            '              "each store box must start on the 128-byte swizzle\'s 1024-byte period");']
           if cfg.epilogue == "tma" else []),
         *([f"constexpr int SMEM_FLAG = {lay['flag']};   // split-K: the block reduces its tile (1) or not (0)"]
