@@ -128,10 +128,17 @@ def shape_arg(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
-def floor_us(m: int, n: int, k: int) -> float:
-    from l2ir.target import H200_DRAM_BYTES_PER_S
+PROBLEM_CLASS = "a=f16:row b=f16:col c=f16:row"   # the evaluator's: B stored N x K
 
-    return 2 * (m * k + n * k + m * n) / H200_DRAM_BYTES_PER_S * 1e6
+
+def floor_us(m: int, n: int, k: int) -> float:
+    """The DRAM side of the bench's roofline (search.report.roofline): the least bytes at the measured copy rate."""
+    from l2ir.search.report import roofline
+
+    from l2ir.target import H200_DRAM_BYTES_PER_S, H200_TENSOR_F16_FLOPS
+
+    roof = roofline((m, n, k), PROBLEM_CLASS, (H200_TENSOR_F16_FLOPS, H200_DRAM_BYTES_PER_S))
+    return roof["bytes"] / H200_DRAM_BYTES_PER_S * 1e6
 
 
 def main(argv=None) -> int:
@@ -167,6 +174,7 @@ def main(argv=None) -> int:
 
     from l2ir.indexing import Const
     from l2ir.runtime import CubinLauncher, Launch, LaunchPlan
+    from l2ir.target import H200_DRAM_BYTES_PER_S
 
     torch.cuda.init()
     props = torch.cuda.get_device_properties(0)
@@ -231,7 +239,8 @@ def main(argv=None) -> int:
         rows.append(row)
         writes = {nm: round(r["us"], 2) for nm, r in row["kernels"].items() if nm.startswith("write")}
         if writes:
-            print(f"{m}x{n}x{k} write-only (C floor {2 * m * n / 4.3e6:.2f} us): {writes}", flush=True)
+            print(f"{m}x{n}x{k} write-only (C floor {2 * m * n / H200_DRAM_BYTES_PER_S * 1e6:.2f} us): {writes}",
+                  flush=True)
         print(f"{m}x{n}x{k}: floor {row['floor_us']:.2f} us, ceiling {row.get('ceiling_us', float('nan')):.2f} "
               f"({best}), torch {row['torch_us']:.2f}, launch {row['launch_us']:.2f}", flush=True)
     for launcher in launchers:

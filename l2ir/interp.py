@@ -19,6 +19,7 @@ hardware does, which is what makes fp16 accumulation measurably worse at large K
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import ml_dtypes
@@ -285,6 +286,20 @@ class _Schedule:
             dst[sel] = out[:vr, j:j + vec][sel]
             writes[r0:r0 + vr, c0 + j:c0 + j + vec] += sel
 
+    @functools.cached_property
+    def _tma_store_layout(self) -> tuple[int, np.ndarray, list[np.ndarray]]:
+        """epilogue.path=tma (2-byte C): (WG_M, the staging offset of each element of a warpgroup's WG_M x BN block,
+        the staging elements TMA reads for each box). The same for every tile: checked once, when first stored."""
+        box_cols = tma_store_box_cols(np.dtype(self.out_dtype).itemsize)
+        wg_m = self.bm // warpgroups_m(self.kernel)
+        r, col = np.meshgrid(np.arange(wg_m), np.arange(self.bn), indexing="ij")
+        offsets = np.broadcast_to(tma_store_staging(wg_m, box_cols).eval({"r": r, "col": col}), r.shape)
+        slots = np.bincount(offsets.ravel(), minlength=wg_m * self.bn)
+        if offsets.min() < 0 or len(slots) != wg_m * self.bn or (slots != 1).any():
+            raise InterpError(f"epilogue.path=tma: the staging layout of a {wg_m}x{self.bn} block does not fill its "
+                              "buffer exactly once")
+        return wg_m, offsets, [tma_swizzle_128b_read(box, wg_m, box_cols) for box in range(self.bn // box_cols)]
+
     def _store_boxes(self, c: np.ndarray, writes: np.ndarray, tm: int, tn: int, out: np.ndarray,
                      box_cols: int) -> None:
         """epilogue.path=tma (2-byte C): each consumer warpgroup stages its WG_M x BN block through the swizzled box
@@ -292,26 +307,18 @@ class _Schedule:
         the hardware does (tma_swizzle_128b_read, written independently of the staging formula, so a staging layout
         that is a bijection but not TMA's swizzle gives a wrong C) and stores it at its origin (tma_store_origin),
         clipped at M and N."""
-        wg_m = self.bm // warpgroups_m(self.kernel)
-        staging = tma_store_staging(wg_m, box_cols)
+        wg_m, offsets, reads = self._tma_store_layout
         row0, col0 = tma_store_origin(self.bm, self.bn, wg_m, box_cols)
-        r, col = np.meshgrid(np.arange(wg_m), np.arange(self.bn), indexing="ij")
-        offsets = np.broadcast_to(staging.eval({"r": r, "col": col}), r.shape)
-        slots = np.bincount(offsets.ravel(), minlength=wg_m * self.bn)
-        if offsets.min() < 0 or len(slots) != wg_m * self.bn or (slots != 1).any():
-            raise InterpError(f"epilogue.path=tma: the staging layout of a {wg_m}x{self.bn} block does not fill its "
-                              "buffer exactly once")
         for cw in range(self.bm // wg_m):
             buf = np.empty(wg_m * self.bn, dtype=out.dtype)
             buf[offsets] = out[cw * wg_m:(cw + 1) * wg_m]
-            for box in range(self.bn // box_cols):
+            for box, read in enumerate(reads):
                 env = {"tile_m": tm, "tile_n": tn, "cw": cw, "box": box}
                 gr, gc = int(row0.eval(env)), int(col0.eval(env))
                 rows, cols = min(wg_m, self.problem.m - gr), min(box_cols, self.problem.n - gc)
                 if rows <= 0 or cols <= 0:
                     continue                       # a box wholly outside C: TMA writes nothing
-                part = buf[tma_swizzle_128b_read(box, wg_m, box_cols)]
-                c[gr:gr + rows, gc:gc + cols] = part[:rows, :cols]
+                c[gr:gr + rows, gc:gc + cols] = buf[read][:rows, :cols]
                 writes[gr:gr + rows, gc:gc + cols] += 1
 
     # ---- the launch -----------------------------------------------------------------------------------------

@@ -205,19 +205,6 @@ WRITE_BOUND_MAX_K = 256
 WRITE_BOUND_MIN_C_BYTES = 32 << 20
 
 
-def tma_store_kernel(problem: Problem) -> Kernel:
-    """search/sweeps/cuda_ptx/ptx_coop_128x256x64_tma.l2: cooperative, persistent, C through TMA bulk stores."""
-    return Kernel(
-        target=Target("sm90a"),
-        tile=Tile(block=(128, 256, 64), warps=(8, 1)),
-        mma=Mma("wgmma", (64, 256, 16)),
-        pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=True),
-        swizzle=Swizzle((3, 3, 3), "along_n", 8),
-        pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
-        epilogue=Epilogue("tma", 8),
-    )
-
-
 # Rows of A up to which a 16-byte-aligned K takes the direct decode kernel (bench/results/direct_split_h200.json:
 # 1x4096x4096 11.08 us and 8x4096x4096 11.55 us against torch's 13.8-13.9, where the best shared-memory kernel ran
 # 14.3-14.5; at 4x11008x4096, 344 blocks of 512 threads in 2.6 waves, it ran 0.97x).
@@ -352,13 +339,14 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
                 f"more than one wave; a 3-stage ring fits two blocks per SM, {slices} slices fill one wave "
                 "(bench/results/odd_k_decode_h200.json)", backend="cuda_ptx_sm80"))
 
-    # C-write-bound: the TMA store epilogue (cuda_ptx).
-    if (hopper and k <= WRITE_BOUND_MAX_K and m * n * DTYPE_BYTES[problem.c[0]] >= WRITE_BOUND_MIN_C_BYTES
+    # C-write-bound: the TMA store epilogue (cuda_ptx; search/sweeps/cuda_ptx/ptx_coop_128x256x64_tma.l2).
+    c_bytes = m * n * DTYPE_BYTES[problem.c[0]]
+    if (hopper and k <= WRITE_BOUND_MAX_K and c_bytes >= WRITE_BOUND_MIN_C_BYTES
             and DTYPE_BYTES[problem.c[0]] == 2 and cuda_ptx_lowered(problem)):
         out.append(Candidate(
-            8.5, tma_store_kernel(problem),
-            f"write-bound: K={k} against a {m * n * DTYPE_BYTES[problem.c[0]] >> 20} MB C; TMA stores C from shared "
-            "memory while the warps start the next tile (bench/results/tma_store_h200.json)", backend="cuda_ptx"))
+            8.5, hopper_kernel(problem, 128, 256, "cooperative", raster=Swizzle(raster="along_n", group=8)),
+            f"write-bound: K={k} against a {c_bytes >> 20} MB C; TMA stores C from shared memory while the warps "
+            "start the next tile (bench/results/tma_store_h200.json)", backend="cuda_ptx"))
 
     # Decode with 16-byte rows: stream B straight into registers (cuda_ptx_direct, its only backend); K must give
     # each of the 4 slices of warps a k step of 128.

@@ -673,6 +673,25 @@ def _epilogue_direct(cfg: PtxConfig) -> list[str]:
     return lines
 
 
+def _stage_fragments(buffer: str, offset_lines: list[str]) -> list[str]:
+    """The staged epilogues' fragment writes: each thread's accumulator pairs (row r, columns 8 c + 2 (lane % 4) and
+    the next) as one packed store at byte `off` of `buffer`, which `offset_lines` compute from r, c and lane."""
+    return [
+        "#pragma unroll",
+        "      for (int j = 0; j < SLABS; ++j) {",
+        "#pragma unroll",
+        "        for (int c = 0; c < WGMMA_N / 8; ++c) {",
+        "#pragma unroll",
+        "          for (int h = 0; h < 2; ++h) {",
+        "            const int r = 64 * j + 16 * warp + lane / 4 + 8 * h;",
+        *("            " + line for line in offset_lines),
+        f"            *reinterpret_cast<Out2T*>({buffer} + off) = pack2(acc[j][4 * c + 2 * h], acc[j][4 * c + 2 * h + 1]);",
+        "          }",
+        "        }",
+        "      }",
+    ]
+
+
 def _epilogue_smem(cfg: PtxConfig) -> list[str]:
     dm, dn, _ = cfg.divisible
     v = cfg.vector
@@ -686,19 +705,8 @@ def _epilogue_smem(cfg: PtxConfig) -> list[str]:
         "      // The 16-byte chunk index is XORed with the row (C_SWZ_MASK): the 8 rows a warp writes per store land",
         "      // in 8 different chunks, so neither the fragment writes nor the row reads conflict on banks.",
         "      uint8_t* c_tile = smem + SMEM_C + cw * (WG_M * BN * (int)sizeof(OutT));",
-        "#pragma unroll",
-        "      for (int j = 0; j < SLABS; ++j) {",
-        "#pragma unroll",
-        "        for (int c = 0; c < WGMMA_N / 8; ++c) {",
-        "#pragma unroll",
-        "          for (int h = 0; h < 2; ++h) {",
-        "            const int r = 64 * j + 16 * warp + lane / 4 + 8 * h;",
-        "            const int chunk = c ^ (r & C_SWZ_MASK);",
-        "            const int off = (r * BN + 8 * chunk + 2 * (lane % 4)) * (int)sizeof(OutT);",
-        "            *reinterpret_cast<Out2T*>(c_tile + off) = pack2(acc[j][4 * c + 2 * h], acc[j][4 * c + 2 * h + 1]);",
-        "          }",
-        "        }",
-        "      }",
+        *_stage_fragments("c_tile", ["const int chunk = c ^ (r & C_SWZ_MASK);",
+                                     "const int off = (r * BN + 8 * chunk + 2 * (lane % 4)) * (int)sizeof(OutT);"]),
         "      // Named barrier 1 + cw: only this warpgroup's 128 threads (the other one and the producer run on).",
         '      asm volatile("bar.sync %0, 128;" :: "r"(1 + cw) : "memory");',
         f"      constexpr int VEC = {v};",
@@ -729,19 +737,8 @@ def _epilogue_tma(cfg: PtxConfig) -> list[str]:
         "      // thread waits for their reads (not their writes to global memory), then the warpgroup meets.",
         '      if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");',
         '      asm volatile("bar.sync %0, 128;" :: "r"(1 + cw) : "memory");',
-        "#pragma unroll",
-        "      for (int j = 0; j < SLABS; ++j) {",
-        "#pragma unroll",
-        "        for (int c = 0; c < WGMMA_N / 8; ++c) {",
-        "#pragma unroll",
-        "          for (int h = 0; h < 2; ++h) {",
-        "            const int r = 64 * j + 16 * warp + lane / 4 + 8 * h;",
-        "            const int col = 8 * c + 2 * (lane % 4);   // and col + 1: the same 16-byte chunk",
-        f"            const int off = ({offset}) * (int)sizeof(OutT);",
-        "            *reinterpret_cast<Out2T*>(c_stage + off) = pack2(acc[j][4 * c + 2 * h], acc[j][4 * c + 2 * h + 1]);",
-        "          }",
-        "        }",
-        "      }",
+        *_stage_fragments("c_stage", ["const int col = 8 * c + 2 * (lane % 4);   // and col + 1: the same 16-byte chunk",
+                                      f"const int off = ({offset}) * (int)sizeof(OutT);"]),
         "      // The fragment writes are generic-proxy stores; TMA reads through the async proxy.",
         '      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
         '      asm volatile("bar.sync %0, 128;" :: "r"(1 + cw) : "memory");',
