@@ -14,6 +14,9 @@ unaligned shapes, DRAM-bound shapes and their roofline shares) are search.report
 --ceiling FILE (bench/dram_ceiling_probe.py's output) adds to each DRAM-bound row the time of a kernel that only
 streams the shape's bytes, and the share of that ceiling the winner reaches: what is left to gain, where the
 roofline share alone mixes it with what no kernel can reach.
+
+--server FILE (bench/server_race.py's output over this derivation) adds the server scenario: each row's server
+winner and its fresh server times, and the server groups (by regime below 100 GFLOP, and the unaligned shapes).
 """
 
 from __future__ import annotations
@@ -114,16 +117,36 @@ def add_ceiling(result: dict, ceiling_path: Path) -> None:
     group["median_kernel_share_of_ceiling"] = median(of_ceiling)
 
 
+def add_server(result: dict, server_path: Path) -> None:
+    """Each row's server winner and fresh server times (server_race), and the race's groups as result["server"]."""
+    try:
+        race = json.loads(server_path.read_text())
+        by_shape = {tuple(r["shape"]): r for r in race["rows"]}
+        groups = race["groups"]
+    except OSError as e:
+        raise DeriveError(f"{server_path}: cannot read: {e.strerror}") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise DeriveError(f"{server_path}: not a server_race output ({e})") from None
+    for row in result["rows"]:
+        r = by_shape.get(tuple(row["shape"]))
+        if r is not None and r.get("fresh_server"):
+            row["server_winner"], row["fresh_server"] = r["server_winner"], r["fresh_server"]
+    result["server"] = {"source": server_path.name, "scenario": race.get("scenario"), "groups": groups}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("prefixes", nargs="+", help="bench result prefixes: the base run first, then later runs")
     ap.add_argument("--ceiling", type=Path, help="dram_ceiling_probe output: per DRAM-bound shape, the stream ceiling")
+    ap.add_argument("--server", type=Path, help="server_race output: per shape, the server winner's fresh times")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     try:
         result = derive(args.prefixes)
         if args.ceiling:
             add_ceiling(result, args.ceiling)
+        if args.server:
+            add_server(result, args.server)
     except DeriveError as e:
         print(f"derive_families: {e}", file=sys.stderr)
         return 2
@@ -144,6 +167,10 @@ def main(argv=None) -> int:
               + (f"; stream ceiling {g['dram_bound']['median_ceiling_share']:.3f}, winners at a median "
                  f"{g['dram_bound']['median_kernel_share_of_ceiling']:.3f} of it"
                  if g["dram_bound"].get("median_kernel_share_of_ceiling") else ""))
+    for label, sg in result.get("server", {}).get("groups", {}).items():
+        if sg["timed"]:
+            print(f"  server {label}: {sg['timed']}/{sg['shapes']} shapes, fresh geomean "
+                  f"{sg['fresh_geomean_speedup']:.3f}x, min {sg['fresh_min_speedup']:.3f}x, below 0.9x: {sg['below_0.9x']}")
     for r in result["replaced"]:
         print(f"  replaced {r['shape']}: {r['speedup_before']:.3f}x ({r['from']}) -> {r['speedup_after']:.3f}x "
               f"({r['to']})")

@@ -331,3 +331,124 @@ def test_derive_families_ceiling_adds_each_dram_bound_shapes_stream_ceiling(tmp_
     ceiling.write_text(json.dumps({"shapes": []}))
     with pytest.raises(derive.DeriveError, match=r"ceiling\.json: not a dram_ceiling_probe output"):
         derive.add_ceiling(out, ceiling)
+
+
+def _server_race_module():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("server_race", Path(__file__).parents[1] / "bench" / "server_race.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_server_race_takes_the_best_passing_offline_candidates_and_always_the_winner(tmp_path):
+    """Per derived row: the --top kernels of the row's own run by offline speedup, counting only records that
+    passed every gate and each kernel once (its best record), and the offline winner among them even where a
+    kernel ranked above it; the groups report the fresh server speedups by regime and name the shapes below
+    0.9x; a derived file whose run lacks a kernel's IR is a one-line error naming the run."""
+    race = _server_race_module()
+    from l2ir.seed import seed
+    from l2ir.text import parse_problem, print_kernel
+
+    cls = "a=f16:row b=f16:col c=f16:row acc=f32"
+    shape = (64, 64, 64)
+    ptext = f"gemm m=64 n=64 k=64 {cls}"
+    kernel_text = print_kernel(seed(parse_problem(ptext), "sm80"))
+    ok = [{"name": "accuracy", "passed": True}]
+    recs = [("a" * 12, 1.3, ok), ("b" * 12, 1.5, [{"name": "ulp", "passed": False}]),   # fastest, but failed a gate
+            ("c" * 12, 1.2, ok), ("c" * 12, 1.25, ok), ("d" * 12, 1.1, ok), ("w" * 12, 1.0, ok)]
+    lines = [json.dumps({"problem": ptext, "kernel_hash": h + "0" * 52, "scenario": "offline", "speedup": x,
+                         "verdicts": v, "errors": []}) for h, x, v in recs]
+    (tmp_path / "run.jsonl").write_text("\n".join(lines) + "\n")
+    kernels = {h: {"config": f"fam/{h[0]}", "backend": "fam", "kernel": kernel_text} for h in
+               ("a" * 12, "b" * 12, "c" * 12, "d" * 12, "w" * 12)}
+    (tmp_path / "run.json").write_text(json.dumps({"problem_class": cls, "kernels": kernels, "shapes": [
+        {"shape": list(shape), "best_hash": "w" * 12, "best_name": "fam/w"}]}))
+    derived = tmp_path / "derived.json"
+    derived.write_text(json.dumps({"problem_class": cls, "rows": [
+        {"shape": list(shape), "source": "run", "winner": "fam/w", "fresh": {"speedup": 1.05}}]}))
+    pclass, (entry,) = race.race_entries(derived, 3)
+    assert pclass == cls
+    assert [(c["hash"][0], c["offline_speedup"]) for c in entry["candidates"]] == [("a", 1.3), ("c", 1.25), ("w", 1.0)]
+    assert entry["candidates"][-1]["name"] == "fam/w" and entry["candidates"][0]["backend"] == "fam"
+    _, (entry,) = race.race_entries(derived, 1)
+    assert [c["hash"][0] for c in entry["candidates"]] == ["w"]
+    groups = race.group_summary([{"shape": [64, 64, 64], "fresh_server": {"speedup": 1.2}},
+                                 {"shape": [63, 64, 64], "fresh_server": {"speedup": 0.8}},
+                                 {"shape": [128, 4096, 4096]}])
+    assert groups["< 1 GFLOP"]["timed"] == 2 and groups["< 1 GFLOP"]["fresh_min_speedup"] == 0.8
+    assert groups["< 1 GFLOP"]["below_0.9x"] == [[[63, 64, 64], 0.8]]
+    assert groups["1-100 GFLOP"] == {"shapes": 1, "timed": 0, "fresh_geomean_speedup": None,
+                                     "fresh_min_speedup": None, "below_0.9x": []}
+    assert groups["unaligned"]["timed"] == 1
+    del kernels["a" * 12]
+    (tmp_path / "run.json").write_text(json.dumps({"problem_class": cls, "kernels": kernels, "shapes": []}))
+    with pytest.raises(race.RaceError, match=r"run\.json: kernel aaaaaaaaaaaa .* not in its 'kernels' section"):
+        race.race_entries(derived, 3)
+    assert race.main(["--derived", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o")]) == 2
+
+
+def test_derive_families_server_adds_each_rows_server_winner_and_the_groups(tmp_path):
+    """--server: a row the race timed gets its server winner and fresh server times, a row it did not time gets
+    none, and the race's groups come along; a file that is not the race's output is a DeriveError naming it."""
+    derive = _derive_module()
+    base = _bench_run(tmp_path, "base", [((64, 64, 64), "aaaaaaaaaaaa", 1.1), ((64, 64, 128), "bbbbbbbbbbbb", 1.0)],
+                      {(64, 64, 64): ["aaaaaaaaaaaa"], (64, 64, 128): ["bbbbbbbbbbbb"]})
+    out = derive.derive([base])
+    server = tmp_path / "server.json"
+    groups = {"< 1 GFLOP": {"shapes": 2, "timed": 1, "fresh_geomean_speedup": 0.95, "fresh_min_speedup": 0.95,
+                            "below_0.9x": []}}
+    server.write_text(json.dumps({"scenario": "server", "groups": groups, "rows": [
+        {"shape": [64, 64, 64], "server_winner": "cfg/x", "fresh_server": {"speedup": 0.95}},
+        {"shape": [64, 64, 128], "server_winner": "cfg/y"}]}))
+    derive.add_server(out, server)
+    rows = {tuple(r["shape"]): r for r in out["rows"]}
+    assert rows[(64, 64, 64)]["server_winner"] == "cfg/x" and rows[(64, 64, 64)]["fresh_server"]["speedup"] == 0.95
+    assert "fresh_server" not in rows[(64, 64, 128)]
+    assert out["server"]["groups"] == groups
+    server.write_text(json.dumps({"rows": []}))
+    with pytest.raises(derive.DeriveError, match=r"server\.json: not a server_race output"):
+        derive.add_server(out, server)
+
+
+def test_server_race_runs_end_to_end_on_the_standin_and_resumes(tmp_path, capsys):
+    """--standin: every candidate is timed in the server scenario (selection file), the best re-timed on fresh
+    samples (fresh file), the summary names the server winner; a rerun measures nothing new."""
+    race = _server_race_module()
+    from l2ir.seed import seed
+    from l2ir.text import parse_problem, print_kernel
+
+    cls = "a=f16:row b=f16:col c=f16:row acc=f32"
+    rows, lines, kernels, shapes = [], [], {}, []
+    for (m, n, k) in ((64, 64, 64), (1024, 1024, 1024)):
+        problem = parse_problem(f"gemm m={m} n={n} k={k} {cls}")
+        for i, target in enumerate(("sm80", "sm90a")):
+            kern = seed(problem, target)
+            h = kern.content_hash()[:12]
+            kernels[h] = {"config": f"seed_{target}", "backend": None, "kernel": print_kernel(kern)}
+            lines.append(json.dumps({"problem": f"gemm m={m} n={n} k={k} {cls}", "kernel_hash": h + "0" * 52,
+                                     "scenario": "offline", "speedup": 1.0 + i / 10, "errors": [],
+                                     "verdicts": [{"name": "accuracy", "passed": True}]}))
+        shapes.append({"shape": [m, n, k], "best_hash": h, "best_name": "seed_sm90a"})
+        rows.append({"shape": [m, n, k], "source": "run", "winner": "seed_sm90a", "fresh": {"speedup": 1.1}})
+    (tmp_path / "run.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "run.json").write_text(json.dumps({"problem_class": cls, "kernels": kernels, "shapes": shapes}))
+    (tmp_path / "derived.json").write_text(json.dumps({"problem_class": cls, "rows": rows}))
+    argv = ["--derived", str(tmp_path / "derived.json"), "--top", "2", "--standin", "--out", str(tmp_path / "race")]
+    assert race.main(argv) == 0
+    out = json.loads((tmp_path / "race.json").read_text())
+    assert out["environment"]["standin"] is True
+    assert [len(r["candidates"]) for r in out["rows"]] == [2, 2]
+    for r in out["rows"]:
+        speeds = {c["name"]: c["server_speedup"] for c in r["candidates"]}
+        assert r["server_winner"] == max(speeds, key=speeds.get)
+        assert r["fresh_server"]["speedup"] > 0
+    assert out["groups"]["< 1 GFLOP"]["timed"] == 1 and out["groups"]["1-100 GFLOP"]["timed"] == 1
+    selection = (tmp_path / "race.jsonl").read_text().splitlines()
+    fresh = (tmp_path / "race-fresh.jsonl").read_text().splitlines()
+    assert (len(selection), len(fresh)) == (4, 2)
+    assert race.main(argv) == 0                       # resumed: every measurement is reused
+    assert len((tmp_path / "race.jsonl").read_text().splitlines()) == 4
+    assert "server fresh geomean" in capsys.readouterr().out

@@ -1,0 +1,244 @@
+"""The server scenario of the families benchmark: per shape, the offline race's best candidates raced again in the
+server scenario (L2 flushed, the GPU idle before each call), the server winner reported on fresh samples.
+
+    python3 bench/server_race.py --derived bench/results/families_derived_v13_h200.json --top 3 \
+        --out bench/results/families_server_h200
+
+`l2ir bench` times only its offline winner in the server scenario, on the samples it then reports. A kernel that
+wins a CUDA-graph replay over warm buffers is not always the one that wins a single cold call (a persistent kernel's
+prologue, a cluster launch, a split-K workspace are paid once per call there), and a dispatch table chooses per
+scenario. So for each row of a derive_families output this takes from the row's own bench run (its PREFIX.jsonl)
+the `--top` candidates with the best offline speedups that passed every gate (the offline winner always among
+them), rebuilds each from the run's summary (its IR and backend), times each in the server scenario through every
+gate (selection, PREFIX.jsonl here), and re-times the best of them on fresh inputs and seeds (PREFIX-fresh.jsonl):
+the fresh numbers are the report, as in the bench. Both files are resumable: a rerun measures only what is missing.
+
+PREFIX.json: per shape the candidates' server speedups, the server winner and its fresh times, and by FLOP regime
+(below 100 GFLOP, the families benchmark's) and for the unaligned shapes the fresh geomean, minimum and the shapes
+below 0.9x. --compile-only builds every candidate into the compile cache and stops (it needs no GPU); --standin
+runs the race against the stand-in cost model (search/standin.py: NOT measured, labelled so in the environment), to
+check a derivation's race end to end on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from l2ir.search.records import JsonlStore, first_failure, passed
+from l2ir.search.report import REGIMES, geomean, gflop, is_unaligned, timing
+
+
+class RaceError(Exception):
+    pass
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise RaceError(f"{path}: cannot read {what}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise RaceError(f"{path}: {what} is not JSON (line {e.lineno}): {e.msg}") from None
+
+
+def race_entries(derived_path: Path, top: int) -> tuple[str, list[dict]]:
+    """(problem class, one entry per derived row: shape, source run, offline winner and fresh speedup, and the top
+    offline candidates as (name, hash, backend, kernel text, offline speedup), best first)."""
+    from l2ir.text import print_problem
+
+    derived = _read_json(derived_path, "the derive_families output")
+    if "rows" not in derived or "problem_class" not in derived:
+        raise RaceError(f"{derived_path}: not a derive_families output (no 'rows' or 'problem_class')")
+    runs: dict[str, tuple[dict, dict]] = {}
+    entries = []
+    for row in derived["rows"]:
+        source = row["source"]
+        if source not in runs:
+            prefix = derived_path.parent / source
+            summary = _read_json(prefix.with_suffix(".json"), "a bench summary")
+            records: dict[str, list[dict]] = {}
+            evals = prefix.with_suffix(".jsonl")
+            if not evals.is_file():
+                raise RaceError(f"{evals}: cannot read: no such file")
+            for rec in JsonlStore(evals):
+                if rec.get("scenario") == "offline" and passed(rec) and rec.get("speedup"):
+                    records.setdefault(rec["problem"], []).append(rec)
+            runs[source] = (summary, records)
+        summary, records = runs[source]
+        shape = tuple(row["shape"])
+        ptext = print_problem(_problem(derived["problem_class"], shape))
+        best: dict[str, dict] = {}
+        for rec in records.get(ptext, []):
+            h = rec["kernel_hash"][:12]
+            if h not in best or rec["speedup"] > best[h]["speedup"]:
+                best[h] = rec
+        ranked = sorted(best.values(), key=lambda r: -r["speedup"])
+        winner_hash = next((r["best_hash"] for r in summary["shapes"] if tuple(r["shape"]) == shape), None)
+        chosen = ranked[:top]
+        if winner_hash and all(r["kernel_hash"][:12] != winner_hash for r in chosen):
+            chosen = chosen[:top - 1] + [best[winner_hash]] if winner_hash in best else chosen
+        cands = []
+        for rec in chosen:
+            h = rec["kernel_hash"][:12]
+            info = summary.get("kernels", {}).get(h)
+            if info is None:
+                raise RaceError(f"{source}.json: kernel {h} (evaluated on {shape}) is not in its 'kernels' section")
+            name = rec.get("config") or info["config"]
+            cands.append({"name": name, "hash": h, "backend": _backend(name, info), "kernel": info["kernel"],
+                          "offline_speedup": rec["speedup"]})
+        entries.append({"shape": list(shape), "source": source, "offline_winner": row["winner"],
+                        "offline_fresh_speedup": row["fresh"].get("speedup"), "candidates": cands})
+    return derived["problem_class"], entries
+
+
+def _backend(name: str, info: dict) -> str | None:
+    """The backend a candidate was lowered with: a family config's is its name's prefix ("cuda_ptx/..."), as the
+    bench names them; any other's is the run's (its summary's entry, unless that entry is a family config's: the
+    summary keeps one entry per kernel, and a seed can equal a family's config)."""
+    from l2ir.backends.registry import BACKENDS
+
+    prefix = name.split("/", 1)[0] if "/" in name else None
+    if prefix in BACKENDS:
+        return prefix
+    entry_prefix = str(info.get("config", "")).split("/", 1)[0]
+    return None if entry_prefix in BACKENDS else info.get("backend")
+
+
+def _problem(problem_class: str, shape):
+    from l2ir.text import parse_problem
+
+    m, n, k = shape
+    return parse_problem(f"gemm m={m} n={n} k={k} {problem_class}")
+
+
+def group_summary(rows: list[dict]) -> dict:
+    """Fresh server geomean, minimum and the shapes below 0.9x, by regime below 100 GFLOP and for the unaligned."""
+    def stats(sel: list[dict]) -> dict:
+        speeds = [r["fresh_server"]["speedup"] for r in sel if r.get("fresh_server", {}).get("speedup")]
+        return {"shapes": len(sel), "timed": len(speeds), "fresh_geomean_speedup": geomean(speeds),
+                "fresh_min_speedup": min(speeds, default=None),
+                "below_0.9x": sorted([r["shape"], round(float(r["fresh_server"]["speedup"]), 3)] for r in sel
+                                     if r.get("fresh_server", {}).get("speedup", 1) < 0.9)}
+
+    out = {label: stats([r for r in rows if lo <= gflop(tuple(r["shape"])) * 1e9 < hi]) for lo, hi, label in REGIMES[:2]}
+    out["unaligned"] = stats([r for r in rows if is_unaligned(tuple(r["shape"]))])
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--derived", type=Path, required=True, help="derive_families output (its runs in the same folder)")
+    ap.add_argument("--top", type=int, default=3, help="offline candidates raced per shape (default %(default)s)")
+    ap.add_argument("--out", type=Path, required=True, help="results prefix: OUT.jsonl, OUT-fresh.jsonl, OUT.json")
+    ap.add_argument("--cache-dir", default=".l2ir-cache")
+    ap.add_argument("--compile-only", action="store_true", help="build the candidates into the cache and stop")
+    ap.add_argument("--standin", action="store_true", help="time against the stand-in cost model (NOT measured)")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting shapes after this many seconds")
+    args = ap.parse_args(argv)
+    if args.top < 1:
+        ap.error(f"--top {args.top}: need at least 1")
+    t_start = time.perf_counter()
+    try:
+        problem_class, entries = race_entries(args.derived, args.top)
+    except RaceError as e:
+        print(f"server_race: {e}", file=sys.stderr)
+        return 2
+
+    from l2ir.backends.compile import CompileOptions
+    from l2ir.search.evaluator import EvalConfig, Evaluator
+    from l2ir.search.pipeline import Candidate, Pipeline, PipelineConfig
+    from l2ir.search.timing import TimingConfig
+
+    from l2ir.text import parse_kernel
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    pclass = _problem(problem_class, (1, 1, 1))
+    pcfg = PipelineConfig(compile=CompileOptions(cache_dir=args.cache_dir, device_sm="sm_90"),
+                          compile_kernels=not args.standin, any_binary=args.standin)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    select = Pipeline(pcfg, None, JsonlStore(args.out.with_suffix(".jsonl")), log=log)
+    fresh = Pipeline(pcfg, None, JsonlStore(args.out.with_name(args.out.name + "-fresh.jsonl")), log=log)
+    # One candidate per distinct kernel and backend: the pipeline treats a repeat as a duplicate, and a kernel that
+    # races on several shapes is built once.
+    unique: dict[tuple[str, str | None], Candidate] = {}
+    for e in entries:
+        for c in e["candidates"]:
+            unique.setdefault((c["hash"], c["backend"]), Candidate(c["name"], parse_kernel(c["kernel"]),
+                                                                   f"server_race:{e['source']}", c["backend"]))
+    items = dict(zip(unique, select.prepare(list(unique.values()), pclass)))
+    failed = [f"{items[k].candidate.name}: {items[k].error}" for k in items if not items[k].ok]
+    log(f"prepared {len(items)} kernels for {len(entries)} shapes in {time.perf_counter() - t_start:.0f} s"
+        + (f"; {len(failed)} not built: {failed[:3]}" if failed else ""))
+    if args.compile_only:
+        return 1 if failed else 0
+
+    # The bench's server timing (search/bench.py): 15 cold calls each, interleaved with torch.matmul.
+    tcfg = TimingConfig(trials=7, target_ms=10.0, server_samples=15)
+    rows = []
+    stopped = False
+    if args.standin:
+        from l2ir.search.standin import StandinConfig, StandinEvaluator
+
+        evaluator = StandinEvaluator(StandinConfig(scenarios=("server",)))
+    else:
+        evaluator = Evaluator(EvalConfig(scenarios=("server",), timing=tcfg))
+    with evaluator as ev:
+        env = ev.environment
+        for e in entries:
+            if time.perf_counter() - t_start > args.budget_s:
+                stopped = True
+                log(f"budget of {args.budget_s:.0f} s reached; stopping before {e['shape']}")
+                break
+            shape = tuple(e["shape"])
+            problem = pclass.with_shape(*shape)
+            row = {k: e[k] for k in ("shape", "source", "offline_winner", "offline_fresh_speedup")}
+            row["candidates"] = []
+            best = None
+            for c in e["candidates"]:
+                o = select.evaluate(items[(c["hash"], c["backend"])], problem, ev, scenarios=("server",))
+                rec = o.measurements[0].to_json() if o is not None and o.measurements else None
+                entry = {"name": c["name"], "hash": c["hash"], "offline_speedup": c["offline_speedup"],
+                         "server_speedup": rec.get("speedup") if rec and passed(rec) else None}
+                if rec is None or not passed(rec):
+                    entry["failure"] = first_failure(rec)[:200] if rec else (o.error if o else "not evaluated")
+                row["candidates"].append(entry)
+                log(f"{shape} {c['name']:52s} server {entry['server_speedup'] or 0:.3f}x "
+                    f"(offline {c['offline_speedup']:.3f}x)" + (f"  {entry['failure']}" if "failure" in entry else ""))
+                if entry["server_speedup"] and (best is None or entry["server_speedup"] > best[0]["server_speedup"]):
+                    best = (entry, c)
+            if best is not None:
+                row["server_winner"] = best[0]["name"]
+                f = fresh.evaluate(items[(best[1]["hash"], best[1]["backend"])], problem, ev, scenarios=("server",))
+                frec = f.measurements[0].to_json() if f is not None and f.measurements else None
+                if frec is not None and passed(frec):
+                    row["fresh_server"] = {k: v for k, v in timing(frec).items() if "samples" not in k}
+                else:
+                    row["fresh_failure"] = first_failure(frec)[:200] if frec else "not evaluated"
+                log(f"{shape} server winner {row['server_winner']}: fresh "
+                    f"{row.get('fresh_server', {}).get('speedup') or 0:.3f}x")
+            rows.append(row)
+
+    result = {"command": "python3 bench/server_race.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "scenario": "server (L2 flushed, 0.5 ms spin before each call, device time), interleaved with "
+                          "torch.matmul; selection on OUT.jsonl's samples, report on OUT-fresh.jsonl's",
+              "derived": args.derived.name, "top": args.top, "problem_class": problem_class, "environment": env,
+              "stopped_early": stopped, "seconds": round(time.perf_counter() - t_start, 1),
+              "groups": group_summary(rows), "rows": rows}
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    for label, g in result["groups"].items():
+        if g["timed"]:
+            print(f"{label:>12}: {g['timed']}/{g['shapes']} shapes, server fresh geomean "
+                  f"{g['fresh_geomean_speedup']:.3f}x, min {g['fresh_min_speedup']:.3f}x, below 0.9x: {g['below_0.9x']}")
+    print(f"wrote {args.out.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
