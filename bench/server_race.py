@@ -12,6 +12,8 @@ the `--top` candidates with the best offline speedups that passed every gate (th
 them), rebuilds each from the run's summary (its IR and backend), times each in the server scenario through every
 gate (selection, PREFIX.jsonl here), and re-times the best of them on fresh inputs and seeds (PREFIX-fresh.jsonl):
 the fresh numbers are the report, as in the bench. Both files are resumable: a rerun measures only what is missing.
+--case MxNxK:SWEEP:CONFIG (repeatable) adds a sweep configuration to a shape's race (named "SWEEP/CONFIG"): a kernel
+the offline race did not have, chosen here on server samples and reported on fresh ones like the others.
 
 PREFIX.json: per shape the candidates' server speedups, the server winner and its fresh times, and by FLOP regime
 (below 100 GFLOP, the families benchmark's) and for the unaligned shapes the fresh geomean, minimum and the shapes
@@ -30,6 +32,7 @@ from pathlib import Path
 
 from l2ir.search.records import JsonlStore, first_failure, passed
 from l2ir.search.report import REGIMES, geomean, gflop, is_unaligned, timing
+from sweep_cases import case_arg
 
 
 class RaceError(Exception):
@@ -45,10 +48,14 @@ def _read_json(path: Path, what: str) -> dict:
         raise RaceError(f"{path}: {what} is not JSON (line {e.lineno}): {e.msg}") from None
 
 
-def race_entries(derived_path: Path, top: int) -> tuple[str, list[dict]]:
+def race_entries(derived_path: Path, top: int, cases=()) -> tuple[str, list[dict]]:
     """(problem class, one entry per derived row: shape, source run, offline winner and fresh speedup, and the top
-    offline candidates as (name, hash, backend, kernel text, offline speedup), best first)."""
-    from l2ir.text import print_problem
+    offline candidates as (name, hash, backend, kernel text, offline speedup), best first, then the `cases`
+    ((shape, sweep, config), sweep_cases.case_arg's) of that shape with no offline speedup)."""
+    from l2ir.backends.registry import BACKENDS
+    from l2ir.search.sweeps import load_sweep
+
+    from l2ir.text import print_kernel, print_problem
 
     derived = _read_json(derived_path, "the derive_families output")
     if "rows" not in derived or "problem_class" not in derived:
@@ -90,6 +97,17 @@ def race_entries(derived_path: Path, top: int) -> tuple[str, list[dict]]:
             name = rec.get("config") or info["config"]
             cands.append({"name": name, "hash": h, "backend": _backend(name, info), "kernel": info["kernel"],
                           "offline_speedup": rec["speedup"]})
+        for case_shape, sweep, config in cases:
+            if tuple(case_shape) != shape:
+                continue
+            configs = load_sweep(sweep)
+            if config not in configs:
+                raise RaceError(f"--case {'x'.join(map(str, shape))}:{sweep}:{config}: no configuration '{config}' "
+                                f"in sweep '{sweep}'")
+            h = configs[config].content_hash()[:12]
+            if all(c["hash"] != h for c in cands):
+                cands.append({"name": f"{sweep}/{config}", "hash": h, "backend": sweep if sweep in BACKENDS else None,
+                              "kernel": print_kernel(configs[config]), "offline_speedup": None})
         entries.append({"shape": list(shape), "source": source, "offline_winner": row["winner"],
                         "offline_fresh_speedup": row["fresh"].get("speedup"), "candidates": cands})
     return derived["problem_class"], entries
@@ -133,6 +151,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--derived", type=Path, required=True, help="derive_families output (its runs in the same folder)")
     ap.add_argument("--top", type=int, default=3, help="offline candidates raced per shape (default %(default)s)")
+    ap.add_argument("--case", type=case_arg, action="append", default=[], metavar="MxNxK:SWEEP:CONFIG",
+                    help="race this sweep configuration on that shape too (repeatable)")
     ap.add_argument("--out", type=Path, required=True, help="results prefix: OUT.jsonl, OUT-fresh.jsonl, OUT.json")
     ap.add_argument("--cache-dir", default=".l2ir-cache")
     ap.add_argument("--compile-only", action="store_true", help="build the candidates into the cache and stop")
@@ -143,7 +163,10 @@ def main(argv=None) -> int:
         ap.error(f"--top {args.top}: need at least 1")
     t_start = time.perf_counter()
     try:
-        problem_class, entries = race_entries(args.derived, args.top)
+        problem_class, entries = race_entries(args.derived, args.top, args.case)
+        unknown = {tuple(c[0]) for c in args.case} - {tuple(e["shape"]) for e in entries}
+        if unknown:
+            raise RaceError(f"--case: shape(s) {sorted(unknown)} not in {args.derived.name}")
     except RaceError as e:
         print(f"server_race: {e}", file=sys.stderr)
         return 2
@@ -208,8 +231,9 @@ def main(argv=None) -> int:
                 if rec is None or not passed(rec):
                     entry["failure"] = first_failure(rec)[:200] if rec else (o.error if o else "not evaluated")
                 row["candidates"].append(entry)
-                log(f"{shape} {c['name']:52s} server {entry['server_speedup'] or 0:.3f}x "
-                    f"(offline {c['offline_speedup']:.3f}x)" + (f"  {entry['failure']}" if "failure" in entry else ""))
+                offline = f"{c['offline_speedup']:.3f}x" if c["offline_speedup"] else "not raced"
+                log(f"{shape} {c['name']:52s} server {entry['server_speedup'] or 0:.3f}x (offline {offline})"
+                    + (f"  {entry['failure']}" if "failure" in entry else ""))
                 if entry["server_speedup"] and (best is None or entry["server_speedup"] > best[0]["server_speedup"]):
                     best = (entry, c)
             if best is not None:

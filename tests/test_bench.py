@@ -335,8 +335,12 @@ def test_derive_families_ceiling_adds_each_dram_bound_shapes_stream_ceiling(tmp_
 
 def _server_race_module():
     import importlib.util
+    import sys
     from pathlib import Path
 
+    bench = str(Path(__file__).parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)            # the script imports bench/sweep_cases.py, as run from bench/
     spec = importlib.util.spec_from_file_location("server_race", Path(__file__).parents[1] / "bench" / "server_race.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -373,8 +377,13 @@ def test_server_race_takes_the_best_passing_offline_candidates_and_always_the_wi
     assert pclass == cls
     assert [(c["hash"][0], c["offline_speedup"]) for c in entry["candidates"]] == [("a", 1.3), ("c", 1.25), ("w", 1.0)]
     assert entry["candidates"][-1]["name"] == "fam/w" and entry["candidates"][0]["backend"] == "fam"
-    _, (entry,) = race.race_entries(derived, 1)
-    assert [c["hash"][0] for c in entry["candidates"]] == ["w"]
+    _, (entry,) = race.race_entries(derived, 1, [((64, 64, 64), "cuda_ptx_sm80", "ptx_sm80_64x64x32_w2x2_s3"),
+                                                 ((128, 128, 128), "cuda_ptx_sm80", "ptx_sm80_64x64x32_w2x2_s3")])
+    assert [c["hash"][0] for c in entry["candidates"][:1]] == ["w"]
+    assert entry["candidates"][1]["name"] == "cuda_ptx_sm80/ptx_sm80_64x64x32_w2x2_s3"
+    assert entry["candidates"][1]["backend"] == "cuda_ptx_sm80" and entry["candidates"][1]["offline_speedup"] is None
+    with pytest.raises(race.RaceError, match=r"--case 64x64x64:cuda_ptx_sm80:nope: no configuration 'nope'"):
+        race.race_entries(derived, 1, [((64, 64, 64), "cuda_ptx_sm80", "nope")])
     groups = race.group_summary([{"shape": [64, 64, 64], "fresh_server": {"speedup": 1.2}},
                                  {"shape": [63, 64, 64], "fresh_server": {"speedup": 0.8}},
                                  {"shape": [128, 4096, 4096]}])
