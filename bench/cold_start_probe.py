@@ -29,7 +29,6 @@ VARIANTS = ("offline", "server", "server_no_flush")
 def empty_launch_us(samples: int, flush_bytes: int) -> float:
     """Median server-scenario time of a launch that does nothing (torch.cuda._sleep(1)), after the same flush."""
     import torch
-
     from l2ir.search.timing import CudaClock, TimingConfig
 
     clock = CudaClock(TimingConfig(flush_bytes=flush_bytes))
