@@ -19,6 +19,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from sweep_cases import case_arg, lower_case
@@ -26,20 +27,16 @@ from sweep_cases import case_arg, lower_case
 VARIANTS = ("offline", "server", "server_no_flush")
 
 
-def empty_launch_us(samples: int, flush_bytes: int) -> float:
-    """Median server-scenario time of a launch that does nothing (torch.cuda._sleep(1)), after the same flush."""
+def empty_launch_us(cfg) -> float:
+    """Median server-scenario time (search/timing.time_server under `cfg`) of a launch that does nothing
+    (torch.cuda._sleep(1)), timed against itself."""
     import torch
-    from l2ir.search.timing import CudaClock, TimingConfig
+    from l2ir.search.timing import time_server
 
-    clock = CudaClock(TimingConfig(flush_bytes=flush_bytes))
-    handles = []
-    for _ in range(samples):
-        clock.flush()
-        clock.spin()
-        handles.append(clock.start(lambda: torch.cuda._sleep(1)))
-    out = statistics.median(clock.elapsed_ms(h) * 1000.0 for h in handles)
-    clock.close()
-    return out
+    def empty(_):
+        torch.cuda._sleep(1)
+
+    return statistics.median(time_server(empty, empty, 1, cfg).kernel_us)
 
 
 def main(argv=None) -> int:
@@ -49,14 +46,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from l2ir.backends.compile import CompileOptions, compile_plan
+    from l2ir.search.bench import BENCH_TIMING
     from l2ir.search.evaluator import EvalConfig, Evaluator
-    from l2ir.search.timing import TimingConfig
 
-    base = TimingConfig(trials=7, target_ms=10.0, server_samples=15)
-    configs = {"offline": EvalConfig(scenarios=("offline",), timing=base),
-               "server": EvalConfig(scenarios=("server",), timing=base),
-               "server_no_flush": EvalConfig(scenarios=("server",), timing=TimingConfig(
-                   trials=7, target_ms=10.0, server_samples=15, flush_bytes=1 << 20))}
+    # The bench's timing, and the same with a 1 MiB flush: the refreshed inputs then stay in L2.
+    timings = {"offline": BENCH_TIMING, "server": BENCH_TIMING,
+               "server_no_flush": replace(BENCH_TIMING, flush_bytes=1 << 20)}
+    configs = {name: EvalConfig(scenarios=(name.split("_")[0],), timing=t) for name, t in timings.items()}
     started = time.time()
     rows, env = [], {}
     built = []
@@ -81,7 +77,7 @@ def main(argv=None) -> int:
                 print(f"{'x'.join(map(str, shape)):>16} {case:52s} {name:16s} gates "
                       f"{'pass' if meas.passed else 'FAIL'} {meas.kernel_median_us or float('nan'):8.2f} us  torch "
                       f"{meas.baseline_median_us or float('nan'):8.2f} us", flush=True)
-    empty = {"server": empty_launch_us(15, base.flush_bytes), "server_no_flush": empty_launch_us(15, 1 << 20)}
+    empty = {name: empty_launch_us(timings[name]) for name in ("server", "server_no_flush")}
     out = {"command": " ".join(["python3", "bench/cold_start_probe.py", *(argv or sys.argv[1:])]),
            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": round(time.time() - started, 1),
            "environment": env, "scenario": "offline and server (search/timing), and server with a 1 MiB flush",

@@ -167,10 +167,12 @@ def main(argv=None) -> int:
               + (f"; stream ceiling {g['dram_bound']['median_ceiling_share']:.3f}, winners at a median "
                  f"{g['dram_bound']['median_kernel_share_of_ceiling']:.3f} of it"
                  if g["dram_bound"].get("median_kernel_share_of_ceiling") else ""))
-    for label, sg in result.get("server", {}).get("groups", {}).items():
-        if sg["timed"]:
-            print(f"  server {label}: {sg['timed']}/{sg['shapes']} shapes, fresh geomean "
-                  f"{sg['fresh_geomean_speedup']:.3f}x, min {sg['fresh_min_speedup']:.3f}x, below 0.9x: {sg['below_0.9x']}")
+    if "server" in result:
+        from server_race import group_line  # bench/server_race.py, beside this script
+
+        for label, sg in result["server"]["groups"].items():
+            if sg["timed"]:
+                print(group_line(f"  {label}", sg))
     for r in result["replaced"]:
         print(f"  replaced {r['shape']}: {r['speedup_before']:.3f}x ({r['from']}) -> {r['speedup_after']:.3f}x "
               f"({r['to']})")

@@ -147,6 +147,12 @@ def group_summary(rows: list[dict]) -> dict:
     return out
 
 
+def group_line(label: str, g: dict) -> str:
+    """One group of group_summary, for the console."""
+    return (f"{label}: {g['timed']}/{g['shapes']} shapes, server fresh geomean {g['fresh_geomean_speedup']:.3f}x, "
+            f"min {g['fresh_min_speedup']:.3f}x, below 0.9x: {g['below_0.9x']}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--derived", type=Path, required=True, help="derive_families output (its runs in the same folder)")
@@ -172,9 +178,9 @@ def main(argv=None) -> int:
         return 2
 
     from l2ir.backends.compile import CompileOptions
+    from l2ir.search.bench import BENCH_TIMING
     from l2ir.search.evaluator import EvalConfig, Evaluator
     from l2ir.search.pipeline import Candidate, Pipeline, PipelineConfig
-    from l2ir.search.timing import TimingConfig
 
     from l2ir.text import parse_kernel
 
@@ -201,8 +207,6 @@ def main(argv=None) -> int:
     if args.compile_only:
         return 1 if failed else 0
 
-    # The bench's server timing (search/bench.py): 15 cold calls each, interleaved with torch.matmul.
-    tcfg = TimingConfig(trials=7, target_ms=10.0, server_samples=15)
     rows = []
     stopped = False
     if args.standin:
@@ -210,7 +214,7 @@ def main(argv=None) -> int:
 
         evaluator = StandinEvaluator(StandinConfig(scenarios=("server",)))
     else:
-        evaluator = Evaluator(EvalConfig(scenarios=("server",), timing=tcfg))
+        evaluator = Evaluator(EvalConfig(scenarios=("server",), timing=BENCH_TIMING))   # the bench's cold calls
     with evaluator as ev:
         env = ev.environment
         for e in entries:
@@ -258,8 +262,7 @@ def main(argv=None) -> int:
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     for label, g in result["groups"].items():
         if g["timed"]:
-            print(f"{label:>12}: {g['timed']}/{g['shapes']} shapes, server fresh geomean "
-                  f"{g['fresh_geomean_speedup']:.3f}x, min {g['fresh_min_speedup']:.3f}x, below 0.9x: {g['below_0.9x']}")
+            print(group_line(f"{label:>12}", g))
     print(f"wrote {args.out.with_suffix('.json')}")
     return 0
 
