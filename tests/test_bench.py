@@ -57,6 +57,33 @@ def test_sweep_names_and_bad_sweep_files_are_errors(tmp_path, monkeypatch):
         load_sweep("bad")
 
 
+def test_a_kept_sweep_follows_its_files(tmp_path, monkeypatch):
+    """load_sweep keeps a parsed sweep, but a changed, added or removed file is read again, and the caller's dict
+    is its own."""
+    import os
+
+    from l2ir.search import sweeps
+    from l2ir.text import print_kernel
+
+    real = load_sweep("sm80")
+    names = sorted(real)[:2]
+    (tmp_path / "mine").mkdir()
+    monkeypatch.setattr(sweeps, "_root", lambda: tmp_path)
+    first = tmp_path / "mine" / "a.l2"
+    first.write_text(print_kernel(real[names[0]]))
+    got = load_sweep("mine")
+    assert list(got) == ["a"] and got["a"] == real[names[0]]
+    got.clear()
+    assert list(load_sweep("mine")) == ["a"]                 # the caller's dict was a copy
+    first.write_text(print_kernel(real[names[1]]))
+    os.utime(first, ns=(1, 1))                                # a new stamp even on a coarse clock
+    assert load_sweep("mine")["a"] == real[names[1]]
+    (tmp_path / "mine" / "b.l2").write_text(print_kernel(real[names[0]]))
+    assert list(load_sweep("mine")) == ["a", "b"]
+    first.unlink()
+    assert list(load_sweep("mine")) == ["b"]
+
+
 def test_resume_records_survive_a_cut_line(tmp_path):
     path = tmp_path / "r.jsonl"
     rec = {"kernel_hash": "h", "problem": "gemm m=1", "scenario": "offline", "speedup": 1.5}

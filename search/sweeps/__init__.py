@@ -7,7 +7,9 @@ problem-independent), its name is the configuration's name in every record. The 
 
 from __future__ import annotations
 
+from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 
 from l2ir.errors import L2IRError
 from l2ir.nodes import Kernel
@@ -26,14 +28,26 @@ def sweep_names() -> tuple[str, ...]:
 
 def load_sweep(name: str) -> dict[str, Kernel]:
     """The sweep's configurations by name, sorted, each verified. An unknown sweep, a malformed file or an illegal
-    kernel is an L2IRError naming the file."""
+    kernel is an L2IRError naming the file. A search loads its sweeps for every shape it seeds; the parsed sweep
+    is kept while its files (names, sizes, modification times) stay as they were."""
     folder = _root() / name
     if name not in sweep_names():
         raise L2IRError(f"unknown sweep '{name}' (sweeps: {', '.join(sweep_names())})")
+    files = tuple(sorted((p for p in folder.iterdir() if p.name.endswith(".l2")), key=lambda p: p.name))
+    if not isinstance(folder, Path):            # a zipped install: nothing to stat, parse every time
+        return _parse_sweep(name, files)
+    stamp = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files)
+    return dict(_parse_sweep_kept(name, str(folder), stamp))
+
+
+@lru_cache(maxsize=64)
+def _parse_sweep_kept(name: str, folder: str, stamp: tuple) -> dict[str, Kernel]:
+    return _parse_sweep(name, tuple(Path(folder) / entry[0] for entry in stamp))
+
+
+def _parse_sweep(name: str, files) -> dict[str, Kernel]:
     out: dict[str, Kernel] = {}
-    for path in sorted(folder.iterdir(), key=lambda p: p.name):
-        if not path.name.endswith(".l2"):
-            continue
+    for path in files:
         where = f"sweeps/{name}/{path.name}"
         problem, kernel, _ = parse_kernel_file(path.read_text(encoding="utf-8"), where)
         if problem is not None:
