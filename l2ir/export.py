@@ -293,7 +293,7 @@ def export(db, out: str | Path, scenario: str = "offline", env: str | None = Non
         from l2ir import fastpath as fp
 
         try:
-            fast = fp.build(out / "fastpath").name
+            fast = fp.build(out / "fastpath", cache_dir=cache_dir).name
         except fp.FastPathError as e:
             log(f"warning: {e}; l2ir.matmul will run its Python path")
 

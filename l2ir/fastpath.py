@@ -53,8 +53,11 @@ def enabled() -> bool:
     return os.environ.get(ENV_VAR, "1").strip() not in ("0", "off", "false", "no")
 
 
-def build(out_dir: str | Path, cxx: str | None = None, timeout: float = 600) -> Path:
-    """Compile fastpath.cpp into out_dir/<file_name()>; returns the path (FastPathError if it cannot)."""
+def build(out_dir: str | Path, cxx: str | None = None, timeout: float = 600, cache_dir: str | Path | None = None) -> Path:
+    """Compile fastpath.cpp into out_dir/<file_name()>; returns the path (FastPathError if it cannot). With
+    `cache_dir`, a build of the same command (compiler, flags, torch and Python paths; the file name already says
+    fastpath.cpp's hash and torch's version) kept there is copied instead: the g++ call takes about 20 s, and
+    every export of a records DB would repeat it."""
     import torch
 
     cxx = cxx or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -76,6 +79,14 @@ def build(out_dir: str | Path, cxx: str | None = None, timeout: float = 600) -> 
            f"-I{torch_inc}", f"-I{torch_inc / 'torch' / 'csrc' / 'api' / 'include'}", f"-I{py_inc}",
            str(SOURCE), "-o", str(tmp), f"-L{torch_lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
            f"-Wl,-rpath,{torch_lib}"]
+    kept = None
+    if cache_dir is not None:
+        key = hashlib.sha256("\0".join(c for c in cmd if c != str(tmp)).encode()).hexdigest()[:16]
+        kept = Path(cache_dir) / "fastpath" / key / target.name
+        if kept.is_file():
+            shutil.copyfile(kept, tmp)
+            os.replace(tmp, target)
+            return target
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -87,6 +98,12 @@ def build(out_dir: str | Path, cxx: str | None = None, timeout: float = 600) -> 
         tmp.unlink(missing_ok=True)
         first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:300])
         raise FastPathError(f"{cxx} failed to build the fast path: {first}")
+    if kept is not None:
+        # Kept through a temporary name and a rename, so a concurrent export never copies half a file.
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        part = kept.with_name(f".{kept.name}.{os.getpid()}.tmp")
+        shutil.copyfile(tmp, part)
+        os.replace(part, kept)
     os.replace(tmp, target)
     return target
 

@@ -4,12 +4,15 @@ Regenerate the golden sources after an intended change to the lowering:
     python tests/test_cutlass_sm90.py --update-golden
 and review the diff of tests/golden/cutlass_sm90/ like any other code change.
 
-The nvcc tests build one configuration by default (about 45 s and 3.5 GB on two cores); the others are marked `slow`
-and run only when the mark expression names them:  pytest -m "nvcc and slow" tests/test_cutlass_sm90.py
+The nvcc tests build one configuration by default (about 60 s and 3.5 GB on two cores): the skinny sweep's stream-K
+split-K kernel built for PDL (-DL2IR_PDL=1), the one with the most L2IR code inside CUTLASS (its own tile scheduler,
+GDC turned on for it); the others are marked `slow` and run only when the mark expression names them:
+    pytest -m "nvcc and slow" tests/test_cutlass_sm90.py
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -247,9 +250,10 @@ def _require_slow_selected(request):
         pytest.skip("slow nvcc build: select with -m 'nvcc and slow'")
 
 
-def build(kernel: Kernel, problem: Problem, cache_dir: Path) -> dict:
+def build(kernel: Kernel, problem: Problem, cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> dict:
     """Build the shared library through backends/compile.py, keeping the PTX and the ptxas report."""
     plan = lower(kernel, problem)
+    plan = dataclasses.replace(plan, extra_flags=(*plan.extra_flags, *extra_flags))
     art = built(build_all({"plan": plan}, cache_dir)["plan"])
     return {"lib": art.binary, "log": art.log, "ptx": art.ptx(), "plan": plan}
 
@@ -275,27 +279,35 @@ def check_abi_without_gpu(lib: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def coop_build(tmp_path_factory):
-    return build(*CASES["coop_128x256x64_c2x1"], tmp_path_factory.mktemp("coop"))
+def default_build(tmp_path_factory):
+    from l2ir.search.sweeps import load_sweep
+
+    kernel = load_sweep("sm90a_skinny")["coop_128x128x64_c1x2_splitk2"]
+    return build(kernel, PROBLEM, tmp_path_factory.mktemp("stream_k"), extra_flags=("-DL2IR_PDL=1",))
 
 
 @pytest.mark.nvcc
-def test_nvcc_coop_128x256x64_cluster2x1(coop_build):
-    check_build(coop_build, "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16")
-    check_abi_without_gpu(coop_build["lib"])
+def test_nvcc_stream_k_built_for_pdl(default_build):
+    """It builds spill-free with wgmma, refuses bad arguments without a GPU, and its PTX waits on the previous grid
+    (griddepcontrol.wait) but never hints an early release (L2IR's stream-K scheduler does not ask for one)."""
+    check_build(default_build, "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16")
+    check_abi_without_gpu(default_build["lib"])
+    ptx = default_build["ptx"]
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" not in ptx
 
 
 @pytest.mark.nvcc
-def test_sass_has_hgmma(coop_build):
-    sass = disassemble(coop_build["lib"])
+def test_sass_has_hgmma(default_build):
+    sass = disassemble(default_build["lib"])
     if sass is None:
         pytest.skip("cuobjdump/nvdisasm not found (PATH or the NVIDIA wheels)")
-    assert "HGMMA.64x256x16.F32" in sass
+    assert "HGMMA.64x128x16.F32" in sass
 
 
 @pytest.mark.nvcc
 @pytest.mark.slow
 @pytest.mark.parametrize("name,wgmma", [
+    ("coop_128x256x64_c2x1", "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16"),
     ("pingpong_128x128x64", "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16"),
     ("coop_stream_k", "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16"),
     ("coop_split_k4_atomic_along_m", "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16"),

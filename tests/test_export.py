@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from l2ir import dispatch, export
+from l2ir import dispatch, export, fastpath
 from l2ir.cli import main
 from l2ir.search.db import RecordsDB, open_readonly
 
@@ -213,7 +213,8 @@ def test_build_failure_leaves_the_shapes_to_cublas(tmp_path):
         return fake_build(ir, cls, *a)
 
     with standard_db(tmp_path / "r.db") as db:
-        export.export(db, tmp_path / "pkg", cache_dir=str(tmp_path / "c"), build=broken, log=lambda s: None)
+        export.export(db, tmp_path / "pkg", cache_dir=str(tmp_path / "c"), build=broken, fastpath=False,
+                      log=lambda s: None)
     got, table = entries(tmp_path / "pkg")
     e = got[(128, 128, 128, CLS_ROW)]
     assert e["kernel"] is None and "binary not built" in e["reason"] and "expected a ';'" in e["reason"]
@@ -251,7 +252,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert (tmp_path / "q" / "keep.txt").read_text() == "user data"
 
 
-def test_cli_export_with_a_real_nvcc_compile(tmp_path, capsys):
+def test_cli_export_with_a_real_nvcc_compile(tmp_path, capsys, monkeypatch):
     """The whole command, the binary built by nvcc from the IR text (a Source kernel: seconds)."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not found")
@@ -271,6 +272,20 @@ def test_cli_export_with_a_real_nvcc_compile(tmp_path, capsys):
     assert spec.binary == "kernel.cubin" and cubin[:4] == b"\x7fELF"
     assert spec.plan["launches"][0]["entry"] == "naive_gemm"
     assert "naive_gemm" in (spec.dir / "kernel.cu").read_text()
+    # The compiled eager path is built into the package (g++ and torch's headers are here) and kept in the
+    # cache: a second export copies it (with the fast path's compiler calls made to fail, so none is made).
+    manifest = json.loads((tmp_path / "pkg" / "manifest.json").read_text())
+    fast = tmp_path / "pkg" / "fastpath" / manifest["fastpath"]
+    assert manifest["files"][f"fastpath/{fast.name}"] == export.sha256_file(fast)
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("the fast path was compiled again")
+
+    monkeypatch.setattr(fastpath, "subprocess", SimpleNamespace(run=no_compiler))
+    with open_readonly(tmp_path / "r.db") as db:
+        again = export.export(db, tmp_path / "pkg2", cache_dir=str(tmp_path / "cache"), log=lambda s: None)
+    assert again["fastpath"] == fast.name
+    assert (tmp_path / "pkg2" / "fastpath" / fast.name).read_bytes() == fast.read_bytes()
 
 
 def test_scenario_and_target_filter(tmp_path, capsys):
@@ -309,7 +324,7 @@ def test_export_opens_the_db_read_only(tmp_path, capsys):
     try:
         # The command (no kernel of target sm90a in this DB: nothing to compile, every shape to cuBLAS).
         assert main(["export", "--db", str(db_file), "--out", str(tmp_path / "pkg"), "--cache",
-                     str(tmp_path / "c"), "--target", "sm90a"]) == 0
+                     str(tmp_path / "c"), "--target", "sm90a", "--no-fastpath"]) == 0
         assert "0 served by L2IR kernels" in capsys.readouterr().out
         with open_readonly(db_file) as db:
             man = export.export(db, tmp_path / "pkg2", cache_dir=str(tmp_path / "c"), build=fake_build, fastpath=False,

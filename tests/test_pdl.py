@@ -173,21 +173,7 @@ def test_cutlass_stream_k_launches_the_ordinary_way_unless_built_for_pdl():
     # The specialization stands at global scope, before the anonymous namespace of the shim's own code.
     assert src.index("namespace cutlass::gemm::kernel::detail {") < src.index("namespace {")
     assert "l2ir::StreamKScheduler" not in lower(load_sweep("sm90a_skinny")["coop_128x64x64_c1x1"], PROBLEM).source
-
-
-@pytest.mark.nvcc
-def test_cutlass_stream_k_compiles_with_gdc(tmp_path):
-    """The stream-K kernel built for PDL (-DL2IR_PDL=1): it compiles, and its PTX waits on the previous grid
-    (griddepcontrol.wait) and never hints an early release (launch_dependents)."""
-    import dataclasses
-
-    from builds import build_all, built
-
-    kernel = load_sweep("sm90a_skinny")["coop_128x128x64_c1x2_splitk2"]
-    plan = lower(kernel, PROBLEM)
-    plan = dataclasses.replace(plan, extra_flags=(*plan.extra_flags, "-DL2IR_PDL=1"))
-    ptx = built(build_all({"plan": plan}, tmp_path)["plan"]).ptx()
-    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" not in ptx
+    # nvcc builds it with -DL2IR_PDL=1 in tests/test_cutlass_sm90.py (test_nvcc_stream_k_built_for_pdl).
 
 
 @pytest.mark.parametrize("pdl,device_sm90,cluster,expect", [
