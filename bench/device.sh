@@ -87,6 +87,7 @@ loop-gpu|590|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_loop
 backends-repack|200|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k repack
 backends-cutlass|400|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_backends_gpu.py -k "cutlass or kept"
 dispatch-tests|480|python3 -m pytest -q -rs -s -m gpu -p no:cacheprovider tests/test_dispatch_gpu.py
+eager-host|240|python3 -m pytest -q -rs -s -m gpu -p no:cacheprovider tests/test_dispatch_gpu.py -k eager_host_cost
 dispatch|240|python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_dispatch_gpu.py && python3 bench/dispatch_bench.py --max-gflop 5 --out bench/results/dispatch_h200_v4.json
 cluster-x2|590|bash -c 'python3 bench/cluster_bench.py --out bench/results/cluster_h200x2_finalists3.json && python3 bench/cluster_bench.py --finalists 1 --out bench/results/cluster_h200x2_finalists1.json'
 policy-compare|540|python3 bench/policy_compare.py --state bench/results/policy_compare_standin_learned_state.json --train-shapes 24 --held-shapes 8 --limit-held 4 --budget 10 --seeds 0 --budget-seconds 230 --out bench/results/policy_compare_h200_s0

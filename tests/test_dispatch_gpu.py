@@ -326,8 +326,9 @@ def test_fallbacks_are_counted_on_the_gpu(pkg):
 
 def test_eager_host_cost_is_near_torch(pkg):
     """bench/dispatch_bench.py measures the claim; this catches a regression of several microseconds: the host
-    time to issue 64x64x64 (served) and 8x8x8 (a fallback) calls, median of 7 trials of 2000, printed, and held
-    within 1.25x (served) and 1.5x (fallback) of torch.matmul's."""
+    time to issue 64x64x64 (served) and 8x8x8 (a fallback) calls, 7 trials of 2000 calls each, ours and torch's
+    interleaved (this VM's host speed drifts by 1.5x within a minute: torch.matmul alone measured 11-17 us per call
+    in one run), the median of the per-trial ratios held within 1.25x (served) and 1.5x (fallback)."""
     import statistics
     import time
 
@@ -335,27 +336,28 @@ def test_eager_host_cost_is_near_torch(pkg):
 
     import l2ir
 
-    def issue_us(fn, a, b):
-        for _ in range(50):
+    def trial_us(fn, a, b):
+        t = time.perf_counter()
+        for _ in range(2000):
             fn(a, b)
+        elapsed = (time.perf_counter() - t) / 2000 * 1e6
         torch.cuda.synchronize()
-        times = []
-        for _ in range(7):
-            t = time.perf_counter()
-            for _ in range(2000):
-                fn(a, b)
-            times.append((time.perf_counter() - t) / 2000 * 1e6)
-            torch.cuda.synchronize()
-        return statistics.median(times)
+        return elapsed
 
     for (m, n, k), bound in (((64, 64, 64), 1.25), ((8, 8, 8), 1.5)):
         a, b = _inputs(m, n, k, CLS_COL)
         path = pkg.lookup(a, b).reason
-        ours, theirs = issue_us(l2ir.matmul, a, b), issue_us(torch.matmul, a, b)
+        for fn in (l2ir.matmul, torch.matmul):
+            for _ in range(50):
+                fn(a, b)
+        torch.cuda.synchronize()
+        trials = [(trial_us(l2ir.matmul, a, b), trial_us(torch.matmul, a, b)) for _ in range(7)]
+        ours, theirs = (statistics.median(t[i] for t in trials) for i in (0, 1))
+        ratio = statistics.median(o / t for o, t in trials)
         print(f"{m}x{n}x{k} ({path}, {pkg.fastpath}): l2ir.matmul {ours:.2f} us, torch.matmul {theirs:.2f} us "
-              f"per eager call")
+              f"per eager call (median ratio {ratio:.2f})")
         assert (path == "l2ir") == ((m, n, k) == (64, 64, 64))
-        assert ours <= bound * theirs, f"{m}x{n}x{k} ({path}): {ours:.2f} us vs torch.matmul's {theirs:.2f} us"
+        assert ratio <= bound, f"{m}x{n}x{k} ({path}): {ours:.2f} us vs torch.matmul's {theirs:.2f} us ({ratio:.2f}x)"
 
 
 # ---------------------------------------------------------------------------------------------------------------
