@@ -762,7 +762,9 @@ def _direct_cases() -> dict[str, tuple[Kernel, list[tuple[int, int, int]]]]:
         slices, bk = (k.splitk.slices if k.splitk is not None else 1), k.tile.bk
         shapes = [(1, 4096, 4096), (k.tile.bm + 3, 1000, 1000), (2, 96, slices * bk + 8)]
         if k.pad.align == 1:
-            shapes = [(17, 999, 333 + slices * bk), (1, 129, (slices - 1) * bk + 67), (k.tile.bm + 1, 64, slices * bk - 57)]
+            # Odd K: the last k step partial (7 of BK) with exactly one step per slice, and past it.
+            shapes = [(17, 999, 333 + slices * bk), (1, 129, (slices - 1) * bk + 67),
+                      (k.tile.bm + 1, 64, (slices - 1) * bk + 7)]
         cases[name] = (k, shapes)
     narrow = load_sweep("cuda_ptx_direct")["direct_16x32x64_w1x4_s2_align1"]
     cases["align1_odd_n_divisible_k"] = (narrow.replace(pad=Pad("predicate", "predicate", "zero_fill", 1)),
@@ -771,6 +773,18 @@ def _direct_cases() -> dict[str, tuple[Kernel, list[tuple[int, int, int]]]]:
 
 
 DIRECT = _direct_cases()
+
+
+@pytest.mark.parametrize("name", list(DIRECT))
+def test_direct_cases_are_admitted(name):
+    """Runs without a GPU: every shape the GPU test below gates is one its kernel's rules admit (a sweep kernel
+    with BK=32 and K slices once made the short-K shape 25 elements short of zero)."""
+    from l2ir.search.gates import admits
+
+    kernel, shapes = DIRECT[name]
+    for shape in shapes:
+        ok, why = admits(kernel, F16.with_shape(*shape))
+        assert ok, f"{name} at {shape}: {why}"
 
 
 @pytest.mark.gpu
