@@ -17,6 +17,9 @@ roofline share alone mixes it with what no kernel can reach.
 
 --server FILE (bench/server_race.py's output over this derivation) adds the server scenario: each row's server
 winner and its fresh server times, and the server groups (by regime below 100 GFLOP, and the unaligned shapes).
+Repeated, a later file's rows (a wider race over some shapes, `server_race --shape`) replace an earlier file's for
+the shapes it timed, whatever they measure (one race's selection and fresh samples per row, never the better of
+two fresh reports), and the groups are recomputed from the rows kept.
 """
 
 from __future__ import annotations
@@ -117,28 +120,43 @@ def add_ceiling(result: dict, ceiling_path: Path) -> None:
     group["median_kernel_share_of_ceiling"] = median(of_ceiling)
 
 
-def add_server(result: dict, server_path: Path) -> None:
-    """Each row's server winner and fresh server times (server_race), and the race's groups as result["server"]."""
-    try:
-        race = json.loads(server_path.read_text())
-        by_shape = {tuple(r["shape"]): r for r in race["rows"]}
-        groups = race["groups"]
-    except OSError as e:
-        raise DeriveError(f"{server_path}: cannot read: {e.strerror}") from None
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise DeriveError(f"{server_path}: not a server_race output ({e})") from None
+def add_server(result: dict, *server_paths: Path) -> None:
+    """Each row's server winner and fresh server times (server_race; a later file's row replaces an earlier's for
+    its shape), and the server groups as result["server"]: the race's own for one file, recomputed from the rows
+    for several."""
+    from server_race import group_summary  # bench/server_race.py, beside this script
+
+    races = []
+    for path in server_paths:
+        try:
+            race = json.loads(path.read_text())
+            races.append((path.name, {tuple(r["shape"]): r for r in race["rows"]}, race["groups"], race.get("scenario")))
+        except OSError as e:
+            raise DeriveError(f"{path}: cannot read: {e.strerror}") from None
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise DeriveError(f"{path}: not a server_race output ({e})") from None
     for row in result["rows"]:
-        r = by_shape.get(tuple(row["shape"]))
-        if r is not None and r.get("fresh_server"):
-            row["server_winner"], row["fresh_server"] = r["server_winner"], r["fresh_server"]
-    result["server"] = {"source": server_path.name, "scenario": race.get("scenario"), "groups": groups}
+        for name, by_shape, _, _ in races:
+            r = by_shape.get(tuple(row["shape"]))
+            if r is None:
+                continue
+            for key in ("server_winner", "fresh_server", "server_source"):
+                row.pop(key, None)
+            if r.get("fresh_server"):
+                row["server_winner"], row["fresh_server"] = r["server_winner"], r["fresh_server"]
+                if len(races) > 1:
+                    row["server_source"] = name
+    groups = races[0][2] if len(races) == 1 else group_summary(result["rows"])
+    result["server"] = {"source": ", ".join(name for name, *_ in races), "scenario": races[-1][3], "groups": groups}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("prefixes", nargs="+", help="bench result prefixes: the base run first, then later runs")
     ap.add_argument("--ceiling", type=Path, help="dram_ceiling_probe output: per DRAM-bound shape, the stream ceiling")
-    ap.add_argument("--server", type=Path, help="server_race output: per shape, the server winner's fresh times")
+    ap.add_argument("--server", type=Path, action="append", default=[],
+                    help="server_race output: per shape, the server winner's fresh times (repeatable: later ones "
+                         "replace earlier ones' rows)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     try:
@@ -146,7 +164,7 @@ def main(argv=None) -> int:
         if args.ceiling:
             add_ceiling(result, args.ceiling)
         if args.server:
-            add_server(result, args.server)
+            add_server(result, *args.server)
     except DeriveError as e:
         print(f"derive_families: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,10 @@ gate (selection, PREFIX.jsonl here), and re-times the best of them on fresh inpu
 the fresh numbers are the report, as in the bench. Both files are resumable: a rerun measures only what is missing.
 --case MxNxK:SWEEP:CONFIG (repeatable) adds a sweep configuration to a shape's race (named "SWEEP/CONFIG"): a kernel
 the offline race did not have, chosen here on server samples and reported on fresh ones like the others.
+--sweep SWEEP:N (repeatable) adds to every raced shape the N configurations of SWEEP that the verifier admits for it
+and the stand-in cost model (search/standin.py) ranks fastest: a pre-screen by a model, so a wider race costs N
+evaluations per sweep and shape, not the sweep's size. --shape MxNxK (repeatable) races only those rows; a later
+`derive_families --server FILE` replaces an earlier file's rows with them, win or lose.
 
 PREFIX.json: per shape the candidates' server speedups, the server winner and its fresh times, and by FLOP regime
 (below 100 GFLOP, the families benchmark's) and for the unaligned shapes the fresh geomean, minimum and the shapes
@@ -30,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from l2ir.cli import shape_arg
 from l2ir.search.records import JsonlStore, first_failure, passed
 from l2ir.search.report import REGIMES, geomean, gflop, is_unaligned, timing
 from sweep_cases import case_arg
@@ -48,11 +53,38 @@ def _read_json(path: Path, what: str) -> dict:
         raise RaceError(f"{path}: {what} is not JSON (line {e.lineno}): {e.msg}") from None
 
 
-def race_entries(derived_path: Path, top: int, cases=()) -> tuple[str, list[dict]]:
+def sweep_arg(text: str):
+    """argparse type: SWEEP:N -> (sweep, n)."""
+    try:
+        sweep, count = text.split(":")
+        n = int(count)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"sweep '{text}' is not SWEEP:N") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"sweep '{text}': N must be at least 1")
+    return sweep, n
+
+
+def modelled_configs(sweep: str, shape, count: int) -> list[str]:
+    """The `count` configurations of `sweep` that the verifier admits for `shape`, fastest first by the stand-in
+    cost model (ties by name, so the pick is reproducible)."""
+    from l2ir.nodes import Problem
+    from l2ir.search.gates import admits
+    from l2ir.search.standin import kernel_time_us
+    from l2ir.search.sweeps import load_sweep
+
+    problem = Problem(*shape)
+    admitted = [(kernel_time_us(k, problem), name) for name, k in load_sweep(sweep).items() if admits(k, problem)[0]]
+    return [name for _, name in sorted(admitted)[:count]]
+
+
+def race_entries(derived_path: Path, top: int, cases=(), sweeps=(), shapes=None) -> tuple[str, list[dict]]:
     """(problem class, one entry per derived row: shape, source run, offline winner and fresh speedup, and the top
     offline candidates as (name, hash, backend, kernel text, offline speedup), best first, then the `cases`
-    ((shape, sweep, config), sweep_cases.case_arg's) of that shape with no offline speedup)."""
+    ((shape, sweep, config), sweep_cases.case_arg's) of that shape and the modelled picks of the `sweeps`
+    ((sweep, n), modelled_configs) for it, with no offline speedup. `shapes`: only those rows (None: all)."""
     from l2ir.backends.registry import BACKENDS
+    from l2ir.errors import L2IRError
     from l2ir.search.sweeps import load_sweep
 
     from l2ir.text import print_kernel, print_problem
@@ -63,6 +95,14 @@ def race_entries(derived_path: Path, top: int, cases=()) -> tuple[str, list[dict
     runs: dict[str, tuple[dict, dict]] = {}
     entries = []
     for row in derived["rows"]:
+        if shapes is not None and tuple(row["shape"]) not in shapes:
+            continue
+        try:
+            shape_cases = [c for c in cases if tuple(c[0]) == tuple(row["shape"])] + [
+                (tuple(row["shape"]), sweep, config) for sweep, n in sweeps
+                for config in modelled_configs(sweep, tuple(row["shape"]), n)]
+        except L2IRError as e:
+            raise RaceError(f"--sweep: {e}") from None
         source = row["source"]
         if source not in runs:
             prefix = derived_path.parent / source
@@ -97,9 +137,7 @@ def race_entries(derived_path: Path, top: int, cases=()) -> tuple[str, list[dict
             name = rec.get("config") or info["config"]
             cands.append({"name": name, "hash": h, "backend": _backend(name, info), "kernel": info["kernel"],
                           "offline_speedup": rec["speedup"]})
-        for case_shape, sweep, config in cases:
-            if tuple(case_shape) != shape:
-                continue
+        for _, sweep, config in shape_cases:
             configs = load_sweep(sweep)
             if config not in configs:
                 raise RaceError(f"--case {'x'.join(map(str, shape))}:{sweep}:{config}: no configuration '{config}' "
@@ -159,6 +197,10 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=3, help="offline candidates raced per shape (default %(default)s)")
     ap.add_argument("--case", type=case_arg, action="append", default=[], metavar="MxNxK:SWEEP:CONFIG",
                     help="race this sweep configuration on that shape too (repeatable)")
+    ap.add_argument("--sweep", type=sweep_arg, action="append", default=[], metavar="SWEEP:N",
+                    help="race on every shape the N configurations of SWEEP the cost model ranks fastest (repeatable)")
+    ap.add_argument("--shape", type=shape_arg, action="append", default=None, metavar="MxNxK",
+                    help="race only this row (repeatable; default every row)")
     ap.add_argument("--out", type=Path, required=True, help="results prefix: OUT.jsonl, OUT-fresh.jsonl, OUT.json")
     ap.add_argument("--cache-dir", default=".l2ir-cache")
     ap.add_argument("--compile-only", action="store_true", help="build the candidates into the cache and stop")
@@ -169,10 +211,13 @@ def main(argv=None) -> int:
         ap.error(f"--top {args.top}: need at least 1")
     t_start = time.perf_counter()
     try:
-        problem_class, entries = race_entries(args.derived, args.top, args.case)
-        unknown = {tuple(c[0]) for c in args.case} - {tuple(e["shape"]) for e in entries}
-        if unknown:
-            raise RaceError(f"--case: shape(s) {sorted(unknown)} not in {args.derived.name}")
+        shapes = None if args.shape is None else {tuple(s) for s in args.shape}
+        problem_class, entries = race_entries(args.derived, args.top, args.case, args.sweep, shapes)
+        raced = {tuple(e["shape"]) for e in entries}
+        for flag, asked in (("--shape", shapes or set()), ("--case", {tuple(c[0]) for c in args.case})):
+            if asked - raced:
+                raise RaceError(f"{flag}: shape(s) {sorted(asked - raced)} not among the raced rows of "
+                                f"{args.derived.name}")
     except RaceError as e:
         print(f"server_race: {e}", file=sys.stderr)
         return 2

@@ -285,8 +285,12 @@ def test_bench_family_flag_checks_backend_sweep_and_configs(capsys):
 
 def _derive_module():
     import importlib.util
+    import sys
     from pathlib import Path
 
+    bench = str(Path(__file__).parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)            # the script imports bench/server_race.py, as run from bench/
     spec = importlib.util.spec_from_file_location("derive_families",
                                                   Path(__file__).parents[1] / "bench" / "derive_families.py")
     mod = importlib.util.module_from_spec(spec)
@@ -447,6 +451,81 @@ def test_derive_families_server_adds_each_rows_server_winner_and_the_groups(tmp_
     server.write_text(json.dumps({"rows": []}))
     with pytest.raises(derive.DeriveError, match=r"server\.json: not a server_race output"):
         derive.add_server(out, server)
+
+
+def test_derive_families_later_server_race_replaces_its_rows_win_or_lose(tmp_path):
+    """Two --server files: the later one's rows replace the earlier's for the shapes it raced, a slower fresh
+    number too (no best-of-two-fresh-reports pick), a shape it raced without a fresh time loses its numbers, the
+    rest keep the earlier's; the groups are recomputed from the rows kept."""
+    derive = _derive_module()
+    shapes = [(64, 64, 64), (64, 64, 128), (128, 64, 64)]
+    base = _bench_run(tmp_path, "base", [(s, h * 12, 1.0) for s, h in zip(shapes, "abc")],
+                      {s: [h * 12] for s, h in zip(shapes, "abc")})
+    out = derive.derive([base])
+    first, later = tmp_path / "first.json", tmp_path / "later.json"
+    first.write_text(json.dumps({"scenario": "server", "groups": {}, "rows": [
+        {"shape": list(s), "server_winner": f"cfg/{h}", "fresh_server": {"speedup": x}}
+        for s, h, x in zip(shapes, "abc", (1.2, 1.0, 0.95))]}))
+    later.write_text(json.dumps({"scenario": "server", "groups": {}, "rows": [
+        {"shape": [64, 64, 64], "server_winner": "cfg/z", "fresh_server": {"speedup": 1.1}},
+        {"shape": [128, 64, 64], "server_winner": "cfg/y", "fresh_failure": "ulp gate"}]}))
+    derive.add_server(out, first, later)
+    rows = {tuple(r["shape"]): r for r in out["rows"]}
+    assert rows[(64, 64, 64)]["server_winner"] == "cfg/z" and rows[(64, 64, 64)]["fresh_server"]["speedup"] == 1.1
+    assert rows[(64, 64, 64)]["server_source"] == "later.json"
+    assert rows[(64, 64, 128)]["fresh_server"]["speedup"] == 1.0 and rows[(64, 64, 128)]["server_source"] == "first.json"
+    assert "fresh_server" not in rows[(128, 64, 64)] and "server_winner" not in rows[(128, 64, 64)]
+    g = out["server"]["groups"]["< 1 GFLOP"]
+    assert (g["shapes"], g["timed"]) == (3, 2)
+    assert g["fresh_geomean_speedup"] == pytest.approx((1.1 * 1.0) ** 0.5)
+    assert out["server"]["source"] == "first.json, later.json"
+
+
+def test_server_race_sweeps_add_the_models_fastest_admitted_configs_to_the_raced_shapes(tmp_path):
+    """--sweep SWEEP:N: each raced shape gets the N configurations of the sweep the verifier admits for it, in the
+    cost model's order (a configuration the shape's rules refuse is never picked); --shape races only those rows;
+    an unknown sweep, a malformed SWEEP:N or a --shape outside the derivation is a one-line error."""
+    race = _server_race_module()
+    from l2ir.nodes import Problem
+    from l2ir.search.gates import admits
+    from l2ir.search.standin import kernel_time_us
+    from l2ir.search.sweeps import load_sweep
+
+    cls = "a=f16:row b=f16:col c=f16:row acc=f32"
+    shapes = [(64, 64, 64), (100, 3000, 4104)]
+    (tmp_path / "run.jsonl").write_text("")
+    (tmp_path / "run.json").write_text(json.dumps({"problem_class": cls, "kernels": {}, "shapes": []}))
+    derived = tmp_path / "derived.json"
+    derived.write_text(json.dumps({"problem_class": cls, "rows": [
+        {"shape": list(s), "source": "run", "winner": "seed", "fresh": {"speedup": 1.0}} for s in shapes]}))
+    sweep = load_sweep("cuda_ptx_sm80")
+    for shape in shapes:
+        picks = race.modelled_configs("cuda_ptx_sm80", shape, 4)
+        problem = Problem(*shape)
+        assert len(picks) == 4 and all(admits(sweep[c], problem)[0] for c in picks)
+        times = [kernel_time_us(sweep[c], problem) for c in picks]
+        assert times == sorted(times)
+        refused = [c for c, k in sweep.items() if not admits(k, problem)[0]]
+        assert all(kernel_time_us(sweep[c], problem) >= times[-1] for c, k in sweep.items()
+                   if c not in picks and c not in refused)
+    assert race.modelled_configs("cuda_ptx_sm80", (64, 64, 64), 4) != race.modelled_configs(
+        "cuda_ptx_sm80", (100, 3000, 4104), 4)
+    _, entries = race.race_entries(derived, 3, sweeps=[("cuda_ptx_sm80", 2), ("cuda_ptx_direct", 1)],
+                                   shapes={(100, 3000, 4104)})
+    (entry,) = entries
+    assert entry["shape"] == [100, 3000, 4104]
+    assert [c["name"] for c in entry["candidates"]] == (
+        [f"cuda_ptx_sm80/{c}" for c in race.modelled_configs("cuda_ptx_sm80", (100, 3000, 4104), 2)]
+        + [f"cuda_ptx_direct/{c}" for c in race.modelled_configs("cuda_ptx_direct", (100, 3000, 4104), 1)])
+    assert all(c["offline_speedup"] is None for c in entry["candidates"])
+    with pytest.raises(race.RaceError, match=r"--sweep: unknown sweep 'nope'"):
+        race.race_entries(derived, 3, sweeps=[("nope", 2)])
+    out = str(tmp_path / "o")
+    assert race.main(["--derived", str(derived), "--shape", "8x8x8", "--standin", "--out", out]) == 2
+    with pytest.raises(SystemExit):
+        race.main(["--derived", str(derived), "--sweep", "cuda_ptx_sm80", "--out", out])
+    with pytest.raises(SystemExit):
+        race.main(["--derived", str(derived), "--sweep", "cuda_ptx_sm80:0", "--out", out])
 
 
 def test_server_race_runs_end_to_end_on_the_standin_and_resumes(tmp_path, capsys):
