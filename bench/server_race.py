@@ -34,10 +34,11 @@ import sys
 import time
 from pathlib import Path
 
-from l2ir.cli import shape_arg
 from l2ir.search.records import JsonlStore, first_failure, passed
 from l2ir.search.report import REGIMES, geomean, gflop, is_unaligned, timing
 from sweep_cases import case_arg
+
+from l2ir.cli import shape_arg
 
 
 class RaceError(Exception):
@@ -68,10 +69,11 @@ def sweep_arg(text: str):
 def modelled_configs(sweep: str, shape, count: int) -> list[str]:
     """The `count` configurations of `sweep` that the verifier admits for `shape`, fastest first by the stand-in
     cost model (ties by name, so the pick is reproducible)."""
-    from l2ir.nodes import Problem
     from l2ir.search.gates import admits
     from l2ir.search.standin import kernel_time_us
     from l2ir.search.sweeps import load_sweep
+
+    from l2ir.nodes import Problem
 
     problem = Problem(*shape)
     admitted = [(kernel_time_us(k, problem), name) for name, k in load_sweep(sweep).items() if admits(k, problem)[0]]
@@ -84,9 +86,9 @@ def race_entries(derived_path: Path, top: int, cases=(), sweeps=(), shapes=None)
     ((shape, sweep, config), sweep_cases.case_arg's) of that shape and the modelled picks of the `sweeps`
     ((sweep, n), modelled_configs) for it, with no offline speedup. `shapes`: only those rows (None: all)."""
     from l2ir.backends.registry import BACKENDS
-    from l2ir.errors import L2IRError
     from l2ir.search.sweeps import load_sweep
 
+    from l2ir.errors import L2IRError
     from l2ir.text import print_kernel, print_problem
 
     derived = _read_json(derived_path, "the derive_families output")
