@@ -41,12 +41,29 @@ export SEED_ALIGN_SHAPES="--shape 17x9999x3333 --shape 333x555x777 --shape 1024x
 SERVER_EXTRA="--case 512x2048x16384:sm90a_skinny:coop_128x128x64_c1x2_splitk2 --case 512x2048x16384:sm90a_skinny:coop_128x128x64_c1x2_streamk --case 512x2048x16384:sm90a_skinny:coop_128x128x64_c2x2_splitk2 --case 512x2048x16384:sm90a_skinny:coop_128x256x64_c1x2_splitk4 --case 512x2048x16384:sm90a_skinny:coop_128x256x64_c1x2_streamk --case 512x2048x16384:sm90a:coop_128x256x64_c2x1_streamk --case 512x2048x16384:cuda_ptx:ptx_splitk_cluster_coop_128x64x64_s2 --case 100x3000x4104:sm90a_skinny:coop_128x128x64_c1x2_splitk2 --case 100x3000x4104:sm90a_skinny:coop_128x128x64_c1x2_streamk --case 100x3000x4104:sm90a_skinny:pingpong_64x128x64_c1x4_np --case 100x3000x4104:cuda_ptx:ptx_splitk_cluster_coop_128x112x64_s4 --case 100x3000x4104:cuda_ptx:ptx_splitk_cluster_coop_128x96x64_s4 --case 100x3000x4104:cuda_ptx:ptx_w4x1_64x64x64_c1x4 --case 2048x256x512:cuda_ptx_sm80:ptx_sm80_64x64x32_w2x2_s3 --case 2048x256x512:cuda_ptx_sm80:ptx_sm80_64x64x64_w2x2_s4_latency --case 2048x256x512:cuda_ptx:ptx_splitk_block_64x64x64 --case 2048x256x512:cuda_ptx:ptx_w4x1_64x64x64 --case 16384x512x64:cuda_ptx_sm80:ptx_sm80_64x64x32_w2x2_s3 --case 16384x512x64:cuda_ptx_sm80:ptx_sm80_64x64x64_w2x2_s4_latency --case 16384x512x64:cuda_ptx:ptx_coop_128x128x64_tma --case 128x128x16384:cuda_ptx:ptx_splitk_w4x1_64x64x64_s16_st4 --case 128x128x16384:cuda_ptx:ptx_splitk_cluster_w4x1_64x64x64_s8 --case 128x128x16384:cuda_ptx:ptx_splitk_block_64x64x64 --case 256x64x1024:cuda_ptx:ptx_splitk_block_64x32x64 --case 256x64x1024:cuda_ptx_direct:direct_32x32x64_w1x4_s2_k2 --case 256x64x1024:cuda_ptx:ptx_splitk_cluster_w4x1_64x64x64_s16 --case 64x64x64:cuda_ptx_direct:direct_32x32x64_w1x4_s2 --case 64x64x64:cuda_ptx_direct:direct_64x32x32_w1x4_s2 --case 128x4096x128:cuda_ptx_direct:direct_64x32x64_w1x4_s2 --case 128x4096x128:cuda_ptx:ptx_w4x1_64x64x64 --case 64x12288x64:cuda_ptx_direct:direct_64x32x64_w1x4_s2 --case 1024x128x1024:cuda_ptx_sm80:ptx_sm80_64x64x64_w2x2_s4_latency --case 1024x128x1024:cuda_ptx:ptx_splitk_block_64x64x64 --case 12288x12288x256:cuda_ptx:ptx_coop_128x256x64_tma --case 12288x12288x256:sm90a:coop_128x256x64_c2x1_streamk"
 
 # The server race widened (bench/server_race.py --shape/--sweep) on every shape whose server winner was below 1.06x
-# in families_server_h200 (the 11 below 1 GFLOP and the 3 of 1-100 GFLOP): the offline top three plus the cost
-# model's fastest admitted configurations of the mma.sync, direct and sm90a raw-PTX sweeps.
-SERVER_WIDE="--shape 64x64x64 --shape 64x12288x64 --shape 128x128x16384 --shape 128x256x12288 --shape 128x4096x128
-  --shape 256x64x128 --shape 256x64x1024 --shape 1024x128x1024 --shape 1024x256x256 --shape 12288x128x64
-  --shape 2048x256x512 --shape 100x3000x4104 --shape 512x2048x16384 --shape 127x4096x4096
-  --sweep cuda_ptx_sm80:5 --sweep cuda_ptx_direct:4 --sweep cuda_ptx:4"
+# in families_server_h200 (the 11 below 1 GFLOP and the 3 of 1-100 GFLOP): that race's candidates (the offline top
+# three and SERVER_EXTRA's cases of these shapes, so the wider race is a superset of the one it replaces) plus the
+# cost model's fastest admitted configurations of the mma.sync, direct and sm90a raw-PTX sweeps.
+WIDE_SHAPES="64x64x64 64x12288x64 128x128x16384 128x256x12288 128x4096x128 256x64x128 256x64x1024 1024x128x1024
+  1024x256x256 12288x128x64 2048x256x512 100x3000x4104 512x2048x16384 127x4096x4096"
+SERVER_WIDE="--sweep cuda_ptx_sm80:5 --sweep cuda_ptx_direct:4 --sweep cuda_ptx:4"
+for s in $WIDE_SHAPES; do SERVER_WIDE="$SERVER_WIDE --shape $s"; done
+for c in $SERVER_EXTRA; do
+  case " $(echo $WIDE_SHAPES) " in *" ${c%%:*} "*) SERVER_WIDE="$SERVER_WIDE --case $c" ;; esac
+done
+# Where the wide race still lost (100x3000x4104 at 0.87x, 512x2048x16384 and 128x128x16384 below 0.96x): the
+# 64-row cluster split-K and narrow-N single-wave tiles (more CTAs over the 132 SMs for M=100), and the deeper
+# splits of the long-K shapes.
+WIDE_EXTRA="100x3000x4104:cuda_ptx:ptx_splitk_cluster_w4x1_64x64x64_s2 100x3000x4104:cuda_ptx:ptx_splitk_cluster_w4x1_64x64x64_s4
+  100x3000x4104:cuda_ptx:ptx_splitk_cluster_w4x1_64x128x64_s2 100x3000x4104:cuda_ptx:ptx_w4x1_64x56x64_g8
+  100x3000x4104:cuda_ptx:ptx_w4x1_64x48x64_g8 100x3000x4104:cuda_ptx:ptx_splitk_block_64x64x64
+  100x3000x4104:sm90a_skinny:pingpong_64x64x64_c2x1_np 100x3000x4104:sm90a_skinny:pingpong_64x64x64_c2x4_np
+  100x3000x4104:sm90a_skinny:coop_128x128x64_c1x2_splitk4
+  512x2048x16384:sm90a_skinny:coop_128x256x64_c1x2_splitk8 512x2048x16384:sm90a_skinny:coop_128x128x64_c1x4_splitk4
+  512x2048x16384:cuda_ptx:ptx_splitk_cluster_coop_128x128x64_s4 512x2048x16384:cuda_ptx:ptx_splitk_cluster_w4x1_64x128x64_s4
+  128x128x16384:cuda_ptx:ptx_splitk_cluster_w4x1_64x64x64_s8_st4 128x128x16384:cuda_ptx:ptx_splitk_w4x1_64x64x64_s4_st4"
+for c in $WIDE_EXTRA; do SERVER_WIDE="$SERVER_WIDE --case $c"; done
+export SERVER_WIDE
 
 # name | default timeout (s) | command
 recipes() {

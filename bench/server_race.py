@@ -17,7 +17,9 @@ the offline race did not have, chosen here on server samples and reported on fre
 --sweep SWEEP:N (repeatable) adds to every raced shape the N configurations of SWEEP that the verifier admits for it
 and the stand-in cost model (search/standin.py) ranks fastest: a pre-screen by a model, so a wider race costs N
 evaluations per sweep and shape, not the sweep's size. --shape MxNxK (repeatable) races only those rows; a later
-`derive_families --server FILE` replaces an earlier file's rows with them, win or lose.
+`derive_families --server FILE` replaces an earlier file's rows with them, win or lose. The server winner is the
+fastest candidate on the selection samples among the steady ones: a kernel whose samples' interquartile range is
+above BIMODAL_IQR_SHARE of their median wins only where no steady candidate was timed.
 
 PREFIX.json: per shape the candidates' server speedups, the server winner and its fresh times, and by FLOP regime
 (below 100 GFLOP, the families benchmark's) and for the unaligned shapes the fresh geomean, minimum and the shapes
@@ -173,6 +175,28 @@ def _problem(problem_class: str, shape):
     return parse_problem(f"gemm m={m} n={n} k={k} {problem_class}")
 
 
+# A kernel whose selection samples' interquartile range exceeds this share of their median is bimodal (a workspace
+# split-K on the H200 was seen at 59 or 80 us per cold call, by turns): its median on one sample set says little
+# about the next, so it wins the race only where every candidate is as unsteady.
+BIMODAL_IQR_SHARE = 0.10
+
+
+def iqr_share(rec: dict) -> float | None:
+    """The interquartile range of a record's kernel samples over their median."""
+    ks = rec.get("kernel_stats") or {}
+    if not ks.get("median") or ks.get("q25") is None or ks.get("q75") is None:
+        return None
+    return (ks["q75"] - ks["q25"]) / ks["median"]
+
+
+def server_winner(timed: list[tuple[dict, dict]]) -> tuple[dict, dict] | None:
+    """The fastest of the timed (entry, candidate) pairs by selection speedup, a steady one before any bimodal one."""
+    if not timed:
+        return None
+    steady = [t for t in timed if (t[0].get("kernel_iqr_share") or 0.0) <= BIMODAL_IQR_SHARE]
+    return max(steady or timed, key=lambda t: t[0]["server_speedup"])
+
+
 def group_summary(rows: list[dict]) -> dict:
     """Fresh server geomean, minimum and the shapes below 0.9x, by regime below 100 GFLOP and for the unaligned."""
     def stats(sel: list[dict]) -> dict:
@@ -263,7 +287,6 @@ def main(argv=None) -> int:
     else:
         evaluator = Evaluator(EvalConfig(scenarios=("server",), timing=BENCH_TIMING))   # the bench's cold calls
     with evaluator as ev:
-        env = ev.environment
         for e in entries:
             if time.perf_counter() - t_start > args.budget_s:
                 stopped = True
@@ -273,20 +296,22 @@ def main(argv=None) -> int:
             problem = pclass.with_shape(*shape)
             row = {k: e[k] for k in ("shape", "source", "offline_winner", "offline_fresh_speedup")}
             row["candidates"] = []
-            best = None
+            timed = []
             for c in e["candidates"]:
                 o = select.evaluate(items[(c["hash"], c["backend"])], problem, ev, scenarios=("server",))
                 rec = o.measurements[0].to_json() if o is not None and o.measurements else None
                 entry = {"name": c["name"], "hash": c["hash"], "offline_speedup": c["offline_speedup"],
-                         "server_speedup": rec.get("speedup") if rec and passed(rec) else None}
+                         "server_speedup": rec.get("speedup") if rec and passed(rec) else None,
+                         "kernel_iqr_share": iqr_share(rec) if rec else None}
                 if rec is None or not passed(rec):
                     entry["failure"] = first_failure(rec)[:200] if rec else (o.error if o else "not evaluated")
                 row["candidates"].append(entry)
                 offline = f"{c['offline_speedup']:.3f}x" if c["offline_speedup"] else "not raced"
                 log(f"{shape} {c['name']:52s} server {entry['server_speedup'] or 0:.3f}x (offline {offline})"
                     + (f"  {entry['failure']}" if "failure" in entry else ""))
-                if entry["server_speedup"] and (best is None or entry["server_speedup"] > best[0]["server_speedup"]):
-                    best = (entry, c)
+                if entry["server_speedup"]:
+                    timed.append((entry, c))
+            best = server_winner(timed)
             if best is not None:
                 row["server_winner"] = best[0]["name"]
                 f = fresh.evaluate(items[(best[1]["hash"], best[1]["backend"])], problem, ev, scenarios=("server",))
@@ -303,7 +328,9 @@ def main(argv=None) -> int:
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "scenario": "server (L2 flushed, 0.5 ms spin before each call, device time), interleaved with "
                           "torch.matmul; selection on OUT.jsonl's samples, report on OUT-fresh.jsonl's",
-              "derived": args.derived.name, "top": args.top, "problem_class": problem_class, "environment": env,
+              "derived": args.derived.name, "top": args.top, "problem_class": problem_class,
+              # the evaluator learns the GPU's environment from its worker on the first call, so read it after the race
+              "environment": evaluator.environment,
               "stopped_early": stopped, "seconds": round(time.perf_counter() - t_start, 1),
               "groups": group_summary(rows), "rows": rows}
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")

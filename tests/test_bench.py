@@ -528,10 +528,25 @@ def test_server_race_sweeps_add_the_models_fastest_admitted_configs_to_the_raced
         race.main(["--derived", str(derived), "--sweep", "cuda_ptx_sm80:0", "--out", out])
 
 
-def test_server_race_runs_end_to_end_on_the_standin_and_resumes(tmp_path, capsys):
+def test_server_race_runs_end_to_end_on_the_standin_and_resumes(tmp_path, capsys, monkeypatch):
     """--standin: every candidate is timed in the server scenario (selection file), the best re-timed on fresh
-    samples (fresh file), the summary names the server winner; a rerun measures nothing new."""
+    samples (fresh file), the summary names the server winner; a rerun measures nothing new. The summary's
+    environment is the one the evaluator learns on its first call (the GPU evaluator's worker reports it then)."""
     race = _server_race_module()
+    from l2ir.search.standin import StandinEvaluator
+
+    init, evaluate = StandinEvaluator.__init__, StandinEvaluator.evaluate
+
+    def late_init(self, *a, **kw):
+        init(self, *a, **kw)
+        self._env, self.environment = self.environment, {}
+
+    def first_call_learns(self, *a, **kw):
+        self.environment = self._env
+        return evaluate(self, *a, **kw)
+
+    monkeypatch.setattr(StandinEvaluator, "__init__", late_init)
+    monkeypatch.setattr(StandinEvaluator, "evaluate", first_call_learns)
     from l2ir.seed import seed
     from l2ir.text import parse_problem, print_kernel
 
@@ -567,3 +582,25 @@ def test_server_race_runs_end_to_end_on_the_standin_and_resumes(tmp_path, capsys
     assert race.main(argv) == 0                       # resumed: every measurement is reused
     assert len((tmp_path / "race.jsonl").read_text().splitlines()) == 4
     assert "server fresh geomean" in capsys.readouterr().out
+
+
+def test_server_race_winner_is_the_fastest_steady_candidate_unless_every_one_is_bimodal():
+    """A kernel at 59 or 80 us by turns (IQR a third of its median) loses the race to a steady slower one; among
+    candidates that are all bimodal the fastest still wins; a candidate without stats counts as steady."""
+    race = _server_race_module()
+
+    def rec(samples):
+        from l2ir.search.timing import summarize
+
+        return {"kernel_stats": summarize(samples)}
+
+    bimodal = rec([59, 59, 60, 60, 60, 60, 60, 60, 60, 61, 80, 81, 81, 83, 80])
+    steady = rec([70, 71, 72, 71, 70, 72, 71, 73, 70, 71])
+    assert race.iqr_share(bimodal) > race.BIMODAL_IQR_SHARE >= race.iqr_share(steady)
+    fast = ({"name": "fast", "server_speedup": 0.94, "kernel_iqr_share": race.iqr_share(bimodal)}, {})
+    slow = ({"name": "slow", "server_speedup": 0.79, "kernel_iqr_share": race.iqr_share(steady)}, {})
+    assert race.server_winner([fast, slow])[0]["name"] == "slow"
+    assert race.server_winner([fast])[0]["name"] == "fast"
+    unknown = ({"name": "unknown", "server_speedup": 0.80, "kernel_iqr_share": None}, {})
+    assert race.server_winner([fast, slow, unknown])[0]["name"] == "unknown"
+    assert race.server_winner([]) is None
