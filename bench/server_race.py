@@ -19,7 +19,8 @@ and the stand-in cost model (search/standin.py) ranks fastest: a pre-screen by a
 evaluations per sweep and shape, not the sweep's size. --shape MxNxK (repeatable) races only those rows; a later
 `derive_families --server FILE` replaces an earlier file's rows with them, win or lose. The server winner is the
 fastest candidate on the selection samples among the steady ones: a kernel whose samples' interquartile range is
-above BIMODAL_IQR_SHARE of their median wins only where no steady candidate was timed.
+above BIMODAL_IQR_SHARE of their median (and above the timer's TIMER_FLOOR_US) wins only where no steady candidate
+was timed.
 
 PREFIX.json: per shape the candidates' server speedups, the server winner and its fresh times, and by FLOP regime
 (below 100 GFLOP, the families benchmark's) and for the unaligned shapes the fresh geomean, minimum and the shapes
@@ -175,26 +176,33 @@ def _problem(problem_class: str, shape):
     return parse_problem(f"gemm m={m} n={n} k={k} {problem_class}")
 
 
-# A kernel whose selection samples' interquartile range exceeds this share of their median is bimodal (a workspace
-# split-K on the H200 was seen at 59 or 80 us per cold call, by turns): its median on one sample set says little
-# about the next, so it wins the race only where every candidate is as unsteady.
+# A kernel whose selection samples' interquartile range exceeds BIMODAL_IQR_SHARE of their median is bimodal (a
+# workspace split-K on the H200 was seen at 59 or 80 us per cold call, by turns): its median on one sample set says
+# little about the next, so it wins the race only where no steady candidate was timed. Below TIMER_FLOOR_US the spread
+# is the event timer's granularity (samples of a 5 us kernel fall on a ~0.5 us grid), not the kernel's.
 BIMODAL_IQR_SHARE = 0.10
+TIMER_FLOOR_US = 1.0
 
 
-def iqr_share(rec: dict) -> float | None:
-    """The interquartile range of a record's kernel samples over their median."""
+def kernel_spread(rec: dict) -> dict:
+    """A record's kernel median and interquartile range (microseconds), as a race entry keeps them."""
     ks = rec.get("kernel_stats") or {}
     if not ks.get("median") or ks.get("q25") is None or ks.get("q75") is None:
-        return None
-    return (ks["q75"] - ks["q25"]) / ks["median"]
+        return {"kernel_median_us": None, "kernel_iqr_us": None}
+    return {"kernel_median_us": ks["median"], "kernel_iqr_us": ks["q75"] - ks["q25"]}
+
+
+def steady(entry: dict) -> bool:
+    """Whether a race entry's samples are steady (an entry without stats counts as steady)."""
+    med, iqr = entry.get("kernel_median_us"), entry.get("kernel_iqr_us")
+    return med is None or iqr is None or iqr <= max(BIMODAL_IQR_SHARE * med, TIMER_FLOOR_US)
 
 
 def server_winner(timed: list[tuple[dict, dict]]) -> tuple[dict, dict] | None:
     """The fastest of the timed (entry, candidate) pairs by selection speedup, a steady one before any bimodal one."""
     if not timed:
         return None
-    steady = [t for t in timed if (t[0].get("kernel_iqr_share") or 0.0) <= BIMODAL_IQR_SHARE]
-    return max(steady or timed, key=lambda t: t[0]["server_speedup"])
+    return max([t for t in timed if steady(t[0])] or timed, key=lambda t: t[0]["server_speedup"])
 
 
 def group_summary(rows: list[dict]) -> dict:
@@ -302,7 +310,7 @@ def main(argv=None) -> int:
                 rec = o.measurements[0].to_json() if o is not None and o.measurements else None
                 entry = {"name": c["name"], "hash": c["hash"], "offline_speedup": c["offline_speedup"],
                          "server_speedup": rec.get("speedup") if rec and passed(rec) else None,
-                         "kernel_iqr_share": iqr_share(rec) if rec else None}
+                         **kernel_spread(rec or {})}
                 if rec is None or not passed(rec):
                     entry["failure"] = first_failure(rec)[:200] if rec else (o.error if o else "not evaluated")
                 row["candidates"].append(entry)

@@ -585,22 +585,23 @@ def test_server_race_runs_end_to_end_on_the_standin_and_resumes(tmp_path, capsys
 
 
 def test_server_race_winner_is_the_fastest_steady_candidate_unless_every_one_is_bimodal():
-    """A kernel at 59 or 80 us by turns (IQR a third of its median) loses the race to a steady slower one; among
-    candidates that are all bimodal the fastest still wins; a candidate without stats counts as steady."""
+    """A kernel at 59 or 80 us by turns loses the race to a steady slower one; among candidates that are all bimodal
+    the fastest still wins; a 5 us kernel whose samples straddle the timer's grid is steady; a candidate without
+    stats counts as steady."""
     race = _server_race_module()
+    from l2ir.search.timing import summarize
 
-    def rec(samples):
-        from l2ir.search.timing import summarize
+    def entry(name, speedup, samples):
+        return {"name": name, "server_speedup": speedup, **race.kernel_spread({"kernel_stats": summarize(samples)})}, {}
 
-        return {"kernel_stats": summarize(samples)}
-
-    bimodal = rec([59, 59, 60, 60, 60, 60, 60, 60, 60, 61, 80, 81, 81, 83, 80])
-    steady = rec([70, 71, 72, 71, 70, 72, 71, 73, 70, 71])
-    assert race.iqr_share(bimodal) > race.BIMODAL_IQR_SHARE >= race.iqr_share(steady)
-    fast = ({"name": "fast", "server_speedup": 0.94, "kernel_iqr_share": race.iqr_share(bimodal)}, {})
-    slow = ({"name": "slow", "server_speedup": 0.79, "kernel_iqr_share": race.iqr_share(steady)}, {})
+    fast = entry("fast", 0.94, [59, 59, 60, 60, 60, 60, 60, 60, 60, 61, 80, 81, 81, 83, 80])
+    slow = entry("slow", 0.79, [70, 71, 72, 71, 70, 72, 71, 73, 70, 71])
+    assert not race.steady(fast[0]) and race.steady(slow[0])
     assert race.server_winner([fast, slow])[0]["name"] == "slow"
     assert race.server_winner([fast])[0]["name"] == "fast"
-    unknown = ({"name": "unknown", "server_speedup": 0.80, "kernel_iqr_share": None}, {})
+    tiny = entry("tiny", 1.2, [4.5, 5.25, 4.5, 5.25, 5.5, 4.5, 5.25, 5.5, 4.5, 5.0])
+    assert tiny[0]["kernel_iqr_us"] > race.BIMODAL_IQR_SHARE * tiny[0]["kernel_median_us"]
+    assert race.steady(tiny[0]) and race.server_winner([slow, tiny])[0]["name"] == "tiny"
+    unknown = ({"name": "unknown", "server_speedup": 0.80, **race.kernel_spread({})}, {})
     assert race.server_winner([fast, slow, unknown])[0]["name"] == "unknown"
     assert race.server_winner([]) is None
