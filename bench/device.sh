@@ -53,7 +53,7 @@ for c in $SERVER_EXTRA; do
 done
 # Where the wide race still lost (100x3000x4104 at 0.87x, 512x2048x16384 and 128x128x16384 below 0.96x): the
 # 64-row cluster split-K and narrow-N single-wave tiles (more CTAs over the 132 SMs for M=100), and the deeper
-# splits of the long-K shapes.
+# splits of the long-K shapes; then stream-K over 128x64 tiles (sm90a_skinny) for the M <= 128 shapes of 47-64 tiles.
 WIDE_EXTRA="100x3000x4104:cuda_ptx:ptx_splitk_cluster_w4x1_64x64x64_s2 100x3000x4104:cuda_ptx:ptx_splitk_cluster_w4x1_64x64x64_s4
   100x3000x4104:cuda_ptx:ptx_splitk_cluster_w4x1_64x128x64_s2 100x3000x4104:cuda_ptx:ptx_w4x1_64x56x64_g8
   100x3000x4104:cuda_ptx:ptx_w4x1_64x48x64_g8 100x3000x4104:cuda_ptx:ptx_splitk_block_64x64x64
@@ -61,7 +61,10 @@ WIDE_EXTRA="100x3000x4104:cuda_ptx:ptx_splitk_cluster_w4x1_64x64x64_s2 100x3000x
   100x3000x4104:sm90a_skinny:coop_128x128x64_c1x2_splitk4
   512x2048x16384:sm90a_skinny:coop_128x256x64_c1x2_splitk8 512x2048x16384:sm90a_skinny:coop_128x128x64_c1x4_splitk4
   512x2048x16384:cuda_ptx:ptx_splitk_cluster_coop_128x128x64_s4 512x2048x16384:cuda_ptx:ptx_splitk_cluster_w4x1_64x128x64_s4
-  128x128x16384:cuda_ptx:ptx_splitk_cluster_w4x1_64x64x64_s8_st4 128x128x16384:cuda_ptx:ptx_splitk_w4x1_64x64x64_s4_st4"
+  128x128x16384:cuda_ptx:ptx_splitk_cluster_w4x1_64x64x64_s8_st4 128x128x16384:cuda_ptx:ptx_splitk_w4x1_64x64x64_s4_st4
+  100x3000x4104:sm90a_skinny:coop_128x64x64_c1x1_streamk 100x3000x4104:sm90a_skinny:coop_128x64x64_c1x2_streamk
+  100x3000x4104:sm90a_skinny:coop_128x64x64_c1x4_streamk 127x4096x4096:sm90a_skinny:coop_128x64x64_c1x1_streamk
+  127x4096x4096:sm90a_skinny:coop_128x64x64_c1x2_streamk 127x4096x4096:sm90a_skinny:coop_128x64x64_c1x4_streamk"
 for c in $WIDE_EXTRA; do SERVER_WIDE="$SERVER_WIDE --case $c"; done
 export SERVER_WIDE
 
