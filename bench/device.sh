@@ -168,6 +168,7 @@ dispatch-pdl-ab|560|bash -c 'rm -f /tmp/families_v3.db && python3 -m l2ir.cli db
 server-race|590|python3 bench/server_race.py --derived bench/results/families_derived_v13_h200.json --top 3 --budget-s 480 --out bench/results/families_server_h200
 server-race-extra|590|python3 bench/server_race.py --derived bench/results/families_derived_v13_h200.json --top 3 $SERVER_EXTRA --budget-s 480 --out bench/results/families_server_h200
 server-wide|590|python3 bench/server_race.py --derived bench/results/families_derived_v14_h200.json --top 3 $SERVER_WIDE --budget-s 500 --out bench/results/families_server_wide_h200
+server-aa|300|python3 bench/server_aa.py --rows bench/results/families_derived_v15_h200.json --trials 5 --out bench/results/server_aa_h200.json
 launch-cost|300|python3 bench/launch_cost_probe.py --out bench/results/launch_cost_h200.json
 cold-start|420|python3 bench/cold_start_probe.py --case 64x64x64:cuda_ptx_sm80:ptx_sm80_64x64x32_w2x2_s3 --case 1x4096x4096:cuda_ptx_direct:direct_8x32x128_w1x4_s2_k4 --case 2048x256x512:sm90a_skinny:pingpong_64x64x64_c1x1 --case 100x3000x4104:sm90a_skinny:pingpong_64x64x64_c1x4_np --case 512x2048x16384:sm90a_skinny:coop_128x128x64_c1x2_splitk2 --out bench/results/cold_start_h200.json
 direct-deep-short|330|python3 -m l2ir.cli bench --target sm90a --shapes 0 --shape 1x4096x4096 --shape 8x4096x4096 --shape 4x11008x4096 --family cuda_ptx_direct=cuda_ptx_direct:direct_8x32x128_w1x4_s2_k4,direct_8x32x64_w1x4_s4_k4,direct_8x32x128_w1x4_s3_k2,direct_16x32x64_w1x4_s4_k2 --budget-s 230 --out bench/results/direct_deep_h200

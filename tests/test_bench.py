@@ -1,6 +1,7 @@
 """The benchmark driver's pure parts: shape selection, sweeps as data, resume records, summary arithmetic."""
 
 import json
+import math
 from importlib import resources
 
 import pytest
@@ -605,3 +606,35 @@ def test_server_race_winner_is_the_fastest_steady_candidate_unless_every_one_is_
     unknown = ({"name": "unknown", "server_speedup": 0.80, **race.kernel_spread({})}, {})
     assert race.server_winner([fast, slow, unknown])[0]["name"] == "unknown"
     assert race.server_winner([]) is None
+
+
+def _bench_script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_server_aa_times_torch_against_itself_per_shape_and_group_on_the_host(tmp_path, capsys):
+    """--cpu: every shape of --rows (below --max-gflop) and --shape gets --trials ratios, each a median over the
+    bench's server rounds; groups take one geomean per trial; bad input is a one-line error and exit 2."""
+    aa = _bench_script("server_aa")
+    rows = tmp_path / "derived.json"
+    rows.write_text(json.dumps({"rows": [{"shape": [16, 24, 8]}, {"shape": [4096, 4096, 4096]}]}))
+    out = tmp_path / "aa.json"
+    assert aa.main(["--rows", str(rows), "--shape", "9x16x32", "--trials", "2", "--cpu", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["shape"] for r in res["rows"]] == [[9, 16, 32], [16, 24, 8]]       # 4096^3 is above 100 GFLOP
+    assert all(len(r["ratios"]) == 2 and all(x > 0 for x in r["ratios"]) for r in res["rows"])
+    g = res["groups"]["< 1 GFLOP"]
+    assert g["shapes"] == 2 and len(g["trial_geomeans"]) == 2
+    assert g["trial_geomeans"][1] == pytest.approx(math.sqrt(res["rows"][0]["ratios"][1] * res["rows"][1]["ratios"][1]))
+    assert res["groups"]["unaligned"]["shapes"] == 1 and res["environment"]["cpu_check"] is True
+    assert "A/A geomean" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{}")
+    assert aa.main(["--rows", str(tmp_path / "bad.json"), "--cpu", "--out", str(out)]) == 2
+    assert aa.main(["--shape", "8x8x8", "--trials", "0", "--cpu", "--out", str(out)]) == 2
+    assert "--trials 0" in capsys.readouterr().err
