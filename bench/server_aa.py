@@ -10,6 +10,9 @@ device spin before each call, the two sides in a drawn order per round, a fresh 
 number of sets and rounds the evaluator uses), on every row's shape, `--trials` times over. Each trial's ratio is
 what a record's speedup would be (baseline median over kernel median), so a harness without bias gives 1.0; the
 spread of the ratios per shape, and of each group's geomean across trials, is the noise a server number carries.
+Each trial also reports second/first: the median of the samples taken second in their round over those taken first
+(each side's samples over its own median, both sides pooled), the cost of leading a round. --coin orders each round
+by a coin, as the timing did before it balanced the orders, for the comparison.
 
 OUT (JSON): per shape the ratios of every trial; per group (below 1 GFLOP, 1-100 GFLOP, the unaligned shapes) the
 geomean of each trial, their range, and the median per-shape |ratio - 1|. --cpu times CPU tensors with the host
@@ -26,6 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from l2ir.search import timing
 from l2ir.search.bench import BENCH_TIMING
 from l2ir.search.report import REGIMES, geomean, gflop, is_unaligned
 from l2ir.search.timing import CudaClock, Guard, HostClock, sets_for, time_server
@@ -45,8 +49,25 @@ class FreshInputs(Guard):
             self.sets[i][1].normal_()
 
 
-def aa_trial(shape: tuple[int, int, int], device, seed: int, cfg=BENCH_TIMING) -> float:
-    """One server A/A trial on fresh buffers: median(baseline) / median(kernel), both sides torch.matmul."""
+def coin_orders(rng, rounds: int) -> list[bool]:
+    """The order the timing drew before balanced orders: a coin per round (for --coin)."""
+    return [bool(rng.integers(0, 2)) for _ in range(rounds)]
+
+
+def position_ratio(t) -> float | None:
+    """Median of the samples taken second in their round over the median of those taken first, both sides pooled
+    (each side's samples over its own median, so the two sides' speeds cancel): below 1 when going second is faster."""
+    firsts, seconds = [], []
+    for side, med, leads in ((t.kernel_us, statistics.median(t.kernel_us), t.kernel_first),
+                             (t.baseline_us, statistics.median(t.baseline_us), [not x for x in t.kernel_first])):
+        for x, lead in zip(side, leads):
+            (firsts if lead else seconds).append(x / med)
+    return statistics.median(seconds) / statistics.median(firsts) if firsts and seconds else None
+
+
+def aa_trial(shape: tuple[int, int, int], device, seed: int, cfg=BENCH_TIMING) -> tuple[float, float | None]:
+    """One server A/A trial on fresh buffers: (median(baseline) / median(kernel), position_ratio), both sides
+    torch.matmul."""
     import torch
 
     m, n, k = shape
@@ -67,7 +88,7 @@ def aa_trial(shape: tuple[int, int, int], device, seed: int, cfg=BENCH_TIMING) -
 
     clock = (CudaClock if gpu else HostClock)(cfg, device)
     t = time_server(side(2), side(3), n_sets, cfg, FreshInputs(sets), np.random.default_rng(seed), clock)
-    return statistics.median(t.baseline_us) / statistics.median(t.kernel_us)
+    return statistics.median(t.baseline_us) / statistics.median(t.kernel_us), position_ratio(t)
 
 
 def group_summary(rows: list[dict]) -> dict:
@@ -76,7 +97,9 @@ def group_summary(rows: list[dict]) -> dict:
         trials = len(sel[0]["ratios"]) if sel else 0
         per_trial = [geomean([r["ratios"][t] for r in sel]) for t in range(trials)]
         deviations = [abs(x - 1.0) for r in sel for x in r["ratios"]]
+        positions = [x for r in sel for x in r.get("second_over_first", []) if x]
         return {"shapes": len(sel), "trial_geomeans": per_trial,
+                "second_over_first_median": statistics.median(positions) if positions else None,
                 "geomean_range": [min(per_trial), max(per_trial)] if per_trial else None,
                 "median_shape_deviation": statistics.median(deviations) if deviations else None,
                 "max_shape_deviation": max(deviations, default=None)}
@@ -92,6 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", type=shape_arg, action="append", default=[], metavar="MxNxK", help="a shape (repeatable)")
     ap.add_argument("--trials", type=int, default=3, help="independent A/A trials per shape (default %(default)s)")
     ap.add_argument("--max-gflop", type=float, default=100.0, help="only shapes below this (default %(default)s)")
+    ap.add_argument("--coin", action="store_true",
+                    help="order each round by a coin, as the timing did before balanced orders (the comparison)")
     ap.add_argument("--cpu", action="store_true", help="CPU tensors and the host clock (a check, not a measurement)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
@@ -121,24 +146,31 @@ def main(argv=None) -> int:
         from l2ir.search.evaluator import environment
 
         env = environment(torch.cuda.current_device())
+    if args.coin:
+        timing.kernel_first_orders = coin_orders
     t0 = time.perf_counter()
     rows = []
-    for s in shapes:
-        ratios = [aa_trial(s, device, seed=1000 * t + 7) for t in range(args.trials)]
-        rows.append({"shape": list(s), "ratios": ratios})
-        print(f"{s}: A/A " + " ".join(f"{x:.3f}" for x in ratios))
+    for n, s in enumerate(shapes):
+        # a seed per shape and trial, as the evaluator draws one per evaluation: no order is shared across shapes
+        trials = [aa_trial(s, device, seed=7919 * n + 104729 * t + 1) for t in range(args.trials)]
+        rows.append({"shape": list(s), "ratios": [r for r, _ in trials], "second_over_first": [p for _, p in trials]})
+        print(f"{s}: A/A " + " ".join(f"{r:.3f}" for r, _ in trials)
+              + "  second/first " + " ".join(f"{p:.3f}" if p else "-" for _, p in trials))
     result = {"command": "python3 bench/server_aa.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "scenario": "server A/A: torch.matmul against torch.matmul with search/timing.time_server and the "
-                          "bench's timing (L2 flushed, 0.5 ms spin, drawn order, fresh set per round)",
+                          "bench's timing (L2 flushed, 0.5 ms spin, fresh set per round), orders "
+                          + ("by a coin per round" if args.coin else "balanced (each side first in half the rounds)"),
               "environment": env, "seconds": round(time.perf_counter() - t0, 1),
               "groups": group_summary(rows), "rows": rows}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for label, g in result["groups"].items():
         if g["shapes"]:
             lo, hi = g["geomean_range"]
+            pos = g["second_over_first_median"]
             print(f"{label:>12}: {g['shapes']} shapes, A/A geomean {lo:.3f}-{hi:.3f} over {args.trials} trials, "
-                  f"median shape deviation {g['median_shape_deviation']:.3f}, max {g['max_shape_deviation']:.3f}")
+                  f"median shape deviation {g['median_shape_deviation']:.3f}, max {g['max_shape_deviation']:.3f}"
+                  + (f", second/first {pos:.3f}" if pos else ""))
     print(f"wrote {args.out}")
     return 0
 

@@ -212,6 +212,7 @@ class Timed:
     warmup: int = 0
     single_kernel_us: list[float] = field(default_factory=list)
     single_baseline_us: list[float] = field(default_factory=list)
+    kernel_first: list[bool] = field(default_factory=list)      # server: per round, whether the kernel went first
 
 
 def _draw(rng: np.random.Generator | None, low: int, high: int) -> int:
@@ -219,9 +220,17 @@ def _draw(rng: np.random.Generator | None, low: int, high: int) -> int:
     return low if rng is None else int(rng.integers(low, high + 1))
 
 
-def _order(rng: np.random.Generator | None, t: int) -> bool:
-    """Whether the kernel goes first in round t: shuffled with a seed, else alternating."""
-    return bool(rng.integers(0, 2)) if rng is not None else t % 2 == 0
+def kernel_first_orders(rng: np.random.Generator | None, rounds: int) -> list[bool]:
+    """Per round, whether the kernel goes first: each side first in half the rounds (an odd round drawn), in a
+    shuffled order with a seed, else alternating. The side that goes second in a server round was measured up to
+    ~10% faster on a few-microsecond GEMM (bench/results/server_aa_h200.json), so a coin per round would let the
+    count of rounds a side leads (binomial: 5 to 10 of 15) move its median by several percent."""
+    if rng is None:
+        return [t % 2 == 0 for t in range(rounds)]
+    firsts = [t < rounds // 2 for t in range(rounds)]
+    if rounds % 2:
+        firsts[-1] = bool(rng.integers(0, 2))
+    return [bool(x) for x in rng.permutation(firsts)]
 
 
 def time_offline(kernel: Callable[[int], None], baseline: Callable[[int], None], n_sets: int, cfg: TimingConfig,
@@ -249,23 +258,24 @@ def time_offline(kernel: Callable[[int], None], baseline: Callable[[int], None],
     out = Timed(reps=reps, sets=n_sets, warmup=warm)
     trials = cfg.trials + _draw(rng, 0, 2)
     pending_k, pending_b = [], []
-    for t in range(trials):
+    for t, kernel_first in enumerate(kernel_first_orders(rng, trials)):
         g.refresh(everything)
         g.poison(everything)
         pair = ((replay_k, pending_k), (replay_b, pending_b))
-        for replay, pending in (pair if _order(rng, t) else pair[::-1]):
+        for replay, pending in (pair if kernel_first else pair[::-1]):
             pending.append(clock.start(replay))
         g.check(everything, f"offline trial {t}")
     out.kernel_us = [clock.elapsed_ms(h) * 1000.0 / reps for h in pending_k]
     out.baseline_us = [clock.elapsed_ms(h) * 1000.0 / reps for h in pending_b]
     del replay_k, replay_b
     # Single calls on fresh inputs and fresh poison: what one call costs when nothing of it can be reused.
-    for s in range(cfg.singles if guard is not None else 0):
+    singles = cfg.singles if guard is not None else 0
+    for s, kernel_first in enumerate(kernel_first_orders(rng, singles)):
         i = (first + s) % n_sets
         g.refresh([i])
         g.poison([i])
         pair = ((kernel, out.single_kernel_us), (baseline, out.single_baseline_us))
-        for fn, samples in (pair if _order(rng, s) else pair[::-1]):
+        for fn, samples in (pair if kernel_first else pair[::-1]):
             clock.spin()
             samples.append(clock.time_ms(lambda: fn(i)) * 1000.0)
         g.check([i], f"offline single call {s}")
@@ -290,12 +300,13 @@ def time_server(kernel: Callable[[int], None], baseline: Callable[[int], None], 
     out = Timed(reps=1, sets=n_sets, warmup=warm)
     start = _draw(rng, 0, n_sets - 1)
     pending_k, pending_b = [], []
-    for r in range(cfg.server_samples):
+    out.kernel_first = kernel_first_orders(rng, cfg.server_samples)
+    for r, kernel_first in enumerate(out.kernel_first):
         i = (start + r) % n_sets
         g.refresh([i])
         g.poison([i])
         pair = ((kernel, pending_k), (baseline, pending_b))
-        for fn, pending in (pair if _order(rng, r) else pair[::-1]):
+        for fn, pending in (pair if kernel_first else pair[::-1]):
             clock.flush()
             if cfg.idle_gap_s:
                 clock.sync()

@@ -629,6 +629,7 @@ def test_server_aa_times_torch_against_itself_per_shape_and_group_on_the_host(tm
     res = json.loads(out.read_text())
     assert [r["shape"] for r in res["rows"]] == [[9, 16, 32], [16, 24, 8]]       # 4096^3 is above 100 GFLOP
     assert all(len(r["ratios"]) == 2 and all(x > 0 for x in r["ratios"]) for r in res["rows"])
+    assert all(len(r["second_over_first"]) == 2 and all(x > 0 for x in r["second_over_first"]) for r in res["rows"])
     g = res["groups"]["< 1 GFLOP"]
     assert g["shapes"] == 2 and len(g["trial_geomeans"]) == 2
     assert g["trial_geomeans"][1] == pytest.approx(math.sqrt(res["rows"][0]["ratios"][1] * res["rows"][1]["ratios"][1]))
@@ -638,3 +639,26 @@ def test_server_aa_times_torch_against_itself_per_shape_and_group_on_the_host(tm
     assert aa.main(["--rows", str(tmp_path / "bad.json"), "--cpu", "--out", str(out)]) == 2
     assert aa.main(["--shape", "8x8x8", "--trials", "0", "--cpu", "--out", str(out)]) == 2
     assert "--trials 0" in capsys.readouterr().err
+
+
+def test_server_rounds_lead_with_each_side_equally_often_in_a_seeded_shuffle():
+    """Balanced orders: each side first in half the rounds (the odd one drawn), shuffled by the seed; the same seed
+    gives the same order; without an rng the sides alternate. time_server records the order it used."""
+    import numpy as np
+    from l2ir.search import timing
+
+    for seed in range(40):
+        for rounds in (15, 16):
+            orders = timing.kernel_first_orders(np.random.default_rng(seed), rounds)
+            assert len(orders) == rounds and rounds // 2 <= sum(orders) <= (rounds + 1) // 2
+    same = [timing.kernel_first_orders(np.random.default_rng(3), 15) for _ in range(2)]
+    assert same[0] == same[1]
+    assert len({tuple(timing.kernel_first_orders(np.random.default_rng(s), 16)) for s in range(20)}) > 10
+    assert timing.kernel_first_orders(None, 4) == [True, False, True, False]
+    calls = []
+    cfg = timing.TimingConfig(server_samples=16, warmup=0)
+    t = timing.time_server(lambda i: calls.append("k"), lambda i: calls.append("b"), 2, cfg,
+                           rng=np.random.default_rng(5), clock=timing.HostClock(cfg))
+    assert sum(t.kernel_first) == 8 and len(t.kernel_us) == len(t.baseline_us) == 16
+    timed = calls[-32:]
+    assert [timed[2 * r] == "k" for r in range(16)] == t.kernel_first
