@@ -22,7 +22,9 @@ fastest candidate on the selection samples among the steady ones: a kernel whose
 above BIMODAL_IQR_SHARE of their median (and above the timer's TIMER_FLOOR_US) wins only where no steady candidate
 was timed.
 
-PREFIX.json: per shape the candidates' server speedups, the server winner and its fresh times, and by FLOP regime
+PREFIX.json: per shape the candidates' server speedups, the server winner and its fresh times, every raced kernel's
+IR and backend ('kernels', as a bench summary has them: `l2ir db import` then `l2ir export --scenario server`
+packages the race's winners), and by FLOP regime
 (below 100 GFLOP, the families benchmark's) and for the unaligned shapes the fresh geomean, minimum and the shapes
 below 0.9x. --compile-only builds every candidate into the compile cache and stops (it needs no GPU); --standin
 runs the race against the stand-in cost model (search/standin.py: NOT measured, labelled so in the environment), to
@@ -167,6 +169,17 @@ def _backend(name: str, info: dict) -> str | None:
         return prefix
     entry_prefix = str(info.get("config", "")).split("/", 1)[0]
     return None if entry_prefix in BACKENDS else info.get("backend")
+
+
+def kernels_section(entries: list[dict]) -> dict:
+    """Every raced kernel by its 12-hex hash: name, backend and IR, in a bench summary's 'kernels' form, so that
+    `l2ir db import` gives the race's records their kernels (and `l2ir export --scenario server` can package them:
+    a `--case` or `--sweep` kernel is in no offline run's summary)."""
+    out: dict[str, dict] = {}
+    for e in entries:
+        for c in e["candidates"]:
+            out.setdefault(c["hash"], {"config": c["name"], "backend": c["backend"], "kernel": c["kernel"]})
+    return out
 
 
 def _problem(problem_class: str, shape):
@@ -340,7 +353,7 @@ def main(argv=None) -> int:
               # the evaluator learns the GPU's environment from its worker on the first call, so read it after the race
               "environment": evaluator.environment,
               "stopped_early": stopped, "seconds": round(time.perf_counter() - t_start, 1),
-              "groups": group_summary(rows), "rows": rows}
+              "groups": group_summary(rows), "rows": rows, "kernels": kernels_section(entries)}
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     for label, g in result["groups"].items():
         if g["timed"]:

@@ -583,6 +583,16 @@ def test_server_race_runs_end_to_end_on_the_standin_and_resumes(tmp_path, capsys
     assert race.main(argv) == 0                       # resumed: every measurement is reused
     assert len((tmp_path / "race.jsonl").read_text().splitlines()) == 4
     assert "server fresh geomean" in capsys.readouterr().out
+    # The summary names every raced kernel's IR, so the records DB gets them with the race's records.
+    from l2ir.search.db import open_db
+
+    db = open_db(tmp_path / "records.db")
+    assert db.import_jsonl(tmp_path / "race.jsonl") == 4 and db.import_jsonl(tmp_path / "race-fresh.jsonl") == 2
+    raced = {c["hash"] for r in out["rows"] for c in r["candidates"]}
+    assert set(out["kernels"]) == raced
+    for rec in selection + fresh:
+        h = json.loads(rec)["kernel_hash"]
+        assert db.kernel(h)["ir"] == out["kernels"][h[:12]]["kernel"]
 
 
 def test_server_race_winner_is_the_fastest_steady_candidate_unless_every_one_is_bimodal():
