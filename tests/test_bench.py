@@ -529,25 +529,8 @@ def test_server_race_sweeps_add_the_models_fastest_admitted_configs_to_the_raced
         race.main(["--derived", str(derived), "--sweep", "cuda_ptx_sm80:0", "--out", out])
 
 
-def test_server_race_runs_end_to_end_on_the_standin_and_resumes(tmp_path, capsys, monkeypatch):
-    """--standin: every candidate is timed in the server scenario (selection file), the best re-timed on fresh
-    samples (fresh file), the summary names the server winner; a rerun measures nothing new. The summary's
-    environment is the one the evaluator learns on its first call (the GPU evaluator's worker reports it then)."""
-    race = _server_race_module()
-    from l2ir.search.standin import StandinEvaluator
-
-    init, evaluate = StandinEvaluator.__init__, StandinEvaluator.evaluate
-
-    def late_init(self, *a, **kw):
-        init(self, *a, **kw)
-        self._env, self.environment = self.environment, {}
-
-    def first_call_learns(self, *a, **kw):
-        self.environment = self._env
-        return evaluate(self, *a, **kw)
-
-    monkeypatch.setattr(StandinEvaluator, "__init__", late_init)
-    monkeypatch.setattr(StandinEvaluator, "evaluate", first_call_learns)
+def _race_fixture(tmp_path):
+    """A derivation of two shapes whose bench run holds the sm80 and sm90a seeds (offline 1.0x and 1.1x)."""
     from l2ir.seed import seed
     from l2ir.text import parse_problem, print_kernel
 
@@ -567,6 +550,28 @@ def test_server_race_runs_end_to_end_on_the_standin_and_resumes(tmp_path, capsys
     (tmp_path / "run.jsonl").write_text("\n".join(lines) + "\n")
     (tmp_path / "run.json").write_text(json.dumps({"problem_class": cls, "kernels": kernels, "shapes": shapes}))
     (tmp_path / "derived.json").write_text(json.dumps({"problem_class": cls, "rows": rows}))
+
+
+def test_server_race_runs_end_to_end_on_the_standin_and_resumes(tmp_path, capsys, monkeypatch):
+    """--standin: every candidate is timed in the server scenario (selection file), the best re-timed on fresh
+    samples (fresh file), the summary names the server winner; a rerun measures nothing new. The summary's
+    environment is the one the evaluator learns on its first call (the GPU evaluator's worker reports it then)."""
+    race = _server_race_module()
+    from l2ir.search.standin import StandinEvaluator
+
+    init, evaluate = StandinEvaluator.__init__, StandinEvaluator.evaluate
+
+    def late_init(self, *a, **kw):
+        init(self, *a, **kw)
+        self._env, self.environment = self.environment, {}
+
+    def first_call_learns(self, *a, **kw):
+        self.environment = self._env
+        return evaluate(self, *a, **kw)
+
+    monkeypatch.setattr(StandinEvaluator, "__init__", late_init)
+    monkeypatch.setattr(StandinEvaluator, "evaluate", first_call_learns)
+    _race_fixture(tmp_path)
     argv = ["--derived", str(tmp_path / "derived.json"), "--top", "2", "--standin", "--out", str(tmp_path / "race")]
     assert race.main(argv) == 0
     out = json.loads((tmp_path / "race.json").read_text())
@@ -672,3 +677,25 @@ def test_server_rounds_lead_with_each_side_equally_often_in_a_seeded_shuffle():
     assert sum(t.kernel_first) == 8 and len(t.kernel_us) == len(t.baseline_us) == 16
     timed = calls[-32:]
     assert [timed[2 * r] == "k" for r in range(16)] == t.kernel_first
+
+
+def test_server_race_fresh_trials_report_the_median_trial_and_resume(tmp_path):
+    """--fresh-trials 3: each winner re-timed in three fresh files (OUT-fresh, OUT-t2-fresh, OUT-t3-fresh), the row
+    reports the trial with the median speedup and every trial's; a rerun measures nothing new."""
+    race = _server_race_module()
+    _race_fixture(tmp_path)
+    argv = ["--derived", str(tmp_path / "derived.json"), "--top", "2", "--standin", "--fresh-trials", "3",
+            "--out", str(tmp_path / "race")]
+    assert race.main(argv) == 0
+    out = json.loads((tmp_path / "race.json").read_text())
+    for r in out["rows"]:
+        trials = r["fresh_server"]["trial_speedups"]
+        assert len(trials) == 3 and r["fresh_server"]["speedup"] == sorted(trials)[1]
+    names = ("race-fresh.jsonl", "race-t2-fresh.jsonl", "race-t3-fresh.jsonl")
+    sizes = [len((tmp_path / n).read_text().splitlines()) for n in names]
+    assert sizes == [2, 2, 2]
+    assert race.main(argv) == 0
+    assert [len((tmp_path / n).read_text().splitlines()) for n in names] == sizes
+    assert race.median_trial([{"speedup": 1.0}, {"speedup": 0.9}])["speedup"] == 0.9     # even: the lower
+    with pytest.raises(SystemExit):
+        race.main(argv[:-2] + ["--fresh-trials", "0", "--out", str(tmp_path / "race")])
