@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -178,6 +179,22 @@ def fresh_path(out: Path, trial: int) -> Path:
     return out.with_name(out.name + ("-fresh.jsonl" if trial == 1 else f"-t{trial}-fresh.jsonl"))
 
 
+def recorded_environment(path: Path) -> dict:
+    """The environment of the first record in a race's JSONL file that names one ({} if none does)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        try:
+            env = json.loads(line).get("environment")
+        except (ValueError, AttributeError):
+            continue                       # the line a kill cut short
+        if env:
+            return env
+    return {}
+
+
 def median_trial(trials: list[dict]) -> dict:
     """The fresh trial with the median speedup (the lower one of an even count), with every trial's speedup: one
     fresh server call set is good to ~2% per shape and 13-17% in its worst trial (bench/results/server_aa_h200.json)."""
@@ -206,30 +223,45 @@ def _problem(problem_class: str, shape):
 # A kernel whose selection samples' interquartile range exceeds BIMODAL_IQR_SHARE of their median is bimodal (a
 # workspace split-K on the H200 was seen at 59 or 80 us per cold call, by turns): its median on one sample set says
 # little about the next, so it wins the race only where no steady candidate was timed. Below TIMER_FLOOR_US the spread
-# is the event timer's granularity (samples of a 5 us kernel fall on a ~0.5 us grid), not the kernel's.
+# is the event timer's granularity (samples of a 5 us kernel fall on a ~0.5 us grid), not the kernel's; and a spread
+# within twice torch's in the same rounds is the GPU's moment, not the kernel's.
 BIMODAL_IQR_SHARE = 0.10
 TIMER_FLOOR_US = 1.0
+# torch.matmul's median in a candidate's rounds more than this above the shape's median over all candidates: the
+# candidate's speedup owes that much to a slower baseline (the server A/A's worst trial on a tiny shape was 17% off),
+# so it does not win the race.
+BASELINE_DRIFT = 0.25
 
 
 def kernel_spread(rec: dict) -> dict:
-    """A record's kernel median and interquartile range (microseconds), as a race entry keeps them."""
-    ks = rec.get("kernel_stats") or {}
-    if not ks.get("median") or ks.get("q25") is None or ks.get("q75") is None:
-        return {"kernel_median_us": None, "kernel_iqr_us": None}
-    return {"kernel_median_us": ks["median"], "kernel_iqr_us": ks["q75"] - ks["q25"]}
+    """A record's kernel and torch medians and interquartile ranges (microseconds), as a race entry keeps them."""
+    out = {}
+    for side, key in (("kernel", "kernel_stats"), ("torch", "baseline_stats")):
+        st = rec.get(key) or {}
+        ok = st.get("median") and st.get("q25") is not None and st.get("q75") is not None
+        out[f"{side}_median_us"] = st["median"] if ok else None
+        out[f"{side}_iqr_us"] = st["q75"] - st["q25"] if ok else None
+    return out
 
 
 def steady(entry: dict) -> bool:
     """Whether a race entry's samples are steady (an entry without stats counts as steady)."""
     med, iqr = entry.get("kernel_median_us"), entry.get("kernel_iqr_us")
-    return med is None or iqr is None or iqr <= max(BIMODAL_IQR_SHARE * med, TIMER_FLOOR_US)
+    if med is None or iqr is None:
+        return True
+    return iqr <= max(BIMODAL_IQR_SHARE * med, TIMER_FLOOR_US, 2 * (entry.get("torch_iqr_us") or 0.0))
 
 
 def server_winner(timed: list[tuple[dict, dict]]) -> tuple[dict, dict] | None:
-    """The fastest of the timed (entry, candidate) pairs by selection speedup, a steady one before any bimodal one."""
+    """The fastest of the timed (entry, candidate) pairs by selection speedup among those whose torch rounds were not
+    slower than the shape's usual (BASELINE_DRIFT), a steady one before any bimodal one."""
     if not timed:
         return None
-    return max([t for t in timed if steady(t[0])] or timed, key=lambda t: t[0]["server_speedup"])
+    torch_medians = [t[0]["torch_median_us"] for t in timed if t[0].get("torch_median_us")]
+    usual = statistics.median(torch_medians) if torch_medians else None
+    fair = [t for t in timed if usual is None or not t[0].get("torch_median_us")
+            or t[0]["torch_median_us"] <= (1 + BASELINE_DRIFT) * usual]
+    return max([t for t in fair if steady(t[0])] or fair, key=lambda t: t[0]["server_speedup"])
 
 
 def group_summary(rows: list[dict]) -> dict:
@@ -358,8 +390,9 @@ def main(argv=None) -> int:
                 for trial in fresh:
                     f = trial.evaluate(items[(best[1]["hash"], best[1]["backend"])], problem, ev, scenarios=("server",))
                     frec = f.measurements[0].to_json() if f is not None and f.measurements else None
-                    if frec is None or not passed(frec):
-                        row["fresh_failure"] = first_failure(frec)[:200] if frec else "not evaluated"
+                    if frec is None or not passed(frec) or not frec.get("speedup"):
+                        row["fresh_failure"] = ("not evaluated" if frec is None else "no speedup" if passed(frec)
+                                                else first_failure(frec)[:200])
                         break
                     trials.append({k: v for k, v in timing(frec).items() if "samples" not in k})
                 else:
@@ -375,8 +408,9 @@ def main(argv=None) -> int:
               "scenario": "server (L2 flushed, 0.5 ms spin before each call, device time), interleaved with "
                           "torch.matmul; selection on OUT.jsonl's samples, report on OUT-fresh.jsonl's",
               "derived": args.derived.name, "top": args.top, "problem_class": problem_class,
-              # the evaluator learns the GPU's environment from its worker on the first call, so read it after the race
-              "environment": evaluator.environment,
+              # the evaluator learns the GPU's environment from its worker on the first call, so read it after the
+              # race; a rerun that measured nothing takes the one its records were measured in
+              "environment": evaluator.environment or recorded_environment(args.out.with_suffix(".jsonl")),
               "stopped_early": stopped, "seconds": round(time.perf_counter() - t_start, 1),
               "groups": group_summary(rows), "rows": rows, "kernels": kernels_section(entries)}
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")

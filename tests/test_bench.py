@@ -587,6 +587,7 @@ def test_server_race_runs_end_to_end_on_the_standin_and_resumes(tmp_path, capsys
     assert (len(selection), len(fresh)) == (4, 2)
     assert race.main(argv) == 0                       # resumed: every measurement is reused
     assert len((tmp_path / "race.jsonl").read_text().splitlines()) == 4
+    assert json.loads((tmp_path / "race.json").read_text())["environment"] == out["environment"]   # from the records
     assert "server fresh geomean" in capsys.readouterr().out
     # The summary names every raced kernel's IR, so the records DB gets them with the race's records.
     from l2ir.search.db import open_db
@@ -623,6 +624,25 @@ def test_server_race_winner_is_the_fastest_steady_candidate_unless_every_one_is_
     assert race.server_winner([]) is None
 
 
+def test_server_race_winner_discounts_the_gpus_noise_and_a_slowed_baseline():
+    """A kernel spread that torch's in the same rounds matches is the GPU's moment, not bimodality; a candidate whose
+    torch rounds ran 40% slower than the shape's usual does not win on the speedup that bought it."""
+    race = _server_race_module()
+    from l2ir.search.timing import summarize
+
+    def entry(name, speedup, kernel, torch):
+        rec = {"kernel_stats": summarize(kernel), "baseline_stats": summarize(torch)}
+        return {"name": name, "server_speedup": speedup, **race.kernel_spread(rec)}, {}
+
+    noisy = [59, 60, 60, 61, 70, 72, 80, 81, 59, 60]
+    noisy_gpu = entry("noisy_gpu", 1.0, noisy, [58, 59, 60, 61, 70, 71, 79, 80, 59, 60])
+    bimodal = entry("bimodal", 1.0, noisy, [60, 60, 61, 60, 60, 61, 60, 60, 61, 60])
+    assert race.steady(noisy_gpu[0]) and not race.steady(bimodal[0])
+    honest = [entry(f"honest{i}", 1.0 + i / 100, [50] * 10, [50 + i] * 10) for i in range(3)]
+    slowed = entry("slowed", 1.4, [50] * 10, [70] * 10)
+    assert race.server_winner(honest + [slowed])[0]["name"] == "honest2"
+
+
 def _bench_script(name: str):
     import importlib.util
     from pathlib import Path
@@ -654,6 +674,11 @@ def test_server_aa_times_torch_against_itself_per_shape_and_group_on_the_host(tm
     assert aa.main(["--rows", str(tmp_path / "bad.json"), "--cpu", "--out", str(out)]) == 2
     assert aa.main(["--shape", "8x8x8", "--trials", "0", "--cpu", "--out", str(out)]) == 2
     assert "--trials 0" in capsys.readouterr().err
+    from l2ir.search import timing
+
+    balanced = timing.kernel_first_orders
+    assert aa.main(["--shape", "8x8x8", "--trials", "1", "--coin", "--cpu", "--out", str(out)]) == 0
+    assert "by a coin" in json.loads(out.read_text())["scenario"] and timing.kernel_first_orders is balanced
 
 
 def test_server_rounds_lead_with_each_side_equally_often_in_a_seeded_shuffle():
@@ -670,6 +695,7 @@ def test_server_rounds_lead_with_each_side_equally_often_in_a_seeded_shuffle():
     assert same[0] == same[1]
     assert len({tuple(timing.kernel_first_orders(np.random.default_rng(s), 16)) for s in range(20)}) > 10
     assert timing.kernel_first_orders(None, 4) == [True, False, True, False]
+    assert {sum(timing.kernel_first_orders(np.random.default_rng(s), 15)) for s in range(20)} == {7, 8}
     calls = []
     cfg = timing.TimingConfig(server_samples=16, warmup=0)
     t = timing.time_server(lambda i: calls.append("k"), lambda i: calls.append("b"), 2, cfg,
@@ -697,5 +723,8 @@ def test_server_race_fresh_trials_report_the_median_trial_and_resume(tmp_path):
     assert race.main(argv) == 0
     assert [len((tmp_path / n).read_text().splitlines()) for n in names] == sizes
     assert race.median_trial([{"speedup": 1.0}, {"speedup": 0.9}])["speedup"] == 0.9     # even: the lower
+    odd = race.median_trial([{"speedup": 1.2, "kernel_us": 5.0}, {"speedup": 0.8, "kernel_us": 7.5},
+                             {"speedup": 1.0, "kernel_us": 6.0}])
+    assert (odd["speedup"], odd["kernel_us"], odd["trial_speedups"]) == (1.0, 6.0, [1.2, 0.8, 1.0])
     with pytest.raises(SystemExit):
         race.main(argv[:-2] + ["--fresh-trials", "0", "--out", str(tmp_path / "race")])
