@@ -20,8 +20,9 @@ and the stand-in cost model (search/standin.py) ranks fastest: a pre-screen by a
 evaluations per sweep and shape, not the sweep's size. --shape MxNxK (repeatable) races only those rows; a later
 `derive_families --server FILE` replaces an earlier file's rows with them, win or lose. The server winner is the
 fastest candidate on the selection samples among the steady ones: a kernel whose samples' interquartile range is
-above BIMODAL_IQR_SHARE of their median (and above the timer's TIMER_FLOOR_US) wins only where no steady candidate
-was timed.
+above BIMODAL_IQR_SHARE of their median (and above the timer's TIMER_FLOOR_US and twice torch's in the same rounds)
+wins only where no steady candidate was timed, and one whose torch rounds ran more than BASELINE_DRIFT slower than
+the shape's usual never wins.
 
 PREFIX.json: per shape the candidates' server speedups, the server winner and its fresh times, every raced kernel's
 IR and backend ('kernels', as a bench summary has them: `l2ir db import` then `l2ir export --scenario server`
