@@ -13,6 +13,8 @@ them), rebuilds each from the run's summary (its IR and backend), times each in 
 gate (selection, PREFIX.jsonl here), and re-times the best of them on fresh inputs and seeds (PREFIX-fresh.jsonl):
 the fresh numbers are the report, as in the bench. Both files are resumable: a rerun measures only what is missing.
 --fresh-trials N re-times each winner N times (trial t >= 2 in PREFIX-tT-fresh.jsonl) and reports the median trial.
+--carry RACE.json (repeatable) adds to each shape the server winner and runner-up of an earlier race (its summary's
+'kernels' give their IR), so a new race starts from what the earlier ones found without listing their cases again.
 --case MxNxK:SWEEP:CONFIG (repeatable) adds a sweep configuration to a shape's race (named "SWEEP/CONFIG"): a kernel
 the offline race did not have, chosen here on server samples and reported on fresh ones like the others.
 --sweep SWEEP:N (repeatable) adds to every raced shape the N configurations of SWEEP that the verifier admits for it
@@ -88,11 +90,37 @@ def modelled_configs(sweep: str, shape, count: int) -> list[str]:
     return [name for _, name in sorted(admitted)[:count]]
 
 
-def race_entries(derived_path: Path, top: int, cases=(), sweeps=(), shapes=None) -> tuple[str, list[dict]]:
+# An earlier race's candidates a --carry brings to each of its shapes: its server winner and the next fastest.
+CARRY_TOP = 2
+
+
+def carried_candidates(race_paths) -> dict[tuple, list[dict]]:
+    """Per shape, the CARRY_TOP best candidates of each earlier race summary (its server winner first), with the IR
+    and backend of its 'kernels' section, in the order the files are given."""
+    out: dict[tuple, list[dict]] = {}
+    for path in race_paths:
+        race = _read_json(path, "a server_race summary")
+        if "rows" not in race or "kernels" not in race:
+            raise RaceError(f"--carry {path}: not a server_race summary with its kernels (no 'rows' or 'kernels')")
+        for row in race["rows"]:
+            timed = sorted((c for c in row.get("candidates", []) if c.get("server_speedup")),
+                           key=lambda c: (c["name"] != row.get("server_winner"), -c["server_speedup"]))
+            for c in timed[:CARRY_TOP]:
+                info = race["kernels"].get(c["hash"])
+                if info is None:
+                    raise RaceError(f"--carry {path}: kernel {c['hash']} ({c['name']}) is not in its 'kernels'")
+                out.setdefault(tuple(row["shape"]), []).append(
+                    {"name": c["name"], "hash": c["hash"], "backend": info.get("backend"), "kernel": info["kernel"],
+                     "offline_speedup": None})
+    return out
+
+
+def race_entries(derived_path: Path, top: int, cases=(), sweeps=(), shapes=None, carry=None) -> tuple[str, list[dict]]:
     """(problem class, one entry per derived row: shape, source run, offline winner and fresh speedup, and the top
     offline candidates as (name, hash, backend, kernel text, offline speedup), best first, then the `cases`
-    ((shape, sweep, config), sweep_cases.case_arg's) of that shape and the modelled picks of the `sweeps`
-    ((sweep, n), modelled_configs) for it, with no offline speedup. `shapes`: only those rows (None: all)."""
+    ((shape, sweep, config), sweep_cases.case_arg's) of that shape, the modelled picks of the `sweeps`
+    ((sweep, n), modelled_configs) for it and the `carry` candidates (carried_candidates') of that shape, with no
+    offline speedup; a kernel already in the race is not added again. `shapes`: only those rows (None: all)."""
     from l2ir.backends.registry import BACKENDS
     from l2ir.search.sweeps import load_sweep
 
@@ -156,6 +184,9 @@ def race_entries(derived_path: Path, top: int, cases=(), sweeps=(), shapes=None)
             if all(c["hash"] != h for c in cands):
                 cands.append({"name": f"{sweep}/{config}", "hash": h, "backend": sweep if sweep in BACKENDS else None,
                               "kernel": print_kernel(configs[config]), "offline_speedup": None})
+        for c in (carry or {}).get(shape, []):
+            if all(have["hash"] != c["hash"] for have in cands):
+                cands.append(dict(c))
         entries.append({"shape": list(shape), "source": source, "offline_winner": row["winner"],
                         "offline_fresh_speedup": row["fresh"].get("speedup"), "candidates": cands})
     return derived["problem_class"], entries
@@ -296,6 +327,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", type=shape_arg, action="append", default=None, metavar="MxNxK",
                     help="race only this row (repeatable; default every row)")
     ap.add_argument("--out", type=Path, required=True, help="results prefix: OUT.jsonl, OUT-fresh.jsonl, OUT.json")
+    ap.add_argument("--carry", type=Path, action="append", default=[], metavar="RACE.json",
+                    help="race on each shape an earlier race's winner and runner-up too (repeatable)")
     ap.add_argument("--fresh-trials", type=int, default=1, metavar="N",
                     help="re-time each winner N times on fresh inputs and seeds and report the median trial "
                          "(default %(default)s)")
@@ -311,7 +344,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     try:
         shapes = None if args.shape is None else {tuple(s) for s in args.shape}
-        problem_class, entries = race_entries(args.derived, args.top, args.case, args.sweep, shapes)
+        problem_class, entries = race_entries(args.derived, args.top, args.case, args.sweep, shapes,
+                                              carried_candidates(args.carry))
         raced = {tuple(e["shape"]) for e in entries}
         for flag, asked in (("--shape", shapes or set()), ("--case", {tuple(c[0]) for c in args.case})):
             if asked - raced:

@@ -728,3 +728,27 @@ def test_server_race_fresh_trials_report_the_median_trial_and_resume(tmp_path):
     assert (odd["speedup"], odd["kernel_us"], odd["trial_speedups"]) == (1.0, 6.0, [1.2, 0.8, 1.0])
     with pytest.raises(SystemExit):
         race.main(argv[:-2] + ["--fresh-trials", "0", "--out", str(tmp_path / "race")])
+
+
+def test_server_race_carry_brings_an_earlier_races_winner_and_runner_up(tmp_path, capsys):
+    """--carry RACE.json: a race with --top 1 still races the earlier race's winner and runner-up on each shape
+    (their IR from its 'kernels'), each kernel once; a file that is not a race summary is a one-line error."""
+    race = _server_race_module()
+    _race_fixture(tmp_path)
+    first = ["--derived", str(tmp_path / "derived.json"), "--top", "2", "--standin", "--out", str(tmp_path / "a")]
+    assert race.main(first) == 0
+    earlier = json.loads((tmp_path / "a.json").read_text())
+    second = ["--derived", str(tmp_path / "derived.json"), "--top", "1", "--standin", "--carry",
+              str(tmp_path / "a.json"), "--out", str(tmp_path / "b")]
+    assert race.main(second) == 0
+    later = json.loads((tmp_path / "b.json").read_text())
+    for old, new in zip(earlier["rows"], later["rows"]):
+        names = [c["name"] for c in new["candidates"]]
+        assert len(names) == len(set(names)) == 2 and old["server_winner"] in names
+        assert {c["hash"] for c in new["candidates"]} == {c["hash"] for c in old["candidates"]}
+    only_top1 = ["--derived", str(tmp_path / "derived.json"), "--top", "1", "--standin", "--out", str(tmp_path / "c")]
+    assert race.main(only_top1) == 0
+    assert [len(r["candidates"]) for r in json.loads((tmp_path / "c.json").read_text())["rows"]] == [1, 1]
+    capsys.readouterr()
+    assert race.main(second[:-2] + ["--carry", str(tmp_path / "derived.json"), "--out", str(tmp_path / "d")]) == 2
+    assert "not a server_race summary" in capsys.readouterr().err
