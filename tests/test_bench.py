@@ -752,3 +752,38 @@ def test_server_race_carry_brings_an_earlier_races_winner_and_runner_up(tmp_path
     capsys.readouterr()
     assert race.main(second[:-2] + ["--carry", str(tmp_path / "derived.json"), "--out", str(tmp_path / "d")]) == 2
     assert "not a server_race summary" in capsys.readouterr().err
+
+
+def test_model_check_ranks_a_races_candidates_against_the_stand_in(tmp_path, capsys):
+    """Spearman per shape between the stand-in's times and the measured medians: +1 when the measurement orders
+    the kernels as the model does, -1 when reversed; ties share a rank; a race without medians is an error."""
+    check = _bench_script("model_check")
+    from l2ir.search.standin import kernel_time_us
+    from l2ir.search.sweeps import load_sweep
+
+    from l2ir.nodes import Problem
+    from l2ir.text import print_kernel
+
+    shape = (1024, 1024, 1024)
+    by_time = {}
+    for k in load_sweep("cuda_ptx").values():             # four kernels the model tells apart
+        by_time.setdefault(kernel_time_us(k, Problem(*shape)), k)
+    kernels = list(by_time.values())[:4]
+    model = [kernel_time_us(k, Problem(*shape)) for k in kernels]
+    assert len(set(model)) == 4
+    section = {k.content_hash()[:12]: {"kernel": print_kernel(k)} for k in kernels}
+
+    def race(medians):
+        cands = [{"name": f"k{i}", "hash": k.content_hash()[:12], "kernel_median_us": m}
+                 for i, (k, m) in enumerate(zip(kernels, medians))]
+        return {"rows": [{"shape": list(shape), "candidates": cands}], "kernels": section}
+
+    same = check.check(race(model))
+    assert same["rows"][0]["spearman"] == pytest.approx(1.0) and same["model_fastest_is_measured_fastest"] == [1, 1]
+    reversed_ = check.check(race([-t for t in model]))
+    assert reversed_["rows"][0]["spearman"] == pytest.approx(-1.0)
+    assert reversed_["model_fastest_is_measured_fastest"] == [0, 1]
+    assert list(check.ranks([3.0, 1.0, 3.0])) == [2.5, 1.0, 2.5]
+    (tmp_path / "old.json").write_text(json.dumps(race([None] * 4)))
+    assert check.main([str(tmp_path / "old.json")]) == 2
+    assert "no row has 3 candidates" in capsys.readouterr().err
