@@ -787,3 +787,25 @@ def test_model_check_ranks_a_races_candidates_against_the_stand_in(tmp_path, cap
     (tmp_path / "old.json").write_text(json.dumps(race([None] * 4)))
     assert check.main([str(tmp_path / "old.json")]) == 2
     assert "no row has 3 candidates" in capsys.readouterr().err
+
+
+def test_cold_terms_fit_recovers_known_terms_and_scores_per_shape():
+    """Relative least squares recovers the coefficients that made the data; per-shape Spearman is taken over each
+    shape's kernels (a kernel's repeated records averaged), shapes of fewer than 3 kernels left out."""
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    bench = str(Path(__file__).parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)            # the script imports bench/model_check.py, as run from bench/
+    fit = _bench_script("cold_terms_fit")
+    rng = np.random.default_rng(0)
+    x = np.column_stack([np.ones(40), rng.uniform(5, 50, 40), rng.integers(0, 2, 40)])
+    y = x @ np.array([3.0, 0.9, 5.0])
+    assert np.allclose(fit.fit(x, y), [3.0, 0.9, 5.0])
+    rows = [((1, 1, 1), f"k{i}", None, t) for i, t in enumerate([1.0, 2.0, 3.0, 4.0])]
+    rows += [((1, 1, 1), "k0", None, 1.2), ((2, 2, 2), "a", None, 1.0), ((2, 2, 2), "b", None, 2.0)]
+    scores = fit.shape_spearman(rows, [4.0, 3.0, 2.0, 1.0, 4.0, 1.0, 2.0])
+    assert list(scores) == [(1, 1, 1)] and scores[(1, 1, 1)] == pytest.approx(-1.0)
