@@ -93,18 +93,24 @@ def kernel_time_us(kernel: Kernel, problem: Problem, sms: int = SMS) -> float:
     per_sm = PEAK_TFLOPS * 1e6 / sms * _efficiency(kernel)           # FLOP per microsecond per SM
     tile_us = 2.0 * t.bm * t.bn * k_per / per_sm + 0.4
     work = tiles * slices
-    if sk is not None and sk.mode == "stream_k":
-        waves = max(1.0, tiles * ceil_div(k, t.bk) / (sms * max(1, ceil_div(k, t.bk))))   # balanced, fractional
-        compute = waves * tile_us * 1.06
+    stream_k = sk is not None and sk.mode == "stream_k"
+    # stream-K: every SM gets the same share of all tiles' k iterations, so fewer tiles than SMs still fill the
+    # machine (a fractional wave); a tile that spans SMs is finished by a fixup through the workspace.
+    split_tiles = stream_k and tiles % sms != 0
+    if stream_k:
+        iters = ceil_div(k, t.bk)
+        compute = ceil_div(tiles * iters, sms) / iters * (tile_us - 0.4) * 1.06 + 0.4
     else:
         compute = math.ceil(work / sms) * tile_us
     traffic = 2.0 * (m * k * ceil_div(n, t.bn) ** 0.5 + k * n * ceil_div(m, t.bm) ** 0.5 + m * n)
     in_cluster = cluster_reduce(kernel)
     if slices > 1 and not in_cluster:
         traffic += 2 * 4.0 * m * n * slices                          # fp32 partials written and read back
+    if split_tiles:
+        traffic += 2 * 4.0 * min(sms, tiles * iters) * t.bm * t.bn   # each SM's partial tile written and read back
     memory = traffic / (HBM_TBPS * 1e6)
     # A workspace reduction pays fences and dependent L2 round trips; a cluster's partials stay on chip (one barrier).
-    reduce_us = 0.2 if in_block else 0.0 if slices == 1 else (0.5 if in_cluster else 1.5)
+    reduce_us = 0.2 if in_block else 1.5 if split_tiles else 0.0 if slices == 1 else (0.5 if in_cluster else 1.5)
     # repack: a second kernel reads the operands it copies and writes their aligned copies (l2ir.indexing.Repack).
     repack_us = 0.0
     if kernel.repack is not None:

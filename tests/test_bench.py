@@ -809,3 +809,21 @@ def test_cold_terms_fit_recovers_known_terms_and_scores_per_shape():
     rows += [((1, 1, 1), "k0", None, 1.2), ((2, 2, 2), "a", None, 1.0), ((2, 2, 2), "b", None, 2.0)]
     scores = fit.shape_spearman(rows, [4.0, 3.0, 2.0, 1.0, 4.0, 1.0, 2.0])
     assert list(scores) == [(1, 1, 1)] and scores[(1, 1, 1)] == pytest.approx(-1.0)
+
+
+def test_standin_stream_k_fills_the_sms_with_a_fractional_wave_and_pays_its_fixup():
+    """Stream-K over fewer tiles than SMs shares every tile's k iterations among all SMs, so a long-K shape of 47
+    tiles runs in about 47/132 of the data-parallel kernel's time, plus the fixup of the tiles that span SMs; with
+    a whole number of waves of tiles no tile is split and no fixup is paid."""
+    from l2ir.search.standin import SMS, kernel_time_us
+    from l2ir.search.sweeps import load_sweep
+
+    from l2ir.nodes import Problem, SplitK
+
+    stream = load_sweep("sm90a_skinny")["coop_128x64x64_c1x1_streamk"]
+    plain = stream.replace(splitk=None)
+    skinny = Problem(100, 3000, 16384)                          # 47 tiles of 128x64
+    assert kernel_time_us(stream, skinny) < 0.6 * kernel_time_us(plain, skinny)
+    whole = Problem(128 * 2, 64 * SMS // 2, 16384)               # exactly one wave of tiles: nothing split
+    assert kernel_time_us(stream, whole) == pytest.approx(kernel_time_us(plain, whole) * 1.06, rel=0.02)
+    assert stream.splitk == SplitK("stream_k")
