@@ -3,6 +3,7 @@
 import json
 import math
 from importlib import resources
+from typing import ClassVar
 
 import pytest
 from l2ir.search.bench import GRID, default_sweep, grid_shapes
@@ -64,6 +65,7 @@ def test_a_kept_sweep_follows_its_files(tmp_path, monkeypatch):
     import os
 
     from l2ir.search import sweeps
+
     from l2ir.text import print_kernel
 
     real = load_sweep("sm80")
@@ -170,8 +172,8 @@ def _fake_build(monkeypatch):
 class _Evaluator:
     """Passes every gate with a speedup read from the kernel hash; `flaky` passes offline and fails the re-check."""
 
-    calls: list = []
-    flaky: set = set()
+    calls: ClassVar[list] = []
+    flaky: ClassVar[set] = set()
 
     def __init__(self, config):
         self.config = config
@@ -224,7 +226,8 @@ def test_bench_runs_the_pipeline_resumes_and_rebuilds_its_report(tmp_path, monke
         assert row["offline"]["speedup"] > 1 and row["server"]["speedup"] > 1
     records = [json.loads(line) for line in (tmp_path / "r" / "sm80.jsonl").read_text().splitlines()]
     assert {r["origin"] for r in records} == {"seed", "sweep:sm80"} and all(r["config"] for r in records)
-    rows = list(csv.reader(open(tmp_path / "r" / "sm80.csv")))
+    with open(tmp_path / "r" / "sm80.csv") as f:
+        rows = list(csv.reader(f))
     assert rows[0][:3] == ["M", "N", "K"] and len(rows) == 3
     assert json.loads((tmp_path / "r" / "sm80.json").read_text())["command"] == "l2ir bench test"
 
@@ -487,10 +490,11 @@ def test_server_race_sweeps_add_the_models_fastest_admitted_configs_to_the_raced
     cost model's order (a configuration the shape's rules refuse is never picked); --shape races only those rows;
     an unknown sweep, a malformed SWEEP:N or a --shape outside the derivation is a one-line error."""
     race = _server_race_module()
-    from l2ir.nodes import Problem
     from l2ir.search.gates import admits
     from l2ir.search.standin import kernel_time_us
     from l2ir.search.sweeps import load_sweep
+
+    from l2ir.nodes import Problem
 
     cls = "a=f16:row b=f16:col c=f16:row acc=f32"
     shapes = [(64, 64, 64), (100, 3000, 4104)]
@@ -507,7 +511,7 @@ def test_server_race_sweeps_add_the_models_fastest_admitted_configs_to_the_raced
         times = [kernel_time_us(sweep[c], problem) for c in picks]
         assert times == sorted(times)
         refused = [c for c, k in sweep.items() if not admits(k, problem)[0]]
-        assert all(kernel_time_us(sweep[c], problem) >= times[-1] for c, k in sweep.items()
+        assert all(kernel_time_us(sweep[c], problem) >= times[-1] for c in sweep
                    if c not in picks and c not in refused)
     assert race.modelled_configs("cuda_ptx_sm80", (64, 64, 64), 4) != race.modelled_configs(
         "cuda_ptx_sm80", (100, 3000, 4104), 4)
