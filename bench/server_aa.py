@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from l2ir.search import timing
 from l2ir.search.bench import BENCH_TIMING
-from l2ir.search.report import REGIMES, geomean, gflop, is_unaligned
+from l2ir.search.report import families_groups, geomean, gflop
 from l2ir.search.timing import CudaClock, Guard, HostClock, sets_for, time_server
 
 from l2ir.cli import shape_arg
@@ -104,9 +104,7 @@ def group_summary(rows: list[dict]) -> dict:
                 "median_shape_deviation": statistics.median(deviations) if deviations else None,
                 "max_shape_deviation": max(deviations, default=None)}
 
-    out = {label: stats([r for r in rows if lo <= gflop(tuple(r["shape"])) * 1e9 < hi]) for lo, hi, label in REGIMES[:2]}
-    out["unaligned"] = stats([r for r in rows if is_unaligned(tuple(r["shape"]))])
-    return out
+    return families_groups(rows, stats)
 
 
 def main(argv=None) -> int:

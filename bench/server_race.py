@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from l2ir.search.records import JsonlStore, first_failure, passed
-from l2ir.search.report import REGIMES, geomean, gflop, is_unaligned, timing
+from l2ir.search.report import families_groups, geomean, timing
 from sweep_cases import case_arg
 
 from l2ir.cli import shape_arg
@@ -211,22 +211,6 @@ def fresh_path(out: Path, trial: int) -> Path:
     return out.with_name(out.name + ("-fresh.jsonl" if trial == 1 else f"-t{trial}-fresh.jsonl"))
 
 
-def recorded_environment(path: Path) -> dict:
-    """The environment of the first record in a race's JSONL file that names one ({} if none does)."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return {}
-    for line in lines:
-        try:
-            env = json.loads(line).get("environment")
-        except (ValueError, AttributeError):
-            continue                       # the line a kill cut short
-        if env:
-            return env
-    return {}
-
-
 def median_trial(trials: list[dict]) -> dict:
     """The fresh trial with the median speedup (the lower one of an even count), with every trial's speedup: one
     fresh server call set is good to ~2% per shape and 13-17% in its worst trial (bench/results/server_aa_h200.json)."""
@@ -305,9 +289,7 @@ def group_summary(rows: list[dict]) -> dict:
                 "below_0.9x": sorted([r["shape"], round(float(r["fresh_server"]["speedup"]), 3)] for r in sel
                                      if r.get("fresh_server", {}).get("speedup", 1) < 0.9)}
 
-    out = {label: stats([r for r in rows if lo <= gflop(tuple(r["shape"])) * 1e9 < hi]) for lo, hi, label in REGIMES[:2]}
-    out["unaligned"] = stats([r for r in rows if is_unaligned(tuple(r["shape"]))])
-    return out
+    return families_groups(rows, stats)
 
 
 def group_line(label: str, g: dict) -> str:
@@ -369,7 +351,8 @@ def main(argv=None) -> int:
     pcfg = PipelineConfig(compile=CompileOptions(cache_dir=args.cache_dir, device_sm="sm_90"),
                           compile_kernels=not args.standin, any_binary=args.standin)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    select = Pipeline(pcfg, None, JsonlStore(args.out.with_suffix(".jsonl")), log=log)
+    selection = JsonlStore(args.out.with_suffix(".jsonl"))
+    select = Pipeline(pcfg, None, selection, log=log)
     fresh = [Pipeline(pcfg, None, JsonlStore(fresh_path(args.out, t)), log=log) for t in range(1, args.fresh_trials + 1)]
     # One candidate per distinct kernel and backend: the pipeline treats a repeat as a duplicate, and a kernel that
     # races on several shapes is built once.
@@ -445,7 +428,8 @@ def main(argv=None) -> int:
               "derived": args.derived.name, "top": args.top, "problem_class": problem_class,
               # the evaluator learns the GPU's environment from its worker on the first call, so read it after the
               # race; a rerun that measured nothing takes the one its records were measured in
-              "environment": evaluator.environment or recorded_environment(args.out.with_suffix(".jsonl")),
+              "environment": evaluator.environment or next((r["environment"] for r in selection
+                                                            if r.get("environment")), {}),
               "stopped_early": stopped, "seconds": round(time.perf_counter() - t_start, 1),
               "groups": group_summary(rows), "rows": rows, "kernels": kernels_section(entries)}
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")

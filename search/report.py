@@ -173,6 +173,14 @@ def is_unaligned(shape: tuple[int, int, int]) -> bool:
     return any(d % 8 for d in shape)
 
 
+def families_groups(rows: list[dict], stats) -> dict:
+    """`stats(rows)` for each group of the families benchmark: the FLOP regimes below 100 GFLOP and the unaligned
+    shapes (rows are dicts with a "shape")."""
+    out = {label: stats([r for r in rows if lo <= gflop(tuple(r["shape"])) * 1e9 < hi]) for lo, hi, label in REGIMES[:2]}
+    out["unaligned"] = stats([r for r in rows if is_unaligned(tuple(r["shape"]))])
+    return out
+
+
 def _ratio_stats(xs: list[float]) -> dict:
     return {"n": len(xs), "geomean": geomean(xs), "min": min(xs, default=None), "max": max(xs, default=None)}
 

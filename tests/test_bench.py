@@ -287,19 +287,24 @@ def test_bench_family_flag_checks_backend_sweep_and_configs(capsys):
         assert why in capsys.readouterr().err
 
 
-def _derive_module():
+def _bench_script(name: str):
+    """bench/NAME.py as a module, with bench/ on sys.path as when the script runs from there (derive_families
+    imports server_race, server_race sweep_cases, cold_terms_fit model_check)."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    bench = str(Path(__file__).parents[1] / "bench")
-    if bench not in sys.path:
-        sys.path.insert(0, bench)            # the script imports bench/server_race.py, as run from bench/
-    spec = importlib.util.spec_from_file_location("derive_families",
-                                                  Path(__file__).parents[1] / "bench" / "derive_families.py")
+    bench = Path(__file__).parents[1] / "bench"
+    if str(bench) not in sys.path:
+        sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _derive_module():
+    return _bench_script("derive_families")
 
 
 def _bench_run(folder, name, rows, evaluated):
@@ -369,17 +374,7 @@ def test_derive_families_ceiling_adds_each_dram_bound_shapes_stream_ceiling(tmp_
 
 
 def _server_race_module():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    bench = str(Path(__file__).parents[1] / "bench")
-    if bench not in sys.path:
-        sys.path.insert(0, bench)            # the script imports bench/sweep_cases.py, as run from bench/
-    spec = importlib.util.spec_from_file_location("server_race", Path(__file__).parents[1] / "bench" / "server_race.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _bench_script("server_race")
 
 
 def test_server_race_takes_the_best_passing_offline_candidates_and_always_the_winner(tmp_path):
@@ -647,16 +642,6 @@ def test_server_race_winner_discounts_the_gpus_noise_and_a_slowed_baseline():
     assert race.server_winner(honest + [slowed])[0]["name"] == "honest2"
 
 
-def _bench_script(name: str):
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_server_aa_times_torch_against_itself_per_shape_and_group_on_the_host(tmp_path, capsys):
     """--cpu: every shape of --rows (below --max-gflop) and --shape gets --trials ratios, each a median over the
     bench's server rounds; groups take one geomean per trial; bad input is a one-line error and exit 2."""
@@ -796,14 +781,8 @@ def test_model_check_ranks_a_races_candidates_against_the_stand_in(tmp_path, cap
 def test_cold_terms_fit_recovers_known_terms_and_scores_per_shape():
     """Relative least squares recovers the coefficients that made the data; per-shape Spearman is taken over each
     shape's kernels (a kernel's repeated records averaged), shapes of fewer than 3 kernels left out."""
-    import sys
-    from pathlib import Path
-
     import numpy as np
 
-    bench = str(Path(__file__).parents[1] / "bench")
-    if bench not in sys.path:
-        sys.path.insert(0, bench)            # the script imports bench/model_check.py, as run from bench/
     fit = _bench_script("cold_terms_fit")
     rng = np.random.default_rng(0)
     x = np.column_stack([np.ones(40), rng.uniform(5, 50, 40), rng.integers(0, 2, 40)])
