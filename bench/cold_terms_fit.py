@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from l2ir.search.records import JsonlStore, passed
 from model_check import spearman
 
 from l2ir.analysis import block_reduce, cluster_reduce
@@ -51,11 +52,12 @@ def load(prefixes) -> list[tuple]:
     for prefix in prefixes:
         kernels = json.loads(Path(f"{prefix}.json").read_text())["kernels"]
         for suffix in (".jsonl", "-fresh.jsonl"):
-            for line in Path(f"{prefix}{suffix}").read_text().splitlines():
-                rec = json.loads(line)
+            path = Path(f"{prefix}{suffix}")
+            if not path.is_file():
+                raise OSError(f"{path}: no such file")
+            for rec in JsonlStore(path):
                 h = rec["kernel_hash"][:12]
-                clean = not rec.get("errors") and all(v["passed"] for v in rec.get("verdicts", []))
-                if h not in kernels or not rec.get("kernel_median_us") or not clean:
+                if h not in kernels or not rec.get("kernel_median_us") or not passed(rec):
                     continue
                 problem = parse_problem(rec["problem"])
                 rows.append((problem.shape, h, features(parse_kernel(kernels[h]["kernel"]), problem,
