@@ -14,8 +14,9 @@ A package is a folder:
 
 Which kernel a tuned shape gets: among the kernels whose every measurement in the chosen environment passed every
 gate (and whose class gates passed), the fastest on that shape in the chosen scenario (the re-timed rows when the
-shape has any: a search's own rows favour the lucky sample), and only if its speedup stays above 1 at the bottom of the
-measured spread, speedup * (1 - spread) > 1. Otherwise the table says cuBLAS for that shape, with the reason.
+shape has any: a search's own rows favour the lucky sample; a kernel re-timed several times counts by its median
+trial), and only if its speedup stays above 1 at the bottom of the measured spread, speedup * (1 - spread) > 1.
+Otherwise the table says cuBLAS for that shape, with the reason.
 
 Eager alternative (host time): a shape whose table entry is cuBLAS also names the fastest gate-clean L2IR kernel
 on it when that kernel's measured device time is within EAGER_SLACK_US of cuBLAS's. `l2ir.matmul` runs it on eager
@@ -137,7 +138,8 @@ def choose(db, environment: str, scenario: str = "offline", accept=None) -> list
         shape, _ = split_problem(problem)
         if shape is None:
             continue
-        rows = (db.ranking(problem, environment, scenario, purpose="retime", limit=1000)
+        # A kernel re-timed several times (the server race's --fresh-trials) is judged by its median trial.
+        rows = (db.ranking(problem, environment, scenario, purpose="retime", limit=1000, per_kernel="median")
                 or db.ranking(problem, environment, scenario, limit=1000))
         why = "no gate-clean measurement"
         pick = eager = None

@@ -334,21 +334,26 @@ class RecordsDB:
         return json.loads(r[0]), json.loads(r[1])
 
     def ranking(self, problem: str, environment: str, scenario: str = "offline", purpose: str | None = None,
-                limit: int = 10) -> list[Row]:
-        """Gate-clean measurements of one problem on one environment, fastest first (one row per kernel: its best).
-        An environment must be named: numbers from two machines are never ranked together."""
+                limit: int = 10, per_kernel: str = "best") -> list[Row]:
+        """Gate-clean measurements of one problem on one environment, fastest first, one row per kernel: its best,
+        or with per_kernel="median" its median trial (the lower one of an even count), so that a kernel re-timed
+        N times is judged by its typical trial, not its luckiest. An environment must be named: numbers from two
+        machines are never ranked together."""
         if not environment:
             raise ValueError("a ranking needs an environment: timings from different machines do not compare")
+        if per_kernel not in ("best", "median"):
+            raise ValueError(f"per_kernel must be 'best' or 'median', not {per_kernel!r}")
         where, args = _where(problem=problem, environment=environment, scenario=scenario, purpose=purpose)
         rows = self.conn.execute(
             f"SELECT {_ROW_COLS} FROM measurements{where} AND passed=1 AND speedup IS NOT NULL "
             "ORDER BY speedup DESC, id", args).fetchall()
-        best, seen = [], set()
-        for r in rows:
-            if r[1] not in seen:
-                seen.add(r[1])
-                best.append(_row(r))
-        return best[:limit]
+        trials: dict[str, list] = {}
+        for r in rows:                      # fastest first within each kernel too
+            trials.setdefault(r[1], []).append(r)
+        pick = (lambda rs: rs[0]) if per_kernel == "best" else (lambda rs: rs[len(rs) // 2])
+        chosen = [_row(pick(rs)) for rs in trials.values()]
+        chosen.sort(key=lambda row: (-row.speedup, row.id))
+        return chosen[:limit]
 
     def solved_problems(self, environment: str, problem_class: str, scenario: str = "offline") -> list[str]:
         rows = self.conn.execute(

@@ -133,6 +133,31 @@ def test_a_cublas_shape_names_its_fastest_clean_kernel(tmp_path):
     assert choice.kernel is None and "0.950" in choice.reason, choice.reason
 
 
+def test_a_kernel_retimed_several_times_counts_by_its_median_trial(tmp_path):
+    """Three fresh trials of one kernel (the server race's --fresh-trials): its lucky trial alone is above 1, its
+    median is not, so the shape stays with cuBLAS; the ranking's best-of view would have served it."""
+    search = [record(K1, (256, 256, 256), 1.40), record(K2, (256, 256, 256), 1.10)]
+    trials = [record(K1, (256, 256, 256), s) for s in (1.30, 0.97, 0.98)]
+    with make_db(tmp_path / "trials.db", search, {K1: SM80, K2: SM80.replace("stages=4", "stages=3")}) as db:
+        db.add_many(trials, purpose="retime", source="test")
+        env = export.choose_environment(db, None)
+        problem = trials[0]["problem"]
+        (best,) = db.ranking(problem, env, purpose="retime")
+        (median,) = db.ranking(problem, env, purpose="retime", per_kernel="median")
+        assert best.speedup == pytest.approx(1.30) and median.speedup == pytest.approx(0.98)
+        (choice,) = export.choose(db, env)
+        with pytest.raises(ValueError, match="per_kernel"):
+            db.ranking(problem, env, per_kernel="mean")
+    assert choice.kernel is None and "0.980" in choice.reason, choice.reason
+    # Two trials: the lower one counts; kernels still rank fastest first by the trial that counts.
+    rows = [record(K1, (128, 128, 128), s) for s in (1.20, 1.04)] + [record(K2, (128, 128, 128), 1.10)]
+    with make_db(tmp_path / "two.db", [], {K1: SM80, K2: SM80.replace("stages=4", "stages=3")}) as db:
+        db.add_many(rows, purpose="retime", source="test")
+        env = export.choose_environment(db, None)
+        ranked = db.ranking(rows[0]["problem"], env, per_kernel="median")
+    assert [(r.kernel, round(r.speedup, 2)) for r in ranked] == [(K2, 1.10), (K1, 1.04)]
+
+
 def test_export_picks_gate_clean_winners_above_their_spread(package):
     got, table = entries(package)
     assert got[(256, 256, 256, CLS_COL)]["kernel"] == K1
