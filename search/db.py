@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from .evaluator import Measurement
+from .records import read_results_text, unarchived
 
 # What makes two timings comparable. The current SM clock, host name and Python version are recorded but left out:
 # they change between runs on the very same machine without changing what a kernel costs.
@@ -505,14 +506,15 @@ class RecordsDB:
         adds nothing the second time. Returns the number of measurements added."""
         path = Path(path)
         try:
-            lines = path.read_text().splitlines()
-        except OSError as e:
-            raise DBError(f"{path}: cannot read: {e.strerror}") from None
-        source = f"import:{path.name}"
+            lines = read_results_text(path).splitlines()
+        except (OSError, EOFError) as e:
+            raise DBError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+        plain = unarchived(path)               # run.jsonl.gz counts as run.jsonl: same source, same summary
+        source = f"import:{plain.name}"
         if self.conn.execute("SELECT 1 FROM measurements WHERE source=? LIMIT 1", (source,)).fetchone():
             return 0
-        fresh = path.stem.endswith("-fresh")
-        summary = path.with_name(path.stem[:-len("-fresh")] + ".json") if fresh else path.with_suffix(".json")
+        fresh = plain.stem.endswith("-fresh")
+        summary = plain.with_name(plain.stem[:-len("-fresh")] + ".json") if fresh else plain.with_suffix(".json")
         ir = _summary_kernels(summary)
         added = 0
         last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
@@ -537,7 +539,8 @@ class RecordsDB:
         return added
 
     def import_results_dir(self, folder: str | Path) -> int:
-        return sum(self.import_jsonl(p) for p in sorted(Path(folder).glob("*.jsonl")))
+        paths = sorted([*Path(folder).glob("*.jsonl"), *Path(folder).glob("*.jsonl.gz")])
+        return sum(self.import_jsonl(p) for p in paths)
 
     def is_empty(self) -> bool:
         return self.conn.execute("SELECT COUNT(*) FROM measurements").fetchone()[0] == 0

@@ -8,10 +8,14 @@ same `Store` protocol.
 Resume is keyed by (kernel hash, problem text, scenario, artifact key): a record made with another binary (new
 flags, new compiler) does not count as done. `lookup(..., artifact_key=None)` takes the latest record for the kernel
 whatever binary made it: that is what a report rebuilt without compiling wants.
+
+A finished run may be archived as `<name>.jsonl.gz` (bench/results keeps superseded raw runs that way, so the tree
+that travels to the GPU machine stays small): every reader takes it as the plain file; nothing appends to it.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Iterator, Protocol
@@ -90,6 +94,21 @@ class MemoryStore:
         return len(self._records)
 
 
+def read_results_text(path: str | Path) -> str:
+    """The text of a results file, decompressed when it is an archived `.gz` one."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt") as fh:
+            return fh.read()
+    return path.read_text()
+
+
+def unarchived(path: str | Path) -> Path:
+    """The path a results file had before it was archived: `run.jsonl.gz` -> `run.jsonl`."""
+    path = Path(path)
+    return path.with_suffix("") if path.suffix == ".gz" else path
+
+
 class JsonlStore(MemoryStore):
     """One JSON object per line, appended and flushed as each measurement is made: a run killed mid-write loses at
     most the line being written, and a cut line is skipped when the file is read back."""
@@ -98,7 +117,7 @@ class JsonlStore(MemoryStore):
         self.path = Path(path)
         records = []
         if resume and self.path.exists():
-            for line in self.path.read_text().splitlines():
+            for line in read_results_text(self.path).splitlines():
                 try:
                     records.append(json.loads(line))
                 except json.JSONDecodeError:
@@ -108,6 +127,8 @@ class JsonlStore(MemoryStore):
         super().__init__([r for r in records if isinstance(r, dict)])
 
     def add(self, measurement, name: str = "", origin: str = "") -> dict:
+        if self.path.suffix == ".gz":
+            raise ValueError(f"{self.path}: an archived run is read-only; write to a new .jsonl")
         rec = super().add(measurement, name, origin)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as fh:

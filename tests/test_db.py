@@ -1,6 +1,7 @@
 """The records DB: schema and migrations, the store interface, rankings that never mix environments, the JSONL
 import, and durability under kill -9."""
 
+import gzip
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from l2ir.search.db import (MIGRATIONS, SCHEMA_VERSION, DBError, RecordsDB, envi
                             spread_of)
 from l2ir.search.evaluator import Measurement
 from l2ir.search.gates import Verdict
+from l2ir.search.records import JsonlStore
 
 REPO = Path(__file__).resolve().parent.parent
 ENV_A = {"gpu": "NVIDIA H200", "sms": 132, "driver": "580.1", "cuda_runtime": "13.0", "torch": "2.11",
@@ -156,9 +158,36 @@ def test_import_jsonl_skips_cut_lines_takes_ir_and_is_idempotent(tmp_path):
     assert db2.kernel("a" * 64)["ir"] == "kernel {\n}\n" and db2.kernel("a" * 64)["backend"] == "cuda_ptx"
 
 
+def test_an_archived_run_imports_as_the_plain_file_and_reads_back_read_only(tmp_path):
+    """bench/results keeps superseded raw runs as .jsonl.gz: the import takes the summary beside the plain name, a
+    -fresh archive is a retime, the plain and the archived file are one source, and the store will not append."""
+    recs = [meas("a" * 64, P1, ENV_A, 1.1).to_json(), meas("b" * 64, P2, ENV_A, 0.9).to_json()]
+    text = "\n".join(json.dumps(r) for r in recs) + "\n"
+    with gzip.open(tmp_path / "run.jsonl.gz", "wt") as fh:
+        fh.write(text)
+    with gzip.open(tmp_path / "run-fresh.jsonl.gz", "wt") as fh:
+        fh.write(json.dumps(recs[0]) + "\n")
+    (tmp_path / "run.json").write_text(json.dumps({"kernels": {"a" * 12: {"kernel": "kernel {\n}\n"}}}))
+    db = RecordsDB(tmp_path / "r.db")
+    assert db.import_results_dir(tmp_path) == 3
+    assert sorted(r.purpose for r in db.measurements()) == ["import", "import", "retime"]
+    assert db.kernel("a" * 64)["ir"] == "kernel {\n}\n"
+    (tmp_path / "run.jsonl").write_text(text)              # the same run, unarchived: nothing new
+    assert db.import_jsonl(tmp_path / "run.jsonl") == 0
+    store = JsonlStore(tmp_path / "run.jsonl.gz")
+    assert len(store) == 2 and store.lookup("b" * 64, P2, "offline")["speedup"] == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="read-only"):
+        store.add(meas("c" * 64, P3, ENV_A, 1.0))
+    (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip")
+    with pytest.raises(DBError, match="bad.jsonl.gz: cannot read"):
+        db.import_jsonl(tmp_path / "bad.jsonl.gz")
+
+
 def test_import_of_the_committed_bench_results(tmp_path):
-    lines = sum(len([ln for ln in p.read_text().splitlines() if ln.strip()])
-                for p in (REPO / "bench/results").glob("*.jsonl"))
+    results = REPO / "bench/results"
+    texts = [p.read_text() for p in results.glob("*.jsonl")]
+    texts += [gzip.decompress(p.read_bytes()).decode() for p in results.glob("*.jsonl.gz")]
+    lines = sum(len([ln for ln in t.splitlines() if ln.strip()]) for t in texts)
     db = open_db(tmp_path / "r.db", REPO / "bench/results")
     assert len(db.measurements()) == lines > 0
     envs = db.environments()
