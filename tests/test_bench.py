@@ -810,3 +810,22 @@ def test_standin_stream_k_fills_the_sms_with_a_fractional_wave_and_pays_its_fixu
     whole = Problem(128 * 2, 64 * SMS // 2, 16384)               # exactly one wave of tiles: nothing split
     assert kernel_time_us(stream, whole) == pytest.approx(kernel_time_us(plain, whole) * 1.06, rel=0.02)
     assert stream.splitk == SplitK("stream_k")
+
+
+def test_package_check_refuses_a_folder_without_a_table_and_a_table_without_f16_shapes(tmp_path, capsys):
+    """bench/package_check.py's input errors: one line naming the folder, exit 2, before any GPU work."""
+    check = _bench_script("package_check")
+    assert check.main(["--package", str(tmp_path / "none"), "--out", str(tmp_path / "o.json")]) == 2
+    assert "no readable table.json" in capsys.readouterr().err
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "table.json").write_text("{not json")
+    assert check.main(["--package", str(tmp_path / "pkg"), "--out", str(tmp_path / "o.json")]) == 2
+    assert "no readable table.json" in capsys.readouterr().err
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    (tmp_path / "pkg" / "table.json").write_text(json.dumps({"scenario": "server", "entries": []}))
+    assert check.main(["--package", str(tmp_path / "pkg"), "--out", str(tmp_path / "o.json")]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "o.json").exists()
