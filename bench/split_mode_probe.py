@@ -51,10 +51,11 @@ def main(argv=None) -> int:
         print("split_mode_probe: no CUDA GPU", file=sys.stderr)
         return 2
     from l2ir.backends.compile import CompileOptions, compile_plan
-    from l2ir.runtime import load
     from l2ir.search.bench import BENCH_TIMING
     from l2ir.search.evaluator import environment
     from l2ir.search.timing import CudaClock, time_server
+
+    from l2ir.runtime import load
 
     class ReadFlushClock(CudaClock):
         """The flush reads a buffer larger than L2 instead of zeroing it: the lines it leaves are clean."""
@@ -89,10 +90,10 @@ def main(argv=None) -> int:
         for name in VARIANTS:
             run = builds[name != "nopdl"]
 
-            def mine(i, run=run):
-                run(a[i].data_ptr(), b[i].data_ptr(), c[i].data_ptr(), m, n, k, ws.data_ptr(), ws_bytes)
+            def mine(i, run=run, a=a, b=b, c=c, shape=(m, n, k), ws=ws, ws_bytes=ws_bytes):
+                run(a[i].data_ptr(), b[i].data_ptr(), c[i].data_ptr(), *shape, ws.data_ptr(), ws_bytes)
 
-            def theirs(i):
+            def theirs(i, a=a, b=b):
                 torch.matmul(a[i], b[i].t())
 
             vcfg = replace(cfg, idle_gap_s=0.002) if name == "idle" else cfg
