@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from l2ir.search.records import JsonlStore, passed
+from l2ir.search.records import JsonlStore, passed, results_file
 from model_check import spearman
 
 from l2ir.analysis import block_reduce, cluster_reduce
@@ -52,7 +52,7 @@ def load(prefixes) -> list[tuple]:
     for prefix in prefixes:
         kernels = json.loads(Path(f"{prefix}.json").read_text())["kernels"]
         for suffix in (".jsonl", "-fresh.jsonl"):
-            path = Path(f"{prefix}{suffix}")
+            path = results_file(f"{prefix}{suffix}")   # or its archive .gz
             if not path.is_file():
                 raise OSError(f"{path}: no such file")
             for rec in JsonlStore(path):

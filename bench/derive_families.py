@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from l2ir.search.db import split_problem
-from l2ir.search.records import JsonlStore
+from l2ir.search.records import JsonlStore, results_file
 from l2ir.search.report import REGIMES, ShapeResult, fresh_summary, gflop, median
 
 
@@ -41,7 +41,7 @@ class DeriveError(Exception):
 
 def _load(prefix: str) -> tuple[dict, dict[tuple, set[str]]]:
     """(summary, shape -> kernel hashes evaluated on it) of one bench run."""
-    summary_path, evals_path = Path(prefix + ".json"), Path(prefix + ".jsonl")
+    summary_path, evals_path = Path(prefix + ".json"), results_file(prefix + ".jsonl")   # or its .jsonl.gz
     try:
         summary = json.loads(summary_path.read_text())
     except OSError as e:

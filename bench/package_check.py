@@ -8,7 +8,8 @@ The races time a kernel through the evaluator's launcher; a user calls `l2ir.mat
 output (and a split-K workspace) and launches through the package's binaries. This times the user's call: in the
 server scenario `search.timing.time_server` (an L2 flush, a device spin, one call per side per round, the sides
 balanced; MEASURE.md), offline `search.timing.time_offline` (CUDA-graph replay over rotated inputs). A shape the
-table gives to cuBLAS without an eager kernel runs torch.matmul on both sides, so its ratio is an A/A. Per shape the
+table gives to cuBLAS without an eager kernel runs torch.matmul on both sides, so its ratio is an A/A (offline,
+under CUDA-graph capture, an eager kernel's shape runs cuBLAS too). Per shape the
 JSON holds the route (`route`: the table's kernel, cuBLAS with an L2IR kernel on eager calls, or cuBLAS; `served`:
 the dispatcher's counter that moved), the check (max |C - ref| / max |ref|, fresh inputs of every set), both medians and the table's own speedup beside the measured one; per group (report.families_groups) the geomean of
 all shapes and of each route's.
@@ -23,28 +24,36 @@ import sys
 import time
 from pathlib import Path
 
+from l2ir.search.report import families_groups, geomean
+
+from l2ir.cli import shape_arg
+
 # A served answer this far from the fp32 reference (relative to max |ref|) is wrong: fp16 output rounding is 2^-11
 # of |C|, and fp32 accumulation over K <= 16384 adds far less than 1e-2.
 MAX_REL_ERR = 1e-2
-
-
-def geomean(xs):
-    xs = [x for x in xs if x]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--package", type=Path, required=True, help="folder written by `l2ir export`")
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
-    ap.add_argument("--shape", action="append", default=[], help="check only MxNxK (repeatable; default every tuned "
-                    "shape of the package)")
+    ap.add_argument("--shape", type=shape_arg, action="append", default=[],
+                    help="check only MxNxK (repeatable; default every tuned shape of the package)")
     args = ap.parse_args(argv)
 
     try:
         table = json.loads((args.package / "table.json").read_text())
-    except (OSError, ValueError) as e:
-        print(f"package_check: {args.package}: no readable table.json ({e})", file=sys.stderr)
+        listed = {(e["m"], e["n"], e["k"]): e for e in table["entries"]
+                  if e["problem_class"] == "a=f16:row b=f16:col c=f16:row acc=f32"}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"package_check: {args.package}: no readable table.json ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    entries = [e for shape, e in listed.items() if not args.shape or shape in args.shape]
+    missing = sorted(set(args.shape) - set(listed))
+    if missing or not entries:
+        what = f"no tuned shape {', '.join('x'.join(map(str, s)) for s in missing)}" if missing else \
+            "no tuned f16 row x col shape"
+        print(f"package_check: {args.package} has {what} to check", file=sys.stderr)
         return 2
     import numpy as np
     import torch
@@ -54,18 +63,11 @@ def main(argv=None) -> int:
         return 2
     from l2ir.search.bench import BENCH_TIMING
     from l2ir.search.evaluator import environment
-    from l2ir.search.report import families_groups
     from l2ir.search.timing import summarize, time_offline, time_server
 
     import l2ir
 
     scenario = table.get("scenario", "offline")
-    want = {tuple(int(x) for x in s.split("x")) for s in args.shape}
-    entries = [e for e in table["entries"] if e["problem_class"] == "a=f16:row b=f16:col c=f16:row acc=f32"
-               and (not want or (e["m"], e["n"], e["k"]) in want)]
-    if not entries:
-        print(f"package_check: {args.package} has no tuned f16 row x col shape to check", file=sys.stderr)
-        return 2
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False    # fp32 accumulation on both sides
     l2ir.load(str(args.package))
     started = time.time()
@@ -105,7 +107,8 @@ def main(argv=None) -> int:
         speedup = ts["median"] / ks["median"] if ks["median"] else None
         # The table's route: its kernel ("table"), cuBLAS with an L2IR kernel on eager calls ("eager": the export's
         # EAGER_SLACK_US rule, which trades up to that much device time for the host time of small calls), or cuBLAS.
-        route = "table" if e.get("kernel") else "eager" if e.get("eager_kernel") else "cublas"
+        # The dispatcher goes by the packaged binaries' keys (an eager kernel that failed to package has none).
+        route = "table" if e.get("kernel_key") else "eager" if e.get("eager_kernel_key") else "cublas"
         row = {"shape": [m, n, k], "route": route, "served": served,
                "table_kernel": e.get("kernel_key") or e.get("eager_kernel_key"),
                "table_speedup": e.get("speedup"), "table_reason": e.get("reason"), "max_rel_err": err, "correct": ok,

@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from l2ir.search.records import JsonlStore, first_failure, passed
+from l2ir.search.records import JsonlStore, first_failure, passed, results_file
 from l2ir.search.report import families_groups, geomean, timing
 from sweep_cases import case_arg
 
@@ -146,7 +146,7 @@ def race_entries(derived_path: Path, top: int, cases=(), sweeps=(), shapes=None,
             prefix = derived_path.parent / source
             summary = _read_json(prefix.with_suffix(".json"), "a bench summary")
             records: dict[str, list[dict]] = {}
-            evals = prefix.with_suffix(".jsonl")
+            evals = results_file(prefix.with_suffix(".jsonl"))   # or its archive .jsonl.gz
             if not evals.is_file():
                 raise RaceError(f"{evals}: cannot read: no such file")
             for rec in JsonlStore(evals):

@@ -109,12 +109,21 @@ def unarchived(path: str | Path) -> Path:
     return path.with_suffix("") if path.suffix == ".gz" else path
 
 
+def results_file(path: str | Path) -> Path:
+    """The file to read for a results path: the path itself, or its archive `<path>.gz` where only that exists."""
+    path = Path(path)
+    archive = path.with_name(path.name + ".gz")
+    return archive if path.suffix != ".gz" and not path.exists() and archive.exists() else path
+
+
 class JsonlStore(MemoryStore):
     """One JSON object per line, appended and flushed as each measurement is made: a run killed mid-write loses at
     most the line being written, and a cut line is skipped when the file is read back."""
 
     def __init__(self, path: str | Path, resume: bool = True):
-        self.path = Path(path)
+        self.path = results_file(path)      # run.jsonl, or its archive run.jsonl.gz where only that exists
+        if self.path.suffix == ".gz" and not resume:
+            raise ValueError(f"{self.path}: an archived run is read-only; it cannot be restarted")
         records = []
         if resume and self.path.exists():
             for line in read_results_text(self.path).splitlines():
@@ -128,7 +137,7 @@ class JsonlStore(MemoryStore):
 
     def add(self, measurement, name: str = "", origin: str = "") -> dict:
         if self.path.suffix == ".gz":
-            raise ValueError(f"{self.path}: an archived run is read-only; write to a new .jsonl")
+            raise ValueError(f"{self.path}: an archived run is read-only; write a new run elsewhere")
         rec = super().add(measurement, name, origin)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as fh:

@@ -420,12 +420,13 @@ def cmd_runs(args) -> int:
 
 
 def best_for(db, problem_text: str, environment: str | None = None) -> dict | None:
-    """The best kernel of a problem: a winner's re-timed numbers where a run has them, else the fastest gate-clean
+    """The best kernel of a problem: a winner's re-timed numbers where a run has them (a kernel re-timed several
+    times by its median trial, as `l2ir export` judges it), else the fastest gate-clean
     measurement; on the named environment, else on the measured environment with the most records of it
     (a stand-in's numbers only when no GPU measured the problem)."""
     envs = [environment] if environment else _envs_for(db, problem_text)
     for eid in envs:
-        retimed = db.ranking(problem_text, eid, "offline", purpose="retime", limit=1)
+        retimed = db.ranking(problem_text, eid, "offline", purpose="retime", limit=1, per_kernel="median")
         row = retimed[0] if retimed else next(iter(db.ranking(problem_text, eid, "offline", limit=1)), None)
         if row is None:
             continue

@@ -815,17 +815,24 @@ def test_standin_stream_k_fills_the_sms_with_a_fractional_wave_and_pays_its_fixu
 def test_package_check_refuses_a_folder_without_a_table_and_a_table_without_f16_shapes(tmp_path, capsys):
     """bench/package_check.py's input errors: one line naming the folder, exit 2, before any GPU work."""
     check = _bench_script("package_check")
-    assert check.main(["--package", str(tmp_path / "none"), "--out", str(tmp_path / "o.json")]) == 2
-    assert "no readable table.json" in capsys.readouterr().err
-    (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "table.json").write_text("{not json")
-    assert check.main(["--package", str(tmp_path / "pkg"), "--out", str(tmp_path / "o.json")]) == 2
-    assert "no readable table.json" in capsys.readouterr().err
-    import torch
 
-    if torch.cuda.is_available():
-        return
-    (tmp_path / "pkg" / "table.json").write_text(json.dumps({"scenario": "server", "entries": []}))
-    assert check.main(["--package", str(tmp_path / "pkg"), "--out", str(tmp_path / "o.json")]) == 2
-    assert "no CUDA GPU" in capsys.readouterr().err
+    def run(*extra):
+        code = check.main(["--package", str(tmp_path / "pkg"), "--out", str(tmp_path / "o.json"), *extra])
+        return code, capsys.readouterr().err
+
+    code, err = run()                                                  # no folder at all
+    assert code == 2 and "no readable table.json" in err
+    (tmp_path / "pkg").mkdir()
+    for bad in ("{not json", json.dumps({"scenario": "server"}), json.dumps({"entries": [{"m": 1}]})):
+        (tmp_path / "pkg" / "table.json").write_text(bad)
+        code, err = run()
+        assert code == 2 and "no readable table.json" in err and len(err.strip().splitlines()) == 1, err
+    row = {"m": 64, "n": 64, "k": 64, "problem_class": "a=f16:row b=f16:row c=f16:row acc=f32"}
+    (tmp_path / "pkg" / "table.json").write_text(json.dumps({"scenario": "server", "entries": [row]}))
+    code, err = run()
+    assert code == 2 and "no tuned f16 row x col shape" in err
+    row["problem_class"] = "a=f16:row b=f16:col c=f16:row acc=f32"
+    (tmp_path / "pkg" / "table.json").write_text(json.dumps({"scenario": "server", "entries": [row]}))
+    code, err = run("--shape", "128x64x64")
+    assert code == 2 and "no tuned shape 128x64x64" in err
     assert not (tmp_path / "o.json").exists()

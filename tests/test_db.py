@@ -156,6 +156,11 @@ def test_import_jsonl_skips_cut_lines_takes_ir_and_is_idempotent(tmp_path):
     assert db2.import_jsonl(fresh) == 1
     assert [r.purpose for r in db2.measurements()] == ["retime"]
     assert db2.kernel("a" * 64)["ir"] == "kernel {\n}\n" and db2.kernel("a" * 64)["backend"] == "cuda_ptx"
+    # A server race's later fresh trials (server_race --fresh-trials) take the same summary.
+    (tmp_path / "run-t2-fresh.jsonl").write_text(json.dumps(recs[0]) + "\n")
+    db3 = RecordsDB(tmp_path / "r3.db")
+    assert db3.import_jsonl(tmp_path / "run-t2-fresh.jsonl") == 1
+    assert [r.purpose for r in db3.measurements()] == ["retime"] and db3.kernel("a" * 64)["backend"] == "cuda_ptx"
 
 
 def test_an_archived_run_imports_as_the_plain_file_and_reads_back_read_only(tmp_path):
@@ -178,9 +183,24 @@ def test_an_archived_run_imports_as_the_plain_file_and_reads_back_read_only(tmp_
     assert len(store) == 2 and store.lookup("b" * 64, P2, "offline")["speedup"] == pytest.approx(0.9)
     with pytest.raises(ValueError, match="read-only"):
         store.add(meas("c" * 64, P3, ENV_A, 1.0))
-    (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip")
-    with pytest.raises(DBError, match="bad.jsonl.gz: cannot read"):
-        db.import_jsonl(tmp_path / "bad.jsonl.gz")
+    with pytest.raises(ValueError, match="read-only"):
+        JsonlStore(tmp_path / "run.jsonl.gz", resume=False)
+    assert (tmp_path / "run.jsonl.gz").exists()
+    # A reader that builds PREFIX.jsonl finds the archive where only that exists, and may not append to it.
+    (tmp_path / "run.jsonl").unlink()
+    by_prefix = JsonlStore(tmp_path / "run.jsonl")
+    assert by_prefix.path.name == "run.jsonl.gz" and len(by_prefix) == 2
+    with pytest.raises(ValueError, match="read-only"):
+        by_prefix.add(meas("c" * 64, P3, ENV_A, 1.0))
+    assert not (tmp_path / "run.jsonl").exists()
+    # Not gzip at all, a deflate stream with an invalid block type (zlib.error), bytes that are not text: each
+    # one line naming the file.
+    good = gzip.compress(text.encode())
+    for name, data in (("bad.jsonl.gz", b"not gzip"), ("cut.jsonl.gz", good[:10] + b"\xff" + good[11:]),
+                       ("bin.jsonl.gz", gzip.compress(b"\xff\xfe\x00 not utf-8"))):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(DBError, match=rf"{name}: cannot read"):
+            db.import_jsonl(tmp_path / name)
 
 
 def test_import_of_the_committed_bench_results(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 from l2ir import dispatch, export, fastpath
 from l2ir.cli import main
 from l2ir.search.db import RecordsDB, open_readonly
+from l2ir.search.tune import best_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CLS_COL = "a=f16:row b=f16:col c=f16:row acc=f32"
@@ -146,6 +147,7 @@ def test_a_kernel_retimed_several_times_counts_by_its_median_trial(tmp_path):
         (median,) = db.ranking(problem, env, purpose="retime", per_kernel="median")
         assert best.speedup == pytest.approx(1.30) and median.speedup == pytest.approx(0.98)
         (choice,) = export.choose(db, env)
+        assert best_for(db, problem)["row"].speedup == pytest.approx(0.98)     # `l2ir best` says the same
         with pytest.raises(ValueError, match="per_kernel"):
             db.ranking(problem, env, per_kernel="mean")
     assert choice.kernel is None and "0.980" in choice.reason, choice.reason
