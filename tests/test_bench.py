@@ -836,3 +836,21 @@ def test_package_check_refuses_a_folder_without_a_table_and_a_table_without_f16_
     code, err = run("--shape", "128x64x64")
     assert code == 2 and "no tuned shape 128x64x64" in err
     assert not (tmp_path / "o.json").exists()
+
+
+def test_placement_probe_instruments_the_split_k_kernel_it_studies():
+    """bench/placement_probe.py edits the generated source: the record must land inside the kernel, before its first
+    statement, with the device array declared before the kernel and the read-out after; a source without the kernel
+    is refused in one line."""
+    probe = _bench_script("placement_probe")
+    from sweep_cases import lower_case
+
+    _, _, plan = lower_case((512, 2048, 16384), "cuda_ptx", "ptx_splitk_w4x1_64x256x64_s2")
+    src = probe.instrumented(plan.source)
+    entry = src.index(probe.ENTRY)
+    body = src.index("{", entry)
+    assert src.index(probe.BUFFER) < entry < body < src.index("%%smid") < src.index("extern __shared__", body)
+    assert src.rstrip().endswith("}") and src.index("l2ir_probe_read") > src.index("int l2ir_run(")
+    assert src.count("placement_probe") == 3
+    with pytest.raises(ValueError, match="no longer applies"):
+        probe.instrumented("__global__ void other() {}")
