@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sweep_cases import case_arg, lower_case
+from sweep_cases import MAX_REL_ERR, answer_error, case_arg, lower_case
 
 
 def main(argv=None) -> int:
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
             ap.error(str(e))
         built = compile_plan(plan, CompileOptions())
         if not built.ok:
-            print(f"{m}x{n}x{k} {sweep}/{config}: compile failed: {built.log[:300]}", file=sys.stderr)
+            print(f"{m}x{n}x{k} {sweep}/{config}: compile failed: {built.summary()}", file=sys.stderr)
             status = 1
             continue
         run = load(plan, built.binary)
@@ -55,10 +55,9 @@ def main(argv=None) -> int:
         ws = torch.zeros(max(ws_bytes, 1), device="cuda", dtype=torch.uint8)
         for _ in range(args.launches):
             run(a.data_ptr(), b.data_ptr(), c.data_ptr(), m, n, k, ws.data_ptr(), ws_bytes)
-        ref = a.float() @ b.float().t()
-        err = ((c.float() - ref).abs().max() / ref.abs().max()).item()
+        err = answer_error(c, a, b)
         print(f"{m}x{n}x{k} {sweep}/{config}: {args.launches} launches, max error {err:.2e} of max |C|", flush=True)
-        if err > 1e-2:
+        if not err <= MAX_REL_ERR:
             status = 1
         if args.torch:
             for _ in range(args.launches):

@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from package_check import MAX_REL_ERR
-from sweep_cases import case_arg, lower_case
+from split_mode_probe import SLOW
+from sweep_cases import MAX_REL_ERR, answer_error, case_arg, lower_case
 
 ROUNDS = 40
 MAX_BLOCKS = 4096
@@ -78,8 +78,7 @@ def main(argv=None) -> int:
             ap.error(str(e))
         built = compile_plan(plan, CompileOptions())
         if not built.ok:
-            first = next((ln for ln in built.log.splitlines() if "error" in ln), built.log.strip()[:200])
-            print(f"placement_probe: {sweep}/{config} did not build: {first}", file=sys.stderr)
+            print(f"placement_probe: {sweep}/{config} did not build: {built.summary()}", file=sys.stderr)
             return 1
         run = load(plan, built.binary)
         lib = getattr(run, "_lib", None) or ctypes.CDLL(str(built.binary))   # the library the launches go through
@@ -115,13 +114,12 @@ def main(argv=None) -> int:
                           "start_spread_us": (starts[-1] - starts[0]) / 1000.0,
                           "late_blocks": sum(t - starts[0] > 2000 for t in starts),   # started > 2 us after the first
                           "idle_sms": sorted(set(range(max(per_sm) + 1)) - set(per_sm)), "placement": per_sm})
-        ref = a.float() @ b.float().t()
-        err = ((c.float() - ref).abs().max() / ref.abs().max()).item()
+        err = answer_error(c, a, b)
         ok = err <= MAX_REL_ERR
         status |= 0 if ok else 1
         fastest = min(x["us"] for x in calls)
         for x in calls:
-            x["slow"] = x["us"] > 1.2 * fastest
+            x["slow"] = x["us"] > SLOW * fastest          # the slow mode as split_mode_probe counts it
         for mode in (False, True):
             got = [x for x in calls if x["slow"] == mode]
             if got:

@@ -25,9 +25,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from package_check import MAX_REL_ERR
 from pdl_probe import variant
-from sweep_cases import case_arg, lower_case
+from sweep_cases import MAX_REL_ERR, answer_error, case_arg, lower_case
 
 VARIANTS = ("zero", "read", "nopdl", "idle")
 SLOW = 1.2          # a sample this far above the variant's fastest is in the slow mode
@@ -79,8 +78,8 @@ def main(argv=None) -> int:
         for pdl in (True, False):
             built = compile_plan(variant(plan, pdl), CompileOptions())
             if not built.ok:
-                first = next((ln for ln in built.log.splitlines() if "error" in ln), built.log.strip()[:200])
-                print(f"split_mode_probe: {sweep}/{config} (pdl {pdl}) did not build: {first}", file=sys.stderr)
+                print(f"split_mode_probe: {sweep}/{config} (pdl {pdl}) did not build: {built.summary()}",
+                      file=sys.stderr)
                 return 1
             builds[pdl] = load(variant(plan, pdl), built.binary)
         sets = 2
@@ -104,8 +103,7 @@ def main(argv=None) -> int:
             errs = []
             for i in range(sets):
                 mine(i)
-                ref = a[i].float() @ b[i].float().t()
-                errs.append(((c[i].float() - ref).abs().max() / ref.abs().max()).item())
+                errs.append(answer_error(c[i], a[i], b[i]))
             ok = max(errs) <= MAX_REL_ERR
             status |= 0 if ok else 1
             row = {"shape": [m, n, k], "case": f"{sweep}/{config}", "variant": name, "correct": ok,

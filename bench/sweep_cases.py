@@ -1,12 +1,23 @@
 """The MxNxK:SWEEP:CONFIG cases the probes take (bench/pdl_probe.py, bench/ncu_probe.py): one sweep configuration on
 one shape, lowered by the backend its sweep is named after (cuda_ptx, cuda_ptx_sm80, cuda_ptx_direct: the registry's
-names, as `l2ir bench` pairs them), else by the kernel's default backend."""
+names, as `l2ir bench` pairs them), else by the kernel's default backend; and the check of a probe's answer."""
 
 from __future__ import annotations
 
 import argparse
 
 from l2ir.cli import shape_arg
+
+# A probe's answer this far from the fp32 reference (relative to max |ref|) is wrong: fp16 output rounding is 2^-11
+# of |C|, and fp32 accumulation over K <= 16384 adds far less than 1e-2.
+MAX_REL_ERR = 1e-2
+
+
+def answer_error(c, a, w) -> float:
+    """max |C - A W^T| / max |A W^T| in fp32, for C = A @ W.t() with W stored N x K (the probes' operands); a NaN
+    or an inf in C gives a NaN or an inf, which no `<= MAX_REL_ERR` test passes."""
+    ref = a.float() @ w.float().t()
+    return ((c.float() - ref).abs().max() / ref.abs().max()).item()
 
 
 def case_arg(text: str):

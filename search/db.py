@@ -501,11 +501,11 @@ class RecordsDB:
     def import_jsonl(self, path: str | Path) -> int:
         """Import a bench/results JSONL file or its archive `.jsonl.gz` (one Measurement per line; the last line, cut
         by a kill, is skipped, and so are blank lines; any other line that is not a measurement record is a DBError
-        naming file and line, and nothing of the file is imported). The IR and backend of each kernel are taken from the summary beside it
-        (<prefix>.json, 'kernels'), where there is one; a bench's `<prefix>-fresh.jsonl` (its winners re-timed on
-        fresh samples; a server race's trial N: `<prefix>-tN-fresh.jsonl`) is imported with purpose "retime" and the
-        summary of <prefix>. Importing the same file twice
-        adds nothing the second time. Returns the number of measurements added."""
+        naming file and line, and nothing of the file is imported). The IR and backend of each kernel are taken from
+        the summary beside it (<prefix>.json, 'kernels'), where there is one; a bench's `<prefix>-fresh.jsonl` (its
+        winners re-timed on fresh samples; a server race's trial N: `<prefix>-tN-fresh.jsonl`) is imported with
+        purpose "retime" and the summary of <prefix>. Importing the same file twice adds nothing the second time.
+        Returns the number of measurements added."""
         path = Path(path)
         try:
             lines = read_results_text(path).splitlines()
@@ -516,9 +516,8 @@ class RecordsDB:
         if self.conn.execute("SELECT 1 FROM measurements WHERE source=? LIMIT 1", (source,)).fetchone():
             return 0
         fresh = plain.stem.endswith("-fresh")
-        # PREFIX-fresh.jsonl and a server race's later trials PREFIX-tN-fresh.jsonl share PREFIX.json
-        run_prefix = re.sub(r"(-t\d+)?-fresh$", "", plain.stem)
-        summary = plain.with_name(run_prefix + ".json") if fresh else plain.with_suffix(".json")
+        # PREFIX.jsonl, PREFIX-fresh.jsonl and a server race's later trials PREFIX-tN-fresh.jsonl share PREFIX.json
+        summary = plain.with_name(re.sub(r"(-t\d+)?-fresh$", "", plain.stem) + ".json")
         ir = _summary_kernels(summary)
         added = 0
         last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
