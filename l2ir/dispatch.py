@@ -13,8 +13,8 @@ torch.compile the wrapper calls the implementation directly, without the op disp
 (shapes, strides, dtypes, device indices) decides its route under a lock and keeps it as a closure; every later call
 is a lock-free dict lookup and that closure: a fallback counts its reason and calls torch, a served call checks the
 data pointers' alignment, allocates the output and launches with everything else bound (grids, function handles,
-argument block, workspace size). A shape the table gives to cuBLAS may name an eager kernel (l2ir/export.py,
-EAGER_SLACK_US): its route runs that kernel on eager calls, which are host-bound on small GEMMs and issue an L2IR
+argument block, workspace size). A shape the table gives to cuBLAS may name an eager kernel (l2ir/export.py's eager
+rule, `eager_pays` here): its route runs that kernel on eager calls, which are host-bound on small GEMMs and issue an L2IR
 launch sooner than torch.matmul, and cuBLAS when captured into a CUDA graph, where only device time counts.
 
 The compiled eager path (l2ir/fastpath.cpp, built into the package by `l2ir export`, loaded by l2ir/fastpath.py when
@@ -215,18 +215,16 @@ class Package:
     def _eager_of(self, m: int, n: int, k: int, cls: str, key: str | None, reason: str,
                   shape: tuple | None) -> str | None:
         """The eager kernel of a cuBLAS decision: the deciding tuned shape's eager kernel, if it admits this shape;
-        for an unpromising neighbour its borrowed kernel, if its predicted device time (the tuned time times the
-        tile ratio) is within the package's eager slack of cuBLAS's (the tuned time times the FLOP ratio): eager
-        calls are host-bound, where an L2IR launch is issued sooner."""
+        for an unpromising neighbour its borrowed kernel, if on its predicted device time (the tuned time times the
+        tile ratio) against cuBLAS's (the tuned time times the FLOP ratio) an eager call pays (`eager_pays`)."""
         if reason == "unpromising":
             t = self.times.get((*shape, cls))
             tile = self.kernels[key].tile()
             if t is None or tile is None:
                 return None
             kernel_us, cublas_us = t
-            slack = float(self.manifest.get("rule", {}).get("eager_slack_us", 0.0))
-            return key if (kernel_us * tile_ratio(tile, shape, (m, n, k))
-                           <= cublas_us * flop_ratio(shape, (m, n, k)) + slack) else None
+            return key if eager_pays(kernel_us * tile_ratio(tile, shape, (m, n, k)),
+                                     cublas_us * flop_ratio(shape, (m, n, k)), self.manifest.get("rule", {})) else None
         if reason != "cublas":
             return None
         ekey = self.eager.get((*shape, cls))
@@ -241,6 +239,21 @@ def predicted_speedup(speedup: float, tile: tuple[int, int, int] | None, tuned: 
     if tile is None:
         return speedup
     return speedup * flop_ratio(tuned, shape) / tile_ratio(tile, tuned, shape)
+
+
+def eager_pays(kernel_us: float, cublas_us: float, rule: dict) -> bool:
+    """Whether an eager call finishes sooner on the L2IR kernel than on cuBLAS (l2ir/export.py's eager rule, with
+    the package's `rule` constants). One call: issue then run, so the kernel may be up to eager_slack_us slower on
+    the device (below the host time its launch saves). Back-to-back calls: each costs the longer of its issue time
+    and its device time, so where cuBLAS's device time is above torch's issue time (the call is GPU-bound) the
+    kernel must also be faster on the device. A package without the issue times (an older export) keeps the slack
+    alone."""
+    if kernel_us > cublas_us + float(rule.get("eager_slack_us", 0.0)):
+        return False
+    l2ir_issue, torch_issue = rule.get("l2ir_issue_us"), rule.get("torch_issue_us")
+    if l2ir_issue is None or torch_issue is None:
+        return True
+    return max(kernel_us, float(l2ir_issue)) < max(cublas_us, float(torch_issue))
 
 
 def flop_ratio(tuned: tuple[int, int, int], shape: tuple[int, int, int]) -> float:

@@ -15,14 +15,21 @@ A package is a folder:
 Which kernel a tuned shape gets: among the kernels whose every measurement in the chosen environment passed every
 gate (and whose class gates passed), the fastest on that shape in the chosen scenario (the re-timed rows when the
 shape has any: a search's own rows favour the lucky sample; a kernel re-timed several times counts by its median
-trial), and only if its speedup stays above 1 at the bottom of the measured spread, speedup * (1 - spread) > 1.
-Otherwise the table says cuBLAS for that shape, with the reason.
+trial), and only if its median speedup is above 1 with WIN_CONFIDENCE: the lower bound of a distribution-free
+confidence interval for the median of its per-round speedups (baseline_i / kernel_i, both timed in round i, pooled over
+the measurements the ranking counts; search/timing.paired_speedup_bound) is above 1. A round's shared state (the
+flush, the clocks) cancels in its ratio, so a steady 1.06x on cold calls that scatter 8 % round to round is served,
+which speedup * (1 - spread) > 1 (the rule before, still used for a record without samples) refused. Otherwise the
+table says cuBLAS for that shape, with the reason.
 
 Eager alternative (host time): a shape whose table entry is cuBLAS also names the fastest gate-clean L2IR kernel
-on it when that kernel's measured device time is within EAGER_SLACK_US of cuBLAS's. `l2ir.matmul` runs it on eager
-calls, where a small GEMM is host-bound (an H200 issues an L2IR launch in ~9.6 us against torch.matmul's ~11.4 us,
-bench/results/dispatch_h200_v2.json, while such a kernel runs 2-5 us), so the call finishes sooner even though the
-GPU spends up to EAGER_SLACK_US more; a call captured in a CUDA graph, where only device time counts, runs cuBLAS.
+on it when an eager call pays for it (l2ir.dispatch.eager_pays): that kernel's measured device time is within
+EAGER_SLACK_US of cuBLAS's, and, where cuBLAS's device time is above TORCH_ISSUE_US, below cuBLAS's. `l2ir.matmul`
+runs it on eager calls, where a small GEMM is host-bound (an H200 issues an L2IR launch in ~9.6 us against
+torch.matmul's ~11.4 us, bench/results/dispatch_h200_v2.json, while such a kernel runs 2-5 us), so the call finishes
+sooner even though the GPU spends up to EAGER_SLACK_US more; back-to-back calls each take the longer of issue and
+device time, so once the device time is the longer one a slower kernel loses every call. A call captured in a CUDA
+graph, where only device time counts, runs cuBLAS.
 
 Untuned shapes (resolved by the loader, l2ir/dispatch.py, and cached per shape): the tuned shapes of the same problem
 class within
@@ -59,6 +66,14 @@ DEFAULT_MAX_DISTANCE = 1.0      # log2 units: within a factor of 2 along one of 
 # Device time an eager alternative may add to cuBLAS's: below the ~1.8 us of host time an L2IR launch saves on an H200
 # (bench/results/dispatch_h200_v2.json), so an eager call that becomes GPU-bound loses less than a host-bound one gains.
 EAGER_SLACK_US = 1.0
+# Host time to issue one call on the exporting machine's H200 host (bench/results/dispatch_h200_v2.json: an L2IR
+# launch through l2ir.matmul ~9.6 us, torch.matmul ~11.4 us): back-to-back eager calls are GPU-bound, and an eager
+# kernel slower on the device loses, once cuBLAS's device time is above torch's issue time (l2ir.dispatch.eager_pays).
+L2IR_ISSUE_US = 9.6
+TORCH_ISSUE_US = 11.4
+# How sure the export must be that a kernel's median paired speedup is above 1 before it replaces cuBLAS.
+WIN_CONFIDENCE = 0.95
+EAGER_RULE = {"eager_slack_us": EAGER_SLACK_US, "l2ir_issue_us": L2IR_ISSUE_US, "torch_issue_us": TORCH_ISSUE_US}
 MANIFEST_ENV_KEYS = ("gpu", "capability", "sms", "driver", "cuda_runtime", "torch", "cutlass")
 
 
@@ -88,6 +103,7 @@ class Choice:
     eager_kernel_us: float | None = None
     kernel_key: str | None = None    # the packaged binaries of kernel and eager_kernel (set by export)
     eager_kernel_key: str | None = None
+    speedup_bound: float | None = None   # the lower confidence bound of the speedup the decision used
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -121,9 +137,24 @@ def _clean_kernels(db, environment: str) -> tuple[set[str], dict[str, str]]:
     return dirty, backends
 
 
+def _trusted(db, problem: str, r, environment: str, scenario: str, purpose: str | None) -> tuple[float | None, str]:
+    """(the speedup a ranked kernel is trusted to, how): the lower WIN_CONFIDENCE bound of its median paired
+    speedup over the rounds the ranking counts; without samples (a hand-made record), its speedup less its spread."""
+    from l2ir.search.timing import paired_speedup_bound
+
+    bound, rounds = paired_speedup_bound(db.paired_samples(problem, r.kernel, environment, scenario, purpose),
+                                         WIN_CONFIDENCE)
+    if bound is not None:
+        return bound, f"{WIN_CONFIDENCE:.0%} lower bound {bound:.3f} over {rounds} paired rounds"
+    if r.spread is None or r.speedup is None:
+        return None, "no paired samples and no spread"
+    return r.speedup * (1 - r.spread), f"spread {r.spread:.3f}, no paired samples"
+
+
 def choose(db, environment: str, scenario: str = "offline", accept=None) -> list[Choice]:
     """One Choice per tuned shape and problem class of `environment` in `scenario` (see the module doc).
     `accept(kernel_row) -> str | None` may rule a kernel out (returning why), e.g. to export only sm80 kernels."""
+    from l2ir.dispatch import eager_pays
     from l2ir.search.db import split_problem
 
     dirty, backends = _clean_kernels(db, environment)
@@ -139,8 +170,11 @@ def choose(db, environment: str, scenario: str = "offline", accept=None) -> list
         if shape is None:
             continue
         # A kernel re-timed several times (the server race's --fresh-trials) is judged by its median trial.
-        rows = (db.ranking(problem, environment, scenario, purpose="retime", limit=1000, per_kernel="median")
-                or db.ranking(problem, environment, scenario, limit=1000))
+        purpose = "retime"
+        rows = db.ranking(problem, environment, scenario, purpose=purpose, limit=1000, per_kernel="median")
+        if not rows:
+            purpose, rows = None, db.ranking(problem, environment, scenario, limit=1000)
+
         why = "no gate-clean measurement"
         pick = eager = None
         for r in rows:                      # fastest first; the reason names the fastest kernel ruled out
@@ -154,19 +188,20 @@ def choose(db, environment: str, scenario: str = "offline", accept=None) -> list
             if accept is not None and (refusal := accept(row)):
                 why = why if eager else f"kernel {r.kernel[:12]} left out: {refusal}"
                 continue
-            if eager is None:               # fastest clean kernel, whatever its spread
+            bound, how = _trusted(db, problem, r, environment, scenario, purpose)
+            wins = r.speedup is not None and r.speedup > 1.0 and bound is not None and bound > 1.0
+            if eager is None:               # fastest clean kernel, whatever its confidence
                 eager = r
-                if r.spread is None or r.speedup is None or r.speedup * (1 - r.spread) <= 1.0:
-                    spread = r.spread if r.spread is not None else "unknown"
-                    why = f"best clean speedup {r.speedup:.3f} (spread {spread}) is not above 1 beyond its spread"
-            if r.spread is None or r.speedup is None or r.speedup * (1 - r.spread) <= 1.0:
-                continue
-            pick = r
-            break
+                if not wins:
+                    speedup = "unknown" if r.speedup is None else f"{r.speedup:.3f}"
+                    why = f"best clean speedup {speedup} ({how}) is not above 1 with confidence"
+            if wins:
+                pick, pick_bound, pick_how = r, bound, how
+                break
         if pick is None:
             ch = Choice(*shape, cls, None, reason=why)
             if (eager is not None and eager.kernel_median_us is not None and eager.baseline_median_us is not None
-                    and eager.kernel_median_us <= eager.baseline_median_us + EAGER_SLACK_US):
+                    and eager_pays(eager.kernel_median_us, eager.baseline_median_us, EAGER_RULE)):
                 ch.eager_kernel = eager.kernel
                 ch.eager_backend = backend_of(eager.kernel)
                 ch.eager_kernel_us = eager.kernel_median_us
@@ -175,7 +210,8 @@ def choose(db, environment: str, scenario: str = "offline", accept=None) -> list
             continue
         out.append(Choice(*shape, cls, pick.kernel, backend_of(pick.kernel), pick.speedup,
                           pick.spread, pick.kernel_median_us, pick.baseline_median_us, pick.id, pick.purpose,
-                          "fastest gate-clean kernel, above 1 beyond its spread"))
+                          f"fastest gate-clean kernel above 1 with confidence ({pick_how})",
+                          speedup_bound=pick_bound))
     return out
 
 
@@ -311,8 +347,10 @@ def export(db, out: str | Path, scenario: str = "offline", env: str | None = Non
                             "aligned one to an unaligned shape",
                  "max_distance": max_distance,
                  "eager": "a cuBLAS shape's eager calls run its fastest gate-clean kernel when that kernel's device "
-                          "time is within eager_slack_us of cuBLAS's; CUDA-graph captures run cuBLAS",
-                 "eager_slack_us": EAGER_SLACK_US},
+                          "time is within eager_slack_us of cuBLAS's and, where cuBLAS's device time is above "
+                          "torch_issue_us, below it (max(kernel, l2ir_issue_us) < max(cuBLAS, torch_issue_us)); "
+                          "CUDA-graph captures run cuBLAS",
+                 "win_confidence": WIN_CONFIDENCE, **EAGER_RULE},
         "fastpath": fast,
         "files": files, "content_hash": content_hash(files),
     }

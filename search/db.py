@@ -335,6 +335,15 @@ class RecordsDB:
         r = self.conn.execute("SELECT kernel_us, baseline_us FROM measurements WHERE id=?", (row_id,)).fetchone()
         return json.loads(r[0]), json.loads(r[1])
 
+    def paired_samples(self, problem: str, kernel: str, environment: str, scenario: str = "offline",
+                       purpose: str | None = None) -> list[tuple[list[float], list[float]]]:
+        """(kernel samples, baseline samples) of every gate-clean measurement of `kernel` on `problem` (with
+        `purpose`, only those): each side's i-th sample comes from the same round (search/timing.py)."""
+        where, args = _where(problem=problem, kernel=kernel, environment=environment, scenario=scenario,
+                             purpose=purpose)
+        return [(json.loads(k or "[]"), json.loads(b or "[]")) for k, b in self.conn.execute(
+            f"SELECT kernel_us, baseline_us FROM measurements{where} AND passed=1 ORDER BY id", args)]
+
     def ranking(self, problem: str, environment: str, scenario: str = "offline", purpose: str | None = None,
                 limit: int = 10, per_kernel: str = "best") -> list[Row]:
         """Gate-clean measurements of one problem on one environment, fastest first, one row per kernel: its best,

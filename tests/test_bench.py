@@ -854,3 +854,24 @@ def test_placement_probe_instruments_the_split_k_kernel_it_studies():
     assert src.count("placement_probe") == 3
     with pytest.raises(ValueError, match="no longer applies"):
         probe.instrumented("__global__ void other() {}")
+
+
+def test_export_rule_check_rereads_the_v16_race_and_holds_out_the_fresh_trials(tmp_path, capsys):
+    """bench/export_rule_check.py on the committed v16 server race: the paired bound serves every shape the spread
+    rule serves and more below 1 GFLOP, and decided on the selection rounds alone it serves no shape that then
+    measured below 1x on the fresh trials; a prefix without its fresh trials is a one-line error."""
+    check = _bench_script("export_rule_check")
+    from pathlib import Path
+
+    race = Path(__file__).parents[1] / "bench" / "results" / "families_server_v16_h200"
+    assert check.main(["--race", str(race), "--out", str(tmp_path / "r.json")]) == 0
+    out = json.loads((tmp_path / "r.json").read_text())
+    rows = out["rows"]
+    assert len(rows) == 60
+    assert all(r["export"]["bound_rule"] for r in rows if r["export"]["spread_rule"])
+    small = "< 1 GFLOP"
+    assert out["groups"]["export/bound_rule"][small]["served"] > out["groups"]["export/spread_rule"][small]["served"]
+    for group in out["groups"]["held_out/bound_rule"].values():
+        assert group["served_below_1"] == []
+    with pytest.raises(SystemExit, match="not found"):
+        check.main(["--race", str(tmp_path / "nothing"), "--out", str(tmp_path / "x.json")])

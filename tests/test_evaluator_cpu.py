@@ -11,7 +11,8 @@ from l2ir.indexing import Const, Var, cdiv
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, Source, Target, Tile
 from l2ir.search.gates import (GATES, TIMING_GATES, ULP_FRACTION, GuardedBuffer, Verdict, admits, check_accuracy,
                                check_ulps, poison, ragged_shapes, tolerance, ulp_distance, unwritten)
-from l2ir.search.timing import TimingConfig, reps_for, sets_for, summarize
+from l2ir.search.timing import (TimingConfig, median_lower_bound, paired_speedup_bound, reps_for, sets_for,
+                                summarize)
 
 torch = pytest.importorskip("torch")
 
@@ -261,6 +262,22 @@ def test_accuracy_flags_nan_output():
     c[1, 2] = float("nan")
     v = check_accuracy("accuracy", c, ref, 64, "f32", "f16")
     assert not v.passed and "1 non-finite" in v.detail
+
+
+def test_median_lower_bound_is_an_order_statistic_with_its_coverage():
+    """15 samples at 95 %: the 4th smallest (P(Binomial(15, 1/2) <= 3) = 1.8 %, <= 4 is 5.9 %); 4 samples cannot
+    reach 95 %. Over many draws of a skewed distribution the bound lies below the true median in at least 95 % of
+    them, and not far more (a looser order statistic would show as coverage near 100 %)."""
+    assert median_lower_bound([float(i) for i in range(15, 0, -1)]) == 4.0
+    assert median_lower_bound([1.0, 2.0, 3.0, 4.0]) is None
+    assert median_lower_bound([1.0] * 5) == 1.0 and median_lower_bound([]) is None
+    rng = np.random.default_rng(7)
+    true_median = math.log(2.0)                        # exponential(1)
+    covered = np.mean([median_lower_bound(rng.exponential(1.0, 45).tolist()) < true_median for _ in range(4000)])
+    assert 0.95 <= covered <= 0.985, covered
+    # Paired: a round's shared state cancels; mismatched or empty measurements add no rounds.
+    bound, n = paired_speedup_bound([([5.0, 10.0, 20.0, 40.0, 80.0], [6.0, 12.0, 24.0, 48.0, 96.0]), ([1.0], [])])
+    assert n == 5 and math.isclose(bound, 1.2)
 
 
 def test_timing_helpers():

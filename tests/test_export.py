@@ -34,8 +34,9 @@ SOURCE = kernel_ir("source_naive.l2")          # any shape (one thread per outpu
 
 
 def record(kernel, shape, speedup, spread=0.02, passed=True, cls=CLS_COL, scenario="offline", env=ENV,
-           origin="hand-written test measurement"):
-    """A measurement as the evaluator writes it (a spread of `spread`: half from each side's IQR)."""
+           origin="hand-written test measurement", samples=None):
+    """A measurement as the evaluator writes it (a spread of `spread`: half from each side's IQR); `samples`, the
+    per-round (kernel us, baseline us) lists, where the test needs them (the export's paired bound)."""
     m, n, k = shape
     base = 10.0
     kmed = base / speedup
@@ -43,10 +44,12 @@ def record(kernel, shape, speedup, spread=0.02, passed=True, cls=CLS_COL, scenar
     def stats(med):
         return {"median": med, "q25": med * (1 - spread / 2), "q75": med * (1 + spread / 2)}
 
+    kernel_us, baseline_us = samples or ([], [])
     return {"kernel_hash": kernel, "problem": f"gemm m={m} n={n} k={k} {cls}", "scenario": scenario,
             "environment": env, "verdicts": [{"name": "correctness", "passed": passed}], "errors": [],
             "kernel_median_us": kmed, "baseline_median_us": base, "speedup": speedup, "kernel_stats": stats(kmed),
-            "baseline_stats": stats(base), "origin": origin}
+            "baseline_stats": stats(base), "origin": origin, "kernel_us": list(kernel_us),
+            "baseline_us": list(baseline_us)}
 
 
 def make_db(path, rows, kernels):
@@ -160,6 +163,46 @@ def test_a_kernel_retimed_several_times_counts_by_its_median_trial(tmp_path):
     assert [(r.kernel, round(r.speedup, 2)) for r in ranked] == [(K2, 1.10), (K1, 1.04)]
 
 
+def cold_rounds(speedup, jitter, rounds=15, seed=0):
+    """Per-round (kernel us, baseline us) of cold calls: both sides move together with the round's state (the
+    flush, the clock) by up to +-`jitter`, and the kernel is `speedup` times faster within each round."""
+    import random
+
+    rng = random.Random(seed)
+    base = [10.0 * (1 + rng.uniform(-jitter, jitter)) for _ in range(rounds)]
+    kern = [b / speedup * (1 + rng.uniform(-0.01, 0.01)) for b in base]
+    return kern, base
+
+
+def test_a_noisy_but_consistent_win_is_served_and_a_coin_flip_is_not(tmp_path):
+    """Cold calls scatter 8 % round to round, so speedup * (1 - spread) would refuse a steady 1.06x; paired by
+    round, the 1.06x is certain and is served, while a kernel that wins only half its rounds (median 1.0x) is not."""
+    steady = [record(K1, (256, 256, 256), 1.06, spread=0.08, scenario="server", samples=cold_rounds(1.06, 0.08, seed=s))
+              for s in (1, 2, 3)]
+    kern, base = cold_rounds(1.0, 0.08, seed=4)
+    flips = [k * (1.04 if i % 2 else 0.96) for i, k in enumerate(kern)]       # +-4 %, alternating
+    coin = [record(K2, (512, 256, 256), 1.02, spread=0.08, scenario="server", samples=(flips, base))]
+    with make_db(tmp_path / "paired.db", [], {K1: SM80, K2: SM80.replace("stages=4", "stages=3")}) as db:
+        db.add_many(steady + coin, purpose="retime", source="test")
+        got = {(c.m, c.n, c.k): c for c in export.choose(db, export.choose_environment(db, None), "server")}
+    win, flip = got[(256, 256, 256)], got[(512, 256, 256)]
+    assert win.kernel == K1 and win.speedup_bound > 1.03 and "over 45 paired rounds" in win.reason, win.reason
+    assert flip.kernel is None and "lower bound" in flip.reason and "over 15 paired rounds" in flip.reason, flip.reason
+
+
+def test_the_eager_rule_keeps_gpu_bound_calls_on_cublas():
+    """An eager kernel within the slack pays where the call is host-bound (cuBLAS below torch's issue time) and
+    not where cuBLAS's own device time is above it: back-to-back calls then wait for the GPU."""
+    rule = export.EAGER_RULE
+    assert dispatch.eager_pays(5.8, 5.0, rule)                 # host-bound: issued 1.8 us sooner, runs 0.8 us longer
+    assert not dispatch.eager_pays(18.5, 18.0, rule)           # GPU-bound: 0.5 us slower every call
+    assert dispatch.eager_pays(17.9, 18.0, rule)               # GPU-bound but faster on the device
+    assert not dispatch.eager_pays(6.5, 5.0, rule)             # beyond the slack
+    assert not dispatch.eager_pays(11.9, 11.0, rule)           # becomes GPU-bound at 11.9 > 11.4
+    older = {"eager_slack_us": 1.0}                            # a package exported before the issue times
+    assert dispatch.eager_pays(18.5, 18.0, older) and not dispatch.eager_pays(19.5, 18.0, older)
+
+
 def test_export_picks_gate_clean_winners_above_their_spread(package):
     got, table = entries(package)
     assert got[(256, 256, 256, CLS_COL)]["kernel"] == K1
@@ -167,9 +210,10 @@ def test_export_picks_gate_clean_winners_above_their_spread(package):
     # K2 is faster on 512^3 but failed a gate on 64^3 in this environment: the next clean kernel serves it.
     assert got[(512, 512, 512, CLS_COL)]["kernel"] == K1
     assert got[(512, 512, 512, CLS_COL)]["speedup"] == pytest.approx(1.05)
-    # 1.01 with a 5 % spread could be a loss: cuBLAS, with the reason in the table.
+    # 1.01 with a 5 % spread (and no paired samples to bound it by) could be a loss: cuBLAS, with the reason.
     e = got[(1024, 64, 64, CLS_COL)]
-    assert e["kernel"] is None and e["kernel_key"] is None and "beyond its spread" in e["reason"]
+    assert e["kernel"] is None and e["kernel_key"] is None and "not above 1 with confidence" in e["reason"]
+    assert "spread 0.050" in e["reason"]
     assert got[(64, 64, 64, CLS_COL)]["kernel"] is None
     assert got[(128, 128, 128, CLS_ROW)]["kernel"] == K3
     # One binary per (kernel, problem class), each with its plan and IR: K3 for b=row (128^3) and for b=col as
