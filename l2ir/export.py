@@ -140,10 +140,7 @@ def _clean_kernels(db, environment: str) -> tuple[set[str], dict[str, str]]:
 def _trusted(db, problem: str, r, environment: str, scenario: str, purpose: str | None) -> tuple[float | None, str]:
     """(the speedup a ranked kernel is trusted to, how): the lower WIN_CONFIDENCE bound of its median paired
     speedup over the rounds the ranking counts; without samples (a hand-made record), its speedup less its spread."""
-    from l2ir.search.timing import paired_speedup_bound
-
-    bound, rounds = paired_speedup_bound(db.paired_samples(problem, r.kernel, environment, scenario, purpose),
-                                         WIN_CONFIDENCE)
+    bound, rounds = db.speedup_bound(problem, r.kernel, environment, scenario, purpose, WIN_CONFIDENCE)
     if bound is not None:
         return bound, f"{WIN_CONFIDENCE:.0%} lower bound {bound:.3f} over {rounds} paired rounds"
     if r.spread is None or r.speedup is None:

@@ -344,6 +344,14 @@ class RecordsDB:
         return [(json.loads(k or "[]"), json.loads(b or "[]")) for k, b in self.conn.execute(
             f"SELECT kernel_us, baseline_us FROM measurements{where} AND passed=1 ORDER BY id", args)]
 
+    def speedup_bound(self, problem: str, kernel: str, environment: str, scenario: str = "offline",
+                      purpose: str | None = None, confidence: float = 0.95) -> tuple[float | None, int]:
+        """(lower `confidence` bound of the kernel's median per-round speedup on `problem`, rounds it rests on),
+        over the measurements `paired_samples` gives (search/timing.paired_speedup_bound); None without samples."""
+        from .timing import paired_speedup_bound
+
+        return paired_speedup_bound(self.paired_samples(problem, kernel, environment, scenario, purpose), confidence)
+
     def ranking(self, problem: str, environment: str, scenario: str = "offline", purpose: str | None = None,
                 limit: int = 10, per_kernel: str = "best") -> list[Row]:
         """Gate-clean measurements of one problem on one environment, fastest first, one row per kernel: its best,

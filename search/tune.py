@@ -462,8 +462,12 @@ def cmd_best(args) -> int:
     print(f"# {ptext}")
     print(f"# kernel {row.kernel[:12]}, backend {kernel.get('backend') or 'default'}, on {label}")
     how = "re-timed winner (fresh samples)" if got["retimed"] else "best gate-clean measurement"
+    bound, rounds = db.speedup_bound(ptext, row.kernel, got["environment_id"], "offline",
+                                     "retime" if got["retimed"] else None)
+    sure = f"95% lower bound {bound:.3f} over {rounds} paired rounds" if bound is not None else \
+        f"spread {row.spread or 0:.3f}"
     print(f"# offline: {row.kernel_median_us:.2f} us vs torch.matmul {row.baseline_median_us:.2f} us = "
-          f"{row.speedup:.3f}x (spread {row.spread or 0:.3f}; {how})")
+          f"{row.speedup:.3f}x ({sure}; {how})")
     srv = got["server"]
     if srv is not None:
         print(f"# server:  {srv.kernel_median_us:.2f} us vs torch.matmul {srv.baseline_median_us:.2f} us = "
