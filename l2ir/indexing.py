@@ -279,6 +279,7 @@ def substitute(expr: Expr, values: Mapping[str, Expr]) -> Expr:
 
 
 RANK = Var("rank")
+UNIT = Var("unit")
 
 
 @dataclass(frozen=True)
@@ -297,6 +298,11 @@ class ClusterMulticast:
     `pid % SIZE` (%cluster_ctarank of a 1-D cluster of SIZE consecutive blocks), position in the patch (rank % CM,
     rank / CM) (`tile`). A block whose tile lies past the grid (tiles_m or tiles_n not a multiple of CM or CN) still
     loads its share for the others and runs the K loop; it only stores nothing.
+
+    With split-K (reduce=workspace) the launch is SLICES copies of that grid, one K slice after another (`unit`):
+    block `unit` is block `unit % blocks()` of slice `unit / blocks()`. blocks() is whole clusters, so a cluster's
+    blocks share one slice, load the same k tiles and can multicast them; each in-grid block then sums its tile's
+    partials through the workspace tree (SplitKTree) like any split-K block, and a block past the grid only loads.
 
     A stage of block d is overwritten by every block that multicasts into it, so before a producer reuses stage s
     all of those blocks must have released it: each consumer warp arrives at stage s's empty barrier in every block
@@ -326,6 +332,14 @@ class ClusterMulticast:
     def clusters(self) -> Expr:
         """Clusters in the grid (the launch has SIZE x this many blocks)."""
         return cdiv(TILES_M, self.cm) * cdiv(TILES_N, self.cn)
+
+    def blocks(self) -> Expr:
+        """Blocks of one slice's grid: whole clusters."""
+        return Const(self.size) * self.clusters()
+
+    def unit(self) -> tuple[Expr, Expr]:
+        """split-K: launch block `unit` -> (pid, slice), slice after slice (see the class doc)."""
+        return UNIT % self.blocks(), UNIT // self.blocks()
 
     def a_first(self, bm: int) -> Expr:
         """First row of the A box that block `rank` loads (its column in the patch picks the share)."""

@@ -360,6 +360,9 @@ class _Schedule:
         if self.kernel.pipeline.mode == "direct":
             self._direct(c, writes, order)
             k_cover = {t: [(0, self.k_tiles)] for t in order}
+        elif mc is not None and sk is not None:
+            ws_writes, ws_expected = self._split_k(c, writes, order, sk.slices, k_cover,
+                                                   partial=self._multicast_partials(order, mc, sk.slices, k_cover))
         elif mc is not None:
             self._multicast(c, writes, order, mc, k_cover)
         elif sk is None:
@@ -388,13 +391,12 @@ class _Schedule:
         return InterpResult(c, order, writes, ws_writes, k_cover, repack_writes)
 
     # ---- tile.cluster with TMA multicast ---------------------------------------------------------------------
-    def _multicast(self, c, writes, order, mc: ClusterMulticast, k_cover: dict) -> None:
-        """One tile per block in clusters of mc.size consecutive blocks (l2ir.indexing.ClusterMulticast): each block
-        loads its share of its own A and B boxes (a_first/a_rows, b_first/b_rows at its own tile) and it lands in
-        the stage of every block its masks name. A block's stage is what the cluster delivered, each row counted:
-        every row of both boxes must arrive exactly once, or the schedule raises; a share taken from another
-        block's tile shows in C. The empty barriers' arrivals are counted too: each block's must receive
-        release_arrivals per phase from the blocks its stages are filled from."""
+    def _cluster_feed(self, mc: ClusterMulticast, blocks: list[tuple[int, int]], first: int):
+        """The stages a cluster delivers (l2ir.indexing.ClusterMulticast): `feed(kt, dst)` -> block dst's A and B
+        tiles of k tile kt, assembled from the share each block of `blocks` (the cluster's tiles, by rank) loads at
+        its own tile and writes into the blocks its masks name; every row of both boxes must arrive exactly once.
+        The empty barriers' arrivals are counted too: each block's must receive release_arrivals per phase from the
+        blocks its stages are filled from."""
         size, warps = mc.size, self.kernel.tile.warps[0] * self.kernel.tile.warps[1]
         # Shares, masks and releases depend on the rank alone: the same in every cluster.
         env = {"rank": np.arange(size, dtype=np.int64)}
@@ -406,33 +408,70 @@ class _Schedule:
             raise InterpError(f"cluster {mc.cm}x{mc.cn}: empty barriers receive {arrivals} warp arrivals a "
                               f"phase, initialized for {mc.release_arrivals(warps)}")
         a_rows, b_rows = mc.a_rows(self.bm), mc.b_rows(self.bn)
-        for first in range(0, len(order), size):
-            blocks = order[first:first + size]
 
-            def feed(kt: int, dst: int):
-                a_t = np.zeros((self.bm, self.bk), dtype=self.in_dtype)
-                b_t = np.zeros((self.bn, self.bk), dtype=self.in_dtype)
-                got_a, got_b = np.zeros(self.bm, np.int32), np.zeros(self.bn, np.int32)
-                for src, (stm, stn) in enumerate(blocks):
-                    if a_mask[src] >> dst & 1:
-                        r0 = int(a_first[src])
-                        a_t[r0:r0 + a_rows] = self._tile(self.a, stm * self.bm + r0, a_rows, kt * self.bk, self.bk,
-                                                         "m", "k")
-                        got_a[r0:r0 + a_rows] += 1
-                    if b_mask[src] >> dst & 1:
-                        r0 = int(b_first[src])
-                        b_t[r0:r0 + b_rows] = self._tile(self.b.T, stn * self.bn + r0, b_rows, kt * self.bk,
-                                                         self.bk, "n", "k")
-                        got_b[r0:r0 + b_rows] += 1
-                _check_once(got_a, f"block {first + dst}'s A stage (rows from its cluster)")
-                _check_once(got_b, f"block {first + dst}'s B stage (rows from its cluster)")
-                return a_t, b_t
+        def feed(kt: int, dst: int):
+            a_t = np.zeros((self.bm, self.bk), dtype=self.in_dtype)
+            b_t = np.zeros((self.bn, self.bk), dtype=self.in_dtype)
+            got_a, got_b = np.zeros(self.bm, np.int32), np.zeros(self.bn, np.int32)
+            for src, (stm, stn) in enumerate(blocks):
+                if a_mask[src] >> dst & 1:
+                    r0 = int(a_first[src])
+                    a_t[r0:r0 + a_rows] = self._tile(self.a, stm * self.bm + r0, a_rows, kt * self.bk, self.bk,
+                                                     "m", "k")
+                    got_a[r0:r0 + a_rows] += 1
+                if b_mask[src] >> dst & 1:
+                    r0 = int(b_first[src])
+                    b_t[r0:r0 + b_rows] = self._tile(self.b.T, stn * self.bn + r0, b_rows, kt * self.bk,
+                                                     self.bk, "n", "k")
+                    got_b[r0:r0 + b_rows] += 1
+            _check_once(got_a, f"block {first + dst}'s A stage (rows from its cluster)")
+            _check_once(got_b, f"block {first + dst}'s B stage (rows from its cluster)")
+            return a_t, b_t
 
+        return feed
+
+    def _multicast(self, c, writes, order, mc: ClusterMulticast, k_cover: dict) -> None:
+        """One tile per block in clusters of mc.size consecutive blocks (l2ir.indexing.ClusterMulticast): each block
+        accumulates every k tile from the stages its cluster delivers (`_cluster_feed`), so a share taken from
+        another block's tile shows in C."""
+        for first in range(0, len(order), mc.size):
+            blocks = order[first:first + mc.size]
+            feed = self._cluster_feed(mc, blocks, first)
             for dst, (tm, tn) in enumerate(blocks):
-                acc = self.mainloop(tm, tn, 0, self.k_tiles, feed=lambda kt, d=dst: feed(kt, d))
+                acc = self.mainloop(tm, tn, 0, self.k_tiles, feed=lambda kt, d=dst, f=feed: f(kt, d))
                 if tm < self.tiles_m and tn < self.tiles_n:
                     self.store(c, writes, tm, tn, acc)
                     k_cover[(tm, tn)] = [(0, self.k_tiles)]
+
+    def _multicast_partials(self, order, mc: ClusterMulticast, slices: int, k_cover: dict):
+        """split-K in multicast clusters: `partial(slice, index)` -> the fp32 partial of block `index` of the
+        slice's cluster grid (launch block ClusterMulticast.unit: slice * blocks + index, checked here), accumulated
+        over its slice's k tiles (l2ir.indexing.splitk_range) from the stages its cluster delivers."""
+        blocks_per_slice = int(mc.blocks().eval({"tiles_m": self.tiles_m, "tiles_n": self.tiles_n}))
+        if blocks_per_slice != len(order):
+            raise InterpError(f"cluster {mc.cm}x{mc.cn}: {len(order)} blocks a slice, ClusterMulticast.blocks says "
+                              f"{blocks_per_slice}")
+        pid_of, slice_of = mc.unit()
+        begin, end = splitk_range(slices)
+        feeds: dict = {}
+
+        def partial(slice_: int, index: int) -> np.ndarray:
+            unit = slice_ * blocks_per_slice + index
+            env = {"unit": unit, "tiles_m": self.tiles_m, "tiles_n": self.tiles_n}
+            if (int(pid_of.eval(env)), int(slice_of.eval(env))) != (index, slice_):
+                raise InterpError(f"ClusterMulticast.unit sends launch block {unit} elsewhere than block {index} of "
+                                  f"slice {slice_}")
+            first = index - index % mc.size      # the cluster's first block: all its blocks share the slice
+            if first not in feeds:
+                feeds[first] = self._cluster_feed(mc, order[first:first + mc.size], first)
+            tm, tn = order[index]
+            kb, ke = (int(x.eval({"slice": slice_, "k_tiles": self.k_tiles})) for x in (begin, end))
+            if ke > kb:
+                k_cover.setdefault((tm, tn), []).append((kb, ke))
+            feed = feeds[first]
+            return self.mainloop(tm, tn, kb, ke, feed=lambda kt: feed(kt, index % mc.size)).astype(np.float32)
+
+        return partial
 
     # ---- pipeline mode=direct ------------------------------------------------------------------------------
     def _direct(self, c: np.ndarray, writes: np.ndarray, order: list[tuple[int, int]]) -> None:
@@ -499,22 +538,30 @@ class _Schedule:
             k_cover.setdefault((tm, tn), []).append((kb, ke))
         return self.mainloop(tm, tn, kb, ke).astype(np.float32)
 
-    def _split_k(self, c, writes, order, slices, k_cover):
+    def _split_k(self, c, writes, order, slices, k_cover, partial=None):
         """Split-K as the backends run it (l2ir.indexing.SplitKTree): each (tile, slice) block accumulates its slice's
         k tiles, then climbs the tile's pairwise tree: at each pair it stores its registers to workspace slot
         `base` and counts itself in on the pair's counter; the first arrival is done, the second adds the sibling
         slot, resets the counter and climbs on; the block that finishes the root stores C. Blocks run one after the
         other in `_splitk_arrivals` order, one legal interleaving of the kernel (every order gives the same bits).
         Returns (the workspace write counts, the counts the tree's shape expects: SplitKTree.slot_writes); every
-        counter must be back at zero (the next launch relies on it)."""
+        counter must be back at zero (the next launch relies on it). `partial(slice, index)` gives block `index`'s
+        partial (default: its slice of its tile, loaded alone); a block whose tile lies past the grid (a multicast
+        cluster's) only loads for the others and takes no part in the tree."""
         p = self.problem
         tree = SplitKTree(slices)
         ws = np.full((slices, p.m, p.n), np.nan, dtype=np.float32)
         ws_writes = np.zeros((slices, p.m, p.n), dtype=np.int32)
-        counters = {tile: np.zeros(tree.counters, dtype=np.int64) for tile in order}
+        counters = {tile: np.zeros(tree.counters, dtype=np.int64) for tile in order
+                    if tile[0] < self.tiles_m and tile[1] < self.tiles_n}
+        if partial is None:
+            def partial(slice_: int, index: int) -> np.ndarray:
+                return self._slice_partial(*order[index], slice_, slices, k_cover)
         for unit in _splitk_arrivals(len(order) * slices):
             s, (tm, tn) = unit // len(order), order[unit % len(order)]   # unit = slice * num_tiles + tile
-            acc = self._slice_partial(tm, tn, s, slices, k_cover)
+            if (tm, tn) not in counters:
+                continue          # a cluster's block past the grid: its loads fed the others, it has no tile
+            acc = partial(s, unit % len(order))
             r0, c0 = tm * self.bm, tn * self.bn
             vr, vc = min(self.bm, p.m - r0), min(self.bn, p.n - c0)
             root = True

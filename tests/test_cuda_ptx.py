@@ -103,6 +103,11 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
         coop((128, 64, 64), tile=Tile((128, 64, 64), (8, 1), (2, 1)), epilogue=Epilogue("smem", 8),
              pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=False)), PROBLEM),
     "coop_128x256x64_tma_store": (coop((128, 256, 64), epilogue=Epilogue("tma", 8)), PROBLEM),
+    "w4x1_64x256x64_splitk2_cluster2x1": (
+        lat((64, 256, 64), tile=Tile((64, 256, 64), (4, 1), (2, 1)), splitk=SplitK("split_k", 2)), PROBLEM),
+    "coop_128x128x64_splitk3_cluster1x2": (
+        coop((128, 128, 64), tile=Tile((128, 128, 64), (8, 1), (1, 2)), splitk=SplitK("split_k", 3),
+             pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=False)), PROBLEM),
     "w4x1_64x128x64_s4_two_per_sm_tma_store_bf16": (
         lat(pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False), epilogue=Epilogue("tma", 8)),
         Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col"), c=("bf16", "row"))),
@@ -552,7 +557,7 @@ def test_repack_renders_the_copy_and_reads_it():
 REFUSALS = [
     ("tile.cluster", coop(tile=Tile((128, 256, 64), (8, 1), (2, 1))), PROBLEM),      # persistent
     ("tile.cluster", lat((64, 56, 64), tile=Tile((64, 56, 64), (4, 1), (2, 1))), PROBLEM),   # B shares of 28 rows
-    ("tile.cluster", lat(tile=Tile((64, 128, 64), (4, 1), (1, 2)), splitk=SplitK("split_k", 4)), PROBLEM),
+    ("tile.cluster", coop(tile=Tile((128, 256, 64), (8, 1), (1, 2)), splitk=SplitK("split_k", 4)), PROBLEM),  # persistent
     ("splitk", coop(splitk=SplitK("stream_k")), PROBLEM),
     ("splitk", coop(splitk=SplitK("split_k", 2, "atomic")), PROBLEM),
     ("epilogue.path", lat(splitk=SplitK("split_k", 4, "cluster"), epilogue=Epilogue("smem", 8)), PROBLEM),
@@ -671,6 +676,26 @@ def test_multicast_renders_shares_and_remote_releases():
     assert "constexpr uint32_t EMPTY_ARRIVALS = 16;" in one
 
 
+def test_multicast_split_k_launches_one_cluster_grid_per_slice():
+    """tile.cluster with split-K through the workspace: the launch is SLICES cluster grids (ClusterMulticast.unit,
+    rendered: a cluster's blocks share one slice's k tiles), the grid and its INT_MAX check count them, the last
+    stage is released at the cluster's empty barriers only when the slice had a k tile, blocks past the grid skip
+    the tree, and the in-grid ones index the workspace by output tile, not by their place in the cluster grid."""
+    from l2ir.indexing import ClusterMulticast
+
+    src = lower(*CASES["w4x1_64x256x64_splitk2_cluster2x1"]).source
+    pid, slice_ = ClusterMulticast(2, 1).unit()
+    for line in ("const int num_units = num_blocks * SLICES;", "for (int unit = blockIdx.x; unit < num_units; unit = num_units) {",
+                 f"const int pid = {pid.to_cpp()};", f"const int slice = {slice_.to_cpp()};",
+                 "const long long num_units = num_blocks * SLICES;", "if (num_units > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
+                 "const int grid = int(num_units);", "if (prev >= 0) release(prev);",
+                 "const int tile_id = tile_m * tiles_n + tile_n;", "float* tile_ws = ws + (size_t)tile_id * SLICES * PARTIAL_FLOATS;",
+                 "tma_load_2d_multicast(smem_base + SMEM_B"):
+        assert line in src, line
+    assert src.index("if (tile_m >= tiles_m || tile_n >= tiles_n) continue;") < src.index("const int tile_id")
+    assert "num_tiles * SLICES;   // (tile, slice)" not in src and src.count("cluster_sync();") == 2
+
+
 def test_multicast_kernels_lower_for_every_cluster():
     """Every cluster shape up to 8 blocks on the one-consumer and cooperative tiles lowers, or is refused naming
     tile.cluster exactly when a share would not be whole 8-row atoms."""
@@ -729,7 +754,8 @@ NVCC_CASES = ["coop_128x256x64_direct", "coop_256x128x64_smem8_along_m8", "w4x1_
               "w4x1_64x128x64_s4_two_per_sm_splitk16_cluster", "coop_128x128x64_splitk4_cluster_nonpersistent",
               "coop_128x128x64_repack", "w4x1_64x64x64_s4_two_per_sm_splitk4_repack",
               "w4x1_64x64x64_splitk8_cluster_repack", "coop_128x48x64_s4_splitk2_block_bf16",
-              "w4x1_64x64x64_cluster2x4", "w4x1_64x128x64_cluster1x4_divisible", "coop_128x64x64_cluster2x1_smem8"]
+              "w4x1_64x64x64_cluster2x4", "w4x1_64x128x64_cluster1x4_divisible", "coop_128x64x64_cluster2x1_smem8",
+              "w4x1_64x256x64_splitk2_cluster2x1", "coop_128x128x64_splitk3_cluster1x2"]
 BUILD_CASES = {**{name: CASES[name] for name in NVCC_CASES}, **_sweep_splitk_cases()}
 
 

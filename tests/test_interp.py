@@ -525,13 +525,14 @@ def test_broken_repack_is_caught(monkeypatch, attr, broken, match):
         interpret(_repack_kernel(), p, *random_inputs(p, np.random.default_rng(0), integers=True))
 
 
-def _multicast_kernel(cluster, schedule="pingpong", bn=64):
-    from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Swizzle, Target, Tile
+def _multicast_kernel(cluster, schedule="pingpong", bn=64, slices=1):
+    from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, SplitK, Swizzle, Target, Tile
 
     warps, bm = ((4, 1), 64) if schedule == "pingpong" else ((8, 1), 128)
     return Kernel(target=Target("sm90a"), tile=Tile((bm, bn, 64), warps, cluster), mma=Mma("wgmma", (64, bn, 16)),
                   pipeline=Pipeline("tma_ws", "auto", schedule, persistent=False),
                   swizzle=Swizzle((3, 3, 3), "along_n", 8), pad=Pad("zero_fill", "zero_fill", "zero_fill", 8),
+                  splitk=SplitK("split_k", slices, "workspace") if slices > 1 else None,
                   epilogue=Epilogue("direct", 2))
 
 
@@ -547,6 +548,37 @@ def test_multicast_fuzzed(cluster, schedule, m, n8, k8, seed):
     cm, cn = cluster
     tiles = (-(-m // kernel.tile.bm), -(-(8 * n8) // 64))
     assert len(result.order) == cm * cn * -(-tiles[0] // cm) * -(-tiles[1] // cn)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([(1, 2), (2, 1), (2, 2), (4, 1), (1, 4)]), st.sampled_from(["pingpong", "cooperative"]),
+       st.integers(2, 5), st.integers(1, 300), st.integers(1, 40), st.integers(0, 2 ** 32 - 1))
+def test_multicast_split_k_fuzzed(cluster, schedule, slices, m, n8, seed):
+    """tile.cluster with TMA multicast and split-K through the workspace: the launch is one cluster grid per K
+    slice, each cluster's blocks load one slice's k tiles for each other, every in-grid block climbs its tile's
+    pairwise tree, the blocks past the grid only load, and C is A @ B with every element written once."""
+    kernel = _multicast_kernel(cluster, schedule, slices=slices)
+    k = 64 * slices * slices + 8 * (seed % 8)              # every slice gets k tiles (the verifier's rule)
+    result = _check(kernel, Problem(m, 8 * n8, k), seed)
+    cm, cn = cluster
+    tiles = (-(-m // kernel.tile.bm), -(-(8 * n8) // 64))
+    assert len(result.order) == cm * cn * -(-tiles[0] // cm) * -(-tiles[1] // cn)
+    assert sorted(result.k_ranges) == [(tm, tn) for tm in range(tiles[0]) for tn in range(tiles[1])]
+    assert all(len(ranges) == slices for ranges in result.k_ranges.values())
+
+
+def test_multicast_split_k_slices_are_whole_cluster_grids(monkeypatch):
+    """ClusterMulticast.unit: launch block slice * blocks + index is block `index` of `slice`; a mapping that
+    runs the slices inside each cluster (its blocks in different K slices could not share a k tile) is refused."""
+    from l2ir.indexing import UNIT, ClusterMulticast
+
+    p = Problem(200, 512, 1024)
+    a, b = random_inputs(p, np.random.default_rng(3))
+    good = interpret(_multicast_kernel((2, 2), slices=2), p, a, b)
+    assert good.workspace_writes is not None
+    monkeypatch.setattr(ClusterMulticast, "unit", lambda self: (UNIT // 2, UNIT % 2))
+    with pytest.raises(InterpError, match="ClusterMulticast.unit"):
+        interpret(_multicast_kernel((2, 2), slices=2), p, a, b)
 
 
 @pytest.mark.parametrize("attr, broken, match", [

@@ -62,8 +62,9 @@ Field -> code map (the generated lines name their field in a comment):
   tile.block BMxBNxBK      tile constants, TMA box sizes, wgmma N (= BN), slabs per warpgroup, K steps per stage
   tile.warps               8x1: two consumer warpgroups split BM (cooperative), or K with reduce=block; 4x1: one
                            consumer warpgroup (pingpong)
-  tile.cluster             1x1, or CMxCN with persistent=false and no split-K: TMA multicast
-                           (l2ir.indexing.ClusterMulticast): clusters of CM x CN consecutive blocks own a CM x CN patch
+  tile.cluster             1x1, or CMxCN with persistent=false (and split-K, if any, reduced through the workspace):
+                           TMA multicast (l2ir.indexing.ClusterMulticast; split-K: one copy of the cluster grid per K
+                           slice, ClusterMulticast.unit): clusters of CM x CN consecutive blocks own a CM x CN patch
                            of tiles; each block loads BM/CN rows of its A box into its patch row's blocks and BN/CM
                            rows of its B box into its patch column's (cp.async.bulk.tensor .multicast::cluster with
                            the rank masks), and each consumer warp releases a stage at the empty barriers of its row
@@ -356,8 +357,9 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
         raise UnsupportedLowering("pipeline.prefetch", "wgmma reads shared memory; there are no fragments to prefetch")
     if tile.cluster != (1, 1) and multicast(kernel) is None:
         raise UnsupportedLowering("tile.cluster", f"{tile.cluster[0]}x{tile.cluster[1]} with "
-                                  f"{'pipeline.persistent=true' if pipe.persistent else 'split-K'}: TMA multicast is "
-                                  "generated for one tile per block without split-K (pipeline.persistent=false)")
+                                  f"{'pipeline.persistent=true' if pipe.persistent else f'splitk mode={kernel.splitk.mode} reduce={kernel.splitk.reduce}'}: TMA multicast is "
+                                  "generated for one tile per block (pipeline.persistent=false), with split-K only "
+                                  "through the workspace")
     slices = 1
     if kernel.splitk is not None:
         sk = kernel.splitk
@@ -498,7 +500,18 @@ def _tile_loop(cfg: PtxConfig, indent: str) -> list[str]:
     the slice's k-tile range (l2ir.indexing.splitk_range, rendered: the interpreter's and the verifier's partition)."""
     mc = cfg.multicast
     tile_m, tile_n = rasterize(cfg.raster, cfg.group) if mc is None else mc.tile(cfg.raster, cfg.group)
-    if mc is not None:
+    if mc is not None and cfg.split:
+        pid, slice_ = mc.unit()
+        head = [
+            f"{indent}// tile.cluster={mc.cm}x{mc.cn} with splitk slices={cfg.slices}: the launch is SLICES copies of the cluster",
+            f"{indent}// grid, slice after slice (l2ir.indexing.ClusterMulticast.unit), so a cluster's blocks load one K",
+            f"{indent}// slice's k tiles for each other. Block pid of its slice is rank pid % CLUSTER_SIZE of cluster",
+            f"{indent}// pid / CLUSTER_SIZE, whose patch of tiles is rasterized over the patch grid (ClusterMulticast.tile).",
+            f"{indent}for (int unit = blockIdx.x; unit < num_units; unit = num_units) {{",
+            f"{indent}  const int pid = {pid.to_cpp()};",
+            f"{indent}  const int slice = {slice_.to_cpp()};",
+        ]
+    elif mc is not None:
         head = [
             f"{indent}// tile.cluster={mc.cm}x{mc.cn}: one tile per block. Block pid is rank pid % CLUSTER_SIZE of cluster",
             f"{indent}// pid / CLUSTER_SIZE, whose CLUSTER_M x CLUSTER_N patch of tiles is rasterized over the patch grid",
@@ -558,6 +571,7 @@ def _splitk_reduce(cfg: PtxConfig) -> list[str]:
     critical path reads ceil(log2 S) partials instead of S."""
     nr = cfg.bn // 2
     tree = SplitKTree(cfg.slices)
+    tile = "pid" if cfg.multicast is None else "tile_id"
     return [
         "      // ---- splitk reduce=workspace: a pairwise tree over the slices (l2ir.indexing.SplitKTree) ----",
         "      const int ct = threadIdx.x - 128;   // consumer thread 0 .. CONSUMER_THREADS - 1",
@@ -570,8 +584,11 @@ def _splitk_reduce(cfg: PtxConfig) -> list[str]:
         "      // A slot keeps the accumulator fragment order, float4 u of every consumer thread side by side: each warp",
         "      // stores 512 contiguous bytes, and the sibling's block reads them back in the same order (thread ct only",
         "      // ever touches its own float4s of a slot, in both blocks).",
-        "      float* tile_ws = ws + (size_t)pid * SLICES * PARTIAL_FLOATS;",
-        "      unsigned* tile_counters = counters + (size_t)pid * TREE_NODES;",
+        *([] if cfg.multicast is None else [
+            "      // tile.cluster: pid numbers the cluster grid's blocks; the workspace is laid out by output tile.",
+            "      const int tile_id = tile_m * tiles_n + tile_n;"]),
+        f"      float* tile_ws = ws + (size_t){tile} * SLICES * PARTIAL_FLOATS;",
+        f"      unsigned* tile_counters = counters + (size_t){tile} * TREE_NODES;",
         "      volatile uint32_t* reduce_flag = reinterpret_cast<volatile uint32_t*>(smem + SMEM_FLAG);",
         "      int base = slice;      // the slot (and lowest slice) of the subtree whose sum the registers hold",
         "      bool carries = true;   // false once a sibling's block carries this block's sum on",
@@ -1260,10 +1277,12 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "  const int tiles_n = (N + BN - 1) / BN;",
         *(["  const int num_tiles = tiles_m * tiles_n;"] if cfg.multicast is None else []),
         *(["  const int num_units = num_tiles * SLICES;   // (tile, slice) work units; l2ir_run checked the product"]
-          if cfg.split else []),
+          if cfg.split and cfg.multicast is None else []),
         "  const int k_tiles = (K + BK - 1) / BK;   // the K tail is a zero-filled box (pad.k)",
         *_block_ranges(cfg),
         *_multicast_ranks(cfg),
+        *(["  const int num_units = num_blocks * SLICES;   // one cluster grid a slice; l2ir_run checked the product"]
+          if cfg.split and cfg.multicast is not None else []),
         "  const int wg = threadIdx.x / 128;",
         "",
         "  if (threadIdx.x == 0) {",
@@ -1393,9 +1412,9 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "#pragma unroll",
         "      for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
         *(["      if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));"]
-          if cfg.split or cfg.block_reduce else
+          if (cfg.split or cfg.block_reduce) and cfg.multicast is None else
           ["      if (lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));"] if cfg.multicast is None else
-          ["      release(prev);",
+          [("      if (prev >= 0) release(prev);" if cfg.split else "      release(prev);"),
            "      if (tile_m >= tiles_m || tile_n >= tiles_n) continue;   // a cluster's block past the grid stores nothing"]),
         "",
         *(_splitk_reduce(cfg) if cfg.tree else _cluster_reduce(cfg) if cfg.cluster_reduce else
@@ -1519,6 +1538,8 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
     units = "num_units" if cfg.split else "num_tiles"
     if cfg.persistent:
         grid_line = f"  const int grid = {units} < NUM_SMS ? int({units}) : NUM_SMS;   // pipeline.persistent=true"
+    elif cfg.split and cfg.multicast is not None:
+        grid_line = "  const int grid = int(num_units);   // tile.cluster: whole clusters, one cluster grid a K slice"
     elif cfg.split:
         grid_line = "  const int grid = int(num_units);   // pipeline.persistent=false: one block per (tile, slice)"
     elif cfg.multicast is not None:
@@ -1661,14 +1682,16 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         "return L2IR_STATUS_MISALIGNED;",
         "  const long long num_tiles = (long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN);",
         "  if (num_tiles > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
-        *([] if not cfg.split else [
+        *([] if not cfg.split or cfg.multicast is not None else [
             "  const long long num_units = num_tiles * SLICES;"
             + ("   // reduce=cluster: SLICES blocks (one cluster) a tile" if cfg.cluster_reduce else ""),
             "  if (num_units > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;"]),
         *([] if cfg.multicast is None else [
             "  const long long tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;",
             f"  const long long num_blocks = CLUSTER_SIZE * {cfg.multicast.clusters().to_cpp()};   // whole clusters",
-            "  if (num_blocks > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;"]),
+            "  if (num_blocks > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
+            *(["  const long long num_units = num_blocks * SLICES;   // one cluster grid a K slice",
+               "  if (num_units > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;"] if cfg.split else [])]),
         *([] if not cfg.tree else [
             "  // splitk: the partials, then SLICES - 1 pair counters per tile (zero before the first launch:",
             "  // plan.zero_workspace; every launch leaves them zero). float4 partial stores need 16-byte alignment.",
