@@ -151,10 +151,10 @@ def multicast(kernel: Kernel) -> ClusterMulticast | None:
     """The cluster's operand sharing (l2ir.indexing.ClusterMulticast) of a TMA kernel with one tile per block in a
     cluster larger than 1x1, with or without split-K through the workspace (each slice a copy of the cluster grid);
     None for every other kernel (a persistent cluster kernel walks tiles in its library's own order; the verifier
-    gives reduce=cluster and reduce=block no tile.cluster, and stream-K runs a persistent grid)."""
+    gives reduce=cluster and reduce=block no tile.cluster, stream-K runs a persistent grid, and fp32 atomics into C
+    are a different reduction)."""
     if (kernel.is_source or kernel.tile.cluster == (1, 1) or kernel.pipeline.mode != "tma_ws" or kernel.pipeline.persistent
-            or (kernel.splitk is not None and (kernel.splitk.mode != "split_k"
-                                               or kernel.splitk.reduce in ("cluster", "block")))):
+            or (kernel.splitk is not None and (kernel.splitk.mode, kernel.splitk.reduce) != ("split_k", "workspace"))):
         return None
     return ClusterMulticast(*kernel.tile.cluster)
 

@@ -341,6 +341,12 @@ class ClusterMulticast:
         """split-K: launch block `unit` -> (pid, slice), slice after slice (see the class doc)."""
         return UNIT % self.blocks(), UNIT // self.blocks()
 
+    @staticmethod
+    def slot() -> Expr:
+        """split-K: the workspace slot (partials and pair counters) of an in-grid block's tile. pid numbers the
+        cluster grid, which has blocks past the tile grid, so the slot is the tile's own row-major index."""
+        return Var("tile_m") * TILES_N + Var("tile_n")
+
     def a_first(self, bm: int) -> Expr:
         """First row of the A box that block `rank` loads (its column in the patch picks the share)."""
         return RANK // self.cm * (bm // self.cn)

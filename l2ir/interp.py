@@ -554,11 +554,13 @@ class _Schedule:
         ws_writes = np.zeros((slices, p.m, p.n), dtype=np.int32)
         counters = {tile: np.zeros(tree.counters, dtype=np.int64) for tile in order
                     if tile[0] < self.tiles_m and tile[1] < self.tiles_n}
+        self._check_slots(order, counters)
         if partial is None:
             def partial(slice_: int, index: int) -> np.ndarray:
                 return self._slice_partial(*order[index], slice_, slices, k_cover)
         for unit in _splitk_arrivals(len(order) * slices):
-            s, (tm, tn) = unit // len(order), order[unit % len(order)]   # unit = slice * num_tiles + tile
+            # unit = slice * (blocks a slice) + block: tiles, or a multicast cluster grid (ClusterMulticast.unit)
+            s, (tm, tn) = unit // len(order), order[unit % len(order)]
             if (tm, tn) not in counters:
                 continue          # a cluster's block past the grid: its loads fed the others, it has no tile
             acc = partial(s, unit % len(order))
@@ -590,6 +592,24 @@ class _Schedule:
         expected = np.zeros_like(ws_writes)
         expected[...] = np.array(tree.slot_writes(), dtype=np.int32)[:, None, None]
         return ws_writes, expected
+
+    def _check_slots(self, order, tiles) -> None:
+        """The workspace slot each tile's blocks use (its partials and pair counters) as the backends render it: the
+        block's place in the tile grid (pid), or with a multicast cluster grid the tile's own index
+        (ClusterMulticast.slot). Slots must lie inside the workspace (num_tiles of them) and never be shared by two
+        tiles, or one tile's partial would be summed into another's."""
+        mc = multicast(self.kernel)
+        owner: dict[int, tuple[int, int]] = {}
+        for index, tile in enumerate(order):
+            if tile not in tiles:
+                continue
+            slot = index if mc is None else int(ClusterMulticast.slot().eval(
+                {"tile_m": tile[0], "tile_n": tile[1], "tiles_m": self.tiles_m, "tiles_n": self.tiles_n}))
+            if not 0 <= slot < self.tiles_m * self.tiles_n:
+                raise InterpError(f"tile {tile}: split-K workspace slot {slot} outside the workspace's "
+                                  f"{self.tiles_m * self.tiles_n} tiles")
+            if owner.setdefault(slot, tile) != tile:
+                raise InterpError(f"tiles {owner[slot]} and {tile} share split-K workspace slot {slot}")
 
     def _split_k_owned(self, c, writes, order, slices, k_cover):
         """Split-K reduced through shared memory with the fragment ownership of l2ir.indexing.ClusterReduce: the

@@ -689,7 +689,8 @@ def test_multicast_split_k_launches_one_cluster_grid_per_slice():
                  f"const int pid = {pid.to_cpp()};", f"const int slice = {slice_.to_cpp()};",
                  "const long long num_units = num_blocks * SLICES;", "if (num_units > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
                  "const int grid = int(num_units);", "if (prev >= 0) release(prev);",
-                 "const int tile_id = tile_m * tiles_n + tile_n;", "float* tile_ws = ws + (size_t)tile_id * SLICES * PARTIAL_FLOATS;",
+                 f"const int tile_id = {ClusterMulticast.slot().to_cpp()};",
+                 "float* tile_ws = ws + (size_t)tile_id * SLICES * PARTIAL_FLOATS;",
                  "tma_load_2d_multicast(smem_base + SMEM_B"):
         assert line in src, line
     assert src.index("if (tile_m >= tiles_m || tile_n >= tiles_n) continue;") < src.index("const int tile_id")

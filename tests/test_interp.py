@@ -576,9 +576,21 @@ def test_multicast_split_k_slices_are_whole_cluster_grids(monkeypatch):
     a, b = random_inputs(p, np.random.default_rng(3))
     good = interpret(_multicast_kernel((2, 2), slices=2), p, a, b)
     assert good.workspace_writes is not None
-    monkeypatch.setattr(ClusterMulticast, "unit", lambda self: (UNIT // 2, UNIT % 2))
-    with pytest.raises(InterpError, match="ClusterMulticast.unit"):
-        interpret(_multicast_kernel((2, 2), slices=2), p, a, b)
+    with monkeypatch.context() as mp:
+        mp.setattr(ClusterMulticast, "unit", lambda self: (UNIT // 2, UNIT % 2))
+        with pytest.raises(InterpError, match="ClusterMulticast.unit"):
+            interpret(_multicast_kernel((2, 2), slices=2), p, a, b)
+    # The workspace slot: the block's place in the cluster grid (pid) would run past the workspace when the grid
+    # has blocks past the tiles; a slot shared by two tiles would sum one tile's partials into the other's.
+    p = Problem(130, 512, 1024)                        # 3 M tiles in 2x2 clusters: a block row past the grid
+    a, b = random_inputs(p, np.random.default_rng(4))
+    interpret(_multicast_kernel((2, 2), slices=2), p, a, b)
+    for broken, match in ((Var("tile_m") * 8 + Var("tile_n") * 0 + 64, "outside the workspace"),
+                          (Var("tile_m") + Var("tile_n") * 0, "share split-K workspace slot")):
+        with monkeypatch.context() as mp:
+            mp.setattr(ClusterMulticast, "slot", staticmethod(lambda b=broken: b))
+            with pytest.raises(InterpError, match=match):
+                interpret(_multicast_kernel((2, 2), slices=2), p, a, b)
 
 
 @pytest.mark.parametrize("attr, broken, match", [

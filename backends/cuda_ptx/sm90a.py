@@ -586,7 +586,7 @@ def _splitk_reduce(cfg: PtxConfig) -> list[str]:
         "      // ever touches its own float4s of a slot, in both blocks).",
         *([] if cfg.multicast is None else [
             "      // tile.cluster: pid numbers the cluster grid's blocks; the workspace is laid out by output tile.",
-            "      const int tile_id = tile_m * tiles_n + tile_n;"]),
+            f"      const int tile_id = {ClusterMulticast.slot().to_cpp()};   // ClusterMulticast.slot"]),
         f"      float* tile_ws = ws + (size_t){tile} * SLICES * PARTIAL_FLOATS;",
         f"      unsigned* tile_counters = counters + (size_t){tile} * TREE_NODES;",
         "      volatile uint32_t* reduce_flag = reinterpret_cast<volatile uint32_t*>(smem + SMEM_FLAG);",

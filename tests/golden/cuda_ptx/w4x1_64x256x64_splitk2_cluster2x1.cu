@@ -382,7 +382,7 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
       // stores 512 contiguous bytes, and the sibling's block reads them back in the same order (thread ct only
       // ever touches its own float4s of a slot, in both blocks).
       // tile.cluster: pid numbers the cluster grid's blocks; the workspace is laid out by output tile.
-      const int tile_id = tile_m * tiles_n + tile_n;
+      const int tile_id = ((tile_m * tiles_n) + tile_n);   // ClusterMulticast.slot
       float* tile_ws = ws + (size_t)tile_id * SLICES * PARTIAL_FLOATS;
       unsigned* tile_counters = counters + (size_t)tile_id * TREE_NODES;
       volatile uint32_t* reduce_flag = reinterpret_cast<volatile uint32_t*>(smem + SMEM_FLAG);
