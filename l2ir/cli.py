@@ -158,7 +158,8 @@ def cmd_interp(args) -> int:
     ok = bool(np.all(err <= bound)) and (not args.integers or bool(np.all(err == 0)))
     table = Table(title=f"{name}  {print_problem(problem)}", show_header=False)
     table.add_row("kernel", kernel.short_hash)
-    table.add_row("tiles (launch order)", f"{len(result.order)} output tiles, first {result.order[:4]}")
+    # A multicast cluster grid also has blocks past the tiles; split-K launches this many blocks per slice.
+    table.add_row("blocks (launch order)", f"{len(result.order)} blocks, their tiles {result.order[:4]}...")
     table.add_row("inputs", "small integers (exact)" if args.integers else f"randn, seed {args.seed}")
     table.add_row("relative error ||C-AB||/||AB||", f"{rel:.3e}")
     table.add_row("max |C-AB| / bound", f"{float(np.max(err / bound)):.3f}")

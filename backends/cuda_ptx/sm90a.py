@@ -790,10 +790,14 @@ def _header(cfg: PtxConfig) -> list[str]:
         f"stages {cfg.stages} (pipeline.stages={cfg.stages_field}),",
         f"// swizzle {cfg.swizzle_field}, raster {cfg.raster}/{cfg.group}, persistent "
         f"{str(cfg.persistent).lower()}, epilogue {cfg.epilogue}/{cfg.vector}"
-        + ("" if cfg.multicast is None else f", cluster {cfg.cluster[0]}x{cfg.cluster[1]} (TMA multicast)"),
+        + ("" if cfg.multicast is None else f", cluster {cfg.cluster[0]}x{cfg.cluster[1]} (TMA multicast)")
+        + ("" if cfg.slices == 1 else f", splitk {cfg.slices} slices reduced in the "
+           + ("cluster" if cfg.cluster_reduce else "block" if cfg.block_reduce else "workspace")),
         "//",
         "// Host shim ABI (l2ir/runtime.py):",
-        "//   size_t l2ir_workspace_size(int M, int N, int K);   // 0",
+        "//   size_t l2ir_workspace_size(int M, int N, int K);   // "
+        + " + ".join([*(["the repack copies"] if cfg.repack else []),
+                      *(["split-K partials and pair counters"] if cfg.tree else [])] or ["0"]),
         "//   int    l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,",
         "//                   void* workspace, size_t workspace_bytes, void* stream);   // 0 = success",
         "",

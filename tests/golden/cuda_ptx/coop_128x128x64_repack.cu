@@ -5,7 +5,7 @@
 // swizzle <3,3,3>, raster along_n/1, persistent true, epilogue direct/2
 //
 // Host shim ABI (l2ir/runtime.py):
-//   size_t l2ir_workspace_size(int M, int N, int K);   // 0
+//   size_t l2ir_workspace_size(int M, int N, int K);   // the repack copies
 //   int    l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,
 //                   void* workspace, size_t workspace_bytes, void* stream);   // 0 = success
 

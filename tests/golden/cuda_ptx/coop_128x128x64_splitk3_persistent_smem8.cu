@@ -2,10 +2,10 @@
 //
 // problem class: a=f16:row b=f16:col c=f16:row acc=f32 (M, N, K are run-time arguments)
 // tile 128x128x64 cooperative (2 consumer warpgroups of 64 rows), wgmma 64x128x16, stages 4 (pipeline.stages=auto),
-// swizzle <3,3,3>, raster along_n/1, persistent true, epilogue smem/8
+// swizzle <3,3,3>, raster along_n/1, persistent true, epilogue smem/8, splitk 3 slices reduced in the workspace
 //
 // Host shim ABI (l2ir/runtime.py):
-//   size_t l2ir_workspace_size(int M, int N, int K);   // 0
+//   size_t l2ir_workspace_size(int M, int N, int K);   // split-K partials and pair counters
 //   int    l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,
 //                   void* workspace, size_t workspace_bytes, void* stream);   // 0 = success
 

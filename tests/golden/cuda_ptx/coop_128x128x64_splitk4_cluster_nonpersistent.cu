@@ -2,7 +2,7 @@
 //
 // problem class: a=f16:row b=f16:col c=f16:row acc=f32 (M, N, K are run-time arguments)
 // tile 128x128x64 cooperative (2 consumer warpgroups of 64 rows), wgmma 64x128x16, stages 7 (pipeline.stages=auto),
-// swizzle <3,3,3>, raster along_n/1, persistent false, epilogue direct/2
+// swizzle <3,3,3>, raster along_n/1, persistent false, epilogue direct/2, splitk 4 slices reduced in the cluster
 //
 // Host shim ABI (l2ir/runtime.py):
 //   size_t l2ir_workspace_size(int M, int N, int K);   // 0

@@ -2,7 +2,7 @@
 //
 // problem class: a=f16:row b=f16:col c=f16:row acc=f32 (M, N, K are run-time arguments)
 // tile 64x128x64 one consumer warpgroup (pingpong, one tile per block), wgmma 64x128x16, stages 4 (pipeline.stages=4),
-// swizzle <3,3,3>, raster along_n/1, persistent false, epilogue direct/2
+// swizzle <3,3,3>, raster along_n/1, persistent false, epilogue direct/2, splitk 16 slices reduced in the cluster
 //
 // Host shim ABI (l2ir/runtime.py):
 //   size_t l2ir_workspace_size(int M, int N, int K);   // 0

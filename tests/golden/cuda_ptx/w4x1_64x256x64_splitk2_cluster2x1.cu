@@ -2,10 +2,10 @@
 //
 // problem class: a=f16:row b=f16:col c=f16:row acc=f32 (M, N, K are run-time arguments)
 // tile 64x256x64 one consumer warpgroup (pingpong, one tile per block), wgmma 64x256x16, stages 5 (pipeline.stages=auto),
-// swizzle <3,3,3>, raster along_n/1, persistent false, epilogue direct/2, cluster 2x1 (TMA multicast)
+// swizzle <3,3,3>, raster along_n/1, persistent false, epilogue direct/2, cluster 2x1 (TMA multicast), splitk 2 slices reduced in the workspace
 //
 // Host shim ABI (l2ir/runtime.py):
-//   size_t l2ir_workspace_size(int M, int N, int K);   // 0
+//   size_t l2ir_workspace_size(int M, int N, int K);   // split-K partials and pair counters
 //   int    l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,
 //                   void* workspace, size_t workspace_bytes, void* stream);   // 0 = success
 

@@ -2,10 +2,10 @@
 //
 // problem class: a=f16:row b=f16:col c=f16:row acc=f32 (M, N, K are run-time arguments)
 // tile 64x64x64 one consumer warpgroup (pingpong, one tile per block), wgmma 64x64x16, stages 14 (pipeline.stages=auto),
-// swizzle <3,3,3>, raster along_n/1, persistent false, epilogue direct/2
+// swizzle <3,3,3>, raster along_n/1, persistent false, epilogue direct/2, splitk 8 slices reduced in the cluster
 //
 // Host shim ABI (l2ir/runtime.py):
-//   size_t l2ir_workspace_size(int M, int N, int K);   // 0
+//   size_t l2ir_workspace_size(int M, int N, int K);   // the repack copies
 //   int    l2ir_run(const void* A, const void* B, void* C, int M, int N, int K,
 //                   void* workspace, size_t workspace_bytes, void* stream);   // 0 = success
 
