@@ -1,14 +1,17 @@
-"""(GPU) Where a cuda_ptx kernel's blocks land in its cold calls: per call, each block's SM and start time, beside
-the call's time, so fast and slow calls of a bimodal kernel can be compared.
+"""(GPU) Where and how fast a cuda_ptx kernel's blocks run in its cold calls: per call, each block's SM, start and end
+time and SM clock rate, beside the call's time, so fast and slow calls of a bimodal kernel can be compared.
 
     python3 bench/placement_probe.py --case 512x2048x16384:cuda_ptx:ptx_splitk_w4x1_64x256x64_s2 \
         --out bench/results/placement_h200.json
 
 An experiment, not a feature. The generated source is edited (as bench/cache_policy_probe.py does): thread 0 of every
-block writes %smid and %globaltimer at the kernel's entry into a device array, and an exported host function copies
-it out after the call. Each round is the server scenario's (search.timing: zero 256 MiB, a 0.5 ms device spin,
-events around one call), then a synchronize and the read-out. Per call: its time, the SMs used, the most blocks on
-one SM, and the spread of the blocks' start times; the kernel's output is checked against fp32 at the end.
+block writes %smid, %globaltimer and %clock64 at the kernel's entry, and the first consumer thread %globaltimer and
+%clock64 as its last statement, into a device array that an exported host function copies out after the call. Each
+round is the server scenario's (search.timing: zero 256 MiB, a 0.5 ms device spin, events around one call), then a
+synchronize and the read-out. Per call: its time, the SMs used, the most blocks on one SM, the spread of the blocks'
+start and end times, the blocks' median run time, and their SM clock (clock64 cycles over globaltimer ns between
+entry and exit: a clock that drops in the slow calls is the power limit, not the kernel's traffic); the kernel's
+output is checked against fp32 at the end.
 """
 
 from __future__ import annotations
@@ -28,26 +31,70 @@ from sweep_cases import MAX_REL_ERR, answer_error, case_arg, lower_case
 ROUNDS = 40
 MAX_BLOCKS = 4096
 ENTRY = "l2ir_cuda_ptx_sm90a_gemm("
-BUFFER = f"__device__ unsigned long long l2ir_probe_place[{2 * MAX_BLOCKS}];   // placement_probe: smid, start ns\n"
+FIELDS = 5                       # per block: smid, entry ns, entry clock, exit ns, exit clock
+BUFFER = (f"__device__ unsigned long long l2ir_probe_place[{FIELDS * MAX_BLOCKS}];   "
+          "// placement_probe: smid, entry ns, entry clock, exit ns, exit clock\n")
 RECORD = (f"  if (threadIdx.x == 0 && blockIdx.x < {MAX_BLOCKS}) {{   // placement_probe\n"
-          "    unsigned long long t0; unsigned sm;\n"
+          "    unsigned long long t0, c0; unsigned sm;\n"
           '    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));\n'
+          '    asm volatile("mov.u64 %0, %%clock64;" : "=l"(c0));\n'
           '    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));\n'
-          "    l2ir_probe_place[2 * blockIdx.x] = sm; l2ir_probe_place[2 * blockIdx.x + 1] = t0;\n"
+          f"    unsigned long long* rec = l2ir_probe_place + {FIELDS} * blockIdx.x;\n"
+          "    rec[0] = sm; rec[1] = t0; rec[2] = c0;\n"
           "  }\n")
+# The first consumer thread (thread 0 is the producer's, done once its last TMA load is issued), after everything.
+EXIT = (f"  if (threadIdx.x == 128 && blockIdx.x < {MAX_BLOCKS}) {{   // placement_probe\n"
+        "    unsigned long long t1, c1;\n"
+        '    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));\n'
+        '    asm volatile("mov.u64 %0, %%clock64;" : "=l"(c1));\n'
+        f"    l2ir_probe_place[{FIELDS} * blockIdx.x + 3] = t1; l2ir_probe_place[{FIELDS} * blockIdx.x + 4] = c1;\n"
+        "  }\n")
 READ = ('\nextern "C" int l2ir_probe_read(unsigned long long* host, int n) {   // placement_probe\n'
-        "  return cudaMemcpyFromSymbol(host, l2ir_probe_place, sizeof(unsigned long long) * 2 * n) == cudaSuccess ? 0 : 1;\n"
+        f"  return cudaMemcpyFromSymbol(host, l2ir_probe_place, sizeof(unsigned long long) * {FIELDS} * n) == "
+        "cudaSuccess ? 0 : 1;\n"
         "}\n")
 
 
+def _body_end(source: str, open_brace: int) -> int:
+    """Index of the brace that closes the one at `open_brace`, skipping comments, strings and characters."""
+    depth, i = 0, open_brace
+    while i < len(source):
+        if source.startswith("//", i):
+            i = source.find("\n", i)
+            if i < 0:
+                break
+            continue
+        if source.startswith("/*", i):
+            i = source.find("*/", i) + 2
+            continue
+        ch = source[i]
+        if ch in "\"'":
+            j = i + 1
+            while j < len(source) and source[j] != ch:
+                j += 2 if source[j] == "\\" else 1
+            i = j + 1
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    return -1
+
+
 def instrumented(source: str) -> str:
-    """The source with the placement record at the kernel's entry and its read-out function."""
+    """The source with the placement record at the kernel's entry and exit, and its read-out function."""
     at = source.find(ENTRY)
     body = source.find("{", at) + 1 if at >= 0 else -1
+    end = _body_end(source, body - 1) if body > 0 else -1
     first_include_end = source.find("\n", source.find("#include <cuda_runtime.h>")) + 1
-    if at < 0 or body <= 0 or first_include_end <= 0:
-        raise ValueError(f"the generated source has no {ENTRY!r} kernel: the probe's edit no longer applies")
-    return source[:first_include_end] + BUFFER + source[first_include_end:body] + "\n" + RECORD + source[body:] + READ
+    if at < 0 or body <= 0 or end < 0 or first_include_end <= 0 or "return" in source[body:end]:
+        raise ValueError(f"the generated source has no {ENTRY!r} kernel with one exit: the probe's edit no longer "
+                         "applies")
+    return (source[:first_include_end] + BUFFER + source[first_include_end:body] + "\n" + RECORD
+            + source[body:end] + EXIT + source[end:] + READ)
 
 
 def main(argv=None) -> int:
@@ -89,7 +136,7 @@ def main(argv=None) -> int:
         ws_bytes = run.workspace_bytes(m, n, k)
         ws = torch.zeros(max(ws_bytes, 1), device="cuda", dtype=torch.uint8)
         clock = CudaClock(BENCH_TIMING)
-        host = (ctypes.c_ulonglong * (2 * MAX_BLOCKS))()
+        host = (ctypes.c_ulonglong * (FIELDS * MAX_BLOCKS))()
         calls = []
         def call(run=run, a=a, b=b, c=c, shape=(m, n, k), ws=ws, ws_bytes=ws_bytes):
             run(a.data_ptr(), b.data_ptr(), c.data_ptr(), *shape, ws.data_ptr(), ws_bytes)
@@ -105,14 +152,23 @@ def main(argv=None) -> int:
                 return 1
             if r < 3:
                 continue                               # warm-up calls: module load, first tensor maps
-            blocks = [(int(host[2 * i]), int(host[2 * i + 1])) for i in range(MAX_BLOCKS) if host[2 * i + 1]]
+            recs = [tuple(int(host[FIELDS * i + f]) for f in range(FIELDS)) for i in range(MAX_BLOCKS)
+                    if host[FIELDS * i + 1]]
             per_sm: dict[int, int] = {}
-            for sm, _ in blocks:
+            for sm, *_ in recs:
                 per_sm[sm] = per_sm.get(sm, 0) + 1
-            starts = sorted(t for _, t in blocks)
-            calls.append({"us": us, "blocks": len(blocks), "sms": len(per_sm), "max_per_sm": max(per_sm.values()),
+            starts = sorted(t0 for _, t0, _, _, _ in recs)
+            ends = sorted(t1 for _, _, _, t1, _ in recs if t1)
+            runs = [(t1 - t0, c1 - c0) for _, t0, c0, t1, c1 in recs if t1 > t0]
+            calls.append({"us": us, "blocks": len(recs), "sms": len(per_sm), "max_per_sm": max(per_sm.values()),
                           "start_spread_us": (starts[-1] - starts[0]) / 1000.0,
+                          "end_spread_us": (ends[-1] - ends[0]) / 1000.0 if ends else None,
                           "late_blocks": sum(t - starts[0] > 2000 for t in starts),   # started > 2 us after the first
+                          "block_us_median": statistics.median(ns for ns, _ in runs) / 1000.0 if runs else None,
+                          # SM clock over each block's run: cycles per ns = GHz
+                          "clock_ghz": sorted(round(cy / ns, 3) for ns, cy in runs if ns)[len(runs) // 2]
+                          if runs else None,
+                          "clock_ghz_min": min((cy / ns for ns, cy in runs if ns), default=None),
                           "idle_sms": sorted(set(range(max(per_sm) + 1)) - set(per_sm)), "placement": per_sm})
         err = answer_error(c, a, b)
         ok = err <= MAX_REL_ERR
@@ -127,7 +183,10 @@ def main(argv=None) -> int:
                       f"{statistics.median(x['us'] for x in got):.1f} us, SMs {sorted({x['sms'] for x in got})}, "
                       f"max blocks/SM {sorted({x['max_per_sm'] for x in got})}, start spread median "
                       f"{statistics.median(x['start_spread_us'] for x in got):.2f} us, late blocks "
-                      f"{sorted({x['late_blocks'] for x in got})}", flush=True)
+                      f"{sorted({x['late_blocks'] for x in got})}, block run median "
+                      f"{statistics.median(x['block_us_median'] or 0 for x in got):.1f} us, SM clock median "
+                      f"{statistics.median(x['clock_ghz'] or 0 for x in got):.3f} GHz (min "
+                      f"{min(x['clock_ghz_min'] or 0 for x in got):.3f})", flush=True)
         rows.append({"shape": [m, n, k], "case": f"{sweep}/{config}", "correct": ok, "max_rel_err": err,
                      "calls": calls})
     out = {"command": " ".join(["python3", "bench/placement_probe.py", *(argv or sys.argv[1:])]),

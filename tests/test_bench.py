@@ -839,19 +839,26 @@ def test_package_check_refuses_a_folder_without_a_table_and_a_table_without_f16_
 
 
 def test_placement_probe_instruments_the_split_k_kernel_it_studies():
-    """bench/placement_probe.py edits the generated source: the record must land inside the kernel, before its first
-    statement, with the device array declared before the kernel and the read-out after; a source without the kernel
-    is refused in one line."""
+    """bench/placement_probe.py edits the generated source: the entry record must land inside the kernel, before its
+    first statement, the exit record be the kernel's last statement (after the final cluster barrier, if any), with
+    the device array declared before the kernel and the read-out after; a source without the kernel, or a kernel
+    with an early return (which would skip the exit record), is refused in one line."""
     probe = _bench_script("placement_probe")
     from sweep_cases import lower_case
 
-    _, _, plan = lower_case((512, 2048, 16384), "cuda_ptx", "ptx_splitk_w4x1_64x256x64_s2")
-    src = probe.instrumented(plan.source)
-    entry = src.index(probe.ENTRY)
-    body = src.index("{", entry)
-    assert src.index(probe.BUFFER) < entry < body < src.index("%%smid") < src.index("extern __shared__", body)
-    assert src.rstrip().endswith("}") and src.index("l2ir_probe_read") > src.index("int l2ir_run(")
-    assert src.count("placement_probe") == 3
+    for config in ("ptx_splitk_w4x1_64x256x64_s2", "ptx_splitk_w4x1_64x256x64_s2_c2x1"):
+        _, _, plan = lower_case((512, 2048, 16384), "cuda_ptx", config)
+        src = probe.instrumented(plan.source)
+        entry = src.index(probe.ENTRY)
+        body = src.index("{", entry)
+        assert src.index(probe.BUFFER) < entry < body < src.index("%%smid") < src.index("extern __shared__", body)
+        end = probe._body_end(src, body)
+        assert src.index(probe.EXIT) + len(probe.EXIT) == end            # nothing after it but the closing brace
+        assert src.rfind("cluster_sync();", body, end) < src.index(probe.EXIT) and "%%clock64" in src[body:end]
+        assert src.rstrip().endswith("}") and src.index("l2ir_probe_read") > src.index("int l2ir_run(")
+        assert src.count("placement_probe") == 4
+    with pytest.raises(ValueError, match="one exit"):
+        probe.instrumented(plan.source.replace("  const int tiles_m", "  if (M == 0) return;\n  const int tiles_m", 1))
     with pytest.raises(ValueError, match="no longer applies"):
         probe.instrumented("__global__ void other() {}")
 
