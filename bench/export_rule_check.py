@@ -23,21 +23,16 @@ import sys
 import time
 from pathlib import Path
 
-from l2ir.search.db import RecordsDB
+from l2ir.search.db import RecordsDB, split_problem
 from l2ir.search.records import results_file
 from l2ir.search.report import families_groups, geomean
-from l2ir.search.timing import paired_speedup_bound
 
-from l2ir.export import WIN_CONFIDENCE, choose, choose_environment
+from l2ir.export import WIN_CONFIDENCE, choose, choose_environment, win_verdict
 
 
 def spread_rule(speedup, spread) -> bool:
+    """The export's rule up to commit 16ff220."""
     return speedup is not None and spread is not None and speedup * (1 - spread) > 1.0
-
-
-def bound_rule(speedup, pairs) -> tuple[bool, float | None]:
-    bound, _ = paired_speedup_bound(pairs, WIN_CONFIDENCE)
-    return speedup is not None and speedup > 1.0 and bound is not None and bound > 1.0, bound
 
 
 def race_files(prefix: Path) -> list[Path]:
@@ -60,28 +55,32 @@ def main(argv=None) -> int:
     for f in race_files(args.race):
         db.import_jsonl(f)
     env = choose_environment(db, None)
-    choices = {(c.m, c.n, c.k): c for c in choose(db, env, "server")}
+    choices = {(c.m, c.n, c.k, c.problem_class): c for c in choose(db, env, "server")}
+    problems = {(*r.shape, split_problem(r.problem)[1]): r.problem
+                for r in db.measurements(environment=env, scenario="server")}
     rows = []
-    for (m, n, k), c in sorted(choices.items()):
-        problem = next(r.problem for r in db.measurements(environment=env, scenario="server")
-                       if r.shape == (m, n, k))
-        fresh = db.ranking(problem, env, "server", purpose="retime", limit=1, per_kernel="median")
-        if not fresh:
+    for key, c in sorted(choices.items()):
+        m, n, k, _ = key
+        problem = problems[key]
+        retimed = {r.kernel: r for r in db.ranking(problem, env, "server", purpose="retime", limit=1000,
+                                                   per_kernel="median")}
+        # The held-out decision must not see the fresh trials: the winner is the re-timed kernel the selection
+        # rounds rank first (the race re-times its selection winner).
+        selection = [r for r in db.ranking(problem, env, "server", purpose="import", limit=1000) if r.kernel in retimed]
+        if not selection:
             continue
-        winner = fresh[0]                      # the race's winner, re-timed: its median trial
-        selection = [r for r in db.measurements(problem, winner.kernel, env, "server", purpose="import")
-                     if r.passed]
-        sel = max(selection, key=lambda r: r.speedup or 0.0, default=None)
-        sel_pairs = db.paired_samples(problem, winner.kernel, env, "server", purpose="import")
-        held_bound_ok, held_bound = bound_rule(sel.speedup if sel else None, sel_pairs)
+        sel = selection[0]
+        winner = retimed[sel.kernel]           # its fresh numbers: the median trial
+        held_ok, held_bound, _ = win_verdict(sel.speedup, sel.spread, db.paired_speedup(
+            problem, sel.kernel, env, "server", "import", WIN_CONFIDENCE))
         rows.append({
             "shape": [m, n, k], "winner": winner.kernel[:12], "fresh_speedup": winner.speedup,
             "export": {"spread_rule": spread_rule(winner.speedup, winner.spread),
                        "bound_rule": c.kernel is not None, "bound": c.speedup_bound, "reason": c.reason},
             "held_out": {"selection_speedup": sel.speedup if sel else None,
                          "selection_spread": sel.spread if sel else None,
-                         "spread_rule": bool(sel) and spread_rule(sel.speedup, sel.spread),
-                         "bound_rule": held_bound_ok, "bound": held_bound},
+                         "spread_rule": spread_rule(sel.speedup, sel.spread),
+                         "bound_rule": held_ok, "bound": held_bound},
         })
 
     def delivered(view: str, rule: str):

@@ -149,7 +149,7 @@ class Package:
     eager: dict[tuple[int, int, int, str], str] = field(default_factory=dict)
     # (m, n, k, class) -> the table's measured speedup of the tuned shape's kernel (the neighbour rule's prediction)
     speedups: dict[tuple[int, int, int, str], float] = field(default_factory=dict)
-    # (m, n, k, class) -> (kernel us, cuBLAS us) measured there: an unpromising neighbour's eager prediction
+    # (m, n, k, class) -> (kernel us, cuBLAS us) there (a cuBLAS shape: its eager kernel's): the eager predictions
     times: dict[tuple[int, int, int, str], tuple[float, float]] = field(default_factory=dict)
 
     def _nearest(self, m: int, n: int, k: int, cls: str):
@@ -228,7 +228,17 @@ class Package:
         if reason != "cublas":
             return None
         ekey = self.eager.get((*shape, cls))
-        return ekey if ekey is not None and (shape == (m, n, k) or self.kernels[ekey].admits(m, n, k)) else None
+        if ekey is None or shape == (m, n, k):
+            return ekey
+        if not self.kernels[ekey].admits(m, n, k):
+            return None
+        # A neighbour up to twice the tuned shape's size may cross into GPU-bound calls: the same prediction.
+        t, tile = self.times.get((*shape, cls)), self.kernels[ekey].tile()
+        if t is None or tile is None:
+            return ekey                   # a package without the eager kernel's times (or a Source kernel)
+        kernel_us, cublas_us = t
+        return ekey if eager_pays(kernel_us * tile_ratio(tile, shape, (m, n, k)),
+                                  cublas_us * flop_ratio(shape, (m, n, k)), self.manifest.get("rule", {})) else None
 
 
 def predicted_speedup(speedup: float, tile: tuple[int, int, int] | None, tuned: tuple[int, int, int],
@@ -330,6 +340,9 @@ def read_package(path: str | Path) -> Package:
             times[(e["m"], e["n"], e["k"], e["problem_class"])] = (float(e["kernel_us"]), float(e["baseline_us"]))
         if ekey is not None and key is None:
             eager[(e["m"], e["n"], e["k"], e["problem_class"])] = ekey
+            if e.get("eager_kernel_us") and e.get("baseline_us"):       # the eager kernel's and cuBLAS's times
+                times[(e["m"], e["n"], e["k"], e["problem_class"])] = (float(e["eager_kernel_us"]),
+                                                                      float(e["baseline_us"]))
         by_class.setdefault(e["problem_class"], []).append(
             ((math.log2(e["m"]), math.log2(e["n"]), math.log2(e["k"])), (e["m"], e["n"], e["k"])))
     return Package(path, manifest, tuned, kernels, float(manifest["rule"]["max_distance"]), by_class, eager, speedups,

@@ -344,13 +344,13 @@ class RecordsDB:
         return [(json.loads(k or "[]"), json.loads(b or "[]")) for k, b in self.conn.execute(
             f"SELECT kernel_us, baseline_us FROM measurements{where} AND passed=1 ORDER BY id", args)]
 
-    def speedup_bound(self, problem: str, kernel: str, environment: str, scenario: str = "offline",
-                      purpose: str | None = None, confidence: float = 0.95) -> tuple[float | None, int]:
-        """(lower `confidence` bound of the kernel's median per-round speedup on `problem`, rounds it rests on),
-        over the measurements `paired_samples` gives (search/timing.paired_speedup_bound); None without samples."""
-        from .timing import paired_speedup_bound
+    def paired_speedup(self, problem: str, kernel: str, environment: str, scenario: str = "offline",
+                       purpose: str | None = None, confidence: float = 0.95):
+        """The kernel's paired speedup on `problem` (search/timing.PairedSpeedup: the lower `confidence` bound of
+        its median per-round speedup, the speedup of its rounds' totals, the rounds) over `paired_samples`."""
+        from .timing import paired_speedup
 
-        return paired_speedup_bound(self.paired_samples(problem, kernel, environment, scenario, purpose), confidence)
+        return paired_speedup(self.paired_samples(problem, kernel, environment, scenario, purpose), confidence)
 
     def ranking(self, problem: str, environment: str, scenario: str = "offline", purpose: str | None = None,
                 limit: int = 10, per_kernel: str = "best") -> list[Row]:

@@ -462,10 +462,11 @@ def cmd_best(args) -> int:
     print(f"# {ptext}")
     print(f"# kernel {row.kernel[:12]}, backend {kernel.get('backend') or 'default'}, on {label}")
     how = "re-timed winner (fresh samples)" if got["retimed"] else "best gate-clean measurement"
-    bound, rounds = db.speedup_bound(ptext, row.kernel, got["environment_id"], "offline",
-                                     "retime" if got["retimed"] else None)
-    sure = f"95% lower bound {bound:.3f} over {rounds} paired rounds" if bound is not None else \
-        f"spread {row.spread or 0:.3f}"
+    from l2ir.export import WIN_CONFIDENCE, win_verdict
+
+    paired = db.paired_speedup(ptext, row.kernel, got["environment_id"], "offline",
+                               "retime" if got["retimed"] else None, WIN_CONFIDENCE)
+    sure = win_verdict(row.speedup, row.spread, paired)[2]
     print(f"# offline: {row.kernel_median_us:.2f} us vs torch.matmul {row.baseline_median_us:.2f} us = "
           f"{row.speedup:.3f}x ({sure}; {how})")
     srv = got["server"]

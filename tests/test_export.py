@@ -435,3 +435,56 @@ def test_export_refuses_a_file_that_is_not_a_db(tmp_path, capsys):
     assert main(["export", "--db", str(tmp_path / "x.db"), "--out", str(tmp_path / "p")]) == 1
     err = capsys.readouterr().err
     assert "not a records DB" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_paired_rule_refuses_too_few_rounds_a_bad_tail_and_a_lucky_fourth_kernel(tmp_path):
+    """Rounds too few for the bound are a refusal (not the spread rule, which a single round passes with spread 0);
+    a kernel 1.06x faster in 70 % of its rounds and 2x slower in the rest has a median bound above 1 but loses on
+    its totals; and after three unsure kernels a fourth is not tried (among many ties one would pass by chance)."""
+    few = record(K1, (256, 256, 256), 1.10, spread=0.0, scenario="server", samples=([9.0, 9.1], [10.0, 10.0]))
+    kern, base = cold_rounds(1.06, 0.02, rounds=40, seed=5)
+    tail = [k * (1.06 * 2.0 if i % 10 >= 7 else 1.0) for i, k in enumerate(kern)]           # rounds 7-9 of 10
+    bad = record(K2, (512, 256, 256), 1.047, spread=0.02, scenario="server", samples=(tail, base))
+    unsure = [record(h, (128, 256, 256), s, scenario="server", samples=cold_rounds(1.0, 0.08, seed=i))
+              for i, (h, s) in enumerate(((K1, 1.03), (K2, 1.02), (K3, 1.01)))]
+    sure = record("d4" * 32, (128, 256, 256), 1.005, scenario="server", samples=cold_rounds(1.005, 0.0, seed=9))
+    kernels = {K1: SM80, K2: SM80.replace("stages=4", "stages=3"), K3: SOURCE, "d4" * 32: SM80.replace("stages=4", "stages=2")}
+    with make_db(tmp_path / "rules.db", [few, bad, *unsure, sure], kernels) as db:
+        got = {(c.m, c.n, c.k): c for c in export.choose(db, export.choose_environment(db, None), "server")}
+    assert got[(256, 256, 256)].kernel is None and "only 2 paired rounds" in got[(256, 256, 256)].reason
+    b = got[(512, 256, 256)]
+    assert b.kernel is None and b.speedup_bound > 1.0 and "their totals 0.7" in b.reason, b.reason
+    assert got[(128, 256, 256)].kernel is None             # the sure 1.005x comes fourth
+
+
+def test_pooled_rounds_in_the_thousands_have_a_bound():
+    """The binomial tail in exact integers: 2000 rounds (a kernel measured by many runs) give a bound, not an
+    OverflowError."""
+    from l2ir.search.timing import median_lower_bound
+
+    assert median_lower_bound([float(i) for i in range(2000)]) == pytest.approx(963, abs=1)
+
+
+def test_eager_kernels_of_gpu_bound_shapes_stay_off_tuned_and_neighbour_shapes(tmp_path):
+    """choose() names no eager kernel where cuBLAS's call is GPU-bound and the kernel slower (20.5 against 20 us),
+    the manifest carries the rule's constants, and the loader refuses the eager kernel of a host-bound cuBLAS shape
+    (6.0 against 5.8 us) on a neighbour twice the work, where the prediction is GPU-bound (12.0 against 11.6 us,
+    within the slack but above torch's 11.4 us issue time)."""
+    rows = [record(K1, (256, 256, 256), 1.0, spread=0.0), record(K1, (512, 512, 512), 1.0, spread=0.0)]
+    for r, (kernel_us, cublas_us) in zip(rows, ((20.5, 20.0), (6.0, 5.8))):
+        r["kernel_median_us"], r["baseline_median_us"] = kernel_us, cublas_us
+        r["speedup"] = cublas_us / kernel_us
+    with make_db(tmp_path / "gpu.db", rows, {K1: SM80}) as db:
+        export.export(db, tmp_path / "pkg", cache_dir=str(tmp_path / "cache"), build=fake_build, fastpath=False,
+                      log=lambda s: None)
+    got, _ = entries(tmp_path / "pkg")
+    assert got[(256, 256, 256, CLS_COL)]["eager_kernel"] is None                   # GPU-bound: slower every call
+    assert got[(512, 512, 512, CLS_COL)]["eager_kernel"] == K1                     # host-bound: issued sooner
+    rule = json.loads((tmp_path / "pkg" / "manifest.json").read_text())["rule"]
+    assert (rule["l2ir_issue_us"], rule["torch_issue_us"], rule["win_confidence"]) == (
+        export.L2IR_ISSUE_US, export.TORCH_ISSUE_US, export.WIN_CONFIDENCE)
+    pkg = dispatch.read_package(tmp_path / "pkg")
+    assert pkg.resolve_eager(512, 512, 512, CLS_COL) is not None
+    assert pkg.resolve(512, 512, 1024, CLS_COL) == (None, "cublas")                # borrows 512^3's decision
+    assert pkg.resolve_eager(512, 512, 1024, CLS_COL) is None                       # predicted GPU-bound
+    assert pkg.resolve_eager(512, 512, 600, CLS_COL) is not None                    # 1.17x the work: still pays

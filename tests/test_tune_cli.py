@@ -47,7 +47,7 @@ def test_best_prints_the_ir_and_the_retimed_numbers(tuned, capsys):
     code, out, _ = run(["best", "--shape", "300x200x100", "--db", str(db)], capsys)
     assert code == 0
     assert "NOT measured" in out and "re-timed winner" in out and "server:" in out
-    assert "95% lower bound" in out and "paired rounds" in out      # the stand-in's samples are paired too
+    assert "95.0% lower bound" in out and "paired rounds" in out    # the stand-in's samples are paired too
     ir = "".join(line + "\n" for line in out.splitlines() if not line.startswith("#"))
     _, kernel, _ = parse_kernel_file(ir, "best")
     rdb = RecordsDB(db)
