@@ -105,6 +105,9 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
     "coop_128x256x64_tma_store": (coop((128, 256, 64), epilogue=Epilogue("tma", 8)), PROBLEM),
     "w4x1_64x256x64_splitk2_cluster2x1": (
         lat((64, 256, 64), tile=Tile((64, 256, 64), (4, 1), (2, 1)), splitk=SplitK("split_k", 2)), PROBLEM),
+    "w4x1_64x256x64_splitk2_cluster2x1_repack": (
+        lat((64, 256, 64), tile=Tile((64, 256, 64), (4, 1), (2, 1)), splitk=SplitK("split_k", 2), repack=Repack()),
+        PROBLEM),
     "coop_128x128x64_splitk3_cluster1x2": (
         coop((128, 128, 64), tile=Tile((128, 128, 64), (8, 1), (1, 2)), splitk=SplitK("split_k", 3),
              pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=False)), PROBLEM),
@@ -756,7 +759,8 @@ NVCC_CASES = ["coop_128x256x64_direct", "coop_256x128x64_smem8_along_m8", "w4x1_
               "coop_128x128x64_repack", "w4x1_64x64x64_s4_two_per_sm_splitk4_repack",
               "w4x1_64x64x64_splitk8_cluster_repack", "coop_128x48x64_s4_splitk2_block_bf16",
               "w4x1_64x64x64_cluster2x4", "w4x1_64x128x64_cluster1x4_divisible", "coop_128x64x64_cluster2x1_smem8",
-              "w4x1_64x256x64_splitk2_cluster2x1", "coop_128x128x64_splitk3_cluster1x2"]
+              "w4x1_64x256x64_splitk2_cluster2x1", "coop_128x128x64_splitk3_cluster1x2",
+              "w4x1_64x256x64_splitk2_cluster2x1_repack"]
 BUILD_CASES = {**{name: CASES[name] for name in NVCC_CASES}, **_sweep_splitk_cases()}
 
 

@@ -567,6 +567,15 @@ def test_multicast_split_k_fuzzed(cluster, schedule, slices, m, n8, seed):
     assert all(len(ranges) == slices for ranges in result.k_ranges.values())
 
 
+def test_multicast_split_k_after_the_repack_copies():
+    """The repack node (an odd K: A and B copied to aligned rows first) under a multicast cluster with split-K:
+    the cluster grid reads the copies, and C is A @ B with every element written once."""
+    from l2ir.nodes import Repack
+
+    kernel = _multicast_kernel((2, 1), slices=2).replace(repack=Repack())
+    _check(kernel, Problem(130, 520, 1027), seed=11)
+
+
 def test_multicast_split_k_slices_are_whole_cluster_grids(monkeypatch):
     """ClusterMulticast.unit: launch block slice * blocks + index is block `index` of `slice`; a mapping that
     runs the slices inside each cluster (its blocks in different K slices could not share a k tile) is refused."""
