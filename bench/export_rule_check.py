@@ -28,11 +28,14 @@ from l2ir.search.records import results_file
 from l2ir.search.report import families_groups, geomean
 
 from l2ir.export import WIN_CONFIDENCE, choose, choose_environment, win_verdict
+from l2ir.search.timing import PairedSpeedup
+
+NO_SAMPLES = PairedSpeedup(None, None, 0)
 
 
 def spread_rule(speedup, spread) -> bool:
-    """The export's rule up to commit 16ff220."""
-    return speedup is not None and spread is not None and speedup * (1 - spread) > 1.0
+    """The export's rule up to commit 16ff220, speedup * (1 - spread) > 1: win_verdict's verdict without samples."""
+    return win_verdict(speedup, spread, NO_SAMPLES)[0]
 
 
 def race_files(prefix: Path) -> list[Path]:

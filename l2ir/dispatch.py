@@ -218,13 +218,7 @@ class Package:
         for an unpromising neighbour its borrowed kernel, if on its predicted device time (the tuned time times the
         tile ratio) against cuBLAS's (the tuned time times the FLOP ratio) an eager call pays (`eager_pays`)."""
         if reason == "unpromising":
-            t = self.times.get((*shape, cls))
-            tile = self.kernels[key].tile()
-            if t is None or tile is None:
-                return None
-            kernel_us, cublas_us = t
-            return key if eager_pays(kernel_us * tile_ratio(tile, shape, (m, n, k)),
-                                     cublas_us * flop_ratio(shape, (m, n, k)), self.manifest.get("rule", {})) else None
+            return key if self._eager_pays_at(key, shape, (m, n, k), cls) else None
         if reason != "cublas":
             return None
         ekey = self.eager.get((*shape, cls))
@@ -232,13 +226,20 @@ class Package:
             return ekey
         if not self.kernels[ekey].admits(m, n, k):
             return None
-        # A neighbour up to twice the tuned shape's size may cross into GPU-bound calls: the same prediction.
-        t, tile = self.times.get((*shape, cls)), self.kernels[ekey].tile()
+        # A neighbour up to twice the tuned shape's size may cross into GPU-bound calls: the same prediction; a
+        # package without the eager kernel's times (or a Source kernel) keeps it.
+        return None if self._eager_pays_at(ekey, shape, (m, n, k), cls) is False else ekey
+
+    def _eager_pays_at(self, key: str, tuned: tuple, shape: tuple, cls: str) -> bool | None:
+        """`eager_pays` for kernel `key` at `shape` on the times measured at the tuned shape, carried over: the
+        kernel's by the ratio of tiles it runs, cuBLAS's by the FLOP ratio. None where they cannot be carried (no
+        times in the table, a Source kernel without a tile)."""
+        t, tile = self.times.get((*tuned, cls)), self.kernels[key].tile()
         if t is None or tile is None:
-            return ekey                   # a package without the eager kernel's times (or a Source kernel)
+            return None
         kernel_us, cublas_us = t
-        return ekey if eager_pays(kernel_us * tile_ratio(tile, shape, (m, n, k)),
-                                  cublas_us * flop_ratio(shape, (m, n, k)), self.manifest.get("rule", {})) else None
+        return eager_pays(kernel_us * tile_ratio(tile, tuned, shape), cublas_us * flop_ratio(tuned, shape),
+                          self.manifest.get("rule", {}))
 
 
 def predicted_speedup(speedup: float, tile: tuple[int, int, int] | None, tuned: tuple[int, int, int],

@@ -103,13 +103,6 @@ def paired_speedup(pairs: Sequence[tuple[Sequence[float], Sequence[float]]],
                          sum(b for _, b in kept) / total_k if total_k > 0 else None, len(ratios))
 
 
-def paired_speedup_bound(pairs: Sequence[tuple[Sequence[float], Sequence[float]]],
-                         confidence: float = 0.95) -> tuple[float | None, int]:
-    """(lower confidence bound of the median per-round speedup, rounds used): `paired_speedup`'s bound."""
-    got = paired_speedup(pairs, confidence)
-    return got.bound, got.rounds
-
-
 def sets_for(set_bytes: int, l2_bytes: int, cfg: TimingConfig) -> int:
     """How many input sets to rotate over: enough to exceed the rotation volume, at least 2, at most max_sets."""
     volume = cfg.rotate_bytes or 2 * l2_bytes

@@ -11,8 +11,7 @@ from l2ir.indexing import Const, Var, cdiv
 from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, Source, Target, Tile
 from l2ir.search.gates import (GATES, TIMING_GATES, ULP_FRACTION, GuardedBuffer, Verdict, admits, check_accuracy,
                                check_ulps, poison, ragged_shapes, tolerance, ulp_distance, unwritten)
-from l2ir.search.timing import (TimingConfig, median_lower_bound, paired_speedup_bound, reps_for, sets_for,
-                                summarize)
+from l2ir.search.timing import TimingConfig, median_lower_bound, paired_speedup, reps_for, sets_for, summarize
 
 torch = pytest.importorskip("torch")
 
@@ -276,8 +275,8 @@ def test_median_lower_bound_is_an_order_statistic_with_its_coverage():
     covered = np.mean([median_lower_bound(rng.exponential(1.0, 45).tolist()) < true_median for _ in range(4000)])
     assert 0.95 <= covered <= 0.985, covered
     # Paired: a round's shared state cancels; mismatched or empty measurements add no rounds.
-    bound, n = paired_speedup_bound([([5.0, 10.0, 20.0, 40.0, 80.0], [6.0, 12.0, 24.0, 48.0, 96.0]), ([1.0], [])])
-    assert n == 5 and math.isclose(bound, 1.2)
+    got = paired_speedup([([5.0, 10.0, 20.0, 40.0, 80.0], [6.0, 12.0, 24.0, 48.0, 96.0]), ([1.0], [])])
+    assert got.rounds == 5 and math.isclose(got.bound, 1.2)
 
 
 def test_timing_helpers():
