@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from l2ir.analysis import block_reduce, cluster_reduce
+from l2ir.analysis import block_reduce, cluster_reduce, multicast
 from l2ir.indexing import Repack, ceil_div
 from l2ir.nodes import Kernel, Problem
 from l2ir.target import H200_SMS
@@ -80,7 +80,14 @@ def kernel_time_us(kernel: Kernel, problem: Problem, sms: int = SMS) -> float:
     if kernel.is_source:
         return LAUNCH_US + 2.0 * m * n * k / (PEAK_TFLOPS * 1e6 * 0.05)
     t = kernel.tile
-    tiles = ceil_div(m, t.bm) * ceil_div(n, t.bn)
+    grid = {"tiles_m": ceil_div(m, t.bm), "tiles_n": ceil_div(n, t.bn)}
+    tiles = grid["tiles_m"] * grid["tiles_n"]
+    # A multicast cluster's grid is whole clusters: a block past the tile grid still runs the K loop to load its
+    # share for the others, so it takes an SM for a whole tile's time (l2ir.indexing.ClusterMulticast). Multicast
+    # saves L2-to-SM reads, not DRAM bytes (L2 already serves the re-reads), so the traffic below is unchanged:
+    # offline, multicast lost on every skinny shape measured (bench/NOTES.md).
+    mc = multicast(kernel)
+    blocks = tiles if mc is None else mc.blocks().eval(grid)
     sk = kernel.splitk
     slices = sk.slices if (sk is not None and sk.mode == "split_k") else 1
     k_per = ceil_div(ceil_div(k, t.bk), slices) * t.bk
@@ -92,7 +99,7 @@ def kernel_time_us(kernel: Kernel, problem: Problem, sms: int = SMS) -> float:
         slices = 1
     per_sm = PEAK_TFLOPS * 1e6 / sms * _efficiency(kernel)           # FLOP per microsecond per SM
     tile_us = 2.0 * t.bm * t.bn * k_per / per_sm + 0.4
-    work = tiles * slices
+    work = blocks * slices
     stream_k = sk is not None and sk.mode == "stream_k"
     # stream-K: every SM gets the same share of all tiles' k iterations, so fewer tiles than SMs still fill the
     # machine (a fractional wave); a tile that spans SMs is finished by a fixup through the workspace.

@@ -882,3 +882,24 @@ def test_export_rule_check_rereads_the_v16_race_and_holds_out_the_fresh_trials(t
         assert group["served_below_1"] == []
     with pytest.raises(SystemExit, match="not found"):
         check.main(["--race", str(tmp_path / "nothing"), "--out", str(tmp_path / "x.json")])
+
+
+def test_standin_charges_a_multicast_cluster_its_blocks_past_the_grid():
+    """A multicast cluster's grid is whole clusters: 2 tiles along N in clusters of 1x8 launch 8 blocks per tile
+    row, so 65 tile rows take 520 blocks, four waves on 132 SMs, where the plain twin's 130 tiles fit one; where the
+    clusters tile the grid exactly the model gives both the same time (no multicast saving: L2 serves the re-reads
+    either way)."""
+    import dataclasses
+
+    from l2ir.search.standin import SMS, kernel_time_us
+    from l2ir.search.sweeps import load_sweep
+
+    from l2ir.nodes import Problem
+
+    clustered = load_sweep("cuda_ptx")["ptx_w4x1_64x64x64_c1x8"]
+    plain = clustered.replace(tile=dataclasses.replace(clustered.tile, cluster=(1, 1)))
+    assert SMS == 132
+    ragged = Problem(64 * 65, 64 * 2, 4096)                     # 130 tiles; 65 clusters of 8 = 520 blocks
+    assert kernel_time_us(clustered, ragged) > 2.5 * kernel_time_us(plain, ragged)
+    whole = Problem(64, 64 * 128, 4096)                         # 16 whole clusters, one wave either way
+    assert kernel_time_us(clustered, whole) == kernel_time_us(plain, whole)
