@@ -653,6 +653,11 @@ def _repack_kernels() -> dict[str, Kernel]:
                                                                                       epilogue=vec1),
         "cluster_w4x1_64x64x64_s8": sweep["ptx_splitk_cluster_w4x1_64x64x64_s8"].replace(repack=Repack(),
                                                                                          epilogue=vec1),
+        # TMA multicast over the aligned copies: a cluster's blocks load shares of the copied rows for each other,
+        # alone and with split-K through the workspace (one copy of the cluster grid per K slice).
+        "multicast_w4x1_64x64x64_c2x1": sweep["ptx_w4x1_64x64x64_c2x1"].replace(repack=Repack(), epilogue=vec1),
+        "multicast_splitk_w4x1_64x256x64_s2_c2x1": sweep["ptx_splitk_w4x1_64x256x64_s2_c2x1"].replace(
+            repack=Repack(), epilogue=vec1),
     }
 
 
