@@ -352,6 +352,10 @@ def _multicast_kernels() -> dict[str, Kernel]:
     kernels["coop_128x64x64_c1x4"] = coop.replace(tile=Tile((128, 64, 64), (8, 1), (1, 4)))
     kernels["coop_128x64x64_c2x1_smem8"] = coop.replace(tile=Tile((128, 64, 64), (8, 1), (2, 1)),
                                                         epilogue=Epilogue("smem", 8))
+    # The narrow-N sweep tiles: B boxes of 3 and 4 swizzle atoms (24 and 32 rows), A shared by 4 or 8 blocks.
+    sweep = load_sweep("cuda_ptx")
+    for name in ("ptx_coop_128x24x64_c1x4", "ptx_coop_128x32x64_c1x4", "ptx_coop_128x32x64_c1x8"):
+        kernels[name.removeprefix("ptx_")] = sweep[name]
     return kernels
 
 
