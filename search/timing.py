@@ -301,39 +301,28 @@ def time_offline(kernel: Callable[[int], None], baseline: Callable[[int], None],
     reps = reps_for(est, n_sets, cfg) + _draw(rng, 0, n_sets - 1)
     first = _draw(rng, 0, n_sets - 1)
     order = [(first + r) % n_sets for r in range(reps)]
-    replay_k = clock.capture(kernel, order)
-    replay_b = clock.capture(baseline, order)
     out = Timed(reps=reps, sets=n_sets, warmup=warm)
-    trials = cfg.trials + _draw(rng, 0, 2)
-    pending_k, pending_b = [], []
-    for t, kernel_first in enumerate(kernel_first_orders(rng, trials)):
-        g.refresh(everything)
-        g.poison(everything)
-        pair = ((replay_k, pending_k), (replay_b, pending_b))
-        for replay, pending in (pair if kernel_first else pair[::-1]):
-            pending.append(clock.start(replay))
-        g.check(everything, f"offline trial {t}")
-    out.kernel_us = [clock.elapsed_ms(h) * 1000.0 / reps for h in pending_k]
-    out.baseline_us = [clock.elapsed_ms(h) * 1000.0 / reps for h in pending_b]
-    del replay_k, replay_b
+
+    def checked_replays(calls: list[int], count: int, label: str) -> tuple[list[float], list[float]]:
+        """Per-call us of `count` replays per side of a graph over `calls`, each on fresh inputs and poison, checked."""
+        replay_k, replay_b = clock.capture(kernel, calls), clock.capture(baseline, calls)
+        pending_k, pending_b = [], []
+        for t, kernel_first in enumerate(kernel_first_orders(rng, count)):
+            g.refresh(everything)
+            g.poison(everything)
+            pair = ((replay_k, pending_k), (replay_b, pending_b))
+            for replay, pending in (pair if kernel_first else pair[::-1]):
+                pending.append(clock.start(replay))
+            g.check(everything, f"offline {label} {t}")
+        return ([clock.elapsed_ms(h) * 1000.0 / len(calls) for h in pending_k],
+                [clock.elapsed_ms(h) * 1000.0 / len(calls) for h in pending_b])
+
+    out.kernel_us, out.baseline_us = checked_replays(order, cfg.trials + _draw(rng, 0, 2), "trial")
     # One rotation on fresh inputs: every set once, so no call meets inputs it has met before. An honest kernel's
     # per-call time is the replay's (the same calls in the same graph, the same cache state: the sets exceed L2 or
     # all fit in it either way); a kernel that skips some repeated calls is faster in the long replay.
-    rotations = cfg.rotations if guard is not None else 0
-    if rotations:
-        rotation_k = clock.capture(kernel, order[:n_sets])
-        rotation_b = clock.capture(baseline, order[:n_sets])
-        pending_k, pending_b = [], []
-        for t, kernel_first in enumerate(kernel_first_orders(rng, rotations)):
-            g.refresh(everything)
-            g.poison(everything)
-            pair = ((rotation_k, pending_k), (rotation_b, pending_b))
-            for replay, pending in (pair if kernel_first else pair[::-1]):
-                pending.append(clock.start(replay))
-            g.check(everything, f"offline rotation {t}")
-        out.rotation_kernel_us = [clock.elapsed_ms(h) * 1000.0 / n_sets for h in pending_k]
-        out.rotation_baseline_us = [clock.elapsed_ms(h) * 1000.0 / n_sets for h in pending_b]
-        del rotation_k, rotation_b
+    if guard is not None and cfg.rotations:
+        out.rotation_kernel_us, out.rotation_baseline_us = checked_replays(order[:n_sets], cfg.rotations, "rotation")
     # Single calls on fresh inputs and fresh poison: what one call costs when nothing of it can be reused.
     singles = cfg.singles if guard is not None else 0
     for s, kernel_first in enumerate(kernel_first_orders(rng, singles)):
