@@ -211,11 +211,13 @@ class Case:
         self.b().copy_(b)
         self.snapshot()
 
-    def refresh(self, gen):
-        """New randn values in place (the pointers stay, as a CUDA graph needs), then the copy."""
+    def refresh(self, gen, copy: bool = True):
+        """New randn values in place (the pointers stay, as a CUDA graph needs), then the copy (not needed for the
+        baseline's inputs)."""
         self.A.view(self.ta, self.a_stored).normal_(generator=gen)
         self.B.view(self.tb, self.b_stored).normal_(generator=gen)
-        self.snapshot()
+        if copy:
+            self.snapshot()
 
     def snapshot(self):
         """Copy the stored inputs (after every change the evaluator makes to them)."""
@@ -429,12 +431,13 @@ class _TimingGuard(Guard):
     """Fresh inputs, poisoned outputs and the check of every set the timed calls wrote (search/timing.py).
 
     The kernel's sets are guarded Cases, laid out as in the gates (a kernel that looks at the bytes around its
-    pointers sees the same thing in both), and the baseline computes on inputs of its own: a kernel that found the
-    baseline's output would find the product of other inputs. Each written set is checked after the trial or round
+    pointers sees the same thing in both), and the baseline computes on guarded inputs of its own (the same
+    layout in memory, so neither side's page walks are cheaper): a kernel that found the baseline's output would
+    find the product of other inputs. Each written set is checked after the trial or round
     against the float64 product of the copy of its inputs, in ulps as the `ulp` gate counts them, and its inputs
     against that copy."""
 
-    def __init__(self, sets: list["Case"], baseline_sets: list, gen, out, k, acc, workspace: GuardedBuffer):
+    def __init__(self, sets: list[Case], baseline_sets: list[Case], gen, out, k, acc, workspace: GuardedBuffer):
         self.sets, self.baseline_sets, self.gen, self.out, self.k, self.acc = sets, baseline_sets, gen, out, k, acc
         self.workspace = workspace
         self.problems: list[str] = []
@@ -444,14 +447,12 @@ class _TimingGuard(Guard):
     def refresh(self, sets):
         for i in sets:
             self.sets[i].refresh(self.gen)
-            a, b, _ = self.baseline_sets[i]
-            a.normal_(generator=self.gen)
-            b.normal_(generator=self.gen)
+            self.baseline_sets[i].refresh(self.gen, copy=False)
 
     def poison(self, sets):
         for i in sets:
             poison(self.sets[i].c(), self.out)
-            poison(self.baseline_sets[i][2], self.out)
+            poison(self.baseline_sets[i].c(), self.out)
 
     def check(self, sets, where):
         # Queued on the device (counts stay tensors until `finish`): no host sync inside the timing loops.
@@ -491,10 +492,6 @@ def _timing(problem, plan, launcher, cfg: EvalConfig, gen, rng, dev, tile, send,
     set_bytes = (m * k * ta.itemsize + k * n * tb.itemsize + m * n * tc.itemsize)
     n_sets = sets_for(set_bytes, l2, cfg.timing)
 
-    def operand(rows, cols, layout, dtype):
-        stored = _randn((rows, cols) if layout == "row" else (cols, rows), gen, dev).to(dtype)
-        return stored if layout == "row" else stored.t()
-
     ws_bytes = launcher.workspace_bytes(m, n, k)
     # zero_workspace means zeroed once, before the first launch (l2ir/runtime.py): a split-K kernel's pair counters
     # must be left at zero by the kernel itself, so no memset is timed and none is paid by l2ir.matmul. A kernel that
@@ -503,22 +500,25 @@ def _timing(problem, plan, launcher, cfg: EvalConfig, gen, rng, dev, tile, send,
     ws = GuardedBuffer("workspace", ws_bytes, dev)
     ws.interior.fill_(0 if plan.zero_workspace else 0xFF)
     sets = [Case(problem, problem.shape, launcher, plan.zero_workspace, dev, workspace=ws) for _ in range(n_sets)]
-    baseline_sets = [(operand(m, k, problem.a[1], ta), operand(k, n, problem.b[1], tb),
-                      torch.empty((m, n), dtype=tc, device=dev)) for _ in range(n_sets)]
-    for case in sets:
+    baseline_sets = [Case(problem, problem.shape, launcher, plan.zero_workspace, dev, workspace=ws)
+                     for _ in range(n_sets)]
+    for case, base in zip(sets, baseline_sets):
         case.refresh(gen)
+        base.refresh(gen, copy=False)
 
     def kernel_call(i: int):
         sets[i].launch(ws)
 
     same_dtype = ta == tb == tc
 
+    baseline_views = [(base.a(), base.b(), base.c()) for base in baseline_sets]    # made once: no host work per call
+
     def baseline_call(i: int):
-        a, b, cb = baseline_sets[i]
+        a, b, c = baseline_views[i]
         if same_dtype:
-            torch.matmul(a, b, out=cb)
+            torch.matmul(a, b, out=c)
         else:
-            cb.copy_(torch.matmul(a, b))
+            c.copy_(torch.matmul(a, b))
 
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = cfg.baseline_reduced_precision
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = cfg.baseline_reduced_precision
