@@ -130,7 +130,7 @@ def summarize(results: list[ShapeResult], stats: RunStats, *, target: str, probl
     every, fresh = stats.compile_seconds, stats.compile_seconds_fresh
     return {
         "scenario": "offline (CUDA-graph replay, inputs rotated) and server (L2 flushed, idle gap), device time",
-        "baseline": "torch.matmul (cuBLAS), same inputs and layouts, interleaved; "
+        "baseline": "torch.matmul (cuBLAS), same shapes, layouts and kind of inputs (its own buffers), interleaved; "
                     + ("PyTorch default flags (fp16 reduced-precision reductions allowed)" if baseline_reduced_precision
                        else "fp16/bf16 reduced-precision reductions disabled (the fp32-accumulation contract)"),
         "command": command,
