@@ -93,9 +93,10 @@ class PairedSpeedup:
 def paired_speedup(pairs: Sequence[tuple[Sequence[float], Sequence[float]]],
                    confidence: float = 0.95) -> PairedSpeedup:
     """The paired view of measurements given as (kernel samples, baseline samples). Both sides of a round (or an
-    offline trial) ran back to back on fresh inputs of the same shape, so baseline_i / kernel_i cancels what the round shares
-    (clock state, the flush, the host's timing); a speedup's uncertainty is that of this median, not the spread of
-    single calls, which on cold calls is 5-10 % while the median of 45 rounds is known to about a quarter of that.
+    offline trial) ran back to back on fresh inputs of the same shape, so baseline_i / kernel_i cancels what the
+    round shares (clock state, the flush, the host's timing); a speedup's uncertainty is that of this median, not the
+    spread of single calls, which on cold calls is 5-10 % while the median of 45 rounds is known to about a quarter
+    of that.
     The median ignores a minority of catastrophic rounds (a kernel 1.06x faster in 70 % of rounds and 2x slower in
     the rest has a median bound of 1.06 and costs 1.3x cuBLAS's time in all), which the speedup of the totals shows.
     A measurement whose two sides differ in length adds nothing."""
