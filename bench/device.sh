@@ -206,11 +206,19 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total 
 nvcc --version | tail -1 || true
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu:", torch.cuda.is_available())'
 
+# The recipes write bench/results/*_h200 (the records DB imports bench/results' top-level JSONL as the H200's to seed
+# searches). A device call may land on another card (an H100 when no H200 comes): its results then go to
+# bench/results/<card>/*_<card>, so no other card's timings pass for the H200's. Inputs (--derived, --carry) stay.
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'H[0-9]{3}' | head -1 | tr 'A-Z' 'a-z')
+card=${card:-h200}
+[ "$card" = h200 ] || { mkdir -p "bench/results/$card"; echo "== results go to bench/results/$card/ (this card is not an H200)"; }
+
 status=0
 for r in "$@"; do
   line=$(recipes | grep "^$r|")
   limit=${line#*|}; limit=${limit%%|*}; cmd=${line#*|*|}
   var="TIMEOUT_${r//-/_}"; limit=${!var:-$limit}
+  [ "$card" = h200 ] || cmd=$(sed -E "s#(--out |> )bench/results/([A-Za-z0-9_.-]*)_h200#\1bench/results/$card/\2_$card#g" <<< "$cmd")
   echo "== $r (limit ${limit} s): $cmd"
   eval "timeout $limit $cmd" > "$OUT/$r.log" 2>&1
   rc=$?
