@@ -18,6 +18,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import statistics
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +31,9 @@ from l2ir.text import print_problem
 from l2ir.nodes import Kernel, Problem
 from l2ir.target import DTYPE_BYTES, TORCH_DTYPE
 
-from .gates import (GuardedBuffer, Verdict, admits, check_accuracy, check_ulps, poison, poisoned_count,
-                    ragged_shapes, relative_error, ulp_allowed, ulp_excess, unwritten, wrong_lines)
+from .gates import (GuardedBuffer, Verdict, admits, bits_differing, check_accuracy, check_ulps, poison,
+                    poisoned_count, ragged_shapes, relative_error, reproducible, ulp_allowed, ulp_excess, unwritten,
+                    wrong_lines)
 from .timing import (CudaClock, Guard, HostClock, TimingConfig, replay_gain, sets_for, summarize, time_offline,
                      time_server)
 
@@ -48,6 +50,10 @@ class EvalConfig:
     # cuBLAS may reduce split-K partials in fp16 unless told not to; the contract is fp32 accumulation, so by
     # default the baseline is held to it too.
     baseline_reduced_precision: bool = False
+    # repeated_calls: as many calls as fit this much kernel time (by the timed median), within the bounds. A race
+    # that goes wrong once in 1000 calls is seen with probability 1 - 0.999^calls: 63% at 1000 calls, 2% at 16.
+    repeat_budget_ms: float = 50.0
+    repeat_calls: tuple[int, int] = (16, 1024)
 
 
 @dataclass
@@ -388,7 +394,7 @@ def run_job(job: dict, send, launcher=None, device=None) -> dict:
 
         # Only a kernel that passed every gate is timed: a wrong kernel's speed is not a number worth keeping.
         if cfg.scenarios and job.get("time", True) and all(v.passed for v in verdicts):
-            result.update(_timing(problem, plan, launcher, cfg, gen, rng, dev, send, record))
+            result.update(_timing(problem, plan, launcher, cfg, gen, rng, dev, send, record, reproducible(kernel)))
     finally:
         launcher.close()
     return result
@@ -482,7 +488,7 @@ class _TimingGuard(Guard):
         return [p for p in (buf.check_guards() for buf in bufs) if p]
 
 
-def _timing(problem, plan, launcher, cfg: EvalConfig, gen, rng, dev, send, record) -> dict:
+def _timing(problem, plan, launcher, cfg: EvalConfig, gen, rng, dev, send, record, exact: bool) -> dict:
     import torch
 
     m, n, k = problem.shape
@@ -563,7 +569,52 @@ def _timing(problem, plan, launcher, cfg: EvalConfig, gen, rng, dev, send, recor
     probs = case.problems()
     record(Verdict("post_timing", v.passed and not probs, "one call on fresh inputs after timing: " + "; ".join(
         [v.detail, *probs])))
+
+    send("phase", "gate:repeated_calls")
+    if not (v.passed and not probs):
+        record(Verdict("repeated_calls", True, "not run: post_timing failed, so no checked output to repeat",
+                       skipped=True))
+    else:
+        per_call_us = min(statistics.median(t["kernel_us"]) for t in timings.values())
+        lo, hi = cfg.repeat_calls
+        calls = max(lo, min(hi, int(cfg.repeat_budget_ms * 1e3 / max(per_call_us, 1e-3))))
+        record(_repeated_calls(case, ref, calls, exact, k, acc, out, clock))
     return {"timings": timings}
+
+
+def _repeated_calls(case: Case, ref, calls: int, exact: bool, k: int, acc: str, out: str, clock) -> Verdict:
+    """Many calls on the inputs whose output post_timing checked, C poisoned before each. A race that goes wrong
+    now and then (a missing barrier, a split-K counter left dirty, a TMA store not waited for) shows in a few of
+    them; the gates before this look at one call each, the timed outputs at the last call on each set. Where the
+    schedule sums in a fixed order every output must equal the checked one bit for bit (a race that only changes
+    the rounding is still a race); otherwise it must pass the ulp count against the float64 product."""
+    import torch
+
+    first = case.c().clone()
+    allowed = ulp_allowed(first.numel())
+    counts = []
+    for _ in range(calls):
+        poison(case.c(), out)
+        case.launch()
+        c = case.c()
+        if exact:
+            counts.append(bits_differing(c, first, out))
+        else:
+            over1, over2 = ulp_excess(c, ref, k, acc, out)
+            counts.append(over2 + (over1 - allowed).clamp(min=0))
+    clock.sync()
+    bad = torch.stack(counts).cpu()
+    probs = case.problems()
+    how = "bit for bit equal to the checked output" if exact else "within the ulp count of the float64 product"
+    failed = bad.nonzero().flatten().tolist()
+    if failed:
+        shown = ", ".join(f"call {i + 1}: {int(bad[i])} elements" for i in failed[:4])
+        what = "differ from the checked output" if exact else "lie beyond the ulp count or still hold the poison"
+        return Verdict("repeated_calls", False, f"{len(failed)} of {calls} calls on the same inputs left elements "
+                       f"that {what} ({shown}{', ...' if len(failed) > 4 else ''}): a race"
+                       + "".join(f"; {p}" for p in probs))
+    return Verdict("repeated_calls", not probs, f"{calls} calls on the same inputs, C poisoned before each: every "
+                   f"output {how}" + "".join(f"; {p}" for p in probs))
 
 
 def _context_healthy(device: int) -> bool:

@@ -21,6 +21,9 @@ The gates (the README's gate table says what each costs):
 - replay_gain:     per-call time in a replay vs a single call on fresh inputs, and vs a replay that meets every set
                    once, each against the baseline's ratio (a kernel that skips repeated calls is faster in a replay).
 - post_timing:     after timing, fresh inputs and poison, one call, checked against float64 (a launch counter).
+- repeated_calls:  the post_timing inputs again, C poisoned before each of many calls (a time budget's worth), every
+                   output equal bit for bit to the checked one where the schedule sums in a fixed order
+                   (`reproducible`), else within the ulp count of the float64 product (a rare race).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from l2ir.nodes import Kernel, Problem
 from l2ir.target import UNIT_ROUNDOFF
 
 GATES = ("accuracy", "ulp", "all_written", "stale_output", "partial_refresh", "guard_bands", "ragged_shapes")
-TIMING_GATES = ("timed_outputs", "replay_gain", "post_timing")
+TIMING_GATES = ("timed_outputs", "replay_gain", "post_timing", "repeated_calls")
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,13 @@ def ulp_allowed(numel: int) -> int:
     return int(ULP_FRACTION * numel)
 
 
+def reproducible(kernel: Kernel) -> bool:
+    """Whether equal inputs must give bitwise equal outputs. Every lowering of a schedule sums in a fixed order (the
+    split-K slices too: a workspace turnstile, a cluster's or a block's fixed reduction) except splitk reduce=atomic,
+    whose fp32 atomics add the slices in whatever order they finish; free-form Source promises nothing."""
+    return kernel.source is None and (kernel.splitk is None or kernel.splitk.reduce != "atomic")
+
+
 def check_ulps(name: str, c, ref, k: int, acc: str, out: str) -> Verdict:
     """No element beyond 2 units, at most ULP_FRACTION of them beyond 1, nothing non-finite."""
     import torch
@@ -323,6 +333,11 @@ def poison(c, out: str):
     """Fill C (any float dtype view) with the poison bit pattern."""
     bits = c.view(_int_dtype(out))
     bits.fill_(POISON_BITS[out])
+
+
+def bits_differing(c, first, out: str):
+    """How many elements of C differ from `first` in their bits, as a 0-d tensor (no host sync; NaN == NaN)."""
+    return (c.view(_int_dtype(out)) != first.view(_int_dtype(out))).sum()
 
 
 def poisoned_count(c, out: str):

@@ -327,6 +327,8 @@ class NumpyKernel:
                                               # in for whatever a kernel reads to tell the timed calls apart
         self.seen = {}                        # "recognise" / "repeat": what the last call on these pointers read
         self.repeats = self.skipped = 0       # "repeat_some": repeated calls met, and skipped
+        self.racing = False                   # "race", "race_rounding": set by the test once the repeated calls
+                                              # start, standing in for a race too rare for the gates before them
 
     def workspace_bytes(self, m, n, k):
         return 0
@@ -387,9 +389,12 @@ class NumpyKernel:
         else:
             out = (A.astype(np.float32) @ B.T.astype(np.float32)).astype(np.float16)
         C = self._array(c, m * n).reshape(m, n)
-        if self.defect == "unwritten":
+        if self.defect == "unwritten" or (self.defect == "race" and self.racing and self.calls % 7 == 0):
             out = out.copy()
             out[:t, :t] = C[:t, :t]            # the first tile keeps whatever C held
+        if self.defect == "race_rounding" and self.racing and self.calls % 7 == 0:
+            out = out.copy()
+            out.view(np.uint16)[0, 0] ^= 1     # one element one unit off: the order of a sum changed
         C[:] = out
         if self.defect == "oob":
             self._array(c, m * n + 20)[m * n + 16:] = 1.0
@@ -483,6 +488,66 @@ def test_timing_gates_on_cpu(defect, gate):
         assert not v["post_timing"].passed and "bytes of its inputs" in v["post_timing"].detail
     if defect == "fp16_runs_when_timed":        # within the magnitude bounds; the ulp count of every set fails it
         assert "beyond 1 ulp" in v[gate].detail and not v["post_timing"].passed
+
+
+def test_a_race_that_shows_once_in_seven_calls_fails_repeated_calls():
+    """Every gate before it looks at one call, the timed outputs at the last call on each set: a race that leaves a
+    tile unwritten now and then is seen only by many calls on the same inputs, each on a poisoned C."""
+    from l2ir.search.evaluator import EvalConfig, run_job
+
+    kernel = NumpyKernel("race", compute_s=0.01)
+    sent = []
+
+    def send(kind, body):
+        sent.append((kind, body))
+        kernel.racing |= kind == "phase" and body == "gate:repeated_calls"
+
+    job = {"kernel": source_kernel(), "problem": Problem(m=64, n=96, k=256), "plan": _Plan(),
+           "config": EvalConfig(scenarios=("offline",), timing=CPU_TIMING), "binary": ""}
+    run_job(job, send, launcher=kernel, device="cpu")
+    v = {b["name"]: Verdict.from_json(b) for k, b in sent if k == "verdict"}
+    assert all(v[g].passed for g in GATES + ("timed_outputs", "post_timing")), v
+    bad = v["repeated_calls"]
+    # 10 ms per call: the 50 ms budget gives 5 calls, raised to the floor of 16, of which 2 or 3 are a 7th call.
+    assert not bad.passed and bad.detail[:13] in ("2 of 16 calls", "3 of 16 calls") and "a race" in bad.detail, bad
+
+
+@pytest.mark.parametrize("defect", [None, "race_rounding"])
+def test_repeated_calls_compare_bits_where_the_sum_order_is_fixed(defect):
+    """A race that only changes one element's rounding passes the ulp count but not the bitwise comparison that
+    a schedule with a fixed summation order is held to."""
+    import torch
+
+    from l2ir.search.evaluator import Case, _repeated_calls
+    from l2ir.search.timing import HostClock
+
+    problem = Problem(m=64, n=96, k=256)
+    kernel = NumpyKernel(defect)
+    case = Case(problem, problem.shape, kernel, False, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    case.refresh(gen)
+    case.run()
+    ref = case.reference()
+    kernel.racing = True
+    results = {exact: _repeated_calls(case, ref, 14, exact, 256, "f32", "f16", HostClock(CPU_TIMING))
+               for exact in (True, False)}
+    assert results[False].passed, results[False]
+    assert results[True].passed == (defect is None), results[True]
+    if defect:
+        assert "2 of 14 calls" in results[True].detail and "1 elements" in results[True].detail
+    else:
+        assert "bit for bit" in results[True].detail
+
+
+def test_which_kernels_must_be_bitwise_reproducible():
+    from l2ir.nodes import SplitK
+    from l2ir.search.gates import reproducible
+
+    kernel = schedule_kernel(None)
+    assert reproducible(kernel) and not reproducible(source_kernel())
+    for reduce, fixed in (("workspace", True), ("cluster", True), ("block", True), ("atomic", False)):
+        assert reproducible(dataclasses.replace(kernel, splitk=SplitK(mode="split_k", slices=2,
+                                                                      reduce=reduce))) == fixed
 
 
 def test_the_bytes_around_a_kernels_pointers_are_the_same_in_the_gates_and_the_timing():

@@ -48,7 +48,7 @@ def _gpu_ready() -> str | None:
 @pytest.mark.nvcc
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("plant", [None, "FP16_ACC", "OOB_WRITE", "UNWRITTEN", "DIVISIBLE", "STALE", "CRASH", "HANG",
-                                   "RECOGNISE", "REPEAT", "COUNTER", "FP16_RUNS", "PROBE_EXACT"])
+                                   "RECOGNISE", "REPEAT", "COUNTER", "FP16_RUNS", "PROBE_EXACT", "RACE"])
 def test_planted_kernels_compile(tmp_path, plant):
     art = compile_plan(lower_source(planted_kernel(plant), PROBLEM), CompileOptions(cache_dir=str(tmp_path)))
     assert art.ok, art.log
@@ -235,6 +235,28 @@ def test_timing_hacks_are_rejected(cache, plant, gates):
         elif plant is None:
             assert v[name].passed, f"honest kernel failed {name}: {v[name].detail}"
     assert ms[0].passed == (plant is None)
+
+
+# A race that leaves a tile unwritten in one launch of 50, and only past the gates' launches: the timed outputs see
+# it only where a racing launch was the last on a set before a check, post_timing in one launch of 50; the
+# repeated calls (about 1000 at this size) see it every time.
+@pytest.mark.gpu
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_a_rare_race_is_rejected(cache):
+    from l2ir.search.evaluator import EvalConfig, Evaluator
+    from l2ir.search.timing import TimingConfig
+
+    cfg = EvalConfig(scenarios=("offline", "server"), phase_timeout_s=120,
+                     timing=TimingConfig(trials=3, target_ms=5.0, server_samples=4, singles=3))
+    kernel = planted_kernel("RACE")
+    with Evaluator(cfg) as ev:
+        ms = ev.evaluate(kernel, TIMED_PROBLEM, *build(kernel, cache, problem=TIMED_PROBLEM))
+    v = {x.name: x for x in ms[0].verdicts}
+    assert all(v[name].passed for name in GATES), [v[n] for n in GATES if not v[n].passed]
+    assert not ms[0].passed
+    if v["post_timing"].passed:
+        assert not v["repeated_calls"].passed and "a race" in v["repeated_calls"].detail, v["repeated_calls"]
+        assert " calls on the same inputs" in v["repeated_calls"].detail
 
 
 # The ulp gate must never reject an honest fp32-accumulating result: torch.matmul (cuBLAS, reduced-precision

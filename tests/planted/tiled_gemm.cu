@@ -24,6 +24,9 @@
 //                      run to the fp32 accumulator: inside the magnitude bounds        -> ulp
 //   PLANT_PROBE_EXACT  accumulates in fp16 unless the inputs look like a precision
 //                      probe (A[0] == 32, the old probe's big value), then in fp32     -> ulp
+// A bug that hides from one-call gates:
+//   PLANT_RACE         past the first PLANT_COUNTER_N launches (the gates'), one launch in
+//                      50 does not store its last tile, as a race now and then would   -> repeated_calls
 
 #include <cuda_fp16.h>
 
@@ -40,7 +43,7 @@ __device__ volatile int l2ir_never_set = 0;
 __device__ unsigned int l2ir_blocks_done = 0;
 #endif
 
-#if defined(PLANT_RECOGNISE) || defined(PLANT_COUNTER) || defined(PLANT_REPEAT)
+#if defined(PLANT_RECOGNISE) || defined(PLANT_COUNTER) || defined(PLANT_REPEAT) || defined(PLANT_RACE)
 // Launch-level state. The last block of a launch to finish publishes it (and resets the block count), so every block
 // of one launch reads the same values: those earlier launches left (launches on a stream run in order). What a call
 // saw is kept per A pointer (a small table), so rotating over buffer sets does not hide repeats.
@@ -201,6 +204,13 @@ tiled_gemm(const void* A_, const void* B_, void* C_, int M, int N, int K, void* 
 #ifdef PLANT_UNWRITTEN
     if (blockIdx.x == gridDim.x - 1 && blockIdx.y == gridDim.y - 1) return;
 #endif
+#ifdef PLANT_RACE
+    if (l2ir_launches >= PLANT_COUNTER_N && l2ir_launches % 50 == 17 && blockIdx.x == gridDim.x - 1 &&
+        blockIdx.y == gridDim.y - 1) {
+        l2ir_finish_launch(A_, 0.f, 0.f);
+        return;
+    }
+#endif
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int r = row0 + ty + 8 * i, c = col0 + tx;
@@ -224,5 +234,7 @@ tiled_gemm(const void* A_, const void* B_, void* C_, int M, int N, int K, void* 
 #endif
 #if defined(PLANT_RECOGNISE) || defined(PLANT_COUNTER) || defined(PLANT_REPEAT)
     l2ir_finish_launch(A_, a0, b0);
+#elif defined(PLANT_RACE)
+    l2ir_finish_launch(A_, 0.f, 0.f);
 #endif
 }
