@@ -39,6 +39,14 @@ class DeriveError(Exception):
     pass
 
 
+def same_card(base: dict, other: dict, name: str) -> None:
+    """One derivation holds one card's numbers: a file measured on another GPU than the base run is an error
+    (a device call can land on an H100 where an H200 was asked for). Files that do not name their GPU pass."""
+    gpu, base_gpu = (other or {}).get("gpu"), (base or {}).get("gpu")
+    if gpu and base_gpu and gpu != base_gpu:
+        raise DeriveError(f"{name}: measured on an {gpu}, the base run on an {base_gpu}")
+
+
 def _load(prefix: str) -> tuple[dict, dict[tuple, set[str]]]:
     """(summary, shape -> kernel hashes evaluated on it) of one bench run."""
     summary_path, evals_path = Path(prefix + ".json"), results_file(prefix + ".jsonl")   # or its .jsonl.gz
@@ -66,6 +74,7 @@ def derive(prefixes: list[str]) -> dict:
     replaced = []
     for prefix in prefixes[1:]:
         later, evaluated = _load(prefix)
+        same_card(base.get("environment"), later.get("environment"), f"{prefix}.json")
         if later["problem_class"] != base["problem_class"]:
             raise DeriveError(f"{prefix}.json: problem class {later['problem_class']!r}, not the base run's "
                               f"{base['problem_class']!r}")
@@ -99,6 +108,7 @@ def add_ceiling(result: dict, ceiling_path: Path) -> None:
     try:
         probe = json.loads(ceiling_path.read_text())
         ceiling = {tuple(r["shape"]): r["ceiling_us"] for r in probe["rows"] if r.get("ceiling_us")}
+        same_card(result.get("environment"), probe.get("environment"), str(ceiling_path))
     except OSError as e:
         raise DeriveError(f"{ceiling_path}: cannot read: {e.strerror}") from None
     except (json.JSONDecodeError, KeyError, TypeError) as e:
@@ -130,6 +140,7 @@ def add_server(result: dict, *server_paths: Path) -> None:
     for path in server_paths:
         try:
             race = json.loads(path.read_text())
+            same_card(result.get("environment"), race.get("environment"), str(path))
             races.append((path.name, {tuple(r["shape"]): r for r in race["rows"]}, race["groups"], race.get("scenario")))
         except OSError as e:
             raise DeriveError(f"{path}: cannot read: {e.strerror}") from None

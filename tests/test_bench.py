@@ -452,6 +452,36 @@ def test_derive_families_server_adds_each_rows_server_winner_and_the_groups(tmp_
         derive.add_server(out, server)
 
 
+def test_derive_families_refuses_numbers_from_another_card(tmp_path):
+    """A later run, a ceiling or a server race measured on another GPU than the base run is a DeriveError naming
+    the file and both cards; a file that does not name its GPU passes."""
+    derive = _derive_module()
+    shape = (64, 64, 64)
+    base = _bench_run(tmp_path, "base", [(shape, "aaaaaaaaaaaa", 1.0)], {shape: ["aaaaaaaaaaaa"]})
+    later = _bench_run(tmp_path, "later", [(shape, "bbbbbbbbbbbb", 1.2)], {shape: ["aaaaaaaaaaaa"]})
+    for name, gpu in (("base", "NVIDIA H200"), ("later", "NVIDIA H100 80GB HBM3")):
+        summary = json.loads((tmp_path / f"{name}.json").read_text())
+        summary["environment"] = {"gpu": gpu}
+        (tmp_path / f"{name}.json").write_text(json.dumps(summary))
+    with pytest.raises(derive.DeriveError, match=r"later\.json: measured on an NVIDIA H100 80GB HBM3, the base run "
+                                                 r"on an NVIDIA H200"):
+        derive.derive([base, later])
+    out = derive.derive([base])
+    race = {"scenario": "server", "groups": {}, "rows": [{"shape": list(shape), "server_winner": "cfg/x",
+                                                          "fresh_server": {"speedup": 1.1}}]}
+    server = tmp_path / "server.json"
+    server.write_text(json.dumps(dict(race, environment={"gpu": "NVIDIA H100 80GB HBM3"})))
+    with pytest.raises(derive.DeriveError, match=r"server\.json: measured on an NVIDIA H100"):
+        derive.add_server(out, server)
+    server.write_text(json.dumps(race))
+    derive.add_server(out, server)
+    assert out["rows"][0]["fresh_server"]["speedup"] == 1.1
+    ceiling = tmp_path / "ceiling.json"
+    ceiling.write_text(json.dumps({"environment": {"gpu": "NVIDIA H100 80GB HBM3"}, "rows": []}))
+    with pytest.raises(derive.DeriveError, match=r"ceiling\.json: measured on an NVIDIA H100"):
+        derive.add_ceiling(out, ceiling)
+
+
 def test_derive_families_later_server_race_replaces_its_rows_win_or_lose(tmp_path):
     """Two --server files: the later one's rows replace the earlier's for the shapes it raced, a slower fresh
     number too (no best-of-two-fresh-reports pick), a shape it raced without a fresh time loses its numbers, the
