@@ -567,11 +567,11 @@ def _timing(problem, plan, launcher, cfg: EvalConfig, gen, rng, dev, send, recor
     if v.passed:
         v = check_ulps("post_timing", case.c(), ref, k, acc, out)
     probs = case.problems()
-    record(Verdict("post_timing", v.passed and not probs, "one call on fresh inputs after timing: " + "; ".join(
-        [v.detail, *probs])))
+    checked = v.passed and not probs
+    record(Verdict("post_timing", checked, "one call on fresh inputs after timing: " + "; ".join([v.detail, *probs])))
 
     send("phase", "gate:repeated_calls")
-    if not (v.passed and not probs):
+    if not checked:
         record(Verdict("repeated_calls", True, "not run: post_timing failed, so no checked output to repeat",
                        skipped=True))
     else:
