@@ -9,7 +9,7 @@
 # them). Each recipe has its own time limit (override: TIMEOUT_<RECIPE with - as _>=seconds); its console output
 # goes to $OUT/<recipe>.log and to bench/results/ where the results index says so; bench results land in
 # bench/results/ (resumable: rerunning a bench recipe measures only what is missing). $OUT/results.tgz holds
-# bench/results/ and the logs at the end.
+# bench/results/ and the logs, packed again after every recipe.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/l2ir-out}
@@ -226,6 +226,9 @@ for r in "$@"; do
   echo "== $r: exit $rc"
   tail -n 30 "$OUT/$r.log"
   [ $rc -eq 0 ] || status=1
+  # After every recipe, not once at the end: a call the device kills at its own limit still returns what the
+  # recipes before it measured (only $OUT comes back, and the results live in bench/results/).
+  tar czf "$OUT/results.part.tgz" bench/results -C "$OUT" $(cd "$OUT" && ls ./*.log 2>/dev/null) 2>/dev/null &&
+    mv "$OUT/results.part.tgz" "$OUT/results.tgz"
 done
-tar czf "$OUT/results.tgz" bench/results -C "$OUT" $(cd "$OUT" && ls ./*.log 2>/dev/null) 2>/dev/null
 exit $status
