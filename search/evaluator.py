@@ -590,13 +590,13 @@ def _repeated_calls(case: Case, ref, calls: int, exact: bool, k: int, acc: str, 
     the rounding is still a race); otherwise it must pass the ulp count against the float64 product."""
     import torch
 
-    first = case.c().clone()
+    c = case.c()
+    first = c.clone()
     allowed = ulp_allowed(first.numel())
     counts = []
     for _ in range(calls):
-        poison(case.c(), out)
+        poison(c, out)
         case.launch()
-        c = case.c()
         if exact:
             counts.append(bits_differing(c, first, out))
         else:

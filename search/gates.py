@@ -217,9 +217,14 @@ def ulp_distance(c, ref, k: int, acc: str, out: str):
 def ulp_excess(c, ref, k: int, acc: str, out: str):
     """check_ulps' two counts as 0-d tensors (no host sync): elements beyond 1 unit and beyond 2 units of the
     correctly rounded `ref`, each counting the non-finite elements too."""
+    return _beyond(ulp_distance(c, ref, k, acc, out))
+
+
+def _beyond(d):
+    """Elements of ulp distances `d` beyond 1 unit and beyond 2 units, non-finite ones counted in both (0-d
+    tensors): the one count that check_ulps and ulp_excess both apply."""
     import torch
 
-    d = ulp_distance(c, ref, k, acc, out)
     nan = torch.isnan(d)
     return ((d > 1) | nan).sum(), ((d > 2) | nan).sum()
 
@@ -242,8 +247,7 @@ def check_ulps(name: str, c, ref, k: int, acc: str, out: str) -> Verdict:
 
     d = ulp_distance(c, ref, k, acc, out)
     nan = int(torch.isnan(d).sum())
-    over2 = int((d > 2).sum()) + nan
-    over1 = int((d > 1).sum()) + nan
+    over1, over2 = (int(x) for x in _beyond(d))
     allowed = ulp_allowed(d.numel())
     worst = float(torch.nan_to_num(d, nan=math.inf).max()) if d.numel() else 0.0
     detail = (f"{over1} of {d.numel()} elements beyond 1 ulp (allowed {allowed}), {over2} beyond 2 (allowed 0), "
