@@ -62,6 +62,7 @@ class Schedule:
     mode: str
     reduces: tuple[str, ...] | None = None     # the splitk.reduce kinds it lowers (None: every kind)
     repacks: bool = False                       # lowers the repack node (the operand copy before the GEMM)
+    interleaves: bool = False                   # lowers the interleave node (columns 8 apart per block)
 
     def mismatch(self, k: Kernel) -> str | None:
         """None if the backend takes `k`, else the fields that rule it out."""
@@ -73,6 +74,8 @@ class Schedule:
             wrong.append(f"splitk.reduce={k.splitk.reduce} (lowers {' or '.join(self.reduces)})")
         if k.repack is not None and not self.repacks:
             wrong.append("repack (not lowered here)")
+        if k.interleave is not None and not self.interleaves:
+            wrong.append("interleave (not lowered here)")
         return ", ".join(wrong) or None
 
     def __call__(self, k: Kernel) -> bool:
@@ -113,7 +116,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
     # mma.sync kernels with pad.align=1 it lowers, except in a problem class it does not generate (CuTe's then).
     Backend("cuda_ptx", "l2ir.backends.cuda_ptx.sm90a", Schedule("wgmma", "tma_ws", repacks=True),
             default=lambda k: cluster_reduce(k) or block_reduce(k) or k.repack is not None),
-    Backend("cuda_ptx_sm80", "l2ir.backends.cuda_ptx.sm80", Schedule("mma_sync", "multistage"),
+    Backend("cuda_ptx_sm80", "l2ir.backends.cuda_ptx.sm80", Schedule("mma_sync", "multistage", interleaves=True),
             default=realigned_sm80, yields_to=(_cuda_ptx_problems, "cute_sm80")),
     # mma.sync fed from global memory (pipeline mode=direct): only the cuda_ptx direct rule generates it.
     Backend("cuda_ptx_direct", "l2ir.backends.cuda_ptx.direct", Schedule("mma_sync", "direct")),
@@ -139,7 +142,13 @@ def backend_for(kernel: Kernel, name: str | None = None, problem: Problem | None
                                   f"{kernel.text()}")
     backend = matches[0]
     if problem is not None and backend.yields_to is not None and not backend.yields_to[0](problem):
-        return BACKENDS[backend.yields_to[1]]
+        other = BACKENDS[backend.yields_to[1]]
+        if not other.accepts(kernel):
+            why = other.accepts.mismatch(kernel) if isinstance(other.accepts, Schedule) else "a schedule"
+            raise NotImplementedError(f"{backend.name} does not generate the problem class "
+                                      f"{print_problem_class(problem)} and {other.name} does not lower this kernel: "
+                                      f"{why}")
+        return other
     return backend
 
 

@@ -86,10 +86,14 @@ def realigned_buffers(stages: int) -> int:
     return 2 if stages >= 3 else 1
 
 
-def realigned_ring_bytes(bm: int, bn: int, bk: int, stages: int, ebytes: int = 2) -> int:
+def realigned_ring_bytes(bm: int, bn: int, bk: int, stages: int, ebytes: int = 2, interleave: bool = False) -> int:
     """pad.align=1 on a cp.async ring: rows start on any 2-byte boundary, which no cp.async form copies, so each
     stage holds the raw aligned 16-byte blocks covering every row's k-tile (BK/8 + 1 blocks: one more when the row
-    does not start on a block), and the MMAs read realigned_buffers(stages) swizzled tiles."""
+    does not start on a block), and the MMAs read realigned_buffers(stages) swizzled tiles. With the interleave
+    node only A is staged and realigned: B's rows of one residue share an alignment, so each stage holds B's
+    swizzled tile as the aligned rings do and the MMAs read it there."""
+    if interleave:
+        return ((stages * (bk + 8) + realigned_buffers(stages) * bk) * bm + stages * bk * bn) * ebytes
     return (stages * (bk + 8) + realigned_buffers(stages) * bk) * (bm + bn) * ebytes
 
 
@@ -99,7 +103,8 @@ def ring_bytes(kernel: Kernel, ebytes: int = 2) -> int:
     if kernel.pipeline.mode == "direct":
         return 0                          # operands go from global memory to registers
     if kernel.pipeline.mode == "multistage" and kernel.pad.align == 1:
-        return realigned_ring_bytes(*kernel.tile.block, resolved_stages(kernel, ebytes), ebytes)
+        return realigned_ring_bytes(*kernel.tile.block, resolved_stages(kernel, ebytes), ebytes,
+                                    kernel.interleave is not None)
     return resolved_stages(kernel, ebytes) * stage_bytes(kernel, ebytes)
 
 
@@ -110,6 +115,9 @@ def ring_description(kernel: Kernel, ebytes: int = 2) -> str:
         return f"the K split's fp32 accumulators, {direct_reduce_bytes(kernel) / 1024:.1f} KB; no operand stages"
     if kernel.pipeline.mode == "multistage" and kernel.pad.align == 1:
         bm, bn, bk = kernel.tile.block
+        if kernel.interleave is not None:
+            return (f"{stages} stages x {((bk + 8) * bm + bk * bn) * ebytes / 1024:.1f} KB (A staged, B's tile) + "
+                    f"{realigned_buffers(stages)} realigned A tiles x {bk * bm * ebytes / 1024:.1f} KB")
         return (f"{stages} staging stages x {(bk + 8) * (bm + bn) * ebytes / 1024:.1f} KB + "
                 f"{realigned_buffers(stages)} realigned tiles x {bk * (bm + bn) * ebytes / 1024:.1f} KB")
     return f"{stages} stages x {stage_bytes(kernel, ebytes) / 1024:.1f} KB"

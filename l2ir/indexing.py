@@ -717,6 +717,57 @@ class DirectFeed:
         return offset > 0 and first + 8 - offset < end
 
 
+# Columns in residue classes (the interleave node).
+TILE_N, VIEW_ROW = Var("tile_n"), Var("j")
+
+
+class Interleave:
+    """The interleave node: each block takes BN columns of C that are STRIDE apart, all of one residue r = n mod
+    STRIDE, so the K-major rows of B it reads all start at one offset inside a 16-byte vector.
+
+    Column tile `tile_n` is residue r = tile_n % STRIDE and the (tile_n / STRIDE)-th run of BN rows of that residue's
+    view: view row j is column n = STRIDE * j + r, and a residue has cdiv(N, STRIDE) view rows at most (those with
+    n >= N are past N, as rows past N are in any tile). Consecutive tile_n are the STRIDE residues of one run, so
+    blocks launched together cover STRIDE * BN consecutive columns and share the 16-byte vectors that straddle two
+    rows of B in L2. Row n of B starts `offset` elements past a 16-byte boundary (from the operand's base in 2-byte
+    units, `elem` = base + r * K); every row of the residue does (STRIDE * K elements apart is 16K bytes). The view
+    reads each row from `offset` elements before its start, so its K index i is the row's k = i - offset, and it
+    spans K + offset elements: cdiv(K + offset, BK) k-tiles (k_tiles), the first offset and everything past
+    K + offset belonging to the neighbouring rows, which the kernel zeroes."""
+
+    STRIDE = 8        # elements of one 16-byte vector
+
+    @classmethod
+    def tiles_n(cls, n, bn: int) -> Expr:
+        """Column tiles over N columns: STRIDE residues, each cdiv(cdiv(N, STRIDE), BN) runs of BN view rows."""
+        return cls.STRIDE * cdiv(cdiv(n, cls.STRIDE), bn)
+
+    @classmethod
+    def residue(cls) -> Expr:
+        """The residue r of column tile `tile_n`."""
+        return TILE_N % cls.STRIDE
+
+    @classmethod
+    def first_row(cls, bn: int) -> Expr:
+        """The first view row of column tile `tile_n`."""
+        return TILE_N // cls.STRIDE * bn
+
+    @classmethod
+    def column(cls) -> Expr:
+        """The column of C (row of the K-major B) of view row `j` of residue `r`."""
+        return VIEW_ROW * cls.STRIDE + Var("r")
+
+    @staticmethod
+    def offset() -> Expr:
+        """Elements between the 16-byte boundary below element address `elem` and the element."""
+        return ELEM & 7
+
+    @staticmethod
+    def k_tiles(k, offset, bk: int) -> Expr:
+        """k-tiles of a residue's view: its K + offset elements in tiles of BK."""
+        return cdiv(lift(k) + offset, bk)
+
+
 # Operand repacking (the repack node).
 M, N, K = Var("m"), Var("n"), Var("k")
 COLS, CHUNK = Var("cols"), Var("chunk")

@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from .errors import InterpError
-from .indexing import (REPACK_ALIGN, BlockSplit, ClusterMulticast, ClusterReduce, DirectFeed, Repack, SplitKTree, ceil_div, rasterize, smem_swizzle,
+from .indexing import (REPACK_ALIGN, BlockSplit, ClusterMulticast, ClusterReduce, DirectFeed, Interleave, Repack, SplitKTree, ceil_div, rasterize, smem_swizzle,
                        splitk_range, tma_store_box_cols, tma_store_origin, tma_store_staging)
 from .nodes import Kernel, Problem
 from .analysis import block_reduce, multicast, direct_half_fed, direct_shape, direct_slices, resolved_stages, shares_fragments, warpgroups_m
@@ -119,7 +119,9 @@ class _Schedule:
         self.a, self.b = a, b
         self.bm, self.bn, self.bk = kernel.tile.block
         self.tiles_m = ceil_div(problem.m, self.bm)
-        self.tiles_n = ceil_div(problem.n, self.bn)
+        self.interleave = kernel.interleave is not None
+        self.tiles_n = (int(Interleave.tiles_n(problem.n, self.bn).eval({})) if self.interleave
+                        else ceil_div(problem.n, self.bn))
         self.k_tiles = ceil_div(problem.k, self.bk)
         self.in_dtype = NP_DTYPES[problem.a[0]]
         self.acc_dtype = NP_DTYPES[problem.acc]
@@ -132,6 +134,46 @@ class _Schedule:
         self.poison = {d: (np.nan if getattr(pad, d) == "predicate" else 0.0) for d in "mnk"}
         self.perm_a = _swizzle_perm(kernel, self.bm * self.bk)
         self.perm_b = _swizzle_perm(kernel, self.bn * self.bk)
+
+    # ---- the interleave node (l2ir.indexing.Interleave) -------------------------------------------------------
+    def tile_cols(self, tn: int) -> np.ndarray:
+        """The column of C of each of column tile tn's BN columns (past N for a tile that overhangs it)."""
+        if not self.interleave:
+            return tn * self.bn + np.arange(self.bn)
+        env = {"tile_n": tn}
+        j = int(Interleave.first_row(self.bn).eval(env)) + np.arange(self.bn)
+        return np.asarray(Interleave.column().eval({"j": j, "r": int(Interleave.residue().eval(env))}))
+
+    def view_offset(self, tn: int) -> int:
+        """interleave: elements between the 16-byte boundary below the first row of column tile tn's residue and
+        that row (the model's operands start 16-byte aligned); 0 without the node."""
+        if not self.interleave:
+            return 0
+        r = int(Interleave.residue().eval({"tile_n": tn}))
+        off = int(Interleave.offset().eval({"elem": r * self.problem.k}))
+        # The view is read in whole 16-byte vectors: every row of the residue must start `off` elements past one.
+        starts = (self.tile_cols(tn) * self.problem.k - off) % Interleave.STRIDE
+        if off > r * self.problem.k or starts.any():
+            raise InterpError(f"interleave: column tile {tn}'s view starts {off} elements before its rows, which "
+                              "leaves them off a 16-byte boundary")
+        return off
+
+    def tile_k_tiles(self, tn: int) -> int:
+        """k tiles of column tile tn: interleave runs them over B's view, K + offset elements."""
+        if not self.interleave:
+            return self.k_tiles
+        return int(Interleave.k_tiles(self.problem.k, self.view_offset(tn), self.bk).eval({}))
+
+    def _view(self, src: np.ndarray, rows: np.ndarray, row_dim: str, kt: int, off: int) -> np.ndarray:
+        """interleave: rows `rows` of the K-major operand src at k tile kt of the view that starts `off` elements
+        before each row. Elements outside the row (k < 0 or k >= K: the neighbouring rows' or past the matrix) are
+        zeros, as the kernel zeroes them in both operands; rows past the operand take their dimension's padding."""
+        ks = kt * self.bk + np.arange(self.bk) - off
+        out = np.zeros((len(rows), self.bk), dtype=self.in_dtype)
+        rok, kok = rows < src.shape[0], (ks >= 0) & (ks < src.shape[1])
+        out[~rok, :] = self.poison[row_dim]
+        out[np.ix_(rok, kok)] = src[np.ix_(rows[rok], ks[kok])]
+        return out
 
     # ---- operand tiles --------------------------------------------------------------------------------------
     def _tile(self, src: np.ndarray, r0: int, rows: int, c0: int, cols: int, row_dim: str, col_dim: str):
@@ -178,7 +220,13 @@ class _Schedule:
         return acc
 
     def _load(self, ring_a: _Ring, ring_b: _Ring, slot: int, tm: int, tn: int, kt: int) -> None:
-        """The copy of k tile kt of output tile (tm, tn)'s A rows and B columns into ring slot `slot`."""
+        """The copy of k tile kt of output tile (tm, tn)'s A rows and B columns into ring slot `slot` (interleave:
+        of B's view of the tile's columns and of A's rows shifted to meet it)."""
+        if self.interleave:
+            off = self.view_offset(tn)
+            ring_a.store(slot, self._view(self.a, tm * self.bm + np.arange(self.bm), "m", kt, off))
+            ring_b.store(slot, self._view(self.b.T, self.tile_cols(tn), "n", kt, off))
+            return
         ring_a.store(slot, self._tile(self.a, tm * self.bm, self.bm, kt * self.bk, self.bk, "m", "k"))
         ring_b.store(slot, self._tile(self.b.T, tn * self.bn, self.bn, kt * self.bk, self.bk, "n", "k"))
 
@@ -186,7 +234,9 @@ class _Schedule:
         """acc += the MMAs over ring slot `slot`, which holds k tile kt."""
         a_t = ring_a.load(slot).astype(np.float32)
         b_t = ring_b.load(slot).astype(np.float32)
-        valid_k = min(self.bk, self.problem.k - kt * self.bk) if self.kernel.pad.k == "predicate" else self.bk
+        # (interleave: the view's elements outside the rows are zeros already, and it runs K + offset long.)
+        valid_k = (min(self.bk, self.problem.k - kt * self.bk)
+                   if self.kernel.pad.k == "predicate" and not self.interleave else self.bk)
         # Rows of A past M and columns of B past N may hold poison under predicate padding: they only reach
         # accumulator rows/columns that the store masks. K columns past K are masked here, as the residue
         # iteration of a predicated main loop does.
@@ -272,8 +322,19 @@ class _Schedule:
             return
         r0, c0 = tm * self.bm, tn * self.bn
         vr = min(self.bm, self.problem.m - r0)
-        vc = min(self.bn, self.problem.n - c0)
         vec = self.kernel.epilogue.vector
+        if self.interleave:
+            # One element per store (the verifier's vector=1): a thread's two columns are 8 apart.
+            cols = self.tile_cols(tn)
+            sel = np.zeros((self.bm, self.bn), dtype=bool)
+            sel[:vr] = (cols < self.problem.n)[None, :]
+            if mask is not None:
+                sel &= mask
+            rr, jj = np.nonzero(sel)
+            c[r0 + rr, cols[jj]] = out[rr, jj]
+            np.add.at(writes, (r0 + rr, cols[jj]), 1)
+            return
+        vc = min(self.bn, self.problem.n - c0)
         for j in range(0, vc, vec):
             if j + vec > vc:
                 raise InterpError(f"a {vec}-element vector store at column {c0 + j} crosses N={self.problem.n}")
@@ -355,6 +416,10 @@ class _Schedule:
                 raise InterpError(f"rasterization sent a block to tile ({tm}, {tn}) outside the "
                                   f"{self.tiles_m}x{self.tiles_n} grid")
         sk = self.kernel.splitk
+        if self.interleave and (mc is not None or self.kernel.pipeline.mode == "direct"
+                                or (sk is not None and (sk.mode != "split_k" or shares_fragments(self.kernel)))):
+            raise InterpError("interleave is modelled on one-tile-per-block schedules, with split_k through the "
+                              "workspace tree or no split")
         ws_writes = None
         k_cover: dict = {}
         if self.kernel.pipeline.mode == "direct":
@@ -367,8 +432,8 @@ class _Schedule:
             self._multicast(c, writes, order, mc, k_cover)
         elif sk is None:
             for tm, tn in order:
-                self.store(c, writes, tm, tn, self.mainloop(tm, tn, 0, self.k_tiles))
-                k_cover[(tm, tn)] = [(0, self.k_tiles)]
+                self.store(c, writes, tm, tn, self.mainloop(tm, tn, 0, self.tile_k_tiles(tn)))
+                k_cover[(tm, tn)] = [(0, self.tile_k_tiles(tn))]
         elif shares_fragments(self.kernel):
             self._split_k_owned(c, writes, order, sk.slices, k_cover)
         elif sk.mode == "split_k":
@@ -383,8 +448,8 @@ class _Schedule:
                     raise InterpError(f"tile ({tm}, {tn}): k tiles [{pos}, {kb}) are "
                                       f"{'skipped' if kb > pos else 'accumulated twice'}")
                 pos = ke
-            if pos != self.k_tiles:
-                raise InterpError(f"tile ({tm}, {tn}): k tiles [{pos}, {self.k_tiles}) never accumulated")
+            if pos != self.tile_k_tiles(tn):
+                raise InterpError(f"tile ({tm}, {tn}): k tiles [{pos}, {self.tile_k_tiles(tn)}) never accumulated")
         _check_once(writes, "C")
         if ws_writes is not None:
             _check_once(ws_writes, "the split-K workspace", ws_expected)
@@ -532,7 +597,7 @@ class _Schedule:
         """One split-K block's fp32 partial: output tile (tm, tn) over its slice's k tiles (l2ir.indexing.splitk_range),
         whose range it records in `k_cover`."""
         begin, end = splitk_range(slices)
-        env = {"slice": slice_, "k_tiles": self.k_tiles}
+        env = {"slice": slice_, "k_tiles": self.tile_k_tiles(tn)}
         kb, ke = int(begin.eval(env)), int(end.eval(env))
         if ke > kb:
             k_cover.setdefault((tm, tn), []).append((kb, ke))
@@ -564,12 +629,14 @@ class _Schedule:
             if (tm, tn) not in counters:
                 continue          # a cluster's block past the grid: its loads fed the others, it has no tile
             acc = partial(s, unit % len(order))
-            r0, c0 = tm * self.bm, tn * self.bn
-            vr, vc = min(self.bm, p.m - r0), min(self.bn, p.n - c0)
+            # The tile's elements inside C, at their places in C (interleave: columns 8 apart).
+            rows, cols = tm * self.bm + np.arange(self.bm), self.tile_cols(tn)
+            inside = np.ix_(rows < p.m, cols < p.n)
+            at = np.ix_(rows[rows < p.m], cols[cols < p.n])
             root = True
             for step in tree.steps(s):
-                ws[step.base, r0:r0 + vr, c0:c0 + vc] = acc[:vr, :vc]
-                ws_writes[step.base, r0:r0 + vr, c0:c0 + vc] += 1
+                ws[step.base][at] = acc[inside]
+                ws_writes[step.base][at] += 1
                 node = counters[(tm, tn)]
                 node[step.counter] += 1
                 if node[step.counter] == 1:
@@ -579,11 +646,11 @@ class _Schedule:
                     raise InterpError(f"tile ({tm}, {tn}): split-K counter {step.counter} counted "
                                       f"{int(node[step.counter])} arrivals; a pair node takes two")
                 node[step.counter] = 0
-                acc[:vr, :vc] = acc[:vr, :vc] + ws[step.sibling, r0:r0 + vr, c0:c0 + vc]
+                acc[inside] = acc[inside] + ws[step.sibling][at]
             if root:
                 # The reduction's root block writes C through the same vector stores as the epilogue.
                 tile = np.zeros((self.bm, self.bn), dtype=np.float32)
-                tile[:vr, :vc] = acc[:vr, :vc]
+                tile[inside] = acc[inside]
                 self.store(c, writes, tm, tn, tile)
         for (tm, tn), node in counters.items():
             if node.any():

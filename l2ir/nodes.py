@@ -446,6 +446,21 @@ class Repack(Node):
 
 
 @dataclass(frozen=True)
+class Interleave(Node):
+    """Give each block columns of C `n` apart, so that the rows of a K-major B it reads all start at one alignment.
+
+    Row j of a K-major B starts at element j*K. With K not a multiple of 8 the rows start on every 2-byte offset of
+    a 16-byte vector in turn, so a block of consecutive columns must realign every row of B before the tensor cores
+    read it. Rows j = r, r + 8, r + 16, ... start at the same offset o = (r*K) mod 8 (8K elements apart is 16K
+    bytes): read from o elements before each row start, they are an aligned matrix with row pitch 8K, loaded with
+    whole 16-byte copies, and only A (M rows, few where this pays) is realigned, shifted by o to meet it. A block
+    then takes BN columns of one residue r of n mod 8 (l2ir.indexing.Interleave): its stores are 8 columns apart."""
+
+    kind: ClassVar[str] = "interleave"
+    n: int = f(IntChoice((8,)), 8, "columns of one block are n apart (the 8 elements of a 16-byte vector)")
+
+
+@dataclass(frozen=True)
 class SplitK(Node):
     """split_k: `slices` blocks share one output tile along K; their fp32 partials are reduced and one sum written
     to C: through a workspace (reduce=workspace: a fixed-order reduction, in the GEMM kernel or a second one), fp32
@@ -491,19 +506,20 @@ class Source(Node):
 
 
 NODE_TYPES: dict[str, type[Node]] = {
-    cls.kind: cls for cls in (Target, Tile, Mma, Pipeline, Swizzle, Pad, Repack, SplitK, Epilogue, Source)
+    cls.kind: cls for cls in (Target, Tile, Mma, Pipeline, Swizzle, Pad, Repack, Interleave, SplitK, Epilogue, Source)
 }
 
 # Print order of a kernel's nodes, and which nodes may be absent (absent = the node's default behaviour).
-KERNEL_ORDER = ("target", "tile", "mma", "pipeline", "swizzle", "pad", "repack", "splitk", "epilogue", "source")
+KERNEL_ORDER = ("target", "tile", "mma", "pipeline", "swizzle", "pad", "repack", "interleave", "splitk", "epilogue",
+                "source")
 SCHEDULE_NODES = ("tile", "mma", "pipeline", "pad", "epilogue")   # required unless the kernel is a Source kernel
-OPTIONAL_NODES = ("swizzle", "repack", "splitk")                    # may be inserted and removed freely
+OPTIONAL_NODES = ("swizzle", "repack", "interleave", "splitk")      # may be inserted and removed freely
 
 
 @dataclass(frozen=True)
 class Kernel:
     """A problem-independent kernel: a Target plus either a schedule (tile, mma, pipeline, pad, epilogue and the
-    optional swizzle, repack and splitk) or a Source node. A Swizzle equal to its defaults is stored as absent, so each
+    optional swizzle, repack, interleave and splitk) or a Source node. A Swizzle equal to its defaults is stored as absent, so each
     schedule has exactly one representation."""
 
     target: Target
@@ -516,6 +532,7 @@ class Kernel:
     epilogue: Epilogue | None = None
     source: Source | None = None
     repack: Repack | None = None     # last, so positional construction of the older fields is unchanged
+    interleave: Interleave | None = None
 
     def __post_init__(self):
         for name in KERNEL_ORDER:

@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 import numpy as np
 
 from .edits import Edit, InsertNode, RemoveNode, ReplaceNode, SetField
-from .nodes import ARCHS, Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
+from .nodes import ARCHS, Epilogue, Interleave, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
 from .verify import DIRECT_BM, problem_violations, violations
 
 PAD_MODES = ("predicate", "zero_fill", "divisible")
@@ -64,6 +64,11 @@ def mma_sync_kernels(draw, archs=MMA_SYNC_ARCHS) -> Kernel:
         epilogue=Epilogue(draw(st.sampled_from(["direct", "smem"])),
                           draw(st.sampled_from([v for v in (1, 2, 4, 8) if v <= align]))),
     )
+    # The interleave node (columns 8 apart per block) where it is legal: rows on any 2-byte boundary, one element
+    # per store, K and N checked, split through the workspace tree if at all.
+    if (align == 1 and kernel.epilogue.vector == 1 and "divisible" not in (kernel.pad.n, kernel.pad.k)
+            and (splitk is None or splitk.reduce == "workspace") and draw(st.booleans())):
+        kernel = kernel.replace(interleave=Interleave())
     assume(not violations(kernel))
     return kernel
 
@@ -224,7 +229,8 @@ def edits() -> st.SearchStrategy[Edit]:
     }
     sets = st.sampled_from(sorted(values)).flatmap(lambda nf: values[nf].map(lambda v: SetField(nf[0], nf[1], v)))
     others = st.sampled_from([InsertNode(SplitK("split_k", 2)), RemoveNode("splitk"), RemoveNode("swizzle"),
-                              InsertNode(SplitK("stream_k")), ReplaceNode(Mma("mma_sync", (16, 8, 16)))])
+                              InsertNode(SplitK("stream_k")), ReplaceNode(Mma("mma_sync", (16, 8, 16))),
+                              InsertNode(Interleave()), RemoveNode("interleave")])
     return st.one_of(sets, others)
 
 

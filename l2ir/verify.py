@@ -483,6 +483,24 @@ def _repack(k: Kernel):
 BLOCK_REDUCE_MAX_ACC = 128
 
 
+@rule("interleave", "residue_columns", PadError)
+def _interleave(k: Kernel):
+    """The interleave node gives a block columns 8 apart whose B rows share one alignment (l2ir.indexing.Interleave):
+    it is for rows on any 2-byte boundary (pad.align=1, which also keeps stores to one element: a thread's two
+    accumulator columns are 8 apart in C), a residue's view ends past N and starts each row up to 7 elements early
+    (K and N are checked). It answers the misaligned rows the repack node would copy: the repack node needs
+    pad.align=8, so the two never meet."""
+    if k.interleave is None:
+        return None
+    if k.pad.align != 1:
+        return (f"interleave reads B's rows from their common offset inside a 16-byte vector, for rows on any "
+                f"2-byte boundary: set pad.align=1, not {k.pad.align}")
+    for dim in ("n", "k"):
+        if getattr(k.pad, dim) == "divisible":
+            return (f"interleave needs pad.{dim}=predicate or zero_fill: a residue's view of B "
+                    + ("ends past N" if dim == "n" else "starts up to 7 elements before each row"))
+
+
 @rule("splitk", "mode_settings", SplitKError)
 def _splitk(k: Kernel):
     """split_k needs >= 2 slices; stream_k is a persistent tile scheduler of the warp-specialized kernels."""

@@ -28,7 +28,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from l2ir.indexing import BlockSplit, ceil_div
-from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
+from l2ir.indexing import Interleave as InterleaveIndex
+from l2ir.nodes import Epilogue, Interleave, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
 from l2ir.seed import (COOP_SPLIT_M, REPACK_MIN_M, REPACK_TILES, alignment, cluster_split_kernel, coop_split_kernel,
                        cuda_ptx_lowered, repack_kernel, repack_tile, split_tile_kernel, store_vector)
 from l2ir.seed import split_slices as seed_split_slices
@@ -197,6 +198,27 @@ def decode_one_wave_slices(problem: Problem, sms: int) -> int | None:
     return slices if slices >= 2 else None
 
 
+# Rows of A up to which an odd K takes the interleaved decode kernel: its blocks take columns 8 apart, so B streams
+# by whole 16-byte copies and only A is realigned. On an H200 it won 1x11008x4095 to 64x4096x4097 over the realigning
+# decode kernel (17x9999x3333 32.9 us against 47.3, 16x8192x4097 30.8 against 50.6); at 100x3000x4103 the seed stayed
+# faster (bench/results/interleave_h200.json, interleave_wide_h200.json).
+INTERLEAVE_ROWS = 64
+
+
+def interleave_decode_kernel(problem: Problem, arch: str, slices: int) -> Kernel:
+    """The interleaved odd-K decode kernel (search/sweeps/cuda_ptx_sm80/ptx_sm80_32x128x64_w2x4_s4_splitk3_interleave.l2
+    on the problem's target): 32x128 tiles of columns 8 apart, 4 stages (90 KB: two blocks per SM), split-K in the
+    kernel."""
+    return decode_align_kernel(problem, arch, stages=4, slices=slices).replace(interleave=Interleave())
+
+
+def interleave_slices(problem: Problem, sms: int) -> int:
+    """Split-K slices that bring the interleaved kernel's tiles closest to one wave of two blocks per SM (2 to 4):
+    3 at 17x9999x3333 (80 tiles) and 8x11008x4095 (88), 4 at 16x8192x4097 and 64x4096x4097 (64) measured best."""
+    tiles = ceil_div(problem.m, 32) * int(InterleaveIndex.tiles_n(problem.n, 128).eval({}))
+    return max(2, min(4, DECODE_WAVE_BLOCKS_PER_SM * sms // tiles))
+
+
 # C-write-bound GEMMs (K of 64-256 and a C much larger than L2): the cuda_ptx cooperative 128x256 tile with the TMA
 # store epilogue lets the warps start the next tile while C drains: 8192x4096x128 23.2 us (fresh 1.205x) against 27.2
 # with the staged 16-byte stores and 27.1 for CUTLASS's ping-pong; at 12288x12288x64 and 1024x12288x128 it tied or
@@ -338,6 +360,17 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
                 f"decode, odd K, one wave: {tiles_of(problem, 32, 128)} tiles x 4 slices of the 4-stage kernel take "
                 f"more than one wave; a 3-stage ring fits two blocks per SM, {slices} slices fill one wave "
                 "(bench/results/odd_k_decode_h200.json)", backend="cuda_ptx_sm80"))
+
+    # An odd K with few rows of A: the interleaved decode kernel, B read in whole 16-byte copies (cuda_ptx_sm80 is the
+    # only backend of the interleave node).
+    if arch in ("sm80", "sm90a") and alignment(problem) < 8 and m <= INTERLEAVE_ROWS:
+        # The wave's slice count first, then 3 (the best measured at 31x4001x2047, where the wave rule says 4).
+        for rank, slices in enumerate(dict.fromkeys((interleave_slices(problem, sms), 3))):
+            out.append(Candidate(
+                9.22 - 0.005 * rank, interleave_decode_kernel(problem, arch, slices),
+                f"interleaved decode, odd K: {m} row(s) of A; each block takes 128 columns 8 apart, whose rows of B "
+                f"start at one offset, so B streams by whole 16-byte copies and only A is realigned; {slices} "
+                "split-K slices (bench/results/interleave_h200.json)", backend="cuda_ptx_sm80"))
 
     # C-write-bound: the TMA store epilogue (cuda_ptx; search/sweeps/cuda_ptx/ptx_coop_128x256x64_tma.l2).
     c_bytes = m * n * DTYPE_BYTES[problem.c[0]]

@@ -20,7 +20,7 @@ import pytest
 
 from l2ir.backends.compile import CompileOptions, compile_many
 from l2ir.backends.registry import BACKENDS, lower
-from l2ir.nodes import Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
+from l2ir.nodes import Epilogue, Interleave, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
 from l2ir.search.sweeps import load_sweep
 from l2ir.seed import seed
 from test_evaluator_gpu import SKIP     # the evaluator's readiness check: torch on a GPU, cuda-python, nvcc
@@ -230,6 +230,7 @@ def _assert_splitk_repeatable(kernel, plan, art, shape, seed, counters_per_tile=
     A kernel that asks for no workspace (reduce=cluster) is held to the same C checks."""
     import torch
 
+    from l2ir.indexing import Interleave as Interleave_index
     from l2ir.runtime import load
     from l2ir.search.gates import relative_error, tolerance
 
@@ -239,7 +240,10 @@ def _assert_splitk_repeatable(kernel, plan, art, shape, seed, counters_per_tile=
     b = torch.randn((nn, kk), generator=gen, device="cuda").half()          # B col: stored N x K, K contiguous
     ws_bytes = plan.workspace_for(mm, nn, kk)
     ws = torch.zeros(max(ws_bytes, 1), dtype=torch.uint8, device="cuda")
-    tiles = -(-mm // kernel.tile.bm) * -(-nn // kernel.tile.bn)
+    if kernel.interleave is not None:     # 8 residues x runs of BN view rows each (l2ir.indexing.Interleave)
+        tiles = -(-mm // kernel.tile.bm) * int(Interleave_index.tiles_n(nn, kernel.tile.bn).eval({}))
+    else:
+        tiles = -(-mm // kernel.tile.bm) * -(-nn // kernel.tile.bn)
     slices = kernel.splitk.slices if kernel.splitk is not None else 0      # no split: a repeatability check only
     partial_bytes = tiles * slices * kernel.tile.bm * kernel.tile.bn * 4
     counters = ws[partial_bytes:ws_bytes]
@@ -583,6 +587,19 @@ PTX_SM80_FAMILIES = {
     "align1_32x128x64_w2x4_s4_splitk4": (
         sm80((32, 128, 64), (2, 4), 4, swizzle=(3, 3, 3), align=1, pad=("predicate", "zero_fill", "zero_fill"),
              splitk=(4, "workspace"), epilogue=("direct", 1)), [(127, 129, 1027), (33, 4096, 4097)]),
+    # The interleave node: each block's columns 8 apart, B's rows of one residue read from their common offset
+    # straight into the stages, only A realigned; odd, even and aligned K, N not a multiple of 8, M past the tile.
+    "interleave_32x128x64_w2x4_s4_splitk3": (
+        sm80((32, 128, 64), (2, 4), 4, swizzle=(3, 3, 3), align=1, pad=("predicate", "zero_fill", "zero_fill"),
+             splitk=(3, "workspace"), epilogue=("direct", 1)).replace(interleave=Interleave()),
+        [(17, 9999, 3333), (8, 11008, 4095), (33, 130, 300), (31, 4001, 2048)]),
+    "interleave_16x128x64_w1x4_s3_splitk4_kpredicate": (
+        sm80((16, 128, 64), (1, 4), 3, swizzle=(3, 3, 3), align=1, pad=("zero_fill", "predicate", "predicate"),
+             splitk=(4, "workspace"), epilogue=("direct", 1)).replace(interleave=Interleave()),
+        [(1, 777, 1001), (17, 1029, 999), (5, 9, 251)]),
+    "interleave_64x64x32_w2x2_s2_noprefetch_smem": (
+        sm80((64, 64, 32), (2, 2), 2, prefetch=False, align=1, epilogue=("smem", 1)).replace(
+            interleave=Interleave()), [(333, 555, 777), (127, 129, 9), (5, 7, 1)]),
 }
 
 

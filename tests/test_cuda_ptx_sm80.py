@@ -27,8 +27,8 @@ from l2ir.backends.cuda_ptx.common import UnsupportedLowering  # noqa: E402
 from l2ir.target import NVCC_ARCH  # noqa: E402
 from l2ir.errors import L2IRError, VerifyError  # noqa: E402
 from l2ir.indexing import smem_swizzle  # noqa: E402
-from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target,  # noqa: E402
-                        Tile)
+from l2ir.nodes import (Epilogue, Interleave, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle,  # noqa: E402
+                        Target, Tile)
 from l2ir.analysis import smem_bytes  # noqa: E402
 
 PROBLEM = Problem(m=4096, n=4096, k=4096)
@@ -98,6 +98,22 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
            pad=Pad("zero_fill", "zero_fill", "zero_fill", 1), epilogue=Epilogue("direct", 1)), PROBLEM),
     "64x128x32_w2x2_s4_align1_divisible_direct1": (
         ms((64, 128, 32), pad=Pad("divisible", "divisible", "divisible", 1), epilogue=Epilogue("direct", 1)), PROBLEM),
+    # The interleave node: columns 8 apart per block, B straight into its stages, only A staged and realigned.
+    "32x128x64_w2x4_s4_align1_splitk3_interleave_direct1": (
+        ms((32, 128, 64), (2, 4), 4, swizzle=Swizzle((3, 3, 3), "along_n", 1),
+           pad=Pad("predicate", "zero_fill", "zero_fill", 1), splitk=SplitK("split_k", 3),
+           epilogue=Epilogue("direct", 1), interleave=Interleave()), PROBLEM),
+    "16x128x64_w1x4_s3_align1_splitk4_interleave_direct1": (
+        ms((16, 128, 64), (1, 4), 3, swizzle=Swizzle((3, 3, 3), "along_n", 1),
+           pad=Pad("zero_fill", "predicate", "predicate", 1), splitk=SplitK("split_k", 4),
+           epilogue=Epilogue("direct", 1), interleave=Interleave()), PROBLEM),
+    "64x64x32_w2x2_s2_noprefetch_align1_interleave_smem1": (
+        ms((64, 64, 32), stages=2, pipeline=Pipeline("multistage", 2, prefetch=False),
+           pad=Pad("predicate", "predicate", "zero_fill", 1), epilogue=Epilogue("smem", 1),
+           interleave=Interleave()), PROBLEM),
+    "64x64x48_w2x2_s1_align1_interleave_direct1": (
+        ms((64, 64, 48), stages=1, swizzle=None, pad=Pad("zero_fill", "zero_fill", "predicate", 1),
+           epilogue=Epilogue("direct", 1), interleave=Interleave()), PROBLEM),
 }
 
 
@@ -352,7 +368,8 @@ def test_align1_stages_raw_blocks_with_cp_async(prefetch, stages):
     assert copy < mma
 
 
-ALIGN1 = [name for name in CASES if "align1" in name]
+# Both operands staged and realigned (the interleave cases stage A only; the whole-kernel emulation below runs them).
+ALIGN1 = [name for name in CASES if "align1" in name and "interleave" not in name]
 
 
 @pytest.mark.parametrize("name", ALIGN1)
@@ -552,8 +569,13 @@ EMULATED = {name: shapes for name, shapes in {
     "64x128x48_w2x2_s3_align1_kpredicate_smem1": [(67, 130, 101), (5, 7, 1), (65, 129, 49)],
     "64x64x64_w2x2_s2_align1_smem1": [(67, 45, 333), (3, 5, 9)],
     "64x64x32_w2x2_s1_align1_zero_fill_direct1": [(67, 45, 77), (5, 7, 1)],
+    "32x128x64_w2x4_s4_align1_splitk3_interleave_direct1": [(17, 999, 333), (33, 130, 300), (1, 8, 129)],
+    "16x128x64_w1x4_s3_align1_splitk4_interleave_direct1": [(17, 200, 777), (1, 1029, 999), (5, 9, 251)],
+    "64x64x32_w2x2_s2_noprefetch_align1_interleave_smem1": [(67, 45, 77), (5, 7, 1), (130, 129, 99)],
+    "64x64x48_w2x2_s1_align1_interleave_direct1": [(67, 130, 101), (3, 5, 9)],
 }.items()}
-PTX_WRAPPERS = ("cp_async_zfill", "cp_async", "ld_shared_16", "st_shared_16", "ldmatrix_x4", "mma_16816")
+PTX_WRAPPERS = ("cp_async_zfill", "cp_async", "ld_shared_16", "st_shared_16", "ldmatrix_x4", "mma_16816",
+                "ld_global_16")
 
 
 def _host_kernel(src: str, wrappers: tuple[str, ...] = PTX_WRAPPERS) -> str:

@@ -589,6 +589,33 @@ def test_rules_odd_k_decode_fills_one_wave_with_the_three_stage_ring():
     assert not any(x.note.startswith("decode, odd K, one wave") for x in Rules().propose(qctx))
 
 
+def test_rules_odd_k_decode_takes_the_interleaved_kernel_first():
+    """An odd K with up to 64 rows of A: the interleaved decode kernel (columns 8 apart, only A realigned) ranks above
+    the realigning ones, by name (cuda_ptx_sm80 is the only backend of the interleave node), with the slices that
+    fill about one wave and with 3; the first is the measured sweep configuration at 17x9999x3333 and lowers. 65
+    rows of A or an aligned K do not get it."""
+    from l2ir.backends.registry import lower
+    from l2ir.search.sweeps import load_sweep
+
+    p = Problem(17, 9999, 3333)
+    ctx = Context(p, seed(p, "sm90a"), count=16, arch="sm90a")
+    props = Rules().propose(ctx)
+    odd = [q for q in props if "decode, odd K" in q.note]
+    assert odd[0].note.startswith("interleaved decode, odd K") and odd[0].backend == "cuda_ptx_sm80"
+    kernel = odd[0].apply(ctx.parent, p)
+    swept = load_sweep("cuda_ptx_sm80")["ptx_sm80_32x128x64_w2x4_s4_splitk3_interleave"]
+    assert kernel.replace(target=swept.target) == swept
+    lower(kernel, p, "cuda_ptx_sm80")
+    wide = Problem(16, 8192, 4097)            # 64 tiles: 4 slices fill the wave; 3 proposed after them
+    wctx = Context(wide, seed(wide, "sm90a"), count=16, arch="sm90a")
+    slices = [q.apply(wctx.parent, wide).splitk.slices for q in Rules().propose(wctx)
+              if q.note.startswith("interleaved decode")]
+    assert slices == [4, 3]
+    for q in (Problem(65, 9999, 3333), Problem(17, 9999, 3336)):
+        qctx = Context(q, seed(q, "sm90a"), count=16, arch="sm90a")
+        assert not any(x.note.startswith("interleaved decode") for x in Rules().propose(qctx)), q
+
+
 def test_rules_write_bound_shapes_get_the_tma_store_kernel():
     """K <= 256 with a C of at least 32 MB (8192x4096x128: 64 MB): the cuda_ptx TMA-store kernel, the measured sweep
     configuration, which lowers with the bulk store; a long K or a small C does not get it."""

@@ -47,6 +47,12 @@ Field -> code map (the generated lines name their field in a comment):
                        realigned while tile t is multiplied (two realigned tiles, one barrier per k-tile); stages
                        1-2: one realigned tile, a second barrier (l2ir.analysis.realigned_ring_bytes). The A and B
                        tiles must split into whole passes of 8 elements per thread
+  interleave           (pad.align=1) a block's BN columns are 8 apart, n = 8 j + res (l2ir.indexing.Interleave): B's rows
+                       of one residue start at one offset inside a 16-byte vector, so B's view (read from that offset
+                       before each row) is copied by whole 16-byte cp.async straight into a ring of `stages` that
+                       ldmatrix reads, the vectors straddling a row end loaded into registers and masked; only A is
+                       staged and realigned, shifted to meet the view; k-tiles run over K + offset; stores of one
+                       element, 8 columns apart
   splitk               split_k + reduce=workspace: grid.z = slices, l2ir.indexing.splitk_range, fp32 slots and an
                        in-kernel pairwise-tree reduction (SplitKTree; slices - 1 pair counters per tile, zeroed
                        before the first launch only: the kernel leaves them zero); reduce=atomic and stream_k raise
@@ -60,7 +66,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from l2ir.analysis import C_ROW_PAD, realigned_buffers, realigned_ring_bytes
-from l2ir.indexing import Const, SplitKTree, Var, cdiv, rasterize, smem_swizzle, splitk_range
+from l2ir.indexing import Const, Interleave, SplitKTree, Var, cdiv, rasterize, smem_swizzle, splitk_range, substitute
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.target import (CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, NVCC_ARCH,
                          SMEM_LIMIT)
@@ -100,6 +106,7 @@ class Sm80Config:
     vector: int
     slices: int               # 1 = no split-K
     align: int = 8            # pad.align: elements per global -> shared copy
+    interleave: bool = False  # the interleave node: columns 8 apart per block, only A staged and realigned
 
     @property
     def threads(self) -> int:
@@ -138,7 +145,7 @@ class Sm80Config:
     def ring_bytes(self) -> int:
         e = DTYPE_BYTES[self.in_dtype]
         if self.staged:
-            return realigned_ring_bytes(self.bm, self.bn, self.bk, self.stages, e)
+            return realigned_ring_bytes(self.bm, self.bn, self.bk, self.stages, e, self.interleave)
         return self.stages * (self.bm + self.bn) * self.bk * e
 
     @property
@@ -264,7 +271,7 @@ def canonicalize(kernel: Kernel, problem: Problem) -> Sm80Config:
         bm=bm, bn=bn, bk=bk, wm=wm, wn=wn, stages=pipe.stages, prefetch=pipe.prefetch,
         swizzle=tuple(smem) if smem is not None else None, raster=swz.raster, group=swz.group,
         pad_m=pad.m, pad_n=pad.n, pad_k=pad.k, epilogue=epi.path, vector=epi.vector, slices=slices,
-        align=pad.align,
+        align=pad.align, interleave=kernel.interleave is not None,
     )
     if cfg.smem_bytes > SMEM_LIMIT[cfg.arch]:
         from l2ir.errors import ResourceError
@@ -303,6 +310,8 @@ def _load_tile(cfg: Sm80Config, op: str) -> list[str]:
     ]
     k_ok = "(!check_k || k < K)" if cfg.pad_k != "divisible" else None
     row_ok = f"grow < {dim}"
+    if cfg.interleave and op == "B":
+        return _load_b_interleaved(cfg)
     if cfg.align == 1:
         return _load_tile_align1(cfg, op)
     out.append(f"    const InT* src = {ptr} + (long long)grow * K + k;")
@@ -329,6 +338,54 @@ def _load_tile(cfg: Sm80Config, op: str) -> list[str]:
                 f"    cp_async_zfill(dst, ok ? src : {ptr}, ok);"]
     out += ["  }", "}", ""]
     return out
+
+
+def _load_b_interleaved(cfg: Sm80Config) -> list[str]:
+    """interleave: the block's B rows are columns n = 8 j + res (view rows j of residue res, l2ir.indexing.Interleave),
+    which all start `off` elements past a 16-byte boundary; read from `off` elements before each row start, they are
+    an aligned tile that goes straight into the ring stage ldmatrix reads, with whole 16-byte cp.async. Only a
+    vector that straddles the row's ends (the first k-tile's first, the last k-tile's last) holds elements of the
+    neighbouring rows, or bytes past the matrix: those vectors are loaded into registers, their outside elements
+    zeroed (NaN or Inf there would turn the zeros of A into NaN), and stored to shared memory before the barrier
+    that publishes the stage. A vector with no element of the row is zero-filled and not read."""
+    rows_ok = "n < N" if cfg.pad_n != "divisible" else "true"
+    return [
+        "// k-tile `kt` of B's view (BN rows of residue res from view row j0, K contiguous, read from `off` elements",
+        "// before each row start) into ring stage `stage`. Thread tid takes chunks tid, tid + THREADS, ...",
+        "__device__ __forceinline__ void copy_b(unsigned smem_base, const InT* __restrict__ B, int j0, int res, int off, "
+        "int M, int N, int K, int kt, int stage, bool check_k) {",
+        "  (void)M; (void)check_k;",
+        "#pragma unroll",
+        "  for (int it = 0; it < CHUNKS_B / THREADS; ++it) {",
+        "    const int c = it * THREADS + int(threadIdx.x);",
+        "    const int r = c / (BK / CHUNK);                // view row of the tile",
+        "    const int kc = (c % (BK / CHUNK)) * CHUNK;     // first element of the chunk in the k-tile",
+        f"    const int n = {substitute(Interleave.column(), {'j': Var('j0') + Var('r'), 'r': Var('res')}).to_cpp()};"
+        "   // column of C: row of B",
+        "    const int k0 = kt * BK + kc - off;             // the row's k of the chunk's first element (may be < 0)",
+        "    const InT* src = B + ((long long)n * K + k0);  // 16-byte aligned",
+        "    const unsigned dst = smem_base + 2u * unsigned(SMEM_B + stage * B_STAGE + swz(r * BK + kc));",
+        "    const int first = max(0, -k0), end = min(CHUNK, K - k0);   // the chunk's elements inside the row",
+        f"    const bool row = {rows_ok};   // pad.n: a row past N is zero-filled (its columns are never stored)",
+        "    if (row && first == 0 && end == CHUNK) {",
+        "      cp_async_zfill(dst, src, true);",
+        "    } else if (!row || end <= first) {",
+        "      cp_async_zfill(dst, B, false);   // no element of the row: 16 zero bytes, nothing read",
+        "    } else {",
+        "      // Straddles a row end: the aligned 16-byte vector holding the row's elements cannot cross a page.",
+        "      const uint4 v = ld_global_16(src);",
+        "      const unsigned w[4] = {v.x, v.y, v.z, v.w};",
+        "      unsigned out[4];",
+        "#pragma unroll",
+        "      for (int j = 0; j < 4; ++j)",
+        "        out[j] = w[j] & (((2 * j >= first && 2 * j < end) ? 0x0000ffffu : 0u) |",
+        "                         ((2 * j + 1 >= first && 2 * j + 1 < end) ? 0xffff0000u : 0u));",
+        "      st_shared_16(dst, out);",
+        "    }",
+        "  }",
+        "}",
+        "",
+    ]
 
 
 def _realign_run(cfg: Sm80Config, op: str) -> int:
@@ -358,6 +415,13 @@ def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
     buf_off = "SMEM_A + buf * A_STAGE" if op == "A" else "SMEM_B + buf * B_STAGE"
     n_k = "(check_k ? min(BK, K - kt * BK) : BK)" if cfg.pad_k != "divisible" else "BK"
     need = "kc < s + n"
+    # interleave (A only): the k-tile starts `shift` elements before the row's k = kt * BK (B's view of its rows,
+    # l2ir.indexing.Interleave), so the first k-tile holds up to 7 elements before the row, and every k-tile is
+    # checked at both ends: a block holding none of the row's elements is zero-filled, never read.
+    shift = cfg.interleave and op == "A"
+    if shift:
+        n_k = "min(BK, K + shift - kt * BK)"
+        need = "kc < s + n && kc + CHUNK > s + lo"
     # The extra block is zero-filled only where the row's elements are staged as zeros too; with s == 0 realign
     # never uses it, so a row that needs none leaves it as it was.
     two = ["    if (kc == BK - CHUNK) {",
@@ -383,13 +447,18 @@ def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
                 f"    cp_async_zfill(dst, ok ? src : {ptr}, ok);",
                 *[line.replace("@ROW@", f"grow < {dim} && ") for line in two]]
     n_chunk = "(check_k ? max(0, min(8, K - k)) : 8)" if cfg.pad_k != "divisible" else "8"
+    if shift:
+        n_chunk = "max(0, min(8, K + shift - k))"
     g = _realign_run(cfg, op)
+    sh = "int shift, " if shift else ""
+    row_start = f"unsigned(grow) * unsigned(K){' - unsigned(shift)' if shift else ''}"
+    tile_start = f"kt * BK{' - shift' if shift else ''}"
     return [
         f"// k-tile `kt` of {op} ({rows} rows, K contiguous): the raw 16-byte blocks covering each row into staging stage",
         "// `stage`. Thread tid owns chunks tid, tid + THREADS, ... of 8 elements (as realign does) and copies block kc/8",
         "// of the chunk's row; the thread owning a row's last chunk also copies the row's extra block BK/8.",
         f"__device__ __forceinline__ void copy_{o}(unsigned smem_base, const InT* __restrict__ {ptr}, int {base}, "
-        "int M, int N, int K, int kt, int stage, bool check_k) {",
+        f"{sh}int M, int N, int K, int kt, int stage, bool check_k) {{",
         "  (void)M; (void)N; (void)check_k;",
         f"  const unsigned base_el = unsigned(reinterpret_cast<unsigned long long>({ptr}) >> 1);   // 2-byte units",
         "#pragma unroll",
@@ -400,13 +469,15 @@ def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
         f"    const int grow = {base} + r;",
         "    // The row's k-tile starts s elements past a 16-byte boundary. A k-tile is BK * 2 bytes, a multiple of",
         "    // 16, so s is the same for every k-tile of the row; only its low 3 bits matter, so 32-bit wrap is exact.",
-        "    const int s = int((base_el + unsigned(grow) * unsigned(K)) & 7u);",
-        f"    const InT* src = {ptr} + ((long long)grow * K + kt * BK - s + kc);   // 16-byte aligned",
+        f"    const int s = int((base_el + {row_start}) & 7u);",
+        f"    const InT* src = {ptr} + ((long long)grow * K + {tile_start} - s + kc);   // 16-byte aligned",
         f"    const unsigned dst = smem_base + 2u * unsigned({raw_off} + r * RAW_PITCH + kc);",
         "    // Block kc/8 holds row elements kc - s .. kc - s + 7 of the k-tile: it is read only when one of them",
         "    // exists (an aligned 16-byte block never crosses a page, so reading all of it cannot fault); otherwise",
         "    // it is zero-filled without a read. The extra block holds elements BK - s .. BK - s + 7.",
         f"    const int n = {n_k};   // elements of the row in this k-tile",
+        *(["    const int lo = shift - kt * BK;   // elements before the row (k < 0) in this k-tile, if positive"]
+          if shift else []),
         *copy,
         "  }",
         "}",
@@ -415,7 +486,7 @@ def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
         "// copy's chunks (with G=1 a thread realigns exactly the chunks it staged, and their row offsets are computed",
         "// once): G + 1 staged blocks are read for G chunks.",
         f"__device__ __forceinline__ void realign_{o}(unsigned smem_base, const InT* __restrict__ {ptr}, int {base}, "
-        "int K, int kt, int stage, int buf, bool check_k) {",
+        f"{sh}int K, int kt, int stage, int buf, bool check_k) {{",
         "  (void)kt; (void)check_k;",
         f"  constexpr int G = {g}, ITEMS = {rows} * (BK / CHUNK) / G;",
         "  static_assert(ITEMS % THREADS == 0, \"whole realign passes\");",
@@ -426,7 +497,9 @@ def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
         "    const int c = it * THREADS + int(threadIdx.x);",
         "    const int r = c / (BK / CHUNK / G);                 // row of the tile",
         "    const int kc0 = (c % (BK / CHUNK / G)) * G * CHUNK;  // first K element of the run in the k-tile",
-        "    const int s = int((base_el + unsigned(" + base + " + r) * unsigned(K)) & 7u);   // as in copy_" + o,
+        *([f"    const int grow = {base} + r;",
+           f"    const int s = int((base_el + {row_start}) & 7u);   // as in copy_{o}"] if shift else
+          ["    const int s = int((base_el + unsigned(" + base + " + r) * unsigned(K)) & 7u);   // as in copy_" + o]),
         f"    const unsigned src = smem_base + 2u * unsigned({raw_off} + r * RAW_PITCH + kc0);",
         "    uint4 blk[G + 1];",
         "#pragma unroll",
@@ -434,7 +507,7 @@ def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
         "#pragma unroll",
         "    for (int g = 0; g < G; ++g) {",
         "      const int kc = kc0 + g * CHUNK;",
-        *(["      const int k = kt * BK + kc;"] if cfg.pad_k != "divisible" else []),
+        *(["      const int k = kt * BK + kc;"] if cfg.pad_k != "divisible" or shift else []),
         "      Raw x;",
         "      x.lo = blk[g];",
         "      x.hi = blk[g + 1];",
@@ -442,6 +515,8 @@ def _load_tile_align1(cfg: Sm80Config, op: str) -> list[str]:
         "      // Elements past K are zeroed (they are the next row's, or past the matrix); rows past M / N come",
         "      // from the staging as the copy left them.",
         f"      x.n = {n_chunk};",
+        *(["      x.first = shift - k;   // elements before the row (k < 0): B's view starts `shift` early"]
+          if shift else []),
         "      unsigned w[4];",
         "      realign(x, w);",
         f"      st_shared_16(smem_base + 2u * unsigned({buf_off} + swz(r * BK + kc)), w);",
@@ -472,8 +547,15 @@ def _issue(cfg: Sm80Config, tile: str, stage: str, indent: str) -> list[str]:
 
 
 def _copy_staged(cfg: Sm80Config, tile: str, indent: str) -> list[str]:
-    """pad.align=1: issue the staging copies of k-tile `tile` (relative to k_begin) into stage tile % STAGES."""
+    """pad.align=1: issue the staging copies of k-tile `tile` (relative to k_begin) into stage tile % STAGES
+    (interleave: A's staging and B's ring stage)."""
     check, note = _k_check(cfg, tile)
+    if cfg.interleave:
+        return [
+            f"{indent}// interleave: both ends of B's view are checked on every k-tile (the first starts before the row).",
+            f"{indent}copy_a(smem_base, A, a_rows, b_off, M, N, K, k_begin + {tile}, ({tile}) % STAGES, true);",
+            f"{indent}copy_b(smem_base, B, b_rows, b_res, b_off, M, N, K, k_begin + {tile}, ({tile}) % STAGES, true);",
+        ]
     return [
         f"{indent}// {note}",
         f"{indent}copy_a(smem_base, A, a_rows, M, N, K, k_begin + {tile}, ({tile}) % STAGES, {check});",
@@ -484,6 +566,13 @@ def _copy_staged(cfg: Sm80Config, tile: str, indent: str) -> list[str]:
 def _realign_staged(cfg: Sm80Config, tile: str, indent: str) -> list[str]:
     """pad.align=1: realign k-tile `tile` from its staging stage into realigned buffer tile % BUFS."""
     check, _ = _k_check(cfg, tile)
+    if cfg.interleave:
+        return [
+            f"{indent}if ({tile} < k_count) {{   // interleave: only A is realigned (B's tile is read in its stage)",
+            f"{indent}  realign_a(smem_base, A, a_rows, b_off, K, k_begin + {tile}, ({tile}) % STAGES, ({tile}) % BUFS, "
+            "true);",
+            f"{indent}}}",
+        ]
     return [
         f"{indent}if ({tile} < k_count) {{",
         f"{indent}  realign_a(smem_base, A, a_rows, K, k_begin + {tile}, ({tile}) % STAGES, ({tile}) % BUFS, {check});",
@@ -500,6 +589,8 @@ def _mainloop_staged(cfg: Sm80Config) -> list[str]:
     la = cfg.lookahead
     frags = ["#pragma unroll", "for (int kk = 0; kk < KSTEPS; ++kk) {",
              "  load_frags(smem_base, @BUF@, kk, fa[0], fb[0]);", "  mma_all(acc, fa[0], fb[0]);", "}"]
+    # interleave: A's realigned buffer and B's ring stage (the staging stage the k-tile was copied to).
+    bstage = (lambda buf, stage: f"{buf}, {stage}") if cfg.interleave else (lambda buf, stage: buf)
     if cfg.stages == 1:
         return [
             f"{i}// pipeline.stages=1: one staging buffer and one realigned buffer; a k-tile's copy cannot overlap the",
@@ -512,7 +603,7 @@ def _mainloop_staged(cfg: Sm80Config) -> list[str]:
             f"{i}  __syncthreads();   // every thread's staged blocks are visible to every warp",
             *_realign_staged(cfg, "t", i + "  "),
             f"{i}  __syncthreads();   // the realigned k-tile is visible to every warp",
-            *[i + "  " + line.replace("@BUF@", "0") for line in frags],
+            *[i + "  " + line.replace("@BUF@", bstage("0", "0")) for line in frags],
             f"{i}}}",
         ]
     staged_note = ("tile t+1 staged" if la else "tile t staged")
@@ -552,7 +643,7 @@ def _mainloop_staged(cfg: Sm80Config) -> list[str]:
             f"{i}  cp_async_commit();",
             *([] if la else [*_realign_staged(cfg, "t", i + "  "),
                              f"{i}  __syncthreads();   // the realigned k-tile is visible to every warp"]),
-            *[i + "  " + line.replace("@BUF@", "t % BUFS") for line in frags],
+            *[i + "  " + line.replace("@BUF@", bstage("t % BUFS", "t % STAGES")) for line in frags],
             *([f"{i}  // Realign k-tile t+1 while other warps still multiply: its buffer was last read by k-tile t-1.",
                *_realign_staged(cfg, "t + 1", i + "  ")] if la else []),
             f"{i}}}",
@@ -571,10 +662,11 @@ def _mainloop_staged(cfg: Sm80Config) -> list[str]:
     last_step = [f"{i}    if (kk == KSTEPS - 1) {{",
                  *boundary,
                  f"{i}      read_buf = (t + 1) % BUFS;",
+                 *([f"{i}      read_stage = (t + 1) % STAGES;"] if cfg.interleave else []),
                  f"{i}    }}"]
     body_frags = [f"{i}    // Fragments of the next k-step (the next tile's first after the last step) into the other buffer.",
-                  f"{i}    load_frags(smem_base, read_buf, (kk + 1) % KSTEPS, fa[((kk + 1) % KSTEPS) & 1], "
-                  f"fb[((kk + 1) % KSTEPS) & 1]);"]
+                  f"{i}    load_frags(smem_base, {bstage('read_buf', 'read_stage')}, (kk + 1) % KSTEPS, "
+                  f"fa[((kk + 1) % KSTEPS) & 1], fb[((kk + 1) % KSTEPS) & 1]);"]
     if odd:
         body = [f"{i}    if (kk == KSTEPS - 1) {{",
                 f"{i}      // KSTEPS={cfg.bk // 16} is odd: this step's buffer is also the next tile's first, so",
@@ -598,9 +690,11 @@ def _mainloop_staged(cfg: Sm80Config) -> list[str]:
         *(_realign_staged(cfg, "1", i) if la else []),
         f"{i}__syncthreads();   // realigned k-tile 0 is visible to every warp",
         f"{i}int read_buf = 0;   // realigned buffer of the k-tile being multiplied",
+        *([f"{i}int read_stage = 0;   // interleave: B's ring stage of the k-tile being multiplied"]
+          if cfg.interleave else []),
         f"{i}// pipeline.prefetch=true: ldmatrix of k-step kk+1 (across the tile boundary too) is in flight while",
         f"{i}// k-step kk's MMAs run, so ldmatrix latency never stalls the tensor cores.",
-        f"{i}load_frags(smem_base, 0, 0, fa[0], fb[0]);",
+        f"{i}load_frags(smem_base, {bstage('0', '0')}, 0, fa[0], fb[0]);",
         f"{i}for (int t = 0; t < k_count; ++t) {{",
         f"{i}#pragma unroll",
         f"{i}  for (int kk = 0; kk < KSTEPS; ++kk) {{",
@@ -738,8 +832,20 @@ def _epilogue(cfg: Sm80Config) -> list[str]:
                    f"N % {cfg.vector} == 0 (epilogue.vector={cfg.vector}, by verify), so a vector is wholly "
                    "inside or wholly outside the matrix")
     if cfg.epilogue == "direct":
+        head = [f"{i}// epilogue.path=direct: each thread stores its accumulators straight from registers. m16n8 f32",
+                f"{i}// fragment: c0,c1 at (groupID, 2*tig + 0/1), c2,c3 at (groupID + 8, ...); groupID = lane/4, tig = lane%4."]
+        coords = [f"{i}      const int n = tile_n * BN + warp_n * WARP_N + ni * 8 + (lane & 3) * 2;"]
         dst = "C + (long long)m * N + n"
-        if cfg.vector == 2:
+        if cfg.interleave:
+            head.append(f"{i}// interleave: view row j is column 8 j + b_res, so a thread's two columns are 8 apart.")
+            col = _view_column(Var("jv"))
+            coords = [f"{i}      const int jv = b_rows + warp_n * WARP_N + ni * 8 + (lane & 3) * 2;   // view row",
+                      f"{i}      const int n = {col};"]
+            stores = [f"{i}        // epilogue.vector=1 (verify): two scalar stores, each predicated.",
+                      _guarded(_bounds(cfg, "m", "n"), f"({dst})[0] = to_out(acc[mi][ni][2 * h]);", i + "        "),
+                      _guarded(_bounds(cfg, "m", "n + 8"), f"({dst})[8] = to_out(acc[mi][ni][2 * h + 1]);",
+                               i + "        ")]
+        elif cfg.vector == 2:
             st0 = f"*reinterpret_cast<Out2T*>({dst}) = pack2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);"
             stores = [f"{i}        // epilogue.vector=2: one store of the packed pair (4 bytes); {bounds_note}.",
                       _guarded(_bounds(cfg, "m", "n"), st0, i + "        ")]
@@ -750,8 +856,7 @@ def _epilogue(cfg: Sm80Config) -> list[str]:
                       _guarded(_bounds(cfg, "m", "n"), f"({dst})[0] = {conv}(acc[mi][ni][2 * h]);", i + "        "),
                       _guarded(c1, f"({dst})[1] = {conv}(acc[mi][ni][2 * h + 1]);", i + "        ")]
         return [
-            f"{i}// epilogue.path=direct: each thread stores its accumulators straight from registers. m16n8 f32",
-            f"{i}// fragment: c0,c1 at (groupID, 2*tig + 0/1), c2,c3 at (groupID + 8, ...); groupID = lane/4, tig = lane%4.",
+            *head,
             f"{i}#pragma unroll",
             f"{i}for (int mi = 0; mi < MI; ++mi) {{",
             f"{i}#pragma unroll",
@@ -759,7 +864,7 @@ def _epilogue(cfg: Sm80Config) -> list[str]:
             f"{i}#pragma unroll",
             f"{i}    for (int h = 0; h < 2; ++h) {{",
             f"{i}      const int m = tile_m * BM + warp_m * WARP_M + mi * 16 + (lane >> 2) + 8 * h;",
-            f"{i}      const int n = tile_n * BN + warp_n * WARP_N + ni * 8 + (lane & 3) * 2;",
+            *coords,
             f"{i}      {{",
             *stores,
             f"{i}      }}",
@@ -802,11 +907,17 @@ def _epilogue(cfg: Sm80Config) -> list[str]:
         f"{i}  const int r = idx / (BN / VEC);",
         f"{i}  const int cv = (idx % (BN / VEC)) * VEC;",
         f"{i}  const int m = tile_m * BM + r;",
-        f"{i}  const int n = tile_n * BN + cv;",
+        (f"{i}  const int n = {_view_column(Var('b_rows') + Var('cv'))};   // interleave: view row b_rows + cv"
+         if cfg.interleave else f"{i}  const int n = tile_n * BN + cv;"),
         f"{i}  // {bounds_note}.",
         _guarded(_bounds(cfg, "m", "n"), store, i + "  "),
         f"{i}}}",
     ]
+
+
+def _view_column(row) -> str:
+    """interleave: the column of C of view row `row` of the block's residue b_res (l2ir.indexing.Interleave)."""
+    return substitute(Interleave.column(), {"j": row, "r": Var("b_res")}).to_cpp()
 
 
 def _header(cfg: Sm80Config, kernel_text: str) -> list[str]:
@@ -838,6 +949,18 @@ def _config(cfg: Sm80Config) -> list[str]:
         *(["constexpr int A_STAGE = BM * BK, B_STAGE = BN * BK;  // elements per ring stage",
            "constexpr int SMEM_A = 0, SMEM_B = STAGES * A_STAGE;  // element offsets of the two rings"]
           if not cfg.staged else
+          ["constexpr int A_STAGE = BM * BK, B_STAGE = BN * BK;  // elements per A buffer and B ring stage "
+           "(what ldmatrix reads)",
+           f"constexpr int BUFS = {cfg.bufs};   // realigned A buffers: the k-tile multiplied + {cfg.lookahead} "
+           "realigned ahead",
+           "constexpr int SMEM_A = 0, SMEM_B = BUFS * A_STAGE;  // element offsets of the realigned A buffers and "
+           "B's ring",
+           "// interleave: B's view is aligned, so B's STAGES ring stages are what ldmatrix reads; only A is staged raw",
+           "// (STAGES stages): each row holds the BK/8 + 1 aligned 16-byte blocks that cover its k-tile.",
+           "constexpr int RAW_PITCH = BK + 8;   // elements per staged row: BK/8 + 1 blocks",
+           "constexpr int RAW_A = BM * RAW_PITCH, RAW_STAGE = RAW_A;",
+           "constexpr int SMEM_RAW = BUFS * A_STAGE + STAGES * B_STAGE;  // element offset of A's staging ring"]
+          if cfg.interleave else
           ["constexpr int A_STAGE = BM * BK, B_STAGE = BN * BK;  // elements per realigned buffer (what ldmatrix reads)",
            f"constexpr int BUFS = {cfg.bufs};   // realigned buffers: the k-tile multiplied + {cfg.lookahead} realigned ahead",
            "constexpr int SMEM_A = 0, SMEM_B = BUFS * A_STAGE;  // element offsets of the realigned A and B buffers",
@@ -869,6 +992,14 @@ def _copy_functions(cfg: Sm80Config) -> list[str]:
             '  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" :: "r"(dst), "l"(src), "r"(src_bytes)',
             '               : "memory");',
             "}",
+            *(["// interleave: a 16-byte vector of B that straddles a row end, loaded into registers to zero the other",
+               "// rows' elements (read once: no L1 allocation).",
+               "__device__ __forceinline__ uint4 ld_global_16(const InT* p) {",
+               "  uint4 v;",
+               '  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\\n"',
+               '               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));',
+               "  return v;",
+               "}"] if cfg.interleave else []),
             "__device__ __forceinline__ uint4 ld_shared_16(unsigned src) {",
             "  uint4 v;",
             '  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)',
@@ -881,12 +1012,20 @@ def _copy_functions(cfg: Sm80Config) -> list[str]:
             '  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\\n" :: "r"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]),',
             '               "r"(w[3]) : "memory");',
             "}",
-            "// A chunk being realigned: the two staged 16-byte blocks around it, the element offset s of its first",
-            "// element inside lo, and how many of its 8 elements exist (n).",
-            "struct Raw { uint4 lo, hi; int s, n; };",
-            "// Elements s .. s+7 of lo:hi, elements n .. 7 zeroed (they are other rows' bytes, or bytes past K). The",
-            "// offset s = 4*s4 + 2*s2 + s1 is applied with whole-register selects for s4 and s2 (a dynamically indexed",
-            "// register array would live in local memory) and one funnel shift by 16 bits for s1.",
+            *(["// A chunk being realigned: the two staged 16-byte blocks around it, the element offset s of its first",
+               "// element inside lo, and which of its 8 elements exist (first .. n - 1; interleave: the k-tile starts",
+               "// before the row, so its first elements are the previous row's).",
+               "struct Raw { uint4 lo, hi; int s, first, n; };",
+               "// Elements s .. s+7 of lo:hi, elements before `first` and from n on zeroed (they are other rows' bytes,",
+               "// or bytes past K). The offset s = 4*s4 + 2*s2 + s1 is applied with whole-register selects for s4 and",
+               "// s2 (a dynamically indexed register array would live in local memory) and one funnel shift by 16 bits",
+               "// for s1."] if cfg.interleave else
+              ["// A chunk being realigned: the two staged 16-byte blocks around it, the element offset s of its first",
+               "// element inside lo, and how many of its 8 elements exist (n).",
+               "struct Raw { uint4 lo, hi; int s, n; };",
+               "// Elements s .. s+7 of lo:hi, elements n .. 7 zeroed (they are other rows' bytes, or bytes past K). The",
+               "// offset s = 4*s4 + 2*s2 + s1 is applied with whole-register selects for s4 and s2 (a dynamically indexed",
+               "// register array would live in local memory) and one funnel shift by 16 bits for s1."]),
             "__device__ __forceinline__ void realign(const Raw& c, unsigned (&out)[4]) {",
             "  const unsigned w[8] = {c.lo.x, c.lo.y, c.lo.z, c.lo.w, c.hi.x, c.hi.y, c.hi.z, c.hi.w};",
             "  unsigned u[6], v[5];",
@@ -897,7 +1036,9 @@ def _copy_functions(cfg: Sm80Config) -> list[str]:
             "#pragma unroll",
             "  for (int j = 0; j < 4; ++j) {",
             "    const unsigned x = __funnelshift_r(v[j], v[j + 1], (c.s & 1) * 16);",
-            "    out[j] = x & ((2 * j + 1 < c.n) ? 0xffffffffu : (2 * j < c.n) ? 0x0000ffffu : 0u);",
+            ("    out[j] = x & (((2 * j >= c.first && 2 * j < c.n) ? 0x0000ffffu : 0u) |"
+             " ((2 * j + 1 >= c.first && 2 * j + 1 < c.n) ? 0xffff0000u : 0u));" if cfg.interleave else
+             "    out[j] = x & ((2 * j + 1 < c.n) ? 0xffffffffu : (2 * j < c.n) ? 0x0000ffffu : 0u);"),
             "  }",
             "}",
         ]
@@ -964,12 +1105,15 @@ def _device_functions(cfg: Sm80Config) -> list[str]:
         "",
         *mma_16816_lines(ptx_t),
         "",
-        "// One k-step's fragments of this warp from ring stage `stage`.",
+        *(["// One k-step's fragments of this warp: A from realigned buffer `stage`, B from ring stage `bstage`"
+           " (interleave)."] if cfg.interleave else ["// One k-step's fragments of this warp from ring stage `stage`."]),
         "// A (m16 x k16 per mi): lane l addresses row l%16, k 8*(l/16): matrices (rows 0-7,k 0-7), (8-15,0-7),",
         "//   (0-7,8-15), (8-15,8-15) = a0, a1, a2, a3.",
         "// B (two n8 x k16 blocks per ldmatrix): lane l addresses n (l%8) + 8*(l/16), k 8*((l/8)%2): matrices",
         "//   (n 0-7,k 0-7), (0-7,8-15), (8-15,0-7), (8-15,8-15) = b0,b1 of block 2j and b0,b1 of block 2j+1.",
-        "__device__ __forceinline__ void load_frags(unsigned smem_base, int stage, int kk, unsigned (&fa)[MI][4],",
+        ("__device__ __forceinline__ void load_frags(unsigned smem_base, int stage, int bstage, int kk, "
+         "unsigned (&fa)[MI][4]," if cfg.interleave else
+         "__device__ __forceinline__ void load_frags(unsigned smem_base, int stage, int kk, unsigned (&fa)[MI][4],"),
         "                                           unsigned (&fb)[NI][2]) {",
         "  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;",
         "  const int warp_m = warp / WN, warp_n = warp % WN;",
@@ -984,7 +1128,8 @@ def _device_functions(cfg: Sm80Config) -> list[str]:
         "    const int r = warp_n * WARP_N + nj * 16 + (lane & 7) + ((lane >> 4) << 3);",
         "    const int k = kk * 16 + ((lane >> 3) & 1) * 8;",
         "    unsigned t[4];",
-        "    ldmatrix_x4(t, smem_base + 2u * unsigned(SMEM_B + stage * B_STAGE + swz(r * BK + k)));",
+        f"    ldmatrix_x4(t, smem_base + 2u * unsigned(SMEM_B + {'bstage' if cfg.interleave else 'stage'} * B_STAGE + "
+        "swz(r * BK + k)));",
         "    fb[2 * nj][0] = t[0]; fb[2 * nj][1] = t[1];",
         "    fb[2 * nj + 1][0] = t[2]; fb[2 * nj + 1][1] = t[3];",
         "  }",
@@ -1025,13 +1170,29 @@ def _gemm_entry(cfg: Sm80Config) -> list[str]:
         "  // blocks that run together share A and B tiles in L2.",
         "  const int pid = int(blockIdx.x);",
         "  const int tiles_m = (M + BM - 1) / BM;",
-        "  const int tiles_n = (N + BN - 1) / BN;",
+        *([f"  const int tiles_n = {Interleave.tiles_n(Var('N'), cfg.bn).to_cpp()};   // interleave: 8 residues x runs"]
+          if cfg.interleave else ["  const int tiles_n = (N + BN - 1) / BN;"]),
         f"  const int tile_m = {tile_m.to_cpp()};",
         f"  const int tile_n = {tile_n.to_cpp()};",
         "  (void)tiles_n;",
-        "  const int a_rows = tile_m * BM, b_rows = tile_n * BN;   // first row of this tile in A (M) and B (N)",
-        "  const int k_tiles = (K + BK - 1) / BK;",
     ]
+    if cfg.interleave:
+        L += [
+            "  // interleave (l2ir.indexing.Interleave): this block's columns are n = 8 j + b_res for view rows j from",
+            "  // b_rows; B's rows of the residue all start b_off elements past a 16-byte boundary, and the k-tiles run",
+            "  // over the view from b_off elements before each row start (K + b_off elements).",
+            "  const int a_rows = tile_m * BM;   // first row of this tile in A",
+            f"  const int b_res = {Interleave.residue().to_cpp()};",
+            f"  const int b_rows = {Interleave.first_row(cfg.bn).to_cpp()};   // first view row",
+            "  const int b_off = int((unsigned(reinterpret_cast<unsigned long long>(B) >> 1) + unsigned(b_res) * "
+            "unsigned(K)) & 7u);",
+            f"  const int k_tiles = {Interleave.k_tiles(Var('K'), Var('b_off'), cfg.bk).to_cpp()};",
+        ]
+    else:
+        L += [
+            "  const int a_rows = tile_m * BM, b_rows = tile_n * BN;   // first row of this tile in A (M) and B (N)",
+            "  const int k_tiles = (K + BK - 1) / BK;",
+        ]
     if cfg.split:
         kb, ke = splitk_range(cfg.slices)
         L += [
@@ -1163,6 +1324,8 @@ def render(cfg: Sm80Config, kernel_text: str = "") -> str:
 
 
 def _tiles(cfg: Sm80Config):
+    if cfg.interleave:
+        return cdiv(M_, cfg.bm) * Interleave.tiles_n(N_, cfg.bn)
     return cdiv(M_, cfg.bm) * cdiv(N_, cfg.bn)
 
 

@@ -1,0 +1,181 @@
+"""The interleave node (columns 8 apart per block, only A realigned): its text form, the verifier's rules, which
+backend lowers it, the index functions (l2ir.indexing.Interleave) and the reference interpreter's model of it.
+
+The generated kernels run on the host emulator in tests/test_cuda_ptx_sm80.py (every block and thread, operands on
+every 2-byte offset, C bit for bit) and on the GPU through every gate in tests/test_backends_gpu.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from l2ir.analysis import smem_bytes  # noqa: E402
+from l2ir.backends.registry import backend_for  # noqa: E402
+from l2ir.edits import InsertNode, RemoveNode, apply_edits  # noqa: E402
+from l2ir.errors import InterpError, ParseError, PadError  # noqa: E402
+from l2ir.indexing import Interleave as Index  # noqa: E402
+from l2ir.interp import interpret, random_inputs  # noqa: E402
+from l2ir.nodes import (Epilogue, Interleave, Kernel, Mma, Pad, Pipeline, Problem, Repack, SplitK,  # noqa: E402
+                        Swizzle, Target, Tile)
+from l2ir.testing import assert_computes_matmul, kernel_problem_pairs  # noqa: E402
+from l2ir.text import parse_kernel  # noqa: E402
+from l2ir.verify import verify  # noqa: E402
+
+
+def decode(stages=4, slices=3, modes=("predicate", "zero_fill", "zero_fill"), **changes) -> Kernel:
+    """The odd-K decode kernel of the sweep (32x128x64, 2x4 warps) with the interleave node."""
+    k = Kernel(target=Target("sm80"), tile=Tile((32, 128, 64), (2, 4)), mma=Mma("mma_sync", (16, 8, 16)),
+               pipeline=Pipeline("multistage", stages, prefetch=True), swizzle=Swizzle((3, 3, 3), "along_n", 1),
+               pad=Pad(*modes, 1), splitk=SplitK("split_k", slices) if slices > 1 else None,
+               epilogue=Epilogue("direct", 1), interleave=Interleave())
+    return k.replace(**changes)
+
+
+# ---- text and edits ---------------------------------------------------------------------------------------------
+
+def test_text_round_trips_and_other_kernels_keep_their_text():
+    k = decode()
+    assert "  interleave n=8\n" in k.text()
+    assert parse_kernel(k.text()) == k
+    plain = k.replace(interleave=None)
+    assert "interleave" not in plain.text()        # an absent node prints nothing: every older hash stands
+    assert apply_edits(plain, [InsertNode(Interleave())]) == k
+    assert apply_edits(k, [RemoveNode("interleave")]) == plain
+
+
+def test_only_the_vector_stride_parses():
+    with pytest.raises(ParseError, match="interleave.n"):
+        parse_kernel(decode().text().replace("interleave n=8", "interleave n=4"))
+
+
+# ---- verifier -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change,words", [
+    (dict(pad=Pad("predicate", "zero_fill", "zero_fill", 8)), "set pad.align=1, not 8"),
+    (dict(pad=Pad("predicate", "divisible", "zero_fill", 1)), "pad.n=predicate or zero_fill"),
+    (dict(pad=Pad("predicate", "zero_fill", "divisible", 1)), "pad.k=predicate or zero_fill"),
+], ids=["align8", "n_divisible", "k_divisible"])
+def test_verifier_names_what_interleave_needs(change, words):
+    with pytest.raises(PadError, match="interleave") as info:
+        verify(decode(**change))
+    assert words in str(info.value)
+    verify(decode())                                 # the kernel itself is legal
+
+
+def test_repack_and_interleave_never_meet():
+    """Both answer misaligned rows: the repack node needs pad.align=8, the interleave node pad.align=1."""
+    for align in (1, 8):
+        with pytest.raises(PadError, match="pad.align"):
+            verify(decode(repack=Repack()).replace(pad=Pad("predicate", "zero_fill", "zero_fill", align)))
+
+
+# ---- which backend --------------------------------------------------------------------------------------------------
+
+def test_only_the_raw_sm80_rule_lowers_it():
+    k = decode()
+    assert backend_for(k).name == "cuda_ptx_sm80"
+    with pytest.raises(NotImplementedError, match="interleave"):
+        backend_for(k, "cute_sm80")
+    # A problem class the raw rule does not generate cannot fall back to CuTe, which does not lower the node.
+    with pytest.raises(NotImplementedError, match="cute_sm80 does not lower this kernel: interleave"):
+        backend_for(k, problem=Problem(1, 1, 1, c=("f32", "row")))
+
+
+def test_shared_memory_holds_b_once():
+    """B's tile sits in its ring stage (no raw copy, no realigned copy): 4 stages of 32x128x64 take 90 KB, where
+    staging and realigning both operands takes 134 KB."""
+    k = decode()
+    assert smem_bytes(k) == ((4 * 72 + 2 * 64) * 32 + 4 * 64 * 128) * 2
+    assert smem_bytes(k.replace(interleave=None)) == (4 * 72 + 2 * 64) * (32 + 128) * 2
+
+
+# ---- index functions ------------------------------------------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 5000), bn=st.sampled_from([8, 16, 64, 128, 256]), k=st.integers(1, 100))
+def test_columns_cover_n_once_and_share_an_offset(n, bn, k):
+    tiles = int(Index.tiles_n(n, bn).eval({}))
+    cols, offsets = [], set()
+    for tile_n in range(tiles):
+        env = {"tile_n": tile_n}
+        r = int(Index.residue().eval(env))
+        j = int(Index.first_row(bn).eval(env)) + np.arange(bn)
+        c = np.asarray(Index.column().eval({"j": j, "r": r}))
+        assert (np.diff(c) == Index.STRIDE).all()
+        inside = c[c < n]
+        cols.append(inside)
+        # every row of the tile starts at the same offset inside a 16-byte vector
+        offs = {int(Index.offset().eval({"elem": int(col) * k})) for col in inside}
+        assert len(offs) <= 1
+        offsets |= offs
+    every = np.sort(np.concatenate(cols))
+    assert (every == np.arange(n)).all(), "each column of C belongs to exactly one tile"
+    assert offsets <= set(range(8))
+
+
+# ---- the reference interpreter --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kernel", [decode(), decode(slices=1), decode(stages=1, slices=1, swizzle=None),
+                                    decode(modes=("zero_fill", "predicate", "predicate"), slices=2)],
+                         ids=["s4_split3", "s4", "s1_noswizzle", "kpredicate_split2"])
+@pytest.mark.parametrize("shape", [(17, 999, 333), (1, 8, 321), (33, 1000, 130), (40, 2049, 4095), (3, 3, 129)])
+def test_interpreter_computes_matmul(kernel, shape):
+    problem = Problem(*shape)
+    assert_computes_matmul(kernel, problem, integers=True)
+    assert_computes_matmul(kernel, problem, seed=3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(pair=kernel_problem_pairs(max_dim=160, targets=("sm80",)))
+def test_fuzzed_interleave_kernels_compute_matmul(pair):
+    kernel, problem = pair
+    if kernel.interleave is None:
+        kernel = kernel.replace(interleave=Interleave())
+        try:
+            verify(kernel)
+        except Exception:
+            return                                   # not a kernel the node applies to
+    assert_computes_matmul(kernel, problem, integers=True)
+
+
+@pytest.mark.parametrize("name,wrong,error", [
+    # every run of a residue starting at view row 0: later runs write over the first's columns
+    ("first_row", classmethod(lambda cls, bn: indexing_var("tile_n") * 0), "written"),
+    # the residue dropped: eight tiles on the same columns, whose rows start at other offsets
+    ("column", classmethod(lambda cls: indexing_var("j") * 8), "16-byte boundary|written"),
+])
+def test_a_wrong_column_map_is_caught(monkeypatch, name, wrong, error):
+    """The interpreter evaluates the same index functions the backend renders, so a wrong map shows there."""
+    monkeypatch.setattr(Index, name, wrong)
+    problem = Problem(17, 2100, 333)                 # 3 runs of 128 view rows per residue
+    a, b = random_inputs(problem, np.random.default_rng(0))
+    with pytest.raises(InterpError, match=error):
+        interpret(decode(slices=1), problem, a, b)
+
+
+def test_a_wrong_view_offset_is_caught(monkeypatch):
+    """The view is read in whole 16-byte vectors: an offset that leaves a row's view start off a 16-byte boundary
+    (in the model, operands start on one) is refused, whatever product it would give."""
+    monkeypatch.setattr(Index, "offset", staticmethod(lambda: (indexing_var("elem") + 1) & 7))
+    with pytest.raises(InterpError, match="16-byte boundary"):
+        assert_computes_matmul(decode(slices=1), Problem(17, 999, 333), integers=True)
+
+
+def test_schedules_it_does_not_model_are_refused():
+    k = decode(slices=1).replace(splitk=SplitK("stream_k"), pipeline=Pipeline("multistage", 4, prefetch=True))
+    a, b = random_inputs(Problem(17, 64, 65), np.random.default_rng(0))
+    with pytest.raises(Exception, match="stream_k|interleave"):
+        interpret(k, Problem(17, 64, 65), a, b)
+
+
+def indexing_var(name: str):
+    from l2ir.indexing import Var
+    return Var(name)
