@@ -63,10 +63,13 @@ def main() -> int:
     my_pass = deepen_and_drop_k_guard if args.broken else deepen_pipeline
     try:
         fuzz(my_pass, args.examples)
-    except (AssertionError, VerifyError) as e:
-        print(f"{my_pass.__name__} is wrong: [{type(e).__name__}] {e}")
-        for note in getattr(e, "__notes__", []):      # Hypothesis's smallest failing kernel and problem
-            print(note)
+    except (AssertionError, VerifyError, ExceptionGroup) as e:
+        # Hypothesis raises a group when it finds failures of more than one kind (at different lines): each is
+        # reported with its own smallest failing kernel and problem.
+        for err in (e.exceptions if isinstance(e, ExceptionGroup) else (e,)):
+            print(f"{my_pass.__name__} is wrong: [{type(err).__name__}] {err}")
+            for note in getattr(err, "__notes__", []):      # Hypothesis's smallest failing kernel and problem
+                print(note)
         return 1
     print(f"{my_pass.__name__}: {args.examples} kernel/problem pairs legal, applicable and equal to A @ B")
     return 0

@@ -8,7 +8,8 @@ split-K partials through a workspace and their pairwise-tree reduction (l2ir.ind
 cluster's shared memory, each block storing its share (l2ir.indexing.ClusterReduce), or through one block's shared
 memory from two consumer warpgroups fed by one ring (l2ir.indexing.BlockSplit), stream-K segments and their
 fix-up, a cluster's TMA multicast (each block's stages assembled from the shares its cluster's blocks load,
-l2ir.indexing.ClusterMulticast), and an epilogue that rounds to the output dtype and stores in vectors. It counts every write of C
+l2ir.indexing.ClusterMulticast), the interleave node's columns 8 apart and its views of A and B shifted to where
+B's rows start (l2ir.indexing.Interleave), and an epilogue that rounds to the output dtype and stores in vectors. It counts every write of C
 and of the workspace and raises InterpError unless each element of C is written exactly once and each workspace slot
 as often as the split-K tree says.
 

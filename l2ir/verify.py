@@ -485,13 +485,21 @@ BLOCK_REDUCE_MAX_ACC = 128
 
 @rule("interleave", "residue_columns", PadError)
 def _interleave(k: Kernel):
-    """The interleave node gives a block columns 8 apart whose B rows share one alignment (l2ir.indexing.Interleave):
-    it is for rows on any 2-byte boundary (pad.align=1, which also keeps stores to one element: a thread's two
+    """The interleave node gives a block columns 8 apart whose B rows share one alignment (l2ir.indexing.Interleave),
+    one block per output tile fed by a cp.async ring, split-K (if any) over each tile's own view. It is for rows on
+    any 2-byte boundary (pad.align=1, which also keeps stores to one element: a thread's two
     accumulator columns are 8 apart in C), a residue's view ends past N and starts each row up to 7 elements early
     (K and N are checked). It answers the misaligned rows the repack node would copy: the repack node needs
     pad.align=8, so the two never meet."""
     if k.interleave is None:
         return None
+    if k.pipeline.mode != "multistage" or k.tile.cluster != (1, 1):
+        return (f"interleave is defined for one block per output tile fed by a cp.async ring (pipeline "
+                f"mode=multistage, cluster 1x1), not mode={k.pipeline.mode} with cluster "
+                f"{k.tile.cluster[0]}x{k.tile.cluster[1]}")
+    if k.splitk is not None and (k.splitk.mode != "split_k" or k.splitk.reduce not in ("workspace", "atomic")):
+        return (f"interleave splits K through a workspace or atomics only (each tile's slices share its view of "
+                f"B), not {k.splitk.mode} reduce={k.splitk.reduce}")
     if k.pad.align != 1:
         return (f"interleave reads B's rows from their common offset inside a 16-byte vector, for rows on any "
                 f"2-byte boundary: set pad.align=1, not {k.pad.align}")
