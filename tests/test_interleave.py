@@ -22,6 +22,7 @@ from l2ir.backends.registry import backend_for  # noqa: E402
 from l2ir.edits import InsertNode, RemoveNode, apply_edits  # noqa: E402
 from l2ir.errors import InterpError, ParseError, PadError  # noqa: E402
 from l2ir.indexing import Interleave as Index  # noqa: E402
+from l2ir.indexing import Var  # noqa: E402
 from l2ir.interp import interpret, random_inputs  # noqa: E402
 from l2ir.nodes import (Epilogue, Interleave, Kernel, Mma, Pad, Pipeline, Problem, Repack, SplitK,  # noqa: E402
                         Swizzle, Target, Tile)
@@ -153,9 +154,9 @@ def test_fuzzed_interleave_kernels_compute_matmul(pair):
 
 @pytest.mark.parametrize("name,wrong,error", [
     # every run of a residue starting at view row 0: later runs write over the first's columns
-    ("first_row", classmethod(lambda cls, bn: indexing_var("tile_n") * 0), "written"),
+    ("first_row", classmethod(lambda cls, bn: Var("tile_n") * 0), "written"),
     # the residue dropped: eight tiles on the same columns, whose rows start at other offsets
-    ("column", classmethod(lambda cls: indexing_var("j") * 8), "16-byte boundary|written"),
+    ("column", classmethod(lambda cls: Var("j") * 8), "16-byte boundary|written"),
 ])
 def test_a_wrong_column_map_is_caught(monkeypatch, name, wrong, error):
     """The interpreter evaluates the same index functions the backend renders, so a wrong map shows there."""
@@ -169,7 +170,7 @@ def test_a_wrong_column_map_is_caught(monkeypatch, name, wrong, error):
 def test_a_wrong_view_offset_is_caught(monkeypatch):
     """The view is read in whole 16-byte vectors: an offset that leaves a row's view start off a 16-byte boundary
     (in the model, operands start on one) is refused, whatever product it would give."""
-    monkeypatch.setattr(Index, "offset", staticmethod(lambda: (indexing_var("elem") + 1) & 7))
+    monkeypatch.setattr(Index, "offset", staticmethod(lambda: (Var("elem") + 1) & 7))
     with pytest.raises(InterpError, match="16-byte boundary"):
         assert_computes_matmul(decode(slices=1), Problem(17, 999, 333), integers=True)
 
@@ -179,8 +180,3 @@ def test_schedules_it_does_not_model_are_refused():
     a, b = random_inputs(Problem(17, 64, 65), np.random.default_rng(0))
     with pytest.raises(Exception, match="stream_k|interleave"):
         interpret(k, Problem(17, 64, 65), a, b)
-
-
-def indexing_var(name: str):
-    from l2ir.indexing import Var
-    return Var(name)
