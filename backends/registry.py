@@ -123,6 +123,11 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
 )}
 
 
+def _why_not(backend: Backend, kernel: Kernel) -> str:
+    """The fields that keep `backend` from taking `kernel` (its Schedule's mismatch), for a refusal message."""
+    return backend.accepts.mismatch(kernel) if isinstance(backend.accepts, Schedule) else "a schedule"
+
+
 def backend_for(kernel: Kernel, name: str | None = None, problem: Problem | None = None) -> Backend:
     """The backend named, else the one default for `kernel`; given the problem, a default outside whose problem
     classes it lies yields to the backend it displaced (Backend.yields_to)."""
@@ -131,8 +136,8 @@ def backend_for(kernel: Kernel, name: str | None = None, problem: Problem | None
             raise NotImplementedError(f"unknown backend '{name}' (backends: {', '.join(BACKENDS)})")
         backend = BACKENDS[name]
         if not backend.accepts(kernel):
-            why = backend.accepts.mismatch(kernel) if isinstance(backend.accepts, Schedule) else "a schedule"
-            raise NotImplementedError(f"backend '{name}' does not lower this kernel: {why}\n{kernel.text()}")
+            raise NotImplementedError(f"backend '{name}' does not lower this kernel: {_why_not(backend, kernel)}\n"
+                                      f"{kernel.text()}")
         return backend
     matches = [b for b in BACKENDS.values()
                if b.accepts(kernel) and (b.default(kernel) if callable(b.default) else b.default)]
@@ -144,10 +149,9 @@ def backend_for(kernel: Kernel, name: str | None = None, problem: Problem | None
     if problem is not None and backend.yields_to is not None and not backend.yields_to[0](problem):
         other = BACKENDS[backend.yields_to[1]]
         if not other.accepts(kernel):
-            why = other.accepts.mismatch(kernel) if isinstance(other.accepts, Schedule) else "a schedule"
             raise NotImplementedError(f"{backend.name} does not generate the problem class "
                                       f"{print_problem_class(problem)} and {other.name} does not lower this kernel: "
-                                      f"{why}")
+                                      f"{_why_not(other, kernel)}")
         return other
     return backend
 

@@ -92,9 +92,9 @@ def realigned_ring_bytes(bm: int, bn: int, bk: int, stages: int, ebytes: int = 2
     does not start on a block), and the MMAs read realigned_buffers(stages) swizzled tiles. With the interleave
     node only A is staged and realigned: B's rows of one residue share an alignment, so each stage holds B's
     swizzled tile as the aligned rings do and the MMAs read it there."""
-    if interleave:
-        return ((stages * (bk + 8) + realigned_buffers(stages) * bk) * bm + stages * bk * bn) * ebytes
-    return (stages * (bk + 8) + realigned_buffers(stages) * bk) * (bm + bn) * ebytes
+    staged = bm if interleave else bm + bn           # rows staged raw and realigned
+    b_ring = stages * bk * bn if interleave else 0    # B's tile read in its stage
+    return ((stages * (bk + 8) + realigned_buffers(stages) * bk) * staged + b_ring) * ebytes
 
 
 def ring_bytes(kernel: Kernel, ebytes: int = 2) -> int:

@@ -768,6 +768,12 @@ class Interleave:
         return cdiv(lift(k) + offset, bk)
 
 
+def column_tiles(n, bn: int, interleave: bool) -> Expr:
+    """Output tiles along N: runs of BN consecutive columns, or with the interleave node STRIDE residues of runs of
+    BN view rows (Interleave.tiles_n)."""
+    return Interleave.tiles_n(n, bn) if interleave else cdiv(n, bn)
+
+
 # Operand repacking (the repack node).
 M, N, K = Var("m"), Var("n"), Var("k")
 COLS, CHUNK = Var("cols"), Var("chunk")

@@ -27,8 +27,9 @@ import ml_dtypes
 import numpy as np
 
 from .errors import InterpError
-from .indexing import (REPACK_ALIGN, BlockSplit, ClusterMulticast, ClusterReduce, DirectFeed, Interleave, Repack, SplitKTree, ceil_div, rasterize, smem_swizzle,
-                       splitk_range, tma_store_box_cols, tma_store_origin, tma_store_staging)
+from .indexing import (REPACK_ALIGN, BlockSplit, ClusterMulticast, ClusterReduce, DirectFeed, Interleave, Repack,
+                       SplitKTree, ceil_div, column_tiles, rasterize, smem_swizzle, splitk_range, tma_store_box_cols,
+                       tma_store_origin, tma_store_staging)
 from .nodes import Kernel, Problem
 from .analysis import block_reduce, multicast, direct_half_fed, direct_shape, direct_slices, resolved_stages, shares_fragments, warpgroups_m
 from .target import H200_SMS, UNIT_ROUNDOFF
@@ -121,8 +122,8 @@ class _Schedule:
         self.bm, self.bn, self.bk = kernel.tile.block
         self.tiles_m = ceil_div(problem.m, self.bm)
         self.interleave = kernel.interleave is not None
-        self.tiles_n = (int(Interleave.tiles_n(problem.n, self.bn).eval({})) if self.interleave
-                        else ceil_div(problem.n, self.bn))
+        self.tiles_n = int(column_tiles(problem.n, self.bn, self.interleave).eval({}))
+        self._column_cache: dict[int, tuple[np.ndarray, int]] = {}
         self.k_tiles = ceil_div(problem.k, self.bk)
         self.in_dtype = NP_DTYPES[problem.a[0]]
         self.acc_dtype = NP_DTYPES[problem.acc]
@@ -139,25 +140,34 @@ class _Schedule:
     # ---- the interleave node (l2ir.indexing.Interleave) -------------------------------------------------------
     def tile_cols(self, tn: int) -> np.ndarray:
         """The column of C of each of column tile tn's BN columns (past N for a tile that overhangs it)."""
-        if not self.interleave:
-            return tn * self.bn + np.arange(self.bn)
-        env = {"tile_n": tn}
-        j = int(Interleave.first_row(self.bn).eval(env)) + np.arange(self.bn)
-        return np.asarray(Interleave.column().eval({"j": j, "r": int(Interleave.residue().eval(env))}))
+        return self._columns(tn)[0]
 
     def view_offset(self, tn: int) -> int:
         """interleave: elements between the 16-byte boundary below the first row of column tile tn's residue and
         that row (the model's operands start 16-byte aligned); 0 without the node."""
+        return self._columns(tn)[1]
+
+    def _columns(self, tn: int) -> tuple[np.ndarray, int]:
+        """(tile_cols, view_offset) of column tile tn, evaluated and checked once per run: every k tile's load and
+        the store ask for them."""
+        if tn not in self._column_cache:
+            self._column_cache[tn] = self._evaluate_columns(tn)
+        return self._column_cache[tn]
+
+    def _evaluate_columns(self, tn: int) -> tuple[np.ndarray, int]:
         if not self.interleave:
-            return 0
-        r = int(Interleave.residue().eval({"tile_n": tn}))
+            return tn * self.bn + np.arange(self.bn), 0
+        env = {"tile_n": tn}
+        r = int(Interleave.residue().eval(env))
+        j = int(Interleave.first_row(self.bn).eval(env)) + np.arange(self.bn)
+        cols = np.asarray(Interleave.column().eval({"j": j, "r": r}))
         off = int(Interleave.offset().eval({"elem": r * self.problem.k}))
         # The view is read in whole 16-byte vectors: every row of the residue must start `off` elements past one.
-        starts = (self.tile_cols(tn) * self.problem.k - off) % Interleave.STRIDE
+        starts = (cols * self.problem.k - off) % Interleave.STRIDE
         if off > r * self.problem.k or starts.any():
             raise InterpError(f"interleave: column tile {tn}'s view starts {off} elements before its rows, which "
                               "leaves them off a 16-byte boundary")
-        return off
+        return cols, off
 
     def tile_k_tiles(self, tn: int) -> int:
         """k tiles of column tile tn: interleave runs them over B's view, K + offset elements."""

@@ -230,7 +230,7 @@ def _assert_splitk_repeatable(kernel, plan, art, shape, seed, counters_per_tile=
     A kernel that asks for no workspace (reduce=cluster) is held to the same C checks."""
     import torch
 
-    from l2ir.indexing import Interleave as Interleave_index
+    from l2ir.indexing import column_tiles
     from l2ir.runtime import load
     from l2ir.search.gates import relative_error, tolerance
 
@@ -240,10 +240,7 @@ def _assert_splitk_repeatable(kernel, plan, art, shape, seed, counters_per_tile=
     b = torch.randn((nn, kk), generator=gen, device="cuda").half()          # B col: stored N x K, K contiguous
     ws_bytes = plan.workspace_for(mm, nn, kk)
     ws = torch.zeros(max(ws_bytes, 1), dtype=torch.uint8, device="cuda")
-    if kernel.interleave is not None:     # 8 residues x runs of BN view rows each (l2ir.indexing.Interleave)
-        tiles = -(-mm // kernel.tile.bm) * int(Interleave_index.tiles_n(nn, kernel.tile.bn).eval({}))
-    else:
-        tiles = -(-mm // kernel.tile.bm) * -(-nn // kernel.tile.bn)
+    tiles = -(-mm // kernel.tile.bm) * int(column_tiles(nn, kernel.tile.bn, kernel.interleave is not None).eval({}))
     slices = kernel.splitk.slices if kernel.splitk is not None else 0      # no split: a repeatability check only
     partial_bytes = tiles * slices * kernel.tile.bm * kernel.tile.bn * 4
     counters = ws[partial_bytes:ws_bytes]

@@ -66,7 +66,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from l2ir.analysis import C_ROW_PAD, realigned_buffers, realigned_ring_bytes
-from l2ir.indexing import Const, Interleave, SplitKTree, Var, cdiv, rasterize, smem_swizzle, splitk_range, substitute
+from l2ir.indexing import (Const, Interleave, SplitKTree, Var, cdiv, column_tiles, rasterize, smem_swizzle,
+                           splitk_range, substitute)
 from l2ir.nodes import Kernel, Problem, Swizzle
 from l2ir.target import (CUDA_FROM_FLOAT, CUDA_PAIR_FROM_FLOATS, CUDA_PAIR_TYPE, CUDA_TYPE, DTYPE_BYTES, NVCC_ARCH,
                          SMEM_LIMIT)
@@ -1324,9 +1325,7 @@ def render(cfg: Sm80Config, kernel_text: str = "") -> str:
 
 
 def _tiles(cfg: Sm80Config):
-    if cfg.interleave:
-        return cdiv(M_, cfg.bm) * Interleave.tiles_n(N_, cfg.bn)
-    return cdiv(M_, cfg.bm) * cdiv(N_, cfg.bn)
+    return cdiv(M_, cfg.bm) * column_tiles(N_, cfg.bn, cfg.interleave)
 
 
 def launches(cfg: Sm80Config) -> tuple[Launch, ...]:
