@@ -21,8 +21,8 @@ from typing import Any
 
 from l2ir.edits import Edit, InsertNode, RemoveNode, ReplaceNode, SetField
 from l2ir.errors import L2IRError
-from l2ir.nodes import (KERNEL_ORDER, Epilogue, Kernel, Mma, Pad, Pipeline, Problem, Repack, SplitK, Swizzle,
-                        Target, Tile)
+from l2ir.nodes import (KERNEL_ORDER, Epilogue, Interleave, Kernel, Mma, Pad, Pipeline, Problem, Repack, SplitK,
+                        Swizzle, Target, Tile)
 from l2ir.analysis import block_reduce, shares_fragments
 from l2ir.seed import alignment, store_vector
 from l2ir.verify import violations
@@ -49,6 +49,7 @@ KNOBS: dict[str, tuple[Any, ...]] = {
     "pad": tuple((dim, mode) for dim in "mnk" for mode in ("predicate", "zero_fill", "divisible")),
     "align": (1, 2, 4, 8),
     "repack": (None, "ab"),
+    "interleave": (None, 8),
     "rules": ("sm80", "sm90a"),
     "arch": ("sm80", "sm90"),
     "backend": ("cutlass_sm90", "cuda_ptx", "cute_sm80", "cuda_ptx_sm80"),
@@ -282,6 +283,20 @@ def apply_action(kernel: Kernel, problem: Problem, action: Action, arch: str = "
             new = fit_backend(kernel.replace(repack=Repack(v), pad=dataclasses.replace(kernel.pad, align=8)),
                               "cuda_ptx")
             backend = "cuda_ptx"
+    elif knob == "interleave":
+        if v is None:
+            new = kernel.replace(interleave=None)
+        else:
+            if tma or alignment(problem) == 8:
+                return None          # an mma.sync ring's node, for rows of B that do not all start 16-byte aligned
+            # Blocks of columns 8 apart read rows on any 2-byte boundary (pad.align=1, single-element stores 8 columns
+            # apart), through a view of B that starts before each row and ends past N (no divisible n or k), one
+            # block per tile. cuda_ptx_sm80 is the backend that lowers the node, kept by name for the children.
+            pad = kernel.pad
+            pad = dataclasses.replace(pad, align=1, **{d: "zero_fill" for d in "nk" if getattr(pad, d) == "divisible"})
+            new = kernel.replace(interleave=Interleave(v), pad=pad, tile=dataclasses.replace(t, cluster=(1, 1)),
+                                 epilogue=dataclasses.replace(kernel.epilogue, vector=1))
+            backend = "cuda_ptx_sm80"
     elif knob == "rules":
         if v == "sm80":
             if not tma:

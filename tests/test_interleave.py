@@ -180,3 +180,31 @@ def test_schedules_it_does_not_model_are_refused():
     a, b = random_inputs(Problem(17, 64, 65), np.random.default_rng(0))
     with pytest.raises(Exception, match="stream_k|interleave"):
         interpret(k, Problem(17, 64, 65), a, b)
+
+
+# ---- the edit operator (policy.actions) ---------------------------------------------------------------------------
+
+def test_the_interleave_action_makes_a_legal_child_that_computes_matmul():
+    """`Action("interleave", 8)` turns the odd-K sm80 seed into an interleave kernel (pad.align=1, single-element
+    stores, cuda_ptx_sm80 named) that the verifier and backend admit, whose edits replay it, which the interpreter
+    runs correctly; `Action("interleave", None)` takes the node away again. It does not apply where every row is
+    16-byte aligned or to a TMA kernel (the node is an mma.sync ring's)."""
+    from l2ir.policy.actions import Action, apply_action, diff_edits, legal_children, to_sm90a
+    from l2ir.policy.base import Dedupe, Proposal, legalize
+    from l2ir.seed import seed
+
+    problem = Problem(17, 999, 333)
+    parent = seed(problem, "sm80")
+    child, backend = apply_action(parent, problem, Action("interleave", 8))
+    assert child.interleave == Interleave() and backend == "cuda_ptx_sm80"
+    assert child.pad.align == 1 and child.epilogue.vector == 1 and "divisible" not in (child.pad.n, child.pad.k)
+    legalize(child, problem, backend)
+    assert Proposal(edits=diff_edits(parent, child)).apply(parent, problem) == child
+    assert_computes_matmul(child, problem, integers=True)
+    assert any(a == Action("interleave", 8) for _, a, _, _ in legal_children(parent, problem, "sm90a", None, Dedupe(parent)))
+    plain, _ = apply_action(child, problem, Action("interleave", None))
+    assert plain.interleave is None
+
+    aligned = Problem(17, 1000, 336)
+    assert apply_action(seed(aligned, "sm80"), aligned, Action("interleave", 8)) is None
+    assert apply_action(to_sm90a(parent), problem, Action("interleave", 8)) is None
