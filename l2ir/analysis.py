@@ -7,7 +7,7 @@ Each is a pure function of the kernel (and the element sizes); hardware limits c
 
 from __future__ import annotations
 
-from .indexing import ClusterMulticast
+from .indexing import ClusterMulticast, ceil_div, column_tiles
 from .nodes import Kernel, Problem
 from .target import (DTYPE_BYTES, KB, PRODUCER_THREADS, SMEM_LIMIT, TMA_BARRIER_BYTES, WARP_THREADS,
                      WARPGROUP_THREADS)
@@ -135,6 +135,13 @@ def smem_bytes(kernel: Kernel, ebytes: int = 2) -> int:
         # After the main loop the ring is drained, so the C tile reuses its buffers.
         return max(ring, epi)
     return ring + epi
+
+
+def output_tiles(kernel: Kernel, problem: Problem) -> int:
+    """The kernel's output tiles on the problem: BM rows by BN columns of C, the columns consecutive or, with the
+    interleave node, each residue's runs of BN view rows (l2ir.indexing.column_tiles)."""
+    t = kernel.tile
+    return ceil_div(problem.m, t.bm) * int(column_tiles(problem.n, t.bn, kernel.interleave is not None).eval({}))
 
 
 def warpgroups_m(kernel: Kernel) -> int:

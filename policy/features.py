@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from l2ir.analysis import block_reduce, cluster_reduce
+from l2ir.analysis import block_reduce, cluster_reduce, output_tiles
 from l2ir.indexing import ceil_div
 from l2ir.nodes import Kernel, Problem
 from l2ir.verify import resolved_stages
@@ -41,7 +41,7 @@ def kernel_features(kern: Kernel, p: Problem, num_sms: int, backend: str | None 
     bm, bn, bk = kern.tile.block
     pipe, sk, epi, pad = kern.pipeline, kern.splitk, kern.epilogue, kern.pad
     sw = kern.swizzle
-    tiles = ceil_div(p.m, bm) * ceil_div(p.n, bn)
+    tiles = output_tiles(kern, p)
     slices = 1 if sk is None else (sk.slices if sk.mode == "split_k" else max(1, num_sms // max(tiles, 1)))
     units = tiles if block_reduce(kern) else tiles * slices     # reduce=block: the slices share one block
     waves = ceil_div(units, num_sms)

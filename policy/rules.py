@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from l2ir.analysis import output_tiles
 from l2ir.indexing import BlockSplit, ceil_div
-from l2ir.indexing import Interleave as InterleaveIndex
 from l2ir.nodes import Epilogue, Interleave, Kernel, Mma, Pad, Pipeline, Problem, SplitK, Swizzle, Target, Tile
 from l2ir.seed import (COOP_SPLIT_M, REPACK_MIN_M, REPACK_TILES, alignment, cluster_split_kernel, coop_split_kernel,
                        cuda_ptx_lowered, repack_kernel, repack_tile, split_tile_kernel, store_vector)
@@ -215,7 +215,7 @@ def interleave_decode_kernel(problem: Problem, arch: str, slices: int) -> Kernel
 def interleave_slices(problem: Problem, sms: int) -> int:
     """Split-K slices that bring the interleaved kernel's tiles closest to one wave of two blocks per SM (2 to 4):
     3 at 17x9999x3333 (80 tiles) and 8x11008x4095 (88), 4 at 16x8192x4097 and 64x4096x4097 (64) measured best."""
-    tiles = ceil_div(problem.m, 32) * int(InterleaveIndex.tiles_n(problem.n, 128).eval({}))
+    tiles = output_tiles(interleave_decode_kernel(problem, "sm80", 2), problem)
     return max(2, min(4, DECODE_WAVE_BLOCKS_PER_SM * sms // tiles))
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from l2ir.analysis import block_reduce, cluster_reduce, multicast
+from l2ir.analysis import block_reduce, cluster_reduce, multicast, output_tiles
 from l2ir.indexing import Repack, ceil_div
 from l2ir.nodes import Kernel, Problem
 from l2ir.target import H200_SMS
@@ -69,8 +69,10 @@ def _efficiency(kernel: Kernel) -> float:
         eff *= 1.04                                          # one tile's epilogue hides under the other's loop
     if t.bk == 32 and wgmma:
         eff *= 0.9
-    # Loads narrower than 16 bytes (pad.align < 8) issue more instructions and, realigned, more shared traffic.
-    eff *= {1: 0.35, 2: 0.55, 4: 0.8}.get(kernel.pad.align, 1.0)
+    # Loads narrower than 16 bytes (pad.align < 8) issue more instructions and, realigned, more shared traffic. With
+    # the interleave node only A is realigned and B streams in whole 16-byte copies: 1.4-1.7x the realigning kernel
+    # at M <= 64 on an H200 (bench/results/interleave_h200.json).
+    eff *= 0.5 if kernel.interleave is not None else {1: 0.35, 2: 0.55, 4: 0.8}.get(kernel.pad.align, 1.0)
     return eff
 
 
@@ -81,7 +83,7 @@ def kernel_time_us(kernel: Kernel, problem: Problem, sms: int = SMS) -> float:
         return LAUNCH_US + 2.0 * m * n * k / (PEAK_TFLOPS * 1e6 * 0.05)
     t = kernel.tile
     grid = {"tiles_m": ceil_div(m, t.bm), "tiles_n": ceil_div(n, t.bn)}
-    tiles = grid["tiles_m"] * grid["tiles_n"]
+    tiles = output_tiles(kernel, problem)
     # A multicast cluster's grid is whole clusters: a block past the tile grid still runs the K loop to load its
     # share for the others, so it takes an SM for a whole tile's time (l2ir.indexing.ClusterMulticast). Multicast
     # saves L2-to-SM reads, not DRAM bytes (L2 already serves the re-reads), so the traffic below is unchanged:
