@@ -1,8 +1,11 @@
 """Numeric features of a problem and of a kernel on it, for learned policies and cost models.
 
 Problem: log sizes, FLOPs, aspect ratios, divisibility by the common tiles, and how many 128x128 tiles it makes
-per SM. Kernel: tile, stages, schedule, split-K, cluster, repack, epilogue, padding, backend, and what the tile does to
-this problem (waves, last-wave fill, wasted edge area, K tiles). All are scaled to roughly [-1, 1].
+per SM. Kernel: tile, stages, schedule, split-K, cluster, repack, interleave, epilogue, padding, backend, and what the
+tile does to this problem (waves, last-wave fill, wasted edge area, K tiles). All are scaled to roughly [-1, 1].
+
+Every feature has a name (`STATE_FEATURES`, in vector order). A saved learned policy records the names it was trained
+on, so a version that adds a feature still loads it (policy.learned: the new input starts with zero weights).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def kernel_features(kern: Kernel, p: Problem, num_sms: int, backend: str | None 
         float(pipe.mode == "tma_ws"), float(pipe.schedule == "cooperative"), float(pipe.schedule == "pingpong"),
         float(pipe.persistent), float(pipe.prefetch),
         float(sk is None), float(sk is not None and sk.mode == "split_k"), float(sk is not None and sk.mode == "stream_k"),
-        _l2(slices) / 4, float(cluster_reduce(kern)), float(kern.repack is not None),
+        _l2(slices) / 4, float(cluster_reduce(kern)), float(kern.repack is not None), float(kern.interleave is not None),
         _l2(kern.tile.cluster[0]), _l2(kern.tile.cluster[1]),
         float(epi.path == "direct"), float(epi.path == "smem"), float(epi.path == "tma"), epi.vector / 8,
         sum(getattr(pad, d) == "divisible" for d in "mnk") / 3, sum(getattr(pad, d) == "predicate" for d in "mnk") / 3,
@@ -63,8 +66,17 @@ def kernel_features(kern: Kernel, p: Problem, num_sms: int, backend: str | None 
     ]
 
 
-KERNEL_DIM = 35
-PROBLEM_DIM = 11
+PROBLEM_FEATURES = ("log_m", "log_n", "log_k", "log_flops", "log_m_over_n", "log_k_over_mn", "m_by_128", "n_by_128",
+                    "k_by_64", "aligned_8", "log_tiles_per_sm")
+KERNEL_FEATURES = ("log_bm", "log_bn", "log_bk", "stages", "tma", "cooperative", "pingpong", "persistent", "prefetch",
+                   "no_split", "split_k", "stream_k", "log_slices", "cluster_reduce", "repack", "interleave",
+                   "log_cluster_m", "log_cluster_n", "epilogue_direct", "epilogue_smem", "epilogue_tma",
+                   "epilogue_vector", "pad_divisible", "pad_predicate", "align",
+                   "raster_along_m", "log_group", "smem_swizzle", *(f"backend_{b}" for b in BACKEND_NAMES),
+                   "log_units_per_sm", "last_wave_fill", "edge_fill", "log_k_tiles")
+PARENT_FEATURES = ("measured", "log_speedup")
+KERNEL_DIM = len(KERNEL_FEATURES)
+PROBLEM_DIM = len(PROBLEM_FEATURES)
 
 
 def state_features(p: Problem, kern: Kernel, num_sms: int, backend: str | None,
@@ -75,4 +87,17 @@ def state_features(p: Problem, kern: Kernel, num_sms: int, backend: str | None,
     return np.asarray(v, dtype=np.float32)
 
 
-STATE_DIM = PROBLEM_DIM + KERNEL_DIM + 2
+STATE_FEATURES = (*(f"problem.{n}" for n in PROBLEM_FEATURES), *(f"kernel.{n}" for n in KERNEL_FEATURES),
+                  *(f"parent.{n}" for n in PARENT_FEATURES))
+STATE_DIM = len(STATE_FEATURES)
+
+
+def _without(*names: str) -> tuple[str, ...]:
+    return tuple(f for f in STATE_FEATURES if f not in names)
+
+
+# States saved before the features had names (no "features" in the state) were trained on the features of their
+# day, in this order, told apart by their count: the cluster reduction and the repack node came at 46 -> 48, the
+# interleave node at 48 -> 49.
+UNNAMED_FEATURES = {46: _without("kernel.cluster_reduce", "kernel.repack", "kernel.interleave"),
+                    48: _without("kernel.interleave")}

@@ -2,8 +2,8 @@
 
 The action space is the flat list of edit operators `policy.actions.ACTIONS` (frozen (knob, value) records over
 the whole IR and every backend). A small MLP reads the state (problem features: log M, N, K, FLOPs, aspect ratios,
-divisibility, tiles per SM; kernel features: tile, stages, schedule, split-K, cluster, epilogue, padding, backend,
-waves and last-wave fill on this problem; the parent's measured log speedup) and gives
+divisibility, tiles per SM; kernel features: tile, stages, schedule, split-K, cluster, repack, interleave, epilogue,
+padding, backend, waves and last-wave fill on this problem; the parent's measured log speedup) and gives
   - a policy head: logits over the actions, masked to those that make a legal, new child for this problem;
   - a cost-model head: the predicted reward of each action from this state, trained by regression on every
     outcome, used to rank a larger sample before anything is compiled or timed (as TVM's cost model does).
@@ -12,9 +12,9 @@ propose() draws `count * oversample` distinct actions from the masked softmax (G
 context's seeded generator), keeps the `count` the cost model ranks highest, and returns each as edits with a note.
 update() turns each outcome into a reward: the log speedup gained over the parent (0 for a loss or a gain within
 `min_gain`, the timing noise; log speedup alone when the parent was never measured), or `penalty` for an illegal
-or failed candidate; the policy gradient uses
-(reward - running baseline). state_dict() is JSON (weights as base64 float32), so the records DB stores it and a
-later run, on other shapes, starts from it. Everything is deterministic for a seed.
+or failed candidate; the policy gradient uses (reward - running baseline). state_dict() is JSON (weights as base64
+float32), so the records DB stores it and a later run, on other shapes, starts from it; so does a later version of
+L2IR with more actions or input features (the state names both). Everything is deterministic for a seed.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ import numpy as np
 
 from .actions import ACTIONS, KNOBS, diff_edits, legal_children
 from .base import Context, Dedupe, Feedback, Proposal
-from .features import STATE_DIM, state_features
+from .features import STATE_DIM, STATE_FEATURES, UNNAMED_FEATURES, state_features
 
 STATE_VERSION = 1
+INPUT_WEIGHT = "net.0.weight"      # the only parameter with a column per input feature
 
 
 @contextlib.contextmanager
@@ -246,7 +247,8 @@ class Learned:
         moments = {str(i): {key: _encode(v) for key, v in st.items()}
                    for i, st in self.opt.state_dict()["state"].items()}
         return {"policy": self.name, "version": STATE_VERSION, "config": self.config(),
-                "actions": [str(a) for a in ACTIONS], "state_dim": STATE_DIM, "weights": weights,
+                "actions": [str(a) for a in ACTIONS], "features": list(STATE_FEATURES), "state_dim": STATE_DIM,
+                "weights": weights,
                 "optimizer": moments, "baseline": self.baseline, "updates": self.updates}
 
     def load_state_dict(self, state: dict | bytes) -> None:
@@ -258,9 +260,18 @@ class Learned:
         if state.get("policy") != self.name or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a learned-policy state of version {STATE_VERSION}: policy={state.get('policy')!r} "
                              f"version={state.get('version')!r}")
-        if state["state_dim"] != STATE_DIM:
-            raise ValueError("the saved learned policy was trained on another feature set; it cannot be loaded into "
-                             "this version of L2IR")
+        # A feature set that grew (a new IR choice the state now shows) keeps what was learned too: the first
+        # layer's column of a feature the state knows is copied, a new feature's column starts at zero (no say in
+        # what was learned until updates give it one; zero Adam moments), a feature this version dropped is dropped.
+        saved_features = state.get("features") or list(UNNAMED_FEATURES.get(state["state_dim"], ()))
+        if len(saved_features) != state["state_dim"]:
+            raise ValueError(f"the saved learned policy was trained on another feature set ({state['state_dim']} "
+                             f"unnamed features); it cannot be loaded into this version of L2IR")
+        features = list(STATE_FEATURES)
+        where = {f: i for i, f in enumerate(saved_features)}
+        cols = None if saved_features == features else [(j, where[f]) for j, f in enumerate(features) if f in where]
+        if cols == []:
+            raise ValueError("the saved learned policy shares no input feature with this version of L2IR")
         if state["config"]["hidden"] != self.hidden:
             raise ValueError(f"saved hidden={state['config']['hidden']} but this policy has hidden={self.hidden}")
         # An action space that grew (a new IR choice became an edit) keeps what was learned: each head's row of an
@@ -276,12 +287,19 @@ class Learned:
 
         def placed(name: str, spec: dict, fresh):
             saved = torch.from_numpy(_decode(spec))
-            if rows is None or saved.ndim == 0 or not name.startswith(("policy.", "value.")):
+            if saved.ndim == 0:
                 return saved
-            out = fresh.detach().clone()
-            for j, i in rows:
-                out[j] = saved[i]
-            return out
+            if rows is not None and name.startswith(("policy.", "value.")):
+                out = fresh.detach().clone()
+                for j, i in rows:
+                    out[j] = saved[i]
+                return out
+            if cols is not None and name == INPUT_WEIGHT:
+                out = torch.zeros_like(fresh)
+                for j, i in cols:
+                    out[:, j] = saved[:, i]
+                return out
+            return saved
 
         with torch.no_grad():
             for name, spec in state["weights"].items():

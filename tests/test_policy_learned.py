@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,6 +90,76 @@ def test_a_state_saved_before_an_action_was_added_keeps_what_it_learned():
     moments = _decode(got["optimizer"]["4"]["exp_avg"])    # the policy head's weight: the added row starts at zero
     assert not moments[-1].any()
     np.testing.assert_array_equal(moments[:-1], _decode(state["optimizer"]["4"]["exp_avg"])[:-1])
+
+
+def test_a_state_saved_before_a_feature_was_added_keeps_what_it_learned():
+    """A state from before the features had names and before `kernel.interleave` existed (48 inputs, no "features")
+    loads: each known feature's column of the first layer and its Adam moments are copied, the added feature's
+    column starts at zero, so the loaded policy proposes exactly what the old one did on every kernel without the
+    node; a state whose features this version does not know at all is refused."""
+    from l2ir.policy.features import STATE_FEATURES
+    from l2ir.policy.learned import INPUT_WEIGHT, _decode
+
+    p = Problem(2048, 1024, 1024)
+    pol = Learned(seed=4)
+    climb(pol, p, synthetic_speedup, seed(p, "sm80"), budget=16, seed=2)
+    state = json.loads(json.dumps(pol.state_dict()))
+    gone = list(STATE_FEATURES).index("kernel.interleave")
+
+    def without_column(v):
+        return _encode_rows(np.delete(_decode(v), gone, axis=1))
+
+    old = {k: v for k, v in state.items() if k != "features"}
+    old["state_dim"] = len(STATE_FEATURES) - 1
+    old["weights"] = dict(state["weights"], **{INPUT_WEIGHT: without_column(state["weights"][INPUT_WEIGHT])})
+    old["optimizer"] = dict(state["optimizer"], **{"0": {key: (without_column(v) if _decode(v).ndim else v)
+                                                         for key, v in state["optimizer"]["0"].items()}})
+    loaded = Learned(seed=9)
+    loaded.load_state_dict(old)
+    got = loaded.state_dict()
+    w, g = _decode(state["weights"][INPUT_WEIGHT]), _decode(got["weights"][INPUT_WEIGHT])
+    np.testing.assert_array_equal(np.delete(g, gone, axis=1), np.delete(w, gone, axis=1))
+    assert not g[:, gone].any() and not _decode(got["optimizer"]["0"]["exp_avg"])[:, gone].any()
+    q = Problem(512, 4096, 2048)
+    ctx = Context(q, seed(q, "sm90a"), Measured(speedup=0.8), seed=5, count=8)
+    assert [x.text() for x in loaded.propose(ctx)] == [x.text() for x in pol.propose(ctx)]
+    with pytest.raises(ValueError, match="shares no input feature"):
+        Learned().load_state_dict(dict(state, features=[f"other.{f}" for f in state["features"]]))
+
+
+def test_every_feature_has_its_name():
+    """The state vector and the names line up (a feature added without its name would shift every later name), and
+    the interleave feature sees the node."""
+    from l2ir.policy.features import STATE_DIM, STATE_FEATURES, state_features
+    from l2ir.policy.rules import interleave_decode_kernel
+
+    p = Problem(17, 9999, 3333)
+    at = STATE_FEATURES.index("kernel.interleave")
+    for kernel, want in ((seed(p, "sm80"), 0.0), (interleave_decode_kernel(p, "sm80", 3), 1.0),
+                         (seed(Problem(4096, 4096, 4096), "sm90a"), 0.0)):
+        v = state_features(p, kernel, 132, None, 0.1)
+        assert v.shape == (STATE_DIM,) and len(set(STATE_FEATURES)) == STATE_DIM and v[at] == want
+        assert v[STATE_FEATURES.index("parent.measured")] == 1.0
+
+
+def test_the_committed_learned_states_load():
+    """The states bench/policy_compare.py wrote on the H200 (46 inputs: before the cluster-reduction, repack and
+    interleave features) and on the stand-in (48) load into this version, each known input's column as saved."""
+    from l2ir.policy.features import STATE_FEATURES, UNNAMED_FEATURES
+    from l2ir.policy.learned import INPUT_WEIGHT, _decode
+
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    for name, width in (("policy_compare_h200_s0_learned_state.json", 46),
+                        ("policy_compare_standin_learned_state.json", 48)):
+        state = json.loads((results / name).read_text())
+        assert state["state_dim"] == width and "features" not in state
+        got = _decode(Learned.from_state(state).state_dict()["weights"][INPUT_WEIGHT])
+        saved = _decode(state["weights"][INPUT_WEIGHT])
+        for j, feature in enumerate(STATE_FEATURES):
+            if feature in UNNAMED_FEATURES[width]:
+                np.testing.assert_array_equal(got[:, j], saved[:, UNNAMED_FEATURES[width].index(feature)])
+            else:
+                assert not got[:, j].any(), feature
 
 
 def _encode_rows(arr):
