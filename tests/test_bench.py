@@ -893,6 +893,34 @@ def test_placement_probe_instruments_the_split_k_kernel_it_studies():
         probe.instrumented("__global__ void other() {}")
 
 
+def test_launch_bounds_probe_bounds_the_kernel_and_ptxas_answers(tmp_path, capsys):
+    """bench/launch_bounds_probe.py promises B blocks per SM on the generated mma.sync kernel (the entry's
+    `__launch_bounds__(THREADS)` becomes `(THREADS, B)`, nothing else changes); a source without the bound is
+    refused in one line; --compile-only builds every variant and reports ptxas's registers, which the bound caps at
+    65536 / (B x THREADS) (here 256 threads: 85 at three blocks), without a GPU."""
+    import shutil
+
+    probe = _bench_script("launch_bounds_probe")
+    from sweep_cases import lower_case
+
+    case = ((17, 9999, 3333), "cuda_ptx_sm80", "ptx_sm80_32x128x64_w2x4_s3_splitk3_interleave")
+    _, _, plan = lower_case(*case)
+    bounded = probe.min_blocks(3)(plan.source)
+    assert "__launch_bounds__(256)" in plan.source and "__launch_bounds__(256, 3)" in bounded
+    assert bounded.replace("__launch_bounds__(256, 3)", "__launch_bounds__(256)") == plan.source
+    with pytest.raises(ValueError, match="no __launch_bounds__"):
+        probe.min_blocks(3)("__global__ void k() {}")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    out = tmp_path / "lb.json"
+    assert probe.main(["--case", "17x9999x3333:cuda_ptx_sm80:ptx_sm80_32x128x64_w2x4_s3_splitk3_interleave",
+                       "--blocks", "3", "--compile-only", "--out", str(out)]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"as_lowered", "min3"} and rows["min3"]["registers"] <= 65536 // (3 * 256)
+    assert rows["as_lowered"]["registers"] > rows["min3"]["registers"] and "kernel_us" not in rows["min3"]
+    assert "min3" in capsys.readouterr().out
+
+
 def test_export_rule_check_rereads_the_v16_race_and_holds_out_the_fresh_trials(tmp_path, capsys):
     """bench/export_rule_check.py on the committed v16 server race: the paired bound serves every shape the spread
     rule serves and more below 1 GFLOP, and decided on the selection rounds alone it serves no shape that then

@@ -1,0 +1,53 @@
+"""Would promising more blocks per SM help a register-bound mma.sync kernel? (an A/B on generated sources)
+
+    python bench/launch_bounds_probe.py --case 17x9999x3333:cuda_ptx_sm80:ptx_sm80_32x128x64_w2x4_s3_splitk3_interleave \
+        --blocks 2 3 --out FILE [--compile-only]
+
+The cuda_ptx_sm80 and cuda_ptx_direct kernels are declared `__launch_bounds__(THREADS)`: ptxas may then use up to
+255 registers a thread, and registers, not shared memory, can cap the blocks an SM holds. The interleaved odd-K decode
+kernel is one: 109 registers x 256 threads leave room for 2 blocks per SM while its 3-stage ring (71 KB) would fit 3
+(bench/NOTES.md, the interleave node's profile: 13.8 of 64 warps active). `__launch_bounds__(THREADS, B)` makes ptxas
+fit B blocks: at most 65536 / (B x THREADS) registers a thread, spilling what does not fit. Variants:
+  as_lowered  the source as generated
+  minB        `__launch_bounds__(THREADS, B)` for each B of --blocks
+Each variant's registers and spills come from ptxas (on any machine, --compile-only); on a GPU each is checked against
+torch.matmul and timed in the offline scenario (bench/source_variants.py). A bound that wins becomes an IR field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from source_variants import run
+from sweep_cases import case_arg
+
+BOUNDS = re.compile(r"__launch_bounds__\((\d+)\)")
+
+
+def min_blocks(blocks: int):
+    def edit(source: str) -> str:
+        out, found = BOUNDS.subn(rf"__launch_bounds__(\1, {blocks})", source)
+        if not found:
+            raise ValueError("the generated source has no __launch_bounds__(THREADS) to bound")
+        return out
+    return edit
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--case", type=case_arg, action="append", required=True, help="MxNxK:SWEEP:CONFIG (repeatable)")
+    ap.add_argument("--blocks", type=int, nargs="+", default=[2, 3], help="minimum blocks per SM to promise")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--compile-only", action="store_true", help="only build the variants: ptxas registers and spills")
+    args = ap.parse_args(argv)
+    if any(b < 1 for b in args.blocks):
+        ap.error("--blocks takes positive counts")
+    variants = {"as_lowered": lambda source: source, **{f"min{b}": min_blocks(b) for b in args.blocks}}
+    command = "python3 bench/launch_bounds_probe.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    return run(args.case, variants, command, args.out, args.compile_only)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
