@@ -248,8 +248,7 @@ class Learned:
                    for i, st in self.opt.state_dict()["state"].items()}
         return {"policy": self.name, "version": STATE_VERSION, "config": self.config(),
                 "actions": [str(a) for a in ACTIONS], "features": list(STATE_FEATURES), "state_dim": STATE_DIM,
-                "weights": weights,
-                "optimizer": moments, "baseline": self.baseline, "updates": self.updates}
+                "weights": weights, "optimizer": moments, "baseline": self.baseline, "updates": self.updates}
 
     def load_state_dict(self, state: dict | bytes) -> None:
         torch = _torch()
@@ -265,8 +264,8 @@ class Learned:
         # what was learned until updates give it one; zero Adam moments), a feature this version dropped is dropped.
         saved_features = state.get("features") or list(UNNAMED_FEATURES.get(state["state_dim"], ()))
         if len(saved_features) != state["state_dim"]:
-            raise ValueError(f"the saved learned policy was trained on another feature set ({state['state_dim']} "
-                             f"unnamed features); it cannot be loaded into this version of L2IR")
+            raise ValueError(f"the saved learned policy was trained on {state['state_dim']} input features, "
+                             f"{len(saved_features)} of them named: a feature set this version of L2IR cannot place")
         features = list(STATE_FEATURES)
         where = {f: i for i, f in enumerate(saved_features)}
         cols = None if saved_features == features else [(j, where[f]) for j, f in enumerate(features) if f in where]
@@ -277,7 +276,7 @@ class Learned:
         # An action space that grew (a new IR choice became an edit) keeps what was learned: each head's row of an
         # action the state knows is copied, a new action keeps its fresh row (the random policy's prior, no opinion
         # on its reward; zero Adam moments), an action this version no longer has is dropped. Only the heads have
-        # rows per action; everything else loads as saved.
+        # rows per action and only the input layer columns per feature; everything else loads as saved.
         actions = [str(a) for a in ACTIONS]
         known = {a: i for i, a in enumerate(state["actions"])}
         rows = None if state["actions"] == actions else [(j, known[a]) for j, a in enumerate(actions) if a in known]
