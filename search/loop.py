@@ -54,7 +54,7 @@ from l2ir.nodes import Kernel, Problem
 from l2ir.seed import seed as rule_seed
 from l2ir.text import parse_kernel, parse_problem, print_problem, print_problem_class
 
-from .db import RecordsDB, environment_id, spread_of
+from .db import DBError, RecordsDB, environment_id, spread_of
 from .evaluator import Measurement
 from .pipeline import Candidate, Pipeline, PipelineConfig, Prepared, _first_line
 
@@ -252,9 +252,7 @@ class Search:
         budget = {"candidates_per_shape": cfg.budget_candidates, "gpu_seconds": cfg.budget_gpu_s,
                   "wall_seconds": cfg.budget_wall_s}
         # A learning policy continues from what it learned in earlier runs on this DB (any shapes, any run).
-        state = self.db.load_policy_state(f"policy:{self.policy_name}")
-        if state is not None:
-            self.policy.load_state_dict(_loads_state(state))
+        _load_policy(self.policy, self.db, f"policy:{self.policy_name}")
         self.run_id = self.db.start_run(self.command, cfg.to_json(), cfg.seed, self.policy_name, budget)
         # A resume starts from the state this run started from (the stored one may change meanwhile).
         with self.db.transaction():
@@ -275,9 +273,7 @@ class Search:
         s = cls(cfg, db, evaluator, retimer, policy, progress, clock, command)
         s.run_id = run_id
         _bind_records(s.policy, db, run_id)
-        state = db.load_policy_state(f"run:{run_id}")
-        if state is not None:
-            s.policy.load_state_dict(_loads_state(state))
+        if _load_policy(s.policy, db, f"run:{run_id}"):
             at = db.load_policy_state(f"run:{run_id}:at")
             if at is not None:
                 # The state is as of the start of a step: the feedback of the rows recorded since is replayed.
@@ -1022,3 +1018,17 @@ def _dumps_state(state) -> bytes:
 
 def _loads_state(blob: bytes):
     return bytes(blob[1:]) if blob[:1] == b"B" else json.loads(blob[1:].decode())
+
+
+def _load_policy(policy, db: RecordsDB, name: str) -> bool:
+    """Load the DB's stored policy state `name` into the policy; False when there is none. A state this version
+    cannot place (written by another L2IR, garbled) is a DBError that names the DB and the state, not a traceback."""
+    blob = db.load_policy_state(name)
+    if blob is None:
+        return False
+    try:
+        policy.load_state_dict(_loads_state(blob))
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise DBError(f"{db.path}: the stored policy state '{name}' cannot be loaded: {e} (another --db starts the "
+                      "policy afresh)") from None
+    return True

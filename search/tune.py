@@ -220,6 +220,7 @@ def _cluster_evaluators(cluster, mode: str, seed: int):
 def cmd_tune(args) -> int:
     from rich.console import Console
 
+    from .db import DBError
     from .loop import Search, TuneConfig
 
     console = Console(stderr=True)
@@ -270,8 +271,11 @@ def cmd_tune(args) -> int:
                         e.close()
                 ev, rt = make(row["config"]["mode"], row["seed"])
                 view = _LiveView(console, row["config"]["mode"])
-            search = Search.resume(db, args.resume, ev, rt, progress=view.update, command=command,
-                                   budget_wall_s=args.budget_seconds)
+            try:
+                search = Search.resume(db, args.resume, ev, rt, progress=view.update, command=command,
+                                       budget_wall_s=args.budget_seconds)
+            except DBError as e:                 # a stored policy state this version cannot load
+                raise TuneError(str(e)) from None
         else:
             problem = args.problem or "gemm m=1 n=1 k=1 a=f16:row b=f16:col c=f16:row acc=f32"
             cfg = TuneConfig(shapes=tuple(shapes), problem=problem, policy=args.policy, seed=args.seed,
@@ -285,6 +289,11 @@ def cmd_tune(args) -> int:
                 raise TuneError(str(e)) from None
         if cluster is not None:
             distribute(search, cluster)
+        if search.run_id is None:
+            try:
+                search.start()               # the stored policy state loads, or is refused, before the live view
+            except DBError as e:
+                raise TuneError(str(e)) from None
         view.start(len(search.config.shapes), search.config.budget_candidates)
         try:
             states = search.run()

@@ -123,6 +123,29 @@ def test_bad_input_is_one_line_with_exit_1(tmp_path, capsys):
         assert code == 1 and expect in err and err.count("\n") == 1, (argv, err)
 
 
+def test_a_stored_policy_state_this_version_cannot_load_is_one_line(tmp_path, capsys):
+    """A learned-policy state in the DB that this version cannot place (here: none of its input features exists)
+    stops `l2ir tune --policy learned` with one line naming the DB and the state, before a run is recorded; a
+    garbled state blob the same."""
+    pytest.importorskip("torch")
+    from l2ir.policy.learned import Learned
+
+    db_path = tmp_path / "r.db"
+    state = Learned().state_dict()
+    for blob in (b"J" + json.dumps(dict(state, features=[f"x.{f}" for f in state["features"]])).encode(),
+                 b"J{not json"):
+        db = RecordsDB(str(db_path))
+        db.save_policy_state("policy:learned", blob)
+        db.close()
+        code, _, err = run(["tune", "--standin", "--shape", "256x256x512", "--policy", "learned",
+                            "--budget-candidates", "2", "--db", str(db_path)], capsys)
+        assert code == 1 and err.startswith(f"error: {db_path}: the stored policy state 'policy:learned'"), err
+        assert err.count("\n") == 1
+        db = RecordsDB(str(db_path))
+        assert not db.runs()
+        db.close()
+
+
 def test_without_a_gpu_tune_says_so_and_takes_the_compile_only_path(monkeypatch):
     import l2ir.search.preflight as pf
 
