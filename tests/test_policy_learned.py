@@ -143,23 +143,26 @@ def test_every_feature_has_its_name():
 
 
 def test_the_committed_learned_states_load():
-    """The states bench/policy_compare.py wrote on the H200 (46 inputs: before the cluster-reduction, repack and
-    interleave features) and on the stand-in (48) load into this version, each known input's column as saved."""
+    """The states bench/policy_compare.py wrote load into this version: the H200 one of 2026-11 (46 unnamed inputs:
+    before the cluster-reduction, repack and interleave features) with each known input's column as saved and the
+    others at zero, a named one exactly as saved."""
     from l2ir.policy.features import STATE_FEATURES, UNNAMED_FEATURES
     from l2ir.policy.learned import INPUT_WEIGHT, _decode
 
     results = Path(__file__).resolve().parents[1] / "bench" / "results"
-    for name, width in (("policy_compare_h200_s0_learned_state.json", 46),
-                        ("policy_compare_standin_learned_state.json", 48)):
-        state = json.loads((results / name).read_text())
-        assert state["state_dim"] == width and "features" not in state
+    widths = []
+    for path in sorted(results.glob("policy_compare_*_learned_state.json")):
+        state = json.loads(path.read_text())
         got = _decode(Learned.from_state(state).state_dict()["weights"][INPUT_WEIGHT])
         saved = _decode(state["weights"][INPUT_WEIGHT])
+        names = state.get("features") or UNNAMED_FEATURES[state["state_dim"]]
         for j, feature in enumerate(STATE_FEATURES):
-            if feature in UNNAMED_FEATURES[width]:
-                np.testing.assert_array_equal(got[:, j], saved[:, UNNAMED_FEATURES[width].index(feature)])
+            if feature in names:
+                np.testing.assert_array_equal(got[:, j], saved[:, list(names).index(feature)])
             else:
-                assert not got[:, j].any(), feature
+                assert not got[:, j].any(), (path.name, feature)
+        widths.append((path.name, state["state_dim"], "features" in state))
+    assert ("policy_compare_h200_s0_learned_state.json", 46, False) in widths, widths
 
 
 def _encode_rows(arr):
