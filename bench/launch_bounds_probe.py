@@ -23,14 +23,17 @@ import sys
 from source_variants import run
 from sweep_cases import case_arg
 
-BOUNDS = re.compile(r"__launch_bounds__\((\d+)\)")
+# The GEMM entry's bound: `__launch_bounds__(THREADS)` right before `l2ir_..._gemm(`. Other kernels of the source
+# (the repack copy) and entries already bounded (`THREADS, 1` of the sm90a rule) are left alone.
+BOUNDS = re.compile(r"__launch_bounds__\((\d+)\)(\s*l2ir_\w+_gemm\()")
 
 
 def min_blocks(blocks: int):
     def edit(source: str) -> str:
-        out, found = BOUNDS.subn(rf"__launch_bounds__(\1, {blocks})", source)
-        if not found:
-            raise ValueError("the generated source has no __launch_bounds__(THREADS) to bound")
+        out, found = BOUNDS.subn(rf"__launch_bounds__(\1, {blocks})\2", source)
+        if found != 1:
+            raise ValueError(f"the generated source has {found} GEMM entries bounded by __launch_bounds__(THREADS) "
+                             "alone, not one")
         return out
     return edit
 

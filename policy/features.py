@@ -97,7 +97,8 @@ def _without(*names: str) -> tuple[str, ...]:
 
 
 # States saved before the features had names (no "features" in the state) were trained on the features of their
-# day, in this order, told apart by their count: the cluster reduction and the repack node came at 46 -> 48, the
-# interleave node at 48 -> 49.
+# day, in this order, told apart by their count: the cluster reduction came at 46 -> 47, the repack node at
+# 47 -> 48, the interleave node at 48 -> 49.
 UNNAMED_FEATURES = {46: _without("kernel.cluster_reduce", "kernel.repack", "kernel.interleave"),
+                    47: _without("kernel.repack", "kernel.interleave"),
                     48: _without("kernel.interleave")}

@@ -276,7 +276,9 @@ class Learned:
         # An action space that grew (a new IR choice became an edit) keeps what was learned: each head's row of an
         # action the state knows is copied, a new action keeps its fresh row (the random policy's prior, no opinion
         # on its reward; zero Adam moments), an action this version no longer has is dropped. Only the heads have
-        # rows per action and only the input layer columns per feature; everything else loads as saved.
+        # rows per action and only the input layer columns per feature; everything else loads as saved. Adam's step
+        # count loads as saved too, so a new row's or column's first updates are larger than a fresh policy's (its
+        # zero moments get no bias correction left): a few times the learning rate for its first tens of updates.
         actions = [str(a) for a in ACTIONS]
         known = {a: i for i, a in enumerate(state["actions"])}
         rows = None if state["actions"] == actions else [(j, known[a]) for j, a in enumerate(actions) if a in known]

@@ -1028,7 +1028,8 @@ def _load_policy(policy, db: RecordsDB, name: str) -> bool:
         return False
     try:
         policy.load_state_dict(_loads_state(blob))
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+    except Exception as e:      # noqa: BLE001 - whatever a foreign or garbled state raises, it is not loadable
+        # (a mismatched field, a weight of another shape in torch's copy, JSON that is not an object)
         raise DBError(f"{db.path}: the stored policy state '{name}' cannot be loaded: {e} (another --db starts the "
                       "policy afresh)") from None
     return True

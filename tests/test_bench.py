@@ -908,8 +908,15 @@ def test_launch_bounds_probe_bounds_the_kernel_and_ptxas_answers(tmp_path, capsy
     bounded = probe.min_blocks(3)(plan.source)
     assert "__launch_bounds__(256)" in plan.source and "__launch_bounds__(256, 3)" in bounded
     assert bounded.replace("__launch_bounds__(256, 3)", "__launch_bounds__(256)") == plan.source
-    with pytest.raises(ValueError, match="no __launch_bounds__"):
+    with pytest.raises(ValueError, match="0 GEMM entries"):
         probe.min_blocks(3)("__global__ void k() {}")
+    # A direct decode kernel's entry is bounded too; a repack source's bare bound is the copy kernel's (its GEMM entry
+    # is already bounded by the sm90a rule): refused, not a variant of the copy reported as the GEMM's.
+    _, _, direct = lower_case((1, 4096, 4096), "cuda_ptx_direct", "direct_8x32x128_w1x4_s2_k4")
+    assert probe.min_blocks(2)(direct.source).count(", 2)") == direct.source.count(", 2)") + 1
+    _, _, repack = lower_case((512, 512, 4097), "cuda_ptx", "ptx_repack_coop_128x128x64")
+    with pytest.raises(ValueError, match="0 GEMM entries"):
+        probe.min_blocks(2)(repack.source)
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not on PATH")
     out = tmp_path / "lb.json"

@@ -92,27 +92,30 @@ def test_a_state_saved_before_an_action_was_added_keeps_what_it_learned():
     np.testing.assert_array_equal(moments[:-1], _decode(state["optimizer"]["4"]["exp_avg"])[:-1])
 
 
-def test_a_state_saved_before_a_feature_was_added_keeps_what_it_learned():
-    """A state from before the features had names and before `kernel.interleave` existed (48 inputs, no "features")
-    loads: each known feature's column of the first layer and its Adam moments are copied, the added feature's
-    column starts at zero, so the loaded policy proposes exactly what the old one did on every kernel without the
-    node; a state whose features this version does not know at all is refused."""
-    from l2ir.policy.features import STATE_FEATURES
+@pytest.mark.parametrize("width", [46, 47, 48])
+def test_a_state_saved_before_a_feature_was_added_keeps_what_it_learned(width):
+    """A state from before the features had names (no "features"), from before the cluster-reduction (46 inputs),
+    repack (47) or interleave (48) input existed, loads: each known feature's column of the first layer and its Adam
+    moments are copied, an added feature's column starts at zero, so the loaded policy proposes exactly what the old
+    one did on a kernel where the added features are 0; a state whose features this version does not know at all is
+    refused."""
+    from l2ir.policy.features import STATE_FEATURES, UNNAMED_FEATURES, state_features
     from l2ir.policy.learned import INPUT_WEIGHT, _decode
 
     p = Problem(2048, 1024, 1024)
     pol = Learned(seed=4)
     climb(pol, p, synthetic_speedup, seed(p, "sm80"), budget=16, seed=2)
     state = json.loads(json.dumps(pol.state_dict()))
-    gone = list(STATE_FEATURES).index("kernel.interleave")
+    gone = [j for j, f in enumerate(STATE_FEATURES) if f not in UNNAMED_FEATURES[width]]
+    assert len(STATE_FEATURES) - len(gone) == width
 
-    def without_column(v):
+    def without_columns(v):
         return _encode_rows(np.delete(_decode(v), gone, axis=1))
 
     old = {k: v for k, v in state.items() if k != "features"}
-    old["state_dim"] = len(STATE_FEATURES) - 1
-    old["weights"] = dict(state["weights"], **{INPUT_WEIGHT: without_column(state["weights"][INPUT_WEIGHT])})
-    old["optimizer"] = dict(state["optimizer"], **{"0": {key: (without_column(v) if _decode(v).ndim else v)
+    old["state_dim"] = width
+    old["weights"] = dict(state["weights"], **{INPUT_WEIGHT: without_columns(state["weights"][INPUT_WEIGHT])})
+    old["optimizer"] = dict(state["optimizer"], **{"0": {key: (without_columns(v) if _decode(v).ndim else v)
                                                          for key, v in state["optimizer"]["0"].items()}})
     loaded = Learned(seed=9)
     loaded.load_state_dict(old)
@@ -122,6 +125,7 @@ def test_a_state_saved_before_a_feature_was_added_keeps_what_it_learned():
     assert not g[:, gone].any() and not _decode(got["optimizer"]["0"]["exp_avg"])[:, gone].any()
     q = Problem(512, 4096, 2048)
     ctx = Context(q, seed(q, "sm90a"), Measured(speedup=0.8), seed=5, count=8)
+    assert not state_features(q, ctx.parent, ctx.num_sms, None, 0.0)[gone].any()
     assert [x.text() for x in loaded.propose(ctx)] == [x.text() for x in pol.propose(ctx)]
     with pytest.raises(ValueError, match="shares no input feature"):
         Learned().load_state_dict(dict(state, features=[f"other.{f}" for f in state["features"]]))

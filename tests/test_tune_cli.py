@@ -125,15 +125,16 @@ def test_bad_input_is_one_line_with_exit_1(tmp_path, capsys):
 
 def test_a_stored_policy_state_this_version_cannot_load_is_one_line(tmp_path, capsys):
     """A learned-policy state in the DB that this version cannot place (here: none of its input features exists)
-    stops `l2ir tune --policy learned` with one line naming the DB and the state, before a run is recorded; a
-    garbled state blob the same."""
+    stops `l2ir tune --policy learned` with one line naming the DB and the state, before a run is recorded; so does
+    one whose weights do not fit the network, or a garbled blob."""
     pytest.importorskip("torch")
     from l2ir.policy.learned import Learned
 
     db_path = tmp_path / "r.db"
     state = Learned().state_dict()
+    other_shape = dict(state, weights=dict(state["weights"], **{"net.0.weight": state["weights"]["net.2.weight"]}))
     for blob in (b"J" + json.dumps(dict(state, features=[f"x.{f}" for f in state["features"]])).encode(),
-                 b"J{not json"):
+                 b"J" + json.dumps(other_shape).encode(), b"J[1, 2]", b"J{not json"):
         db = RecordsDB(str(db_path))
         db.save_policy_state("policy:learned", blob)
         db.close()
