@@ -124,6 +124,9 @@ def main(argv=None) -> int:
                     help="the second target: per shape, F times the best speedup any run found on it (one every "
                          "shape can reach, also where nothing beats torch.matmul)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--train-seed", type=int, default=0,
+                    help="the learned policy's initial weights (one training run per call: compare several to see "
+                         "how much of a difference is the training's luck)")
     ap.add_argument("--budget-seconds", type=float, default=math.inf,
                     help="wall seconds per search run (each policy and seed gets the same); a shape cut short "
                          "counts the candidates it reached")
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
         held = [held[int(i * step)] for i in range(args.limit_held)]
     t0 = time.time()
 
-    learned = Learned(seed=0)
+    learned = Learned(seed=args.train_seed)
     trained_shapes = [list(x) for x in train]
     if args.state:
         try:
@@ -189,7 +192,8 @@ def main(argv=None) -> int:
             run_search(train, learned, 1000 + epoch, args.train_budget, train_mode, args, db, init_size=2)
             print(f"policy_compare: trained epoch {epoch + 1}/{args.train_epochs} on {len(train)} shapes "
                   f"({learned.updates} updates, {time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-        trained_on = f"{len(train)} shapes x {args.train_epochs} epochs x {args.train_budget} candidates ({train_mode})"
+        trained_on = (f"{len(train)} shapes x {args.train_epochs} epochs x {args.train_budget} candidates ({train_mode}), "
+                      f"initial weights seed {args.train_seed}")
     # The shapes it learned on travel with the state, so a later comparison can refuse to call them held out.
     (out.parent / (out.name + "_learned_state.json")).write_text(
         json.dumps(learned.state_dict() | {"trained_shapes": trained_shapes}))
