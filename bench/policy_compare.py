@@ -124,6 +124,8 @@ def main(argv=None) -> int:
                     help="the second target: per shape, F times the best speedup any run found on it (one every "
                          "shape can reach, also where nothing beats torch.matmul)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--entropy", type=float, default=None,
+                    help="the learned policy's entropy bonus (default: policy.learned's)")
     ap.add_argument("--train-seed", type=int, default=0,
                     help="the learned policy's initial weights (one training run per call: compare several to see "
                          "how much of a difference is the training's luck)")
@@ -170,7 +172,7 @@ def main(argv=None) -> int:
         held = [held[int(i * step)] for i in range(args.limit_held)]
     t0 = time.time()
 
-    learned = Learned(seed=args.train_seed)
+    learned = Learned(seed=args.train_seed, **({} if args.entropy is None else {"entropy": args.entropy}))
     trained_shapes = [list(x) for x in train]
     if args.state:
         try:
@@ -193,7 +195,7 @@ def main(argv=None) -> int:
             print(f"policy_compare: trained epoch {epoch + 1}/{args.train_epochs} on {len(train)} shapes "
                   f"({learned.updates} updates, {time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
         trained_on = (f"{len(train)} shapes x {args.train_epochs} epochs x {args.train_budget} candidates ({train_mode}), "
-                      f"initial weights seed {args.train_seed}")
+                      f"initial weights seed {args.train_seed}, entropy bonus {learned.entropy}")
     # The shapes it learned on travel with the state, so a later comparison can refuse to call them held out.
     (out.parent / (out.name + "_learned_state.json")).write_text(
         json.dumps(learned.state_dict() | {"trained_shapes": trained_shapes}))
@@ -239,7 +241,9 @@ def main(argv=None) -> int:
               "train_shapes": [list(x) for x in train], "held_shapes": [list(x) for x in held],
               "command": "python bench/policy_compare.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "seconds": time.time() - t0, "summary": summary, "rows": rows}
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    # OUT is a prefix: a dot in it (--out /tmp/e0.2) is part of the name, not a suffix to replace.
+    json_path, md_path = out.parent / (out.name + ".json"), out.parent / (out.name + ".md")
+    json_path.write_text(json.dumps(result, indent=1))
     where = f"GPU: {env.get('gpu')}" if mode == "gpu" else "STAND-IN cost model, NOT measured"
     lines = [f"# Learned policy vs random edits ({where})", "",
              (f"Budget {args.budget} candidates per shape (the first 2 are the rule-based seeds); seeds {args.seeds}; "
@@ -265,9 +269,9 @@ def main(argv=None) -> int:
             lines.append(f"| {name} | {x['mean_evaluations_to_target']:.1f} | {x['reached']}/{x['runs']} | "
                          f"{x['geomean_best_speedup'] or 0:.3f}x |")
         lines.append("")
-    out.with_suffix(".md").write_text("\n".join(lines))
+    md_path.write_text("\n".join(lines))
     print("\n".join(ln for ln in lines if ln.startswith(("## ", "| learned", "| random"))))
-    print(f"policy_compare: wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}", file=sys.stderr)
+    print(f"policy_compare: wrote {json_path} and {md_path}", file=sys.stderr)
     return 0
 
 
