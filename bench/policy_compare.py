@@ -126,6 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--entropy", type=float, default=None,
                     help="the learned policy's entropy bonus (default: policy.learned's)")
+    ap.add_argument("--lr", type=float, default=None, help="the learned policy's learning rate (default: policy.learned's)")
     ap.add_argument("--train-seed", type=int, default=0,
                     help="the learned policy's initial weights (one training run per call: compare several to see "
                          "how much of a difference is the training's luck)")
@@ -172,7 +173,8 @@ def main(argv=None) -> int:
         held = [held[int(i * step)] for i in range(args.limit_held)]
     t0 = time.time()
 
-    learned = Learned(seed=args.train_seed, **({} if args.entropy is None else {"entropy": args.entropy}))
+    learned = Learned(seed=args.train_seed, **{k: v for k, v in (("entropy", args.entropy), ("lr", args.lr))
+                                               if v is not None})
     trained_shapes = [list(x) for x in train]
     if args.state:
         try:
@@ -195,7 +197,7 @@ def main(argv=None) -> int:
             print(f"policy_compare: trained epoch {epoch + 1}/{args.train_epochs} on {len(train)} shapes "
                   f"({learned.updates} updates, {time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
         trained_on = (f"{len(train)} shapes x {args.train_epochs} epochs x {args.train_budget} candidates ({train_mode}), "
-                      f"initial weights seed {args.train_seed}, entropy bonus {learned.entropy}")
+                      f"initial weights seed {args.train_seed}, entropy bonus {learned.entropy}, lr {learned.lr}")
     # The shapes it learned on travel with the state, so a later comparison can refuse to call them held out.
     (out.parent / (out.name + "_learned_state.json")).write_text(
         json.dumps(learned.state_dict() | {"trained_shapes": trained_shapes}))
