@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from sweep_cases import offline_sets
+
 STREAM_SOURCE = r"""
 #include <stdint.h>
 // Reads A (M*K halves) and B (N*K halves) once and writes C (M*N halves) once: the least traffic of a GEMM, with
@@ -170,7 +172,7 @@ def main(argv=None) -> int:
         return 1
     from l2ir.backends.compile import CompileOptions, compile_plan
     from l2ir.search.evaluator import environment
-    from l2ir.search.timing import TimingConfig, sets_for, time_offline
+    from l2ir.search.timing import TimingConfig, time_offline
 
     from l2ir.indexing import Const
     from l2ir.runtime import CubinLauncher, Launch, LaunchPlan
@@ -199,15 +201,8 @@ def main(argv=None) -> int:
     ws = torch.zeros(16, dtype=torch.uint8, device="cuda")
     rows = []
     for m, n, k in shapes:
-        n_sets = sets_for(2 * (m * k + n * k + m * n), l2, cfg)
-        sets = [(torch.randn(m, k, device="cuda").half(), torch.randn(n, k, device="cuda").half(),
-                 torch.empty(m, n, device="cuda", dtype=torch.half), torch.empty(m, n, device="cuda", dtype=torch.half))
-                for _ in range(n_sets)]
-
-        def baseline(i, sets=sets):
-            a, b, _, cb = sets[i]
-            torch.matmul(a, b.t(), out=cb)
-
+        sets, baseline = offline_sets(m, n, k, l2, cfg)
+        n_sets = len(sets)
         row = {"shape": [m, n, k], "floor_us": floor_us(m, n, k), "sets": n_sets, "kernels": {}}
         torch_us = []
         for name, launcher in zip(names, launchers):

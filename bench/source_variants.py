@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from sweep_cases import lower_case
+from sweep_cases import lower_case, offline_sets
 
 Variants = dict[str, Callable[[str], str]]
 
@@ -73,7 +73,7 @@ def time_variants(rows: list[dict]) -> None:
     import torch
 
     from l2ir.runtime import load
-    from l2ir.search.timing import TimingConfig, sets_for, time_offline
+    from l2ir.search.timing import TimingConfig, time_offline
 
     torch.cuda.init()
     l2 = int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
@@ -82,15 +82,8 @@ def time_variants(rows: list[dict]) -> None:
     for row in rows:
         by_shape.setdefault(tuple(row["shape"]), []).append(row)
     for (m, n, k), group in by_shape.items():
-        n_sets = sets_for(2 * (m * k + n * k + m * n), l2, cfg)
-        sets = [(torch.randn(m, k, device="cuda").half(), torch.randn(n, k, device="cuda").half(),
-                 torch.empty(m, n, device="cuda", dtype=torch.half), torch.empty(m, n, device="cuda", dtype=torch.half))
-                for _ in range(n_sets)]
-
-        def baseline(i, sets=sets):
-            a, b, _, cb = sets[i]
-            torch.matmul(a, b.t(), out=cb)
-
+        sets, baseline = offline_sets(m, n, k, l2, cfg)
+        n_sets = len(sets)
         for row in group:
             if "error" in row:
                 continue

@@ -1,6 +1,7 @@
 """The MxNxK:SWEEP:CONFIG cases the probes take (bench/pdl_probe.py, bench/ncu_probe.py): one sweep configuration on
 one shape, lowered by the backend its sweep is named after (cuda_ptx, cuda_ptx_sm80, cuda_ptx_direct: the registry's
-names, as `l2ir bench` pairs them), else by the kernel's default backend; and the check of a probe's answer."""
+names, as `l2ir bench` pairs them), else by the kernel's default backend; the sets a probe times on; and the check of a
+probe's answer."""
 
 from __future__ import annotations
 
@@ -18,6 +19,25 @@ def answer_error(c, a, w) -> float:
     or an inf in C gives a NaN or an inf, which no `<= MAX_REL_ERR` test passes."""
     ref = a.float() @ w.float().t()
     return ((c.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def offline_sets(m: int, n: int, k: int, l2_bytes: int, cfg):
+    """The input sets a probe times on in the offline scenario, rotated so their bytes exceed L2
+    (search.timing.sets_for): each (A, B stored N x K, C for the kernel, C for torch.matmul); and the baseline call,
+    torch.matmul on set i into its own C."""
+    import torch
+
+    from l2ir.search.timing import sets_for
+
+    sets = [(torch.randn(m, k, device="cuda").half(), torch.randn(n, k, device="cuda").half(),
+             torch.empty(m, n, device="cuda", dtype=torch.half), torch.empty(m, n, device="cuda", dtype=torch.half))
+            for _ in range(sets_for(2 * (m * k + n * k + m * n), l2_bytes, cfg))]
+
+    def baseline(i):
+        a, b, _, cb = sets[i]
+        torch.matmul(a, b.t(), out=cb)
+
+    return sets, baseline
 
 
 def case_arg(text: str):
