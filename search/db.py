@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from .evaluator import Measurement
-from .records import read_results_text, unarchived
+from .records import read_results_text, results_file, unarchived
 
 # What makes two timings comparable. The current SM clock, host name and Python version are recorded but left out:
 # they change between runs on the very same machine without changing what a kernel costs.
@@ -523,7 +523,7 @@ class RecordsDB:
         winners re-timed on fresh samples; a server race's trial N: `<prefix>-tN-fresh.jsonl`) is imported with
         purpose "retime" and the summary of <prefix>. Importing the same file twice adds nothing the second time.
         Returns the number of measurements added."""
-        path = Path(path)
+        path = results_file(path)       # a file that was archived since its name was written down: its .gz
         try:
             lines = read_results_text(path).splitlines()
         except (OSError, EOFError, zlib.error, UnicodeDecodeError) as e:

@@ -193,6 +193,9 @@ def test_an_archived_run_imports_as_the_plain_file_and_reads_back_read_only(tmp_
     with pytest.raises(ValueError, match="read-only"):
         by_prefix.add(meas("c" * 64, P3, ENV_A, 1.0))
     assert not (tmp_path / "run.jsonl").exists()
+    # `db import` given the plain name a recipe wrote down before the run was archived imports the archive.
+    db4 = RecordsDB(tmp_path / "r4.db")
+    assert db4.import_jsonl(tmp_path / "run.jsonl") == 2 and db4.kernel("a" * 64)["ir"] == "kernel {\n}\n"
     # Not gzip at all, a deflate stream with an invalid block type (zlib.error), bytes that are not text: each
     # one line naming the file.
     good = gzip.compress(text.encode())
