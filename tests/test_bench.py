@@ -968,3 +968,43 @@ def test_standin_charges_a_multicast_cluster_its_blocks_past_the_grid():
     assert kernel_time_us(clustered, ragged) > 2.5 * kernel_time_us(plain, ragged)
     whole = Problem(64, 64 * 128, 4096)                         # 16 whole clusters, one wave either way
     assert kernel_time_us(clustered, whole) == kernel_time_us(plain, whole)
+
+
+def test_ncu_split_parts_each_run_of_launches_into_active_and_idle(tmp_path, capsys):
+    """ncu's raw CSV: a header, a units row, then one row per launch (numbers with thousands separators), with the
+    profiler's chatter and the program's output between. Consecutive launches of one kernel and grid make one
+    entry; the idle part is the elapsed cycles the busiest SM held no block, in us at the counters' own clock."""
+    split = _bench_script("ncu_split")
+    head = '"ID","Kernel Name","launch__grid_size","gpu__time_duration.sum","sm__cycles_elapsed.max",' \
+           '"sm__cycles_active.max"\n'
+    units = '"","","","ns","cycle","cycle"\n'
+
+    def row(i, name, grid, ns, elapsed, active):
+        return f'"{i}","{name}","{grid}","{ns}","{elapsed}","{active}"\n'
+
+    text = ("==PROF== Connected to process 1\n" + head + units
+            + row(0, "l2ir_gemm", 128, "5,000", "10,000", "6,000") + "64x64x64 ok\n"
+            + row(1, "l2ir_gemm", 128, "6,000", "12,000", "6,500")
+            + row(2, "l2ir_gemm", 128, "5,500", "11,000", "6,200")
+            + row(3, "void nvjet<int>(float)", 96, "4,000", "8,000", "4,400")
+            + row(4, "l2ir_gemm", 256, "7,000", "14,000", "10,000"))
+    parts = split.split(split.read_rows(text))
+    assert [(p["kernel"], p["grid"], p["launches"]) for p in parts] == [
+        ("l2ir_gemm", "128", 3), ("void nvjet<int>(float)", "96", 1), ("l2ir_gemm", "256", 1)]
+    first = parts[0]
+    assert first["time_us"] == 5.5 and first["idle_cycles"] == 11000 - 6200
+    assert abs(first["idle_us"] - 4800 / 2.0 / 1000) < 1e-9         # 11,000 cycles in 5,500 ns: 2 GHz
+    assert abs(parts[1]["active_us"] - 2.2) < 1e-9
+    assert split.short_name("void nvjet<int>(float)") == "nvjet"
+
+    good = tmp_path / "ncu.csv"
+    good.write_text(text)
+    out_json = tmp_path / "split.json"
+    assert split.main([str(good), "--json", str(out_json)]) == 0
+    assert json.loads(out_json.read_text())["rows"][2]["grid"] == "256"
+    lacking = tmp_path / "lacking.csv"
+    lacking.write_text('"ID","Kernel Name","gpu__time_duration.sum"\n"","","ns"\n"0","k","5"\n')
+    assert split.main([str(lacking)]) == 2
+    assert "sm__cycles_active.max" in capsys.readouterr().err
+    assert split.main([str(tmp_path / "missing.csv")]) == 2
+    assert "cannot read" in capsys.readouterr().err
