@@ -5,6 +5,8 @@ with programmatic stream serialization (runtime.Launch.pdl for "kernels" plans; 
 CUTLASS's GDC), so in a stream of GEMMs its blocks are placed and run their prologue while the previous grid drains.
 This probe lowers sweep kernels and runs each through the evaluator (every gate, then offline timing interleaved with
 torch.matmul) with PDL off and on, twice each in the order off, on, off, on: the two runs of one variant are the A/A.
+`--scenario server` times one cold call per sample instead (an L2 flush and a spin before each call), where the
+previous grid is the spin and a PDL launch has nothing to overlap: what, if anything, asking for it costs.
 
     python3 bench/pdl_probe.py --case 2048x256x512:sm90a_skinny:pingpong_64x64x64_c2x1 \
         --out bench/results/pdl_probe_h200.json
@@ -40,14 +42,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", type=case_arg, action="append", required=True, help="MxNxK:SWEEP:CONFIG (repeatable)")
     ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--scenario", choices=("offline", "server"), default="offline",
+                    help="offline: back-to-back calls, where PDL overlaps the launch with the previous grid's drain; "
+                         "server: one cold call after an L2 flush and a spin, at the bench's sample count")
     args = ap.parse_args(argv)
 
     from l2ir.backends.compile import CompileOptions, compile_plan
+    from l2ir.search.bench import BENCH_TIMING
     from l2ir.search.evaluator import EvalConfig, Evaluator
 
     rows, env = [], {}
     started = time.time()
-    with Evaluator(EvalConfig(scenarios=("offline",))) as ev:
+    # the server scenario at the server race's timing (bench/server_race.py), offline at the evaluator's default
+    timing = {"timing": BENCH_TIMING} if args.scenario == "server" else {}
+    with Evaluator(EvalConfig(scenarios=(args.scenario,), **timing)) as ev:
         for (m, n, k), sweep, config in args.case:
             try:
                 kernel, problem, plan = lower_case((m, n, k), sweep, config)
@@ -68,7 +76,7 @@ def main(argv=None) -> int:
                       f"{meas.baseline_median_us or float('nan'):8.2f} us", flush=True)
     out = {"command": " ".join(["python3", "bench/pdl_probe.py", *(argv or sys.argv[1:])]),
            "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - started, 1),
-           "environment": env, "scenario": "offline", "order": list(ORDER), "rows": rows}
+           "environment": env, "scenario": args.scenario, "order": list(ORDER), "rows": rows}
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"{'shape':>16} {'case':48} {'off us':>8} {'on us':>8} {'off x':>6} {'on x':>6} {'A/A off':>8} {'A/A on':>7}")
     for (m, n, k), sweep, config in args.case:
