@@ -1008,3 +1008,49 @@ def test_ncu_split_parts_each_run_of_launches_into_active_and_idle(tmp_path, cap
     assert "sm__cycles_active.max" in capsys.readouterr().err
     assert split.main([str(tmp_path / "missing.csv")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scenario", ["offline", "server"])
+def test_pdl_probe_runs_each_case_off_on_off_on_in_the_asked_scenario(tmp_path, monkeypatch, scenario):
+    """pdl_probe's A/B with the evaluator and the compiler stood in: each case is evaluated four times, PDL off,
+    on, off, on, each time in the scenario asked for (server at the server race's timing), and the variant it
+    builds really differs: the "kernels" plan's launches ask for PDL only in the "on" runs."""
+    import l2ir.backends.compile as compile_module
+    import l2ir.search.evaluator as evaluator_module
+    from l2ir.search.bench import BENCH_TIMING
+    from l2ir.search.evaluator import Measurement
+    from l2ir.search.gates import Verdict
+
+    probe = _bench_script("pdl_probe")
+    seen = []
+
+    class FakeEvaluator:
+        def __init__(self, config):
+            self.config = config
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def evaluate(self, kernel, problem, plan, built):
+            pdl = any(launch.pdl for launch in plan.launches)
+            seen.append((self.config.scenarios, self.config.timing, pdl))
+            us = 4.0 if pdl else 5.0
+            return (Measurement(kernel.content_hash(), str(problem), self.config.scenarios[0],
+                                verdicts=[Verdict("accuracy", True)], kernel_median_us=us,
+                                baseline_median_us=5.0, speedup=5.0 / us),)
+
+    monkeypatch.setattr(evaluator_module, "Evaluator", FakeEvaluator)
+    monkeypatch.setattr(compile_module, "compile_plan", lambda plan, options: None)
+    out = tmp_path / "pdl.json"
+    case = "64x64x64:cuda_ptx_sm80:ptx_sm80_64x64x32_w2x2_s3"       # a "kernels" plan with one PDL launch
+    assert probe.main(["--scenario", scenario, "--case", case, "--out", str(out)]) == 0
+    assert [pdl for _, _, pdl in seen] == [False, True, False, True]
+    assert {scenarios for scenarios, _, _ in seen} == {(scenario,)}
+    timings = {timing for _, timing, _ in seen}
+    assert timings == ({BENCH_TIMING} if scenario == "server" else {evaluator_module.EvalConfig().timing})
+    result = json.loads(out.read_text())
+    assert result["scenario"] == scenario
+    assert [r["kernel_us"] for r in result["rows"]] == [5.0, 4.0, 5.0, 4.0]
