@@ -23,6 +23,7 @@ import io
 import json
 import statistics
 import sys
+from itertools import groupby
 from pathlib import Path
 
 NEEDED = ("gpu__time_duration.sum", "sm__cycles_elapsed.max", "sm__cycles_active.max")
@@ -51,15 +52,9 @@ def read_rows(text: str) -> list[dict]:
 
 def split(rows: list[dict]) -> list[dict]:
     """One entry per run of consecutive launches with the same kernel name and grid size: medians of each part."""
-    runs: list[tuple[tuple[str, str], list[dict]]] = []
-    for r in rows:
-        key = (r["Kernel Name"], r.get("launch__grid_size", ""))
-        if runs and runs[-1][0] == key:
-            runs[-1][1].append(r)
-        else:
-            runs.append((key, [r]))
     out = []
-    for (name, grid), group in runs:
+    for (name, grid), launches in groupby(rows, key=lambda r: (r["Kernel Name"], r.get("launch__grid_size", ""))):
+        group = list(launches)
         def med(metric: str) -> float:
             return statistics.median(_number(g[metric]) for g in group)
         time_ns, elapsed, active = (med(m) for m in NEEDED)
