@@ -1054,3 +1054,35 @@ def test_pdl_probe_runs_each_case_off_on_off_on_in_the_asked_scenario(tmp_path, 
     result = json.loads(out.read_text())
     assert result["scenario"] == scenario
     assert [r["kernel_us"] for r in result["rows"]] == [5.0, 4.0, 5.0, 4.0]
+
+
+def test_release_probe_sends_one_arrival_per_warpgroup_and_block(tmp_path, capsys):
+    """bench/release_probe.py turns the multicast kernel's per-warp stage release into one arrival per destination
+    block from the warpgroup: the empty barrier's count drops by the 4 warps, each cluster rank below 16 gets exactly
+    one signalling (warp, lane), the barrier variant syncs the 4 consumer warps first, and a kernel with two
+    consumer warpgroups (whose warps this edit would miscount) is refused in one line."""
+    import shutil
+
+    probe = _bench_script("release_probe")
+    from sweep_cases import lower_case
+
+    _, _, plan = lower_case((100, 3000, 4104), "cuda_ptx", "ptx_w4x1_64x64x64_c2x4")
+    assert "EMPTY_ARRIVALS = 20;" in plan.source            # (2 + 4 - 1) x 4 warps
+    edited = probe.VARIANTS["per_wg"](plan.source)
+    assert "EMPTY_ARRIVALS = 5;" in edited and probe.RELEASE not in edited and probe.RELEASE_PER_WG in edited
+    assert probe.NAMED_BARRIER not in edited
+    assert (probe.NAMED_BARRIER + probe.RELEASE_PER_WG) in probe.VARIANTS["per_wg_bar"](plan.source)
+    # every rank has one signalling thread: r = warp + 4 * lane over warps 0-3 and lanes 0-3
+    assert sorted(w + 4 * ln for w in range(4) for ln in range(4)) == list(range(16))
+    _, _, coop = lower_case((100, 3000, 4104), "cuda_ptx", "ptx_coop_128x64x64_c1x4")
+    with pytest.raises(ValueError, match="one consumer warpgroup"):
+        probe.VARIANTS["per_wg"](coop.source)
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    out = tmp_path / "rel.json"
+    assert probe.main(["--case", "100x3000x4104:cuda_ptx:ptx_w4x1_64x64x64_c1x4", "--compile-only",
+                       "--out", str(out)]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"as_lowered", "per_wg", "per_wg_bar"}
+    assert all("error" not in r and r["spill_bytes"] == 0 and "kernel_us" not in r for r in rows.values())
+    assert "per_wg_bar" in capsys.readouterr().out
