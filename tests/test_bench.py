@@ -1077,12 +1077,22 @@ def test_release_probe_sends_one_arrival_per_warpgroup_and_block(tmp_path, capsy
     _, _, coop = lower_case((100, 3000, 4104), "cuda_ptx", "ptx_coop_128x64x64_c1x4")
     with pytest.raises(ValueError, match="one consumer warpgroup"):
         probe.VARIANTS["per_wg"](coop.source)
+    # The load tail: the exit's cluster barrier goes, the producer thread waits out one more pass over the ring
+    # (inside its own branch, before the consumers' `else`), and only tail_relaxed touches the entry's arrival.
+    for source in (plan.source, coop.source):
+        tail = probe.VARIANTS["tail"](source)
+        assert source.count("cluster_sync();") == 2 and tail.count("cluster_sync();") == 1
+        assert tail.index("the load tail") < tail.index("// ---- consumer warpgroups") and probe.ARRIVE_RELEASE in tail
+        relaxed = probe.VARIANTS["tail_relaxed"](source)
+        assert probe.ARRIVE_RELEASE not in relaxed and relaxed.replace(probe.ARRIVE_RELAXED, probe.ARRIVE_RELEASE) == tail
+    with pytest.raises(ValueError, match="producer loop"):
+        probe.VARIANTS["tail"](lower_case((100, 3000, 4104), "sm90a_skinny", "pingpong_64x64x64_c1x4_np")[2].source)
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not on PATH")
     out = tmp_path / "rel.json"
     assert probe.main(["--case", "100x3000x4104:cuda_ptx:ptx_w4x1_64x64x64_c1x4", "--compile-only",
                        "--out", str(out)]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"as_lowered", "per_wg", "per_wg_bar"}
+    assert set(rows) == {"as_lowered", "per_wg", "per_wg_bar", "tail", "tail_relaxed"}
     assert all("error" not in r and r["spill_bytes"] == 0 and "kernel_us" not in r for r in rows.values())
     assert "per_wg_bar" in capsys.readouterr().out
