@@ -8,21 +8,18 @@ consumer warp: lanes 0..CLUSTER_SIZE-1 of each warp arrive at the empty barrier 
 barrier counts (CLUSTER_M + CLUSTER_N - 1) x 4 arrivals a phase. CUTLASS's PipelineTmaAsync arrives once per consumer
 warpgroup and destination block, the destinations spread over the warpgroup's warps (4 arrivals a phase in a 1x4
 cluster, against our 16). At 100x3000x4104 our 64x64 1x4 kernel runs 45% behind CUTLASS's offline and does not speed
-up with B in L2 (bench/NOTES.md, ncu-multicast): its k loop waits on something other than bytes. Variants (one
-consumer warpgroup only, tile.warps=4x1):
-  as_lowered  the source as generated
+up with B in L2 (bench/NOTES.md, ncu-multicast): its k loop waits on something other than bytes. Variants (per_wg
+and per_wg_bar: one consumer warpgroup only, tile.warps=4x1):
+  as_lowered  the source as generated: the load-tail exit, a relaxed arrival at the entry's cluster barrier
   per_wg      one arrival per destination block from the warpgroup: rank r from warp r % 4, lane r / 4 (the empty
               barrier's count divided by 4), as CUTLASS does: a warp's wgmma.wait_group stands for the warpgroup's
   per_wg_bar  per_wg after a named barrier of the 4 consumer warps (bar.sync 1, 128), so every warp's wait has
               returned before any arrival: the same arrivals without leaning on the warpgroup's collective wait
-  tail        no cluster barrier at the exit. The kernel ends with barrier.cluster.arrive.release, whose release
-              compiles to a GPU-scope MEMBAR that waits for the block's C stores, and then waits for the slowest
-              block of the cluster (ncu's samples: 37% of our kernel's at that wait, 9% at the membar). Instead the
-              producer thread runs one more pass over the ring, waiting until every fill was released (CUTLASS's
-              load tail): then no block of its row or column will arrive at its empty barriers again, every
-              multicast it issued has landed, and the block may leave
-  tail_relaxed  tail, and the entry's cluster barrier arrives .relaxed: the mbarrier inits are already released by
-              thread 0's fence.mbarrier_init.release.cluster, so the arrival needs no GPU-scope membar either
+  exit_barrier  the exit as it was before the load tail: every thread of every block arrives (release) at a
+              cluster barrier and waits for the cluster's slowest block before leaving, and the entry's arrival is a
+              release too. ncu's samples of that kernel (H100): 37% at the exit's wait, 9% at the membar that the
+              release compiles to (it waits for the block's C stores)
+  entry_release  the load tail, but the entry's cluster barrier arrives with release semantics
 Each variant is checked against torch.matmul on the timed sets and timed in the offline scenario
 (bench/source_variants.py). A release that wins becomes the backend's, gated by the evaluator; this probe only
 measures.
@@ -43,14 +40,10 @@ RELEASE_PER_WG = ("{ const int r = warp + 4 * lane; if (lane < 4 && r < CLUSTER_
                   "mbar_arrive_cluster(bars + 8 * (STAGES + s), r); }")
 NAMED_BARRIER = 'asm volatile("bar.sync 1, 128;" ::: "memory"); '
 ARRIVALS = re.compile(r"constexpr uint32_t EMPTY_ARRIVALS = (\d+);")
-EXIT_BARRIER = ("  // tile.cluster: no block leaves while a block of its row or column may still arrive at its empty barriers.\n"
-                "  cluster_sync();\n}")
-PRODUCER_END = "          if (++stage == STAGES) { stage = 0; phase ^= 1; }\n        }\n      }\n    }\n  } else {"
-PRODUCER_TAIL = ("          if (++stage == STAGES) { stage = 0; phase ^= 1; }\n        }\n      }\n"
-                 "      for (int s = 0; s < STAGES; ++s) {   // the load tail: every fill of the ring released\n"
-                 "        mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);\n"
-                 "        if (++stage == STAGES) { stage = 0; phase ^= 1; }\n"
-                 "      }\n    }\n  } else {")
+TAIL = re.compile(r"      // tile\.cluster: the block may leave only when.*?\n      }\n", re.S)
+KERNEL_END = "}\n\n// ---- trusted host code"
+EXIT_BARRIER = ('  asm volatile("barrier.cluster.arrive.release;" ::: "memory");\n'
+                '  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");\n')
 ARRIVE_RELEASE = 'asm volatile("barrier.cluster.arrive.release;" ::: "memory");'
 ARRIVE_RELAXED = 'asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");'
 
@@ -67,17 +60,20 @@ def per_warpgroup(barrier: bool):
     return edit
 
 
-def load_tail(relaxed_entry: bool):
-    def edit(source: str) -> str:
-        if source.count(PRODUCER_END) != 1:
-            raise ValueError("the generated source's producer loop does not end as the tail edit expects")
-        edits = [(EXIT_BARRIER, "}"), (PRODUCER_END, PRODUCER_TAIL)]
-        return replaced(source, edits + ([(ARRIVE_RELEASE, ARRIVE_RELAXED)] if relaxed_entry else []))
-    return edit
+def entry_release(source: str) -> str:
+    return replaced(source, [(ARRIVE_RELAXED, ARRIVE_RELEASE)])
+
+
+def exit_barrier(source: str) -> str:
+    """The exit before the load tail: no tail, a release-and-wait cluster barrier at the kernel's end."""
+    source, tails = TAIL.subn("", source)
+    if tails != 1 or source.count(KERNEL_END) != 1:
+        raise ValueError("the generated source has no single load tail and kernel end to edit")
+    return entry_release(source.replace(KERNEL_END, EXIT_BARRIER + KERNEL_END))
 
 
 VARIANTS = {"as_lowered": lambda source: source, "per_wg": per_warpgroup(False), "per_wg_bar": per_warpgroup(True),
-            "tail": load_tail(False), "tail_relaxed": load_tail(True)}
+            "exit_barrier": exit_barrier, "entry_release": entry_release}
 
 
 def main(argv=None) -> int:

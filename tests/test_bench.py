@@ -1056,11 +1056,12 @@ def test_pdl_probe_runs_each_case_off_on_off_on_in_the_asked_scenario(tmp_path, 
     assert [r["kernel_us"] for r in result["rows"]] == [5.0, 4.0, 5.0, 4.0]
 
 
-def test_release_probe_sends_one_arrival_per_warpgroup_and_block(tmp_path, capsys):
+def test_release_probe_edits_the_multicast_release_and_exit(tmp_path, capsys):
     """bench/release_probe.py turns the multicast kernel's per-warp stage release into one arrival per destination
     block from the warpgroup: the empty barrier's count drops by the 4 warps, each cluster rank below 16 gets exactly
     one signalling (warp, lane), the barrier variant syncs the 4 consumer warps first, and a kernel with two
-    consumer warpgroups (whose warps this edit would miscount) is refused in one line."""
+    consumer warpgroups (whose warps this edit would miscount) is refused in one line. Its exit variants put back
+    the cluster barrier that the load tail replaced."""
     import shutil
 
     probe = _bench_script("release_probe")
@@ -1077,22 +1078,25 @@ def test_release_probe_sends_one_arrival_per_warpgroup_and_block(tmp_path, capsy
     _, _, coop = lower_case((100, 3000, 4104), "cuda_ptx", "ptx_coop_128x64x64_c1x4")
     with pytest.raises(ValueError, match="one consumer warpgroup"):
         probe.VARIANTS["per_wg"](coop.source)
-    # The load tail: the exit's cluster barrier goes, the producer thread waits out one more pass over the ring
-    # (inside its own branch, before the consumers' `else`), and only tail_relaxed touches the entry's arrival.
+    # As lowered, a multicast kernel leaves through its producer's load tail (no cluster barrier at the exit) and
+    # arrives relaxed at the entry's; exit_barrier restores the release-and-wait exit and entry, entry_release only
+    # the entry's release semantics.
     for source in (plan.source, coop.source):
-        tail = probe.VARIANTS["tail"](source)
-        assert source.count("cluster_sync();") == 2 and tail.count("cluster_sync();") == 1
-        assert tail.index("the load tail") < tail.index("// ---- consumer warpgroups") and probe.ARRIVE_RELEASE in tail
-        relaxed = probe.VARIANTS["tail_relaxed"](source)
-        assert probe.ARRIVE_RELEASE not in relaxed and relaxed.replace(probe.ARRIVE_RELAXED, probe.ARRIVE_RELEASE) == tail
-    with pytest.raises(ValueError, match="producer loop"):
-        probe.VARIANTS["tail"](lower_case((100, 3000, 4104), "sm90a_skinny", "pingpong_64x64x64_c1x4_np")[2].source)
+        assert source.count("cluster_sync();") == 1 and len(probe.TAIL.findall(source)) == 1
+        assert probe.ARRIVE_RELAXED in source and probe.ARRIVE_RELEASE not in source
+        old = probe.VARIANTS["exit_barrier"](source)
+        assert not probe.TAIL.findall(old) and old.count(probe.ARRIVE_RELEASE) == 2 and probe.ARRIVE_RELAXED not in old
+        assert old.rindex(probe.EXIT_BARRIER) > old.index("// ---- consumer warpgroups")
+        entry = probe.VARIANTS["entry_release"](source)
+        assert entry.count(probe.ARRIVE_RELEASE) == 1 and probe.TAIL.findall(entry)
+    with pytest.raises(ValueError, match="load tail"):
+        probe.VARIANTS["exit_barrier"](lower_case((100, 3000, 4104), "sm90a_skinny", "pingpong_64x64x64_c1x4_np")[2].source)
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not on PATH")
     out = tmp_path / "rel.json"
     assert probe.main(["--case", "100x3000x4104:cuda_ptx:ptx_w4x1_64x64x64_c1x4", "--compile-only",
                        "--out", str(out)]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"as_lowered", "per_wg", "per_wg_bar", "tail", "tail_relaxed"}
+    assert set(rows) == {"as_lowered", "per_wg", "per_wg_bar", "exit_barrier", "entry_release"}
     assert all("error" not in r and r["spill_bytes"] == 0 and "kernel_us" not in r for r in rows.values())
     assert "per_wg_bar" in capsys.readouterr().out

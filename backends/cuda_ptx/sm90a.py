@@ -68,8 +68,9 @@ Field -> code map (the generated lines name their field in a comment):
                            of tiles; each block loads BM/CN rows of its A box into its patch row's blocks and BN/CM
                            rows of its B box into its patch column's (cp.async.bulk.tensor .multicast::cluster with
                            the rank masks), and each consumer warp releases a stage at the empty barriers of its row
-                           and column (mapa + a cluster-scope arrive); cluster barriers after the barrier setup and
-                           before the block exits
+                           and column (mapa + a cluster-scope arrive); a cluster barrier after the barrier setup,
+                           and before the block exits its producer waits out one more pass over the ring (every
+                           fill released, so no block arrives at its barriers again and its multicasts have landed)
   mma.shape                64xBNx16: the wgmma instruction emitted
   pipeline.schedule        cooperative; pingpong only with persistent=false (one tile per block, nothing to alternate)
   pipeline.stages          ring depth; auto resolved by l2ir.verify.resolved_stages
@@ -1150,9 +1151,11 @@ def _cluster_functions() -> list[str]:
 def _multicast_functions() -> list[str]:
     """tile.cluster: the cluster barrier, the multicast TMA load, and the empty barriers' remote release and wait."""
     return [
-        "// tile.cluster: every thread of every block of the cluster arrives (release) and waits (acquire).",
+        "// tile.cluster: every thread of every block of the cluster arrives and waits (acquire) once, after the barrier",
+        "// setup. The arrival is relaxed: the other blocks need to see only the mbarrier inits, which thread 0's",
+        "// fence.mbarrier_init.release.cluster has released; a release arrival adds a GPU-scope MEMBAR per warp.",
         "__device__ __forceinline__ void cluster_sync() {",
-        '  asm volatile("barrier.cluster.arrive.release;" ::: "memory");',
+        '  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");',
         '  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");',
         "}",
         "",
@@ -1342,6 +1345,15 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "          if (++stage == STAGES) { stage = 0; phase ^= 1; }",
         "        }",
         "      }",
+        *(["      // tile.cluster: the block may leave only when no block of its row or column will arrive at its empty",
+           "      // barriers again, and every share it multicast has landed: one more pass over the ring waits until",
+           "      // each stage's last fill was released by all of them (this thread keeps the block resident). A",
+           "      // cluster barrier at the exit would instead hold every warp for the cluster's slowest block, behind",
+           "      // a release whose GPU-scope MEMBAR waits for the block's C stores (bench/NOTES.md, release probe).",
+           "      for (int s = 0; s < STAGES; ++s) {",
+           "        mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);",
+           "        if (++stage == STAGES) { stage = 0; phase ^= 1; }",
+           "      }"] if cfg.multicast is not None else []),
         "    }",
         *(["    // reduce=cluster: every thread of every block arrives at both cluster barriers (the consumers' partials",
            "    // are published at the first, the shared memory released at the second).",
@@ -1432,8 +1444,6 @@ def _kernel(cfg: PtxConfig) -> list[str]:
            '    if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");']
           if cfg.epilogue == "tma" else []),
         "  }",
-        *(["  // tile.cluster: no block leaves while a block of its row or column may still arrive at its empty barriers.",
-           "  cluster_sync();"] if cfg.multicast is not None else []),
         "}",
         "",
     ]

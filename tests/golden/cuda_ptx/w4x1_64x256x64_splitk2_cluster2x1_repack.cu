@@ -132,9 +132,11 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1) : "memory");
 }
 
-// tile.cluster: every thread of every block of the cluster arrives (release) and waits (acquire).
+// tile.cluster: every thread of every block of the cluster arrives and waits (acquire) once, after the barrier
+// setup. The arrival is relaxed: the other blocks need to see only the mbarrier inits, which thread 0's
+// fence.mbarrier_init.release.cluster has released; a release arrival adds a GPU-scope MEMBAR per warp.
 __device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
   asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
 }
 
@@ -297,6 +299,15 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
           }
           if (++stage == STAGES) { stage = 0; phase ^= 1; }
         }
+      }
+      // tile.cluster: the block may leave only when no block of its row or column will arrive at its empty
+      // barriers again, and every share it multicast has landed: one more pass over the ring waits until
+      // each stage's last fill was released by all of them (this thread keeps the block resident). A
+      // cluster barrier at the exit would instead hold every warp for the cluster's slowest block, behind
+      // a release whose GPU-scope MEMBAR waits for the block's C stores (bench/NOTES.md, release probe).
+      for (int s = 0; s < STAGES; ++s) {
+        mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
+        if (++stage == STAGES) { stage = 0; phase ^= 1; }
       }
     }
   } else {
@@ -461,8 +472,6 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
       }
     }
   }
-  // tile.cluster: no block leaves while a block of its row or column may still arrive at its empty barriers.
-  cluster_sync();
 }
 
 // ---- repack operands=ab: misaligned operands copied to aligned rows (l2ir.indexing.Repack) ----
