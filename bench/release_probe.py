@@ -3,26 +3,24 @@
     python bench/release_probe.py --case 100x3000x4104:cuda_ptx:ptx_w4x1_64x64x64_c1x4 --out FILE [--compile-only]
 
 In a tile.cluster (TMA multicast) kernel every block of a patch row or column writes into a block's stage, so a stage
-goes back to the producers only when all of them have been told. The cuda_ptx sm90a kernel tells them from every
-consumer warp: lanes 0..CLUSTER_SIZE-1 of each warp arrive at the empty barrier of one cluster rank each, and the empty
-barrier counts (CLUSTER_M + CLUSTER_N - 1) x 4 arrivals a phase. CUTLASS's PipelineTmaAsync arrives once per consumer
-warpgroup and destination block, the destinations spread over the warpgroup's warps (4 arrivals a phase in a 1x4
-cluster, against our 16). At 100x3000x4104 our 64x64 1x4 kernel runs 45% behind CUTLASS's offline and does not speed
-up with B in L2 (bench/NOTES.md, ncu-multicast): its k loop waits on something other than bytes. Variants (per_wg
-and per_wg_bar: one consumer warpgroup only, tile.warps=4x1):
-  as_lowered  the source as generated: the load-tail exit, a relaxed arrival at the entry's cluster barrier
-  per_wg      one arrival per destination block from the warpgroup: rank r from warp r % 4, lane r / 4 (the empty
-              barrier's count divided by 4), as CUTLASS does: a warp's wgmma.wait_group stands for the warpgroup's
-  per_wg_bar  per_wg after a named barrier of the 4 consumer warps (bar.sync 1, 128), so every warp's wait has
-              returned before any arrival: the same arrivals without leaning on the warpgroup's collective wait
-  exit_barrier  the exit as it was before the load tail: every thread of every block arrives (release) at a
-              cluster barrier and waits for the cluster's slowest block before leaving, and the entry's arrival is a
-              release too. ncu's samples of that kernel (H100): 37% at the exit's wait, 9% at the membar that the
-              release compiles to (it waits for the block's C stores)
-  entry_release  the load tail, but the entry's cluster barrier arrives with release semantics
+goes back to the producers only when all of them have been told: lanes 0..CLUSTER_SIZE-1 of each consumer warp arrive
+at the empty barrier of one cluster rank each. At 100x3000x4104 our 64x64 1x4 kernel ran 45% behind CUTLASS's offline
+and did not speed up with B in L2 (bench/NOTES.md, ncu-multicast and ncu-stalls). The backend now maps each lane's
+remote empty barriers once (mapa) and leaves through the producer's load tail; these variants put back what it did
+before, one change at a time:
+  as_lowered     the source as generated
+  mapa_in_loop   the release maps its remote barrier (mapa, which reads the block's cluster id from a special
+                 register) at every k tile, as it did before
+  entry_release  the entry's cluster barrier arrives with release semantics (a GPU-scope MEMBAR per warp), not
+                 relaxed
+  exit_barrier   the exit before the load tail: no tail, every thread of every block arrives (release) at a
+                 cluster barrier and waits for the cluster's slowest block before leaving, and the entry's arrival
+                 is a release too. ncu's samples of that kernel (H100): 37% at the exit's wait, 9% at the membar
+                 that the release compiles to (it waits for the block's C stores)
+The per-warpgroup release (one arrival per warpgroup and destination block, as CUTLASS's PipelineTmaAsync does) was
+measured by this probe at 9ea71b2 and lost 8-36% (bench/results/h100/release_h100.json).
 Each variant is checked against torch.matmul on the timed sets and timed in the offline scenario
-(bench/source_variants.py). A release that wins becomes the backend's, gated by the evaluator; this probe only
-measures.
+(bench/source_variants.py). This probe only measures; what wins is the backend's, gated by the evaluator.
 """
 
 from __future__ import annotations
@@ -34,12 +32,9 @@ import sys
 from source_variants import replaced, run
 from sweep_cases import case_arg
 
-RELEASE = "if (lane < CLUSTER_SIZE && (release_mask >> lane & 1)) mbar_arrive_cluster(bars + 8 * (STAGES + s), lane);"
-# Rank r < 16 (the non-portable cluster limit) has exactly one signalling thread in the warpgroup.
-RELEASE_PER_WG = ("{ const int r = warp + 4 * lane; if (lane < 4 && r < CLUSTER_SIZE && (release_mask >> r & 1)) "
-                  "mbar_arrive_cluster(bars + 8 * (STAGES + s), r); }")
-NAMED_BARRIER = 'asm volatile("bar.sync 1, 128;" ::: "memory"); '
-ARRIVALS = re.compile(r"constexpr uint32_t EMPTY_ARRIVALS = (\d+);")
+RELEASE = "      if (releases) mbar_arrive_remote(remote_empty + 8 * s);"
+RELEASE_MAPA = ("      if (releases) { uint32_t remote; asm volatile(\"mapa.shared::cluster.u32 %0, %1, %2;\" : "
+                "\"=r\"(remote) : \"r\"(bars + 8 * (STAGES + s)), \"r\"(lane)); mbar_arrive_remote(remote); }")
 TAIL = re.compile(r"      // tile\.cluster: the block may leave only when.*?\n      }\n", re.S)
 KERNEL_END = "}\n\n// ---- trusted host code"
 EXIT_BARRIER = ('  asm volatile("barrier.cluster.arrive.release;" ::: "memory");\n'
@@ -48,16 +43,8 @@ ARRIVE_RELEASE = 'asm volatile("barrier.cluster.arrive.release;" ::: "memory");'
 ARRIVE_RELAXED = 'asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");'
 
 
-def per_warpgroup(barrier: bool):
-    def edit(source: str) -> str:
-        if "constexpr int CONSUMER_WGS = 1;" not in source:
-            raise ValueError("the release probe edits kernels with one consumer warpgroup (tile.warps=4x1)")
-        found = ARRIVALS.findall(source)
-        if len(found) != 1 or int(found[0]) % 4:
-            raise ValueError(f"the generated source has {len(found)} EMPTY_ARRIVALS counts, not one per-warp count")
-        source = ARRIVALS.sub(f"constexpr uint32_t EMPTY_ARRIVALS = {int(found[0]) // 4};", source)
-        return replaced(source, [(RELEASE, (NAMED_BARRIER if barrier else "") + RELEASE_PER_WG)])
-    return edit
+def mapa_in_loop(source: str) -> str:
+    return replaced(source, [(RELEASE, RELEASE_MAPA)])
 
 
 def entry_release(source: str) -> str:
@@ -72,8 +59,8 @@ def exit_barrier(source: str) -> str:
     return entry_release(source.replace(KERNEL_END, EXIT_BARRIER + KERNEL_END))
 
 
-VARIANTS = {"as_lowered": lambda source: source, "per_wg": per_warpgroup(False), "per_wg_bar": per_warpgroup(True),
-            "exit_barrier": exit_barrier, "entry_release": entry_release}
+VARIANTS = {"as_lowered": lambda source: source, "mapa_in_loop": mapa_in_loop, "entry_release": entry_release,
+            "exit_barrier": exit_barrier}
 
 
 def main(argv=None) -> int:

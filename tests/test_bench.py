@@ -1057,46 +1057,40 @@ def test_pdl_probe_runs_each_case_off_on_off_on_in_the_asked_scenario(tmp_path, 
 
 
 def test_release_probe_edits_the_multicast_release_and_exit(tmp_path, capsys):
-    """bench/release_probe.py turns the multicast kernel's per-warp stage release into one arrival per destination
-    block from the warpgroup: the empty barrier's count drops by the 4 warps, each cluster rank below 16 gets exactly
-    one signalling (warp, lane), the barrier variant syncs the 4 consumer warps first, and a kernel with two
-    consumer warpgroups (whose warps this edit would miscount) is refused in one line. Its exit variants put back
-    the cluster barrier that the load tail replaced."""
+    """bench/release_probe.py puts back, one at a time, what the multicast kernel's release and exit did before:
+    the per-k-tile mapa of the remote empty barrier, the entry's release arrival, and the release-and-wait cluster
+    barrier at the exit in place of the producer's load tail; a source without them is refused in one line, and
+    --compile-only builds every variant without a GPU."""
     import shutil
 
     probe = _bench_script("release_probe")
     from sweep_cases import lower_case
 
-    _, _, plan = lower_case((100, 3000, 4104), "cuda_ptx", "ptx_w4x1_64x64x64_c2x4")
-    assert "EMPTY_ARRIVALS = 20;" in plan.source            # (2 + 4 - 1) x 4 warps
-    edited = probe.VARIANTS["per_wg"](plan.source)
-    assert "EMPTY_ARRIVALS = 5;" in edited and probe.RELEASE not in edited and probe.RELEASE_PER_WG in edited
-    assert probe.NAMED_BARRIER not in edited
-    assert (probe.NAMED_BARRIER + probe.RELEASE_PER_WG) in probe.VARIANTS["per_wg_bar"](plan.source)
-    # every rank has one signalling thread: r = warp + 4 * lane over warps 0-3 and lanes 0-3
-    assert sorted(w + 4 * ln for w in range(4) for ln in range(4)) == list(range(16))
-    _, _, coop = lower_case((100, 3000, 4104), "cuda_ptx", "ptx_coop_128x64x64_c1x4")
-    with pytest.raises(ValueError, match="one consumer warpgroup"):
-        probe.VARIANTS["per_wg"](coop.source)
-    # As lowered, a multicast kernel leaves through its producer's load tail (no cluster barrier at the exit) and
-    # arrives relaxed at the entry's; exit_barrier restores the release-and-wait exit and entry, entry_release only
-    # the entry's release semantics.
-    for source in (plan.source, coop.source):
+    one = lower_case((100, 3000, 4104), "cuda_ptx", "ptx_w4x1_64x64x64_c2x4")[2].source
+    coop = lower_case((100, 3000, 4104), "cuda_ptx", "ptx_coop_128x64x64_c1x4")[2].source
+    for source in (one, coop):
+        # as lowered: mapped once, a relaxed entry, one cluster barrier, the load tail
+        assert probe.RELEASE in source and "mapa" not in source[source.index("auto release"):]
         assert source.count("cluster_sync();") == 1 and len(probe.TAIL.findall(source)) == 1
         assert probe.ARRIVE_RELAXED in source and probe.ARRIVE_RELEASE not in source
+        looped = probe.VARIANTS["mapa_in_loop"](source)
+        assert probe.RELEASE not in looped and probe.RELEASE_MAPA in looped
         old = probe.VARIANTS["exit_barrier"](source)
         assert not probe.TAIL.findall(old) and old.count(probe.ARRIVE_RELEASE) == 2 and probe.ARRIVE_RELAXED not in old
         assert old.rindex(probe.EXIT_BARRIER) > old.index("// ---- consumer warpgroups")
         entry = probe.VARIANTS["entry_release"](source)
         assert entry.count(probe.ARRIVE_RELEASE) == 1 and probe.TAIL.findall(entry)
+    cutlass = lower_case((100, 3000, 4104), "sm90a_skinny", "pingpong_64x64x64_c1x4_np")[2].source
     with pytest.raises(ValueError, match="load tail"):
-        probe.VARIANTS["exit_barrier"](lower_case((100, 3000, 4104), "sm90a_skinny", "pingpong_64x64x64_c1x4_np")[2].source)
+        probe.VARIANTS["exit_barrier"](cutlass)
+    with pytest.raises(ValueError, match="no longer applies"):
+        probe.VARIANTS["mapa_in_loop"](cutlass)
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not on PATH")
     out = tmp_path / "rel.json"
     assert probe.main(["--case", "100x3000x4104:cuda_ptx:ptx_w4x1_64x64x64_c1x4", "--compile-only",
                        "--out", str(out)]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"as_lowered", "per_wg", "per_wg_bar", "exit_barrier", "entry_release"}
+    assert set(rows) == {"as_lowered", "mapa_in_loop", "entry_release", "exit_barrier"}
     assert all("error" not in r and r["spill_bytes"] == 0 and "kernel_us" not in r for r in rows.values())
-    assert "per_wg_bar" in capsys.readouterr().out
+    assert "mapa_in_loop" in capsys.readouterr().out

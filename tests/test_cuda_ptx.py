@@ -647,9 +647,10 @@ def test_multicast_renders_shares_and_remote_releases():
     """tile.cluster=2x4: grid of whole clusters (ClusterMulticast.clusters) launched with the cluster dimension;
     the tile map, shares and masks rendered from l2ir.indexing; each k block loads A_BOX_ROWS of A and B_BOX_ROWS
     of B with .multicast::cluster; the empty barriers count every consumer warp of the row and column and are
-    released through mapa; one cluster barrier, after setup, with a relaxed arrival; before the block exits its
-    producer thread waits out one more pass over the ring (no cluster barrier at the exit, whose release would fence
-    the C stores and hold every warp for the slowest block); blocks past the grid skip the epilogue."""
+    released at addresses mapped once (mapa) before the k loop; one cluster barrier, after setup, with a relaxed
+    arrival; before the block exits its producer thread waits out one more pass over the ring (no cluster barrier
+    at the exit, whose release would fence the C stores and hold every warp for the slowest block); blocks past
+    the grid skip the epilogue."""
     from l2ir.indexing import ClusterMulticast
 
     kernel, problem = CASES["w4x1_64x64x64_cluster2x4"]
@@ -667,7 +668,9 @@ def test_multicast_renders_shares_and_remote_releases():
                  "ROW_BYTES, &tmap_a, full, k0,", "tile_m * BM + a_first, a_mask);", "tile_n * BN + b_first, b_mask);",
                  "mbar_init(bars + 8 * (STAGES + s), EMPTY_ARRIVALS);",
                  "mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);   // tile.cluster: released by its row and column",
-                 "if (lane < CLUSTER_SIZE && (release_mask >> lane & 1)) mbar_arrive_cluster(bars + 8 * (STAGES + s), lane);",
+                 "const bool releases = lane < CLUSTER_SIZE && (release_mask >> lane & 1);",
+                 "const uint32_t remote_empty = cluster_map(bars + 8 * STAGES, releases ? lane : 0);",
+                 "if (releases) mbar_arrive_remote(remote_empty + 8 * s);",
                  "if (tile_m >= tiles_m || tile_n >= tiles_n) continue;",
                  "operand_map(cache_a, a_read, M, K, lda, A_BOX_ROWS);", "operand_map(cache_b, b_read, N, K, ldb, B_BOX_ROWS);",
                  "const int grid = int(num_blocks);", "attr[num_attrs].val.clusterDim.x = CLUSTER_SIZE;",

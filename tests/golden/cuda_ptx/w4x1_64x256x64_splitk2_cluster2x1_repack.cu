@@ -150,14 +150,22 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtens
       :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(mask) : "memory");
 }
 
-// One arrival at the mbarrier at this block's offset `bar` in the block of cluster rank `rank`, with the
+// The address of this block's shared-memory offset `addr` in the block of cluster rank `rank`. A block's
+// window of the cluster's shared memory is contiguous, so an offset added after the mapping lands where it
+// would before: the consumers map their empty barriers once, not per k tile (mapa reads the block's
+// cluster id, a special-register read the loop would wait on).
+__device__ __forceinline__ uint32_t cluster_map(uint32_t addr, uint32_t rank) {
+  uint32_t remote;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+
+// One arrival at the mbarrier at cluster address `remote` (another block's, from cluster_map), with the
 // arrive's default (release, CTA scope) semantics: the warp's wgmma reads of the stage completed at its
 // wait_group, before this arrival, and the refill that the arrival allows is that block's own TMA write.
 // A cluster-scope release here costs a fence per k tile: it ran the 64x64 kernel 2.4x slower
 // (bench/results/multicast_ptx_release_cluster_h200.json).
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(rank));
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t remote) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(remote) : "memory");
 }
 
@@ -327,9 +335,12 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
     int stage = 0;
     uint32_t phase = 0;
     // tile.cluster: a stage is filled from every block of this block's patch row and column, so a warp
-    // releases it at each of their empty barriers: lane r signals cluster rank r.
+    // releases it at each of their empty barriers: lane r signals cluster rank r, at rank r's empty
+    // barriers mapped once here.
+    const bool releases = lane < CLUSTER_SIZE && (release_mask >> lane & 1);
+    const uint32_t remote_empty = cluster_map(bars + 8 * STAGES, releases ? lane : 0);
     auto release = [&](int s) {
-      if (lane < CLUSTER_SIZE && (release_mask >> lane & 1)) mbar_arrive_cluster(bars + 8 * (STAGES + s), lane);
+      if (releases) mbar_arrive_remote(remote_empty + 8 * s);
     };
     // tile.cluster=2x1 with splitk slices=2: the launch is SLICES copies of the cluster
     // grid, slice after slice (l2ir.indexing.ClusterMulticast.unit), so a cluster's blocks load one K
