@@ -17,11 +17,9 @@ probe only measures.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from source_variants import replaced, run
-from sweep_cases import case_arg
+from source_variants import probe_parser, replaced, run_probe
 
 STORE = "*reinterpret_cast<uint4*>(C + (size_t)grow * N + gcol) = *reinterpret_cast<const uint4*>(c_tile + off);"
 STORE_CS = "__stcs(reinterpret_cast<uint4*>(C + (size_t)grow * N + gcol), *reinterpret_cast<const uint4*>(c_tile + off));"
@@ -37,14 +35,9 @@ VARIANTS = {"as_lowered": (), "cs": ((STORE, STORE_CS),), "last": ((LOAD, LOAD_L
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", type=case_arg, action="append", required=True, help="MxNxK:SWEEP:CONFIG (repeatable)")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--compile-only", action="store_true", help="only build the variants: ptxas registers and spills")
-    args = ap.parse_args(argv)
+    args = probe_parser(__doc__).parse_args(argv)
     variants = {name: (lambda source, edits=edits: replaced(source, edits)) for name, edits in VARIANTS.items()}
-    command = "python3 bench/cache_policy_probe.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    return run(args.case, variants, command, args.out, args.compile_only)
+    return run_probe("cache_policy_probe.py", args, variants, argv)
 
 
 if __name__ == "__main__":

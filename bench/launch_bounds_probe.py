@@ -16,12 +16,10 @@ torch.matmul and timed in the offline scenario (bench/source_variants.py). A bou
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 
-from source_variants import run
-from sweep_cases import case_arg
+from source_variants import probe_parser, run_probe
 
 # The GEMM entry's bound: `__launch_bounds__(THREADS)` right before `l2ir_..._gemm(`. Other kernels of the source
 # (the repack copy) and entries already bounded (`THREADS, 1` of the sm90a rule) are left alone.
@@ -39,17 +37,13 @@ def min_blocks(blocks: int):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", type=case_arg, action="append", required=True, help="MxNxK:SWEEP:CONFIG (repeatable)")
+    ap = probe_parser(__doc__)
     ap.add_argument("--blocks", type=int, nargs="+", default=[2, 3], help="minimum blocks per SM to promise")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--compile-only", action="store_true", help="only build the variants: ptxas registers and spills")
     args = ap.parse_args(argv)
     if any(b < 1 for b in args.blocks):
         ap.error("--blocks takes positive counts")
     variants = {"as_lowered": lambda source: source, **{f"min{b}": min_blocks(b) for b in args.blocks}}
-    command = "python3 bench/launch_bounds_probe.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    return run(args.case, variants, command, args.out, args.compile_only)
+    return run_probe("launch_bounds_probe.py", args, variants, argv)
 
 
 if __name__ == "__main__":

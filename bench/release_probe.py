@@ -30,12 +30,10 @@ Each variant is checked against torch.matmul on the timed sets and timed in the 
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 
-from source_variants import replaced, run
-from sweep_cases import case_arg
+from source_variants import probe_parser, replaced, run_probe
 
 RELEASE = "      if (releases) mbar_arrive_remote(remote_empty + 8 * s);"
 RELEASE_MAPA = ("      if (releases) { uint32_t remote; asm volatile(\"mapa.shared::cluster.u32 %0, %1, %2;\" : "
@@ -79,13 +77,8 @@ VARIANTS = {"as_lowered": lambda source: source, "mapa_in_loop": mapa_in_loop, "
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", type=case_arg, action="append", required=True, help="MxNxK:SWEEP:CONFIG (repeatable)")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--compile-only", action="store_true", help="only build the variants: ptxas registers and spills")
-    args = ap.parse_args(argv)
-    command = "python3 bench/release_probe.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    return run(args.case, VARIANTS, command, args.out, args.compile_only)
+    args = probe_parser(__doc__).parse_args(argv)
+    return run_probe("release_probe.py", args, VARIANTS, argv)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ torch.matmul). This module only measures; a variant that wins is built into the 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import statistics
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from sweep_cases import lower_case, offline_sets
+from sweep_cases import case_arg, lower_case, offline_sets
 
 Variants = dict[str, Callable[[str], str]]
 
@@ -152,3 +153,19 @@ def run(cases, variants: Variants, command: str, out: str, compile_only: bool = 
                   if "kernel_us" in r else "")
         print(f"{s:>16} {r['case']:<48} {r['variant']:>10} {r['registers']:5d} {r['spill_bytes']:6d} {timing}")
     return 0 if all(r.get("correct", True) for r in kept) else 1
+
+
+def probe_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments every source-variant probe takes (its own are added after): the cases, the output file and
+    --compile-only."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--case", type=case_arg, action="append", required=True, help="MxNxK:SWEEP:CONFIG (repeatable)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--compile-only", action="store_true", help="only build the variants: ptxas registers and spills")
+    return ap
+
+
+def run_probe(script: str, args: argparse.Namespace, variants: Variants, argv=None) -> int:
+    """run() for a probe's parsed arguments, recording the command line it was given."""
+    command = f"python3 bench/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
+    return run(args.case, variants, command, args.out, args.compile_only)
