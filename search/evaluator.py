@@ -535,7 +535,8 @@ def _timing(problem, plan, launcher, cfg: EvalConfig, gen, rng, dev, send, recor
     for scenario in cfg.scenarios:
         send("phase", f"timing:{scenario}")
         if scenario == "offline":
-            t = time_offline(kernel_call, baseline_call, n_sets, cfg.timing, guard, rng, clock)
+            t = time_offline(kernel_call, baseline_call, n_sets, cfg.timing, guard, rng, clock,
+                             clean_l2=n_sets * set_bytes > l2)
             gains.append(replay_gain(t))
         elif scenario == "server":
             t = time_server(kernel_call, baseline_call, n_sets, cfg.timing, guard, rng, clock)

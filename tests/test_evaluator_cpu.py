@@ -610,3 +610,35 @@ def test_call_counts_vary_with_the_seed():
                          rng=np.random.default_rng(seed), clock=HostClock(TimingConfig()))
         seen.add((t.warmup, t.reps, len(t.kernel_us), len(calls)))
     assert len(seen) >= 3, seen
+
+
+@pytest.mark.parametrize("clean_l2", [False, True])
+def test_each_replay_starts_from_a_clean_l2_when_the_sets_spill(clean_l2):
+    # The refresh's dirty lines must not be charged to whichever side replays first (search/timing.time_offline):
+    # with clean_l2 every replay, kernel's and baseline's, long and one-rotation, comes right after a clean.
+    from l2ir.search.timing import Guard, HostClock, time_offline
+
+    events = []
+
+    class Recording(HostClock):
+        def clean(self):
+            events.append("clean")
+
+        def capture(self, call, order):
+            side = "kernel" if call is kernel else "baseline"
+            return lambda: events.append(side)
+
+    def kernel(i):
+        pass
+
+    def baseline(i):
+        pass
+
+    cfg = TimingConfig(trials=3, target_ms=0.5, rotations=3)
+    t = time_offline(kernel, baseline, 4, cfg, Guard(), np.random.default_rng(1), Recording(cfg), clean_l2=clean_l2)
+    replays = [i for i, e in enumerate(events) if e != "clean"]
+    assert len(replays) == 2 * (len(t.kernel_us) + len(t.rotation_kernel_us))
+    assert {events[i] for i in replays} == {"kernel", "baseline"}
+    cleans_before = [i > 0 and events[i - 1] == "clean" for i in replays]
+    assert all(cleans_before) if clean_l2 else not any(cleans_before)
+    assert events.count("clean") == (len(replays) if clean_l2 else 0)
