@@ -1059,8 +1059,8 @@ def test_pdl_probe_runs_each_case_off_on_off_on_in_the_asked_scenario(tmp_path, 
 def test_release_probe_edits_the_multicast_release_and_exit(tmp_path, capsys):
     """bench/release_probe.py puts back, one at a time, what the multicast kernel's release and exit did before:
     the per-k-tile mapa of the remote empty barrier, the entry's release arrival, and the release-and-wait cluster
-    barrier at the exit in place of the producer's load tail; on a reduce=cluster kernel it relaxes every cluster
-    arrival but the one that publishes the partials. A source without them is refused in one line, and
+    barrier at the exit in place of the producer's load tail; on a reduce=cluster kernel it makes the producer's
+    relaxed arrivals releases again, or relaxes the consumers' done-reading one. A source without them is refused in one line, and
     --compile-only builds every variant without a GPU."""
     import shutil
 
@@ -1081,15 +1081,23 @@ def test_release_probe_edits_the_multicast_release_and_exit(tmp_path, capsys):
         assert old.rindex(probe.EXIT_BARRIER) > old.index("// ---- consumer warpgroups")
         entry = probe.VARIANTS["entry_release"](source)
         assert entry.count(probe.ARRIVE_RELEASE) == 1 and probe.TAIL.findall(entry)
-    # reduce=cluster: the consumers' publishing arrival keeps its release, the other three become relaxed
+    # reduce=cluster: the backend relaxes the producer's two arrivals and keeps both consumer arrivals releases;
+    # the variants put the producer's back and relax the consumers' done-reading one
     reduce = lower_case((128, 128, 16384), "cuda_ptx", "ptx_splitk_cluster_w4x1_64x64x64_s16")[2].source
-    relaxed = probe.VARIANTS["reduce_relaxed"](reduce)
-    assert reduce.count("cluster_arrive();") == 4 and relaxed.count("cluster_arrive();") == 1   # the publishing one
-    assert relaxed.count(probe.ARRIVE_RELAXED) == 3
-    publish = relaxed.index("// Release this block's partial to the cluster")
-    assert relaxed.index("cluster_arrive();", publish) < relaxed.index("ld_cluster_f4(local, r)", publish)
-    with pytest.raises(ValueError, match="no longer applies"):
-        probe.VARIANTS["reduce_relaxed"](one)
+    assert reduce.count("cluster_arrive();") == 2 and reduce.count("cluster_arrive_relaxed();") == 2
+    producer = reduce.index("// ---- producer")
+    consumer = reduce.index("// ---- consumer warpgroups")
+    assert producer < reduce.index("cluster_arrive_relaxed();", producer) < consumer
+    assert reduce.index("cluster_arrive();", consumer) > consumer
+    released = probe.VARIANTS["producer_release"](reduce)
+    assert released.count("cluster_arrive();") == 4 and released.count("cluster_arrive_relaxed();") == 0
+    reading = probe.VARIANTS["reading_relaxed"](reduce)
+    assert reading.count("cluster_arrive();") == 1 and reading.count(probe.ARRIVE_RELAXED) == 2   # + the function
+    publish = reading.index("// Release this block's partial to the cluster")
+    assert reading.index("cluster_arrive();", publish) < reading.index("ld_cluster_f4(local, r)", publish)
+    for variant in ("producer_release", "reading_relaxed"):
+        with pytest.raises(ValueError, match="no longer applies"):
+            probe.VARIANTS[variant](one)
     cutlass = lower_case((100, 3000, 4104), "sm90a_skinny", "pingpong_64x64x64_c1x4_np")[2].source
     with pytest.raises(ValueError, match="load tail"):
         probe.VARIANTS["exit_barrier"](cutlass)
@@ -1101,8 +1109,10 @@ def test_release_probe_edits_the_multicast_release_and_exit(tmp_path, capsys):
     assert probe.main(["--case", "100x3000x4104:cuda_ptx:ptx_w4x1_64x64x64_c1x4", "--compile-only",
                        "--out", str(out)]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"as_lowered", "mapa_in_loop", "entry_release", "exit_barrier", "reduce_relaxed"}
-    assert "error" in rows["reduce_relaxed"]                  # a multicast kernel has no reduce=cluster barriers
+    assert set(rows) == {"as_lowered", "mapa_in_loop", "entry_release", "exit_barrier", "producer_release",
+                         "reading_relaxed"}
+    reduce_only = {"producer_release", "reading_relaxed"}   # a multicast kernel has no reduce=cluster barriers
+    assert all("error" in rows[name] for name in reduce_only)
     assert all("error" not in r and r["spill_bytes"] == 0 and "kernel_us" not in r
-               for name, r in rows.items() if name != "reduce_relaxed")
+               for name, r in rows.items() if name not in reduce_only)
     assert "mapa_in_loop" in capsys.readouterr().out

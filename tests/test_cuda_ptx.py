@@ -338,7 +338,11 @@ def test_splitk_cluster_renders_the_cluster_reduction():
     for x in order:     # each in turn, after the previous one
         at = consumer.index(x, at) + 1
     producer = kernel_src[kernel_src.index("// ---- producer warpgroup"):kernel_src.index("// ---- consumer warpgroups")]
-    assert producer.count("cluster_arrive();") == 2 and producer.count("cluster_wait();") == 2
+    # the producer publishes nothing and reads no other block's memory: relaxed arrivals (no GPU-scope MEMBAR);
+    # both consumer arrivals stay releases (the partials, then the end of the DSMEM reads)
+    assert producer.count("cluster_arrive_relaxed();") == 2 and producer.count("cluster_wait();") == 2
+    assert "cluster_arrive();" not in producer and consumer.count("cluster_arrive_relaxed();") == 0
+    assert 'asm volatile("barrier.cluster.arrive.release;"' in src
     for absent in ("atomicAdd", "__threadfence", "TREE_", "__stcg", "__ldcg", "float* __restrict__ ws"):
         assert absent not in src, absent
     assert not plan.zero_workspace and plan.workspace_for(64, 1024, 16384) == 0
