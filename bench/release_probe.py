@@ -19,12 +19,13 @@ before, one change at a time:
                  that the release compiles to (it waits for the block's C stores)
   producer_release (split-K reduce=cluster kernels) the producer warpgroup's two arrivals are releases again.
                  It publishes nothing, so the backend arrives relaxed; barrier.cluster.arrive.release compiles to a
-                 GPU-scope MEMBAR per warp. Relaxing these and the consumers' second arrival together won 6-12% on
-                 all five reduce=cluster server shapes on the H100 (h100/release_reduce_h100.json)
-  reading_relaxed (reduce=cluster) the consumers' second arrival (done reading the other blocks' partials, which
-                 they have already added up) is relaxed too. The backend keeps it a release: a relaxed arrival
-                 orders none of the DSMEM loads before it, and the block that arrives last may leave and free its
-                 shared memory; this variant measures what that formal guarantee costs
+                 GPU-scope MEMBAR per warp
+  reading_release (reduce=cluster) the consumers' second arrival (done reading the other blocks' partials) is a
+                 release again. The backend waits for the DSMEM loads with a CTA-scope fence (MEMBAR.ALL.CTA) and
+                 arrives relaxed: the arrival publishes nothing
+  reading_unfenced (reduce=cluster) that arrival relaxed without the fence: what the fence itself costs
+Relaxing the producer's two arrivals and the consumers' second one together won 6-12% on all five reduce=cluster
+server shapes on the H100 (h100/release_reduce_h100.json); the consumers' one is most of it.
 The per-warpgroup release (one arrival per warpgroup and destination block, as CUTLASS's PipelineTmaAsync does) was
 measured by this probe at 9ea71b2 and lost 8-36% (bench/results/h100/release_h100.json).
 Each variant is checked against torch.matmul on the timed sets and timed in the offline scenario
@@ -50,7 +51,7 @@ ARRIVE_RELAXED = 'asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");'
 # reduce=cluster: the producer warpgroup's two barriers, and the consumers' arrival once their reads are done
 PRODUCER_BARRIERS = ("    cluster_arrive_relaxed();\n    cluster_wait();\n    cluster_arrive_relaxed();\n"
                      "    cluster_wait();\n  } else {")
-DONE_READING = "      // stores of C overlap the other blocks' reads.\n      cluster_arrive();\n"
+DONE_READING = "      cluster_arrive_after_reads();\n"
 
 
 def mapa_in_loop(source: str) -> str:
@@ -75,14 +76,19 @@ def producer_release(source: str) -> str:
                                                                            "cluster_arrive();"))])
 
 
-def reading_relaxed(source: str) -> str:
-    """reduce=cluster: the consumers' done-reading arrival relaxed too."""
-    return replaced(source, [(DONE_READING, DONE_READING.replace("cluster_arrive();", ARRIVE_RELAXED))])
+def reading_release(source: str) -> str:
+    """reduce=cluster: the consumers' done-reading arrival is a release, as before."""
+    return replaced(source, [(DONE_READING, "      cluster_arrive();\n")])
+
+
+def reading_unfenced(source: str) -> str:
+    """reduce=cluster: the consumers' done-reading arrival relaxed, without the CTA-scope fence."""
+    return replaced(source, [(DONE_READING, f"      {ARRIVE_RELAXED}\n")])
 
 
 VARIANTS = {"as_lowered": lambda source: source, "mapa_in_loop": mapa_in_loop, "entry_release": entry_release,
             "exit_barrier": exit_barrier, "producer_release": producer_release,
-            "reading_relaxed": reading_relaxed}
+            "reading_release": reading_release, "reading_unfenced": reading_unfenced}
 
 
 def main(argv=None) -> int:

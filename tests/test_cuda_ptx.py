@@ -332,7 +332,7 @@ def test_splitk_cluster_renders_the_cluster_reduction():
              f"const int fragment = {unit};", "mine[fragment * CONSUMER_THREADS] =", "cluster_arrive();",
              "cluster_wait();", f"const int fragment = {unit};", f"if ({owner} != slice) continue;",
              "(uint32_t)(fragment * CONSUMER_THREADS + ct) * 16u", "v[r] = ld_cluster_f4(local, r);",
-             "float4 sum = v[0];", "for (int r = 1; r < SLICES; ++r)", "cluster_arrive();",
+             "float4 sum = v[0];", "for (int r = 1; r < SLICES; ++r)", "cluster_arrive_after_reads();",
              f"const int fragment = {unit};", f"if ({owner} != slice) continue;", "pack2(", "cluster_wait();"]
     at = 0
     for x in order:     # each in turn, after the previous one
@@ -342,6 +342,10 @@ def test_splitk_cluster_renders_the_cluster_reduction():
     # both consumer arrivals stay releases (the partials, then the end of the DSMEM reads)
     assert producer.count("cluster_arrive_relaxed();") == 2 and producer.count("cluster_wait();") == 2
     assert "cluster_arrive();" not in producer and consumer.count("cluster_arrive_relaxed();") == 0
+    # the consumers' second arrival publishes nothing either: a CTA-scope fence waits for their DSMEM loads, then
+    # a relaxed arrival (no GPU-scope MEMBAR)
+    assert consumer.count("cluster_arrive();") == 1 and consumer.count("cluster_arrive_after_reads();") == 1
+    assert 'asm volatile("fence.acq_rel.cta;" ::: "memory");' in src
     assert 'asm volatile("barrier.cluster.arrive.release;"' in src
     for absent in ("atomicAdd", "__threadfence", "TREE_", "__stcg", "__ldcg", "float* __restrict__ ws"):
         assert absent not in src, absent
@@ -820,6 +824,23 @@ def test_sass_has_hgmma(builds, name):
     # One k-tile's wgmmas (BK/16 steps x slabs) appear once in the unrolled main loop.
     assert len(hgmma) == kernel.tile.bk // 16 * slabs, len(hgmma)
     assert "UTMALDG.2D" in sass
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("name", [n for n, case in BUILD_CASES.items() if sm90a.canonicalize(*case).cluster_reduce])
+def test_sass_cluster_reduce_pays_one_gpu_membar(builds, name):
+    """reduce=cluster: only the consumers' publishing arrival is a release (MEMBAR.ALL.GPU before the arrival);
+    the producer's arrivals are relaxed, and the consumers' done-reading one waits for its DSMEM loads with a
+    CTA-scope MEMBAR right before a relaxed arrival."""
+    sass = disassemble(built(builds[name], name).binary)
+    if sass is None:
+        pytest.skip("cuobjdump/nvdisasm not found (PATH or the NVIDIA wheels)")
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([A-Z][A-Z0-9_.]*)", sass)
+    assert ops.count("MEMBAR.ALL.GPU") == 1, ops.count("MEMBAR.ALL.GPU")
+    arrivals = [i for i, op in enumerate(ops) if op == "UCGABAR_ARV"]
+    assert len(arrivals) >= 4
+    fenced = [i for i in arrivals if "MEMBAR.ALL.CTA" in ops[i - 4:i] and "MEMBAR.ALL.GPU" not in ops[i - 4:i]]
+    assert fenced, "no CTA-fenced relaxed arrival (the consumers' done-reading one)"
 
 
 @pytest.mark.nvcc

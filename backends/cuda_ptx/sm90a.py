@@ -1072,8 +1072,10 @@ def _cluster_reduce(cfg: PtxConfig) -> list[str]:
         "        }",
         "      }",
         "      // Done reading the cluster's shared memory: arrive now, wait (below) only before the block exits, so the",
-        "      // stores of C overlap the other blocks' reads.",
-        "      cluster_arrive();",
+        "      // stores of C overlap the other blocks' reads. The arrival publishes nothing; it only has to come after",
+        "      // this thread's DSMEM loads have returned. A CTA-scope fence waits for them (MEMBAR.ALL.CTA); a release",
+        "      // arrival would add a GPU-scope MEMBAR, which cost these kernels 1-11% (bench/NOTES.md, release probe).",
+        "      cluster_arrive_after_reads();",
     ]
 
 
@@ -1133,6 +1135,11 @@ def _cluster_functions() -> list[str]:
         "}",
         "",
         "__device__ __forceinline__ void cluster_arrive_relaxed() {   // for threads that publish nothing",
+        '  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");',
+        "}",
+        "",
+        "__device__ __forceinline__ void cluster_arrive_after_reads() {   // publishes nothing; its loads have returned",
+        '  asm volatile("fence.acq_rel.cta;" ::: "memory");',
         '  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");',
         "}",
         "",

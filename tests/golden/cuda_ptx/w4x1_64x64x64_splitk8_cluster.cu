@@ -136,6 +136,11 @@ __device__ __forceinline__ void cluster_arrive_relaxed() {   // for threads that
   asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
 }
 
+__device__ __forceinline__ void cluster_arrive_after_reads() {   // publishes nothing; its loads have returned
+  asm volatile("fence.acq_rel.cta;" ::: "memory");
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+}
+
 __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
 }
@@ -379,8 +384,10 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
         }
       }
       // Done reading the cluster's shared memory: arrive now, wait (below) only before the block exits, so the
-      // stores of C overlap the other blocks' reads.
-      cluster_arrive();
+      // stores of C overlap the other blocks' reads. The arrival publishes nothing; it only has to come after
+      // this thread's DSMEM loads have returned. A CTA-scope fence waits for them (MEMBAR.ALL.CTA); a release
+      // arrival would add a GPU-scope MEMBAR, which cost these kernels 1-11% (bench/NOTES.md, release probe).
+      cluster_arrive_after_reads();
       // epilogue.path=direct: each thread stores its fragment straight to global memory. Fragment layout of
       // wgmma m64nN f32: d[4c + 2h + e] is row 16*warp + lane/4 + 8h, column 8c + 2*(lane%4) + e.
       const int row0 = tile_m * BM + cw * WG_M + warp * 16 + lane / 4;
