@@ -20,6 +20,8 @@ Every timed output is a fresh result (a kernel that skips work while being timed
   while an honest kernel gains about what the baseline gains (`replay_gain`);
 - so are a few replays of one rotation (each set once since the refresh): they differ from the long replay only in
   how often a set comes back, so a kernel that skips even some of its repeated calls is faster in the long one.
+  Where the sets exceed L2, each side's replay starts from a clean L2 (`CudaClock.clean`), so neither pays for
+  writing back the refresh's dirty lines.
 """
 
 from __future__ import annotations
