@@ -1127,8 +1127,9 @@ def _block_reduce(cfg: PtxConfig) -> list[str]:
 
 def _cluster_functions() -> list[str]:
     """reduce=cluster: the cluster barrier (release/acquire, not .aligned: the producer warpgroup arrives from
-    diverged lanes; a relaxed arrival for the threads that publish nothing) and a float4 load from another block's shared memory (mapa maps this block's shared-memory
-    address to the same offset in the block of cluster rank `rank`)."""
+    diverged lanes; relaxed arrivals for the threads that publish nothing) and a float4 load from another block's
+    shared memory (mapa maps this block's shared-memory address to the same offset in the block of cluster rank
+    `rank`)."""
     return [
         "__device__ __forceinline__ void cluster_arrive() {",
         '  asm volatile("barrier.cluster.arrive.release;" ::: "memory");',
