@@ -827,7 +827,7 @@ def test_sass_has_hgmma(builds, name):
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("name", [n for n, case in BUILD_CASES.items() if sm90a.canonicalize(*case).cluster_reduce])
+@pytest.mark.parametrize("name", [n for n in NVCC_CASES if sm90a.canonicalize(*CASES[n]).cluster_reduce])
 def test_sass_cluster_reduce_pays_one_gpu_membar(builds, name):
     """reduce=cluster: only the consumers' publishing arrival is a release (MEMBAR.ALL.GPU before the arrival);
     the producer's arrivals are relaxed, and the consumers' done-reading one waits for its DSMEM loads with a
