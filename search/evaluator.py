@@ -34,8 +34,8 @@ from l2ir.target import DTYPE_BYTES, TORCH_DTYPE
 from .gates import (GuardedBuffer, Verdict, admits, bits_differing, check_accuracy, check_ulps, poison,
                     poisoned_count, ragged_shapes, relative_error, reproducible, ulp_allowed, ulp_excess, unwritten,
                     wrong_lines)
-from .timing import (CudaClock, Guard, HostClock, TimingConfig, replay_gain, sets_for, summarize, time_offline,
-                     time_server)
+from .timing import (CudaClock, Guard, HostClock, TimingConfig, refresh_spills_l2, replay_gain, sets_for, summarize,
+                     time_offline, time_server)
 
 SCENARIOS = ("offline", "server")
 
@@ -496,8 +496,8 @@ def _timing(problem, plan, launcher, cfg: EvalConfig, gen, rng, dev, send, recor
     ta, tb, tc = _tdtype(problem.a[0]), _tdtype(problem.b[0]), _tdtype(problem.c[0])
     on_gpu = dev.type == "cuda"
     l2 = (int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0)) if on_gpu else 0) or (50 << 20)
-    set_bytes = (m * k * ta.itemsize + k * n * tb.itemsize + m * n * tc.itemsize)
-    n_sets = sets_for(set_bytes, l2, cfg.timing)
+    input_bytes, output_bytes = m * k * ta.itemsize + k * n * tb.itemsize, m * n * tc.itemsize
+    n_sets = sets_for(input_bytes + output_bytes, l2, cfg.timing)
 
     ws_bytes = launcher.workspace_bytes(m, n, k)
     # zero_workspace means zeroed once, before the first launch (l2ir/runtime.py): a split-K kernel's pair counters
@@ -536,7 +536,7 @@ def _timing(problem, plan, launcher, cfg: EvalConfig, gen, rng, dev, send, recor
         send("phase", f"timing:{scenario}")
         if scenario == "offline":
             t = time_offline(kernel_call, baseline_call, n_sets, cfg.timing, guard, rng, clock,
-                             clean_l2=n_sets * set_bytes > l2)
+                             clean_l2=refresh_spills_l2(n_sets, input_bytes, output_bytes, l2))
             gains.append(replay_gain(t))
         elif scenario == "server":
             t = time_server(kernel_call, baseline_call, n_sets, cfg.timing, guard, rng, clock)

@@ -115,6 +115,13 @@ def sets_for(set_bytes: int, l2_bytes: int, cfg: TimingConfig) -> int:
     return max(2, min(cfg.max_sets, math.ceil(volume / max(1, set_bytes))))
 
 
+def refresh_spills_l2(n_sets: int, input_bytes: int, output_bytes: int, l2_bytes: int) -> bool:
+    """Whether a refresh of every set can leave dirty lines that a replay must write back: each set's inputs are
+    written three times (the kernel's, their reference copy, the baseline's) and both sides' outputs poisoned. Below
+    L2 nothing written is evicted, and the replays keep the warm inputs the long replay has."""
+    return n_sets * (3 * input_bytes + 2 * output_bytes) > l2_bytes
+
+
 def reps_for(est_us: float, n_sets: int, cfg: TimingConfig) -> int:
     """Launches per graph: enough for target_ms, a whole number of rotations."""
     reps = max(n_sets, math.ceil(cfg.target_ms * 1000.0 / max(est_us, 0.5)))
@@ -135,6 +142,7 @@ class CudaClock:
         self.cfg = cfg
         self.device = device
         self._flush = None
+        self._clean = None
         self._spin = getattr(torch.cuda, "_sleep", None)
 
     def sync(self):
@@ -182,30 +190,31 @@ class CudaClock:
         torch.cuda.synchronize()
         return graph.replay
 
-    def _flush_buffer(self):
+    def flush(self):
+        """Zero a buffer larger than L2: every line of L2 then holds flush data and the operands come from HBM."""
         import torch
 
         if self._flush is None:
-            self._flush = torch.zeros(self.cfg.flush_bytes, dtype=torch.uint8, device="cuda")
-        return self._flush
-
-    def flush(self):
-        """Zero a buffer larger than L2: every line of L2 then holds flush data and the operands come from HBM."""
-        self._flush_buffer().zero_()
+            self._flush = torch.empty(self.cfg.flush_bytes, dtype=torch.uint8, device="cuda")
+        self._flush.zero_()
 
     def clean(self):
-        """Read a buffer larger than L2: every dirty line is written back on its way out and L2 is left holding
+        """Read a buffer of 4x the L2 size: every dirty line is written back on its way out and L2 is left holding
         clean lines, so the next call pays for writing back nobody's data (a zeroing flush leaves dirty lines)."""
         import torch
 
-        self._sum = self._flush_buffer().view(torch.int32).sum()
+        if self._clean is None:
+            l2 = int(getattr(torch.cuda.get_device_properties(self.device or torch.cuda.current_device()),
+                             "L2_cache_size", 0)) or (64 << 20)
+            self._clean = torch.zeros(l2, dtype=torch.int32, device="cuda")     # 4 bytes an element: 4x L2
+        self._sum = self._clean.sum()
 
     def spin(self):
         if self._spin is not None:
             self._spin(self.cfg.spin_cycles)
 
     def close(self):
-        self._flush = None
+        self._flush = self._clean = None
 
 
 class HostClock:
@@ -304,12 +313,11 @@ def time_offline(kernel: Callable[[int], None], baseline: Callable[[int], None],
     baseline us per call per trial, reps). With them: a `Timed`, and every trial runs on fresh inputs and poisoned
     outputs, checked after the trial.
 
-    clean_l2 (for sets that together exceed L2): each side's replay starts from a clean L2. The refresh writes
-    every input set, and the last L2's worth of those writes is still dirty when the first replay starts; that side
-    pays for writing them back. Over a replay of one rotation (three or four calls of a skinny long-K shape) that
-    was 20-50% of its time on the H100, charged to whichever side went first, and it made the rotation check reject
-    honest kernels (bench/NOTES.md). Sets that fit in L2 are never evicted, so their replays pay nothing either way
-    and keep the warm inputs the long replay has."""
+    clean_l2 (where `refresh_spills_l2`): each side's replay starts from a clean L2. The refresh writes every set,
+    and the last L2's worth of those writes is still dirty when the first replay starts; that side pays for writing
+    them back. Over a replay of one rotation (three or four calls of a skinny long-K shape) that was 20-50% of its
+    time on the H100, charged to whichever side went first, and it made the rotation check reject honest kernels
+    (bench/NOTES.md)."""
     clock = clock or CudaClock(cfg)
     g = guard or Guard()
     everything = list(range(n_sets))

@@ -642,3 +642,39 @@ def test_each_replay_starts_from_a_clean_l2_when_the_sets_spill(clean_l2):
     cleans_before = [i > 0 and events[i - 1] == "clean" for i in replays]
     assert all(cleans_before) if clean_l2 else not any(cleans_before)
     assert events.count("clean") == (len(replays) if clean_l2 else 0)
+
+
+def test_refresh_spills_l2_counts_everything_a_refresh_writes():
+    from l2ir.search.timing import refresh_spills_l2
+
+    l2 = 50 << 20
+    # 64 sets of 288 KiB inputs and 64 KiB outputs: 18 MiB of inputs a side, but 62 MiB written by a refresh
+    assert refresh_spills_l2(64, 288 << 10, 64 << 10, l2)
+    assert not refresh_spills_l2(64, 80 << 10, 12 << 10, l2)
+    assert refresh_spills_l2(4, 26 << 20, 1 << 20, l2)                      # a skinny long-K shape's sets
+    assert not refresh_spills_l2(1, (l2 - 2) // 3, 1, l2) and refresh_spills_l2(1, l2 // 3 + 1, 1, l2)
+
+
+@pytest.mark.parametrize("shape,spills", [((64, 96, 256), False), ((64, 512, 256), True)])
+def test_the_evaluator_cleans_l2_only_where_a_refresh_spills(monkeypatch, shape, spills):
+    # The CPU path stands in a 50 MiB L2; 64 sets of 64x512x256 write 62 MiB per refresh, of 64x96x256 17 MiB.
+    import l2ir.search.evaluator as evaluator_module
+    from l2ir.search.evaluator import EvalConfig, run_job
+
+    seen = []
+
+    class Recorded(Exception):
+        pass
+
+    def recording(*args, clean_l2=False, **kwargs):
+        seen.append((args[2], clean_l2))
+        raise Recorded      # the timing itself is tested above
+
+    monkeypatch.setattr(evaluator_module, "time_offline", recording)
+    m, n, k = shape
+    timing = dataclasses.replace(CPU_TIMING, max_sets=64)
+    job = {"kernel": source_kernel(), "problem": Problem(m=m, n=n, k=k), "plan": _Plan(),
+           "config": EvalConfig(scenarios=("offline",), timing=timing), "binary": ""}
+    with pytest.raises(Recorded):
+        run_job(job, lambda kind, body: None, launcher=NumpyKernel(), device="cpu")
+    assert seen == [(64, spills)]

@@ -391,8 +391,11 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
       }
       // Done reading the cluster's shared memory: arrive now, wait (below) only before the block exits, so the
       // stores of C overlap the other blocks' reads. The arrival publishes nothing; it only has to come after
-      // this thread's DSMEM loads have returned. A CTA-scope fence waits for them (MEMBAR.ALL.CTA); a release
-      // arrival would add a GPU-scope MEMBAR, which cost these kernels 1-11% (bench/NOTES.md, release probe).
+      // this thread's DSMEM loads have returned, or the block read may leave first. A release arrival (or a
+      // cluster-scope fence) is what the PTX memory model promises that with; both compile to a GPU-scope
+      // MEMBAR, which cost these kernels 5-9% (bench/NOTES.md, release probe). The CTA-scope fence compiles
+      // to MEMBAR.ALL.CTA and a wait on every scoreboard before the arrival, so the loads have returned: a
+      // promise of the compiler and the hardware, not of the model (test_sass_cluster_reduce_pays_one_gpu_membar).
       cluster_arrive_after_reads();
       // epilogue.path=direct: each thread stores its fragment straight to global memory. Fragment layout of
       // wgmma m64nN f32: d[4c + 2h + e] is row 16*warp + lane/4 + 8h, column 8c + 2*(lane%4) + e.
