@@ -830,17 +830,28 @@ def test_sass_has_hgmma(builds, name):
 @pytest.mark.parametrize("name", [n for n in NVCC_CASES if sm90a.canonicalize(*CASES[n]).cluster_reduce])
 def test_sass_cluster_reduce_pays_one_gpu_membar(builds, name):
     """reduce=cluster: only the consumers' publishing arrival is a release (MEMBAR.ALL.GPU before the arrival);
-    the producer's arrivals are relaxed, and the consumers' done-reading one waits for its DSMEM loads with a
-    CTA-scope MEMBAR right before a relaxed arrival."""
+    the producer's arrivals are relaxed, and the consumers' done-reading one is fenced at CTA scope: a
+    MEMBAR.ALL.CTA, then an instruction that waits on every scoreboard, before the arrival. That wait is what
+    guarantees the thread's DSMEM loads have returned before the block it read may leave."""
     sass = disassemble(built(builds[name], name).binary)
     if sass is None:
         pytest.skip("cuobjdump/nvdisasm not found (PATH or the NVIDIA wheels)")
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([A-Z][A-Z0-9_.]*)", sass)
-    assert ops.count("MEMBAR.ALL.GPU") == 1, ops.count("MEMBAR.ALL.GPU")
+    # Each instruction: its text and its two 64-bit words; the wait mask of the control bits is bits 52-57 of the
+    # second word (one bit per scoreboard, 0x3f = all six).
+    rows = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;]*;\s*/\* 0x[0-9a-f]+ \*/\s*"
+                      r"/\* (0x[0-9a-f]+) \*/", sass)
+    ops = [op for op, _ in rows]
+    waits = [(int(hi, 16) >> 52) & 0x3F for _, hi in rows]
+    assert len(rows) > 100 and ops.count("MEMBAR.ALL.GPU") == 1, ops.count("MEMBAR.ALL.GPU")
     arrivals = [i for i, op in enumerate(ops) if op == "UCGABAR_ARV"]
     assert len(arrivals) >= 4
-    fenced = [i for i in arrivals if "MEMBAR.ALL.CTA" in ops[i - 4:i] and "MEMBAR.ALL.GPU" not in ops[i - 4:i]]
-    assert fenced, "no CTA-fenced relaxed arrival (the consumers' done-reading one)"
+    fenced = []
+    for i in arrivals:
+        window = ops[i - 6:i]
+        if "MEMBAR.ALL.CTA" in window and "MEMBAR.ALL.GPU" not in window:
+            fence = i - 6 + max(j for j, op in enumerate(window) if op == "MEMBAR.ALL.CTA")
+            fenced.append(any(w == 0x3F for w in waits[fence + 1:i + 1]))
+    assert fenced and all(fenced), fenced
 
 
 @pytest.mark.nvcc
