@@ -32,7 +32,7 @@ import numpy as np
 from l2ir.search import timing
 from l2ir.search.bench import BENCH_TIMING
 from l2ir.search.report import families_groups, geomean, gflop
-from l2ir.search.timing import CudaClock, Guard, HostClock, sets_for, time_server
+from l2ir.search.timing import CudaClock, Guard, HostClock, l2_bytes, sets_for, time_server
 
 from l2ir.cli import shape_arg
 
@@ -72,7 +72,7 @@ def aa_trial(shape: tuple[int, int, int], device, seed: int, cfg=BENCH_TIMING) -
 
     m, n, k = shape
     gpu = device.type == "cuda"
-    l2 = (int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) if gpu else 0) or (50 << 20)
+    l2 = l2_bytes(device) if gpu else 50 << 20
     n_sets = sets_for(2 * (m * k + k * n + m * n), l2, cfg)
     gen = torch.Generator(device=device).manual_seed(seed)
     dtype = torch.float16 if gpu else torch.float32

@@ -163,7 +163,7 @@ def main(argv=None) -> int:
 
     from l2ir.runtime import load
     from l2ir.search.evaluator import EvalConfig, Evaluator, environment
-    from l2ir.search.timing import CudaClock, Guard, TimingConfig, summarize, time_offline, time_server
+    from l2ir.search.timing import CudaClock, Guard, TimingConfig, l2_bytes, summarize, time_offline, time_server
 
     if not torch.cuda.is_available():
         fail("no CUDA GPU")
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     launcher = load(plan, Path(art.binary), 0)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-    l2 = int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0)) or (50 << 20)
+    l2 = l2_bytes(0)
     base_cfg = TimingConfig(trials=7, target_ms=10.0, server_samples=args.samples)
     report = {"config": args.config, "kernel": kernel.text(), "environment": environment(0), "shapes": []}
     methods = ("old", "measure_md", "+idle", "+fill128", "+set0", "offline")

@@ -74,10 +74,10 @@ def time_variants(rows: list[dict]) -> None:
     import torch
 
     from l2ir.runtime import load
-    from l2ir.search.timing import TimingConfig, time_offline
+    from l2ir.search.timing import TimingConfig, l2_bytes, time_offline
 
     torch.cuda.init()
-    l2 = int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
+    l2 = l2_bytes(0)
     cfg = TimingConfig()
     by_shape: dict[tuple, list[dict]] = {}
     for row in rows:

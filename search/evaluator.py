@@ -34,8 +34,8 @@ from l2ir.target import DTYPE_BYTES, TORCH_DTYPE
 from .gates import (GuardedBuffer, Verdict, admits, bits_differing, check_accuracy, check_ulps, poison,
                     poisoned_count, ragged_shapes, relative_error, reproducible, ulp_allowed, ulp_excess, unwritten,
                     wrong_lines)
-from .timing import (CudaClock, Guard, HostClock, TimingConfig, refresh_spills_l2, replay_gain, sets_for, summarize,
-                     time_offline, time_server)
+from .timing import (CudaClock, Guard, HostClock, TimingConfig, l2_bytes, refresh_spills_l2, replay_gain, sets_for,
+                     summarize, time_offline, time_server)
 
 SCENARIOS = ("offline", "server")
 
@@ -495,7 +495,7 @@ def _timing(problem, plan, launcher, cfg: EvalConfig, gen, rng, dev, send, recor
     out, acc = problem.c[0], problem.acc
     ta, tb, tc = _tdtype(problem.a[0]), _tdtype(problem.b[0]), _tdtype(problem.c[0])
     on_gpu = dev.type == "cuda"
-    l2 = (int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0)) if on_gpu else 0) or (50 << 20)
+    l2 = l2_bytes(dev) if on_gpu else 50 << 20
     input_bytes, output_bytes = m * k * ta.itemsize + k * n * tb.itemsize, m * n * tc.itemsize
     n_sets = sets_for(input_bytes + output_bytes, l2, cfg.timing)
 

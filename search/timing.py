@@ -109,6 +109,14 @@ def paired_speedup(pairs: Sequence[tuple[Sequence[float], Sequence[float]]],
                          sum(b for _, b in kept) / total_k if total_k > 0 else None, len(ratios))
 
 
+def l2_bytes(device=None) -> int:
+    """The GPU's L2 size in bytes (50 MiB, an H100's, where the device does not say)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device)
+    return int(getattr(props, "L2_cache_size", 0)) or (50 << 20)
+
+
 def sets_for(set_bytes: int, l2_bytes: int, cfg: TimingConfig) -> int:
     """How many input sets to rotate over: enough to exceed the rotation volume, at least 2, at most max_sets."""
     volume = cfg.rotate_bytes or 2 * l2_bytes
@@ -204,9 +212,7 @@ class CudaClock:
         import torch
 
         if self._clean is None:
-            l2 = int(getattr(torch.cuda.get_device_properties(self.device or torch.cuda.current_device()),
-                             "L2_cache_size", 0)) or (64 << 20)
-            self._clean = torch.zeros(l2, dtype=torch.int32, device="cuda")     # 4 bytes an element: 4x L2
+            self._clean = torch.zeros(l2_bytes(self.device), dtype=torch.int32, device="cuda")   # 4 B each: 4x L2
         self._sum = self._clean.sum()
 
     def spin(self):
