@@ -172,7 +172,7 @@ def main(argv=None) -> int:
         return 1
     from l2ir.backends.compile import CompileOptions, compile_plan
     from l2ir.search.evaluator import environment
-    from l2ir.search.timing import TimingConfig, time_offline
+    from l2ir.search.timing import TimingConfig, l2_bytes, time_offline
 
     from l2ir.indexing import Const
     from l2ir.runtime import CubinLauncher, Launch, LaunchPlan
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
 
     torch.cuda.init()
     props = torch.cuda.get_device_properties(0)
-    sms, l2 = props.multi_processor_count, int(getattr(props, "L2_cache_size", 50 << 20))
+    sms, l2 = props.multi_processor_count, l2_bytes(0)
     launches = tuple(Launch(entry="l2ir_stream_gemm_bytes", grid=(Const(sms * per_sm), Const(1), Const(1)),
                             block=(threads, 1, 1)) for per_sm, threads in VARIANTS)
     launches += (Launch(entry="l2ir_empty", grid=(Const(sms * 4), Const(1), Const(1)), block=(512, 1, 1)),)

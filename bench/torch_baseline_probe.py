@@ -45,8 +45,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     args = ap.parse_args()
-    props = torch.cuda.get_device_properties(0)
-    l2 = getattr(props, "L2_cache_size", 50 << 20)
+    from l2ir.search.timing import l2_bytes
+
+    l2 = l2_bytes(0)
     rows = []
     for (m, n, k) in ((4096, 4096, 4096), (8192, 8192, 8192)):
         set_bytes = 2 * (m * k + k * n + m * n)
@@ -93,7 +94,7 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
         del data
-    env = dict(gpu=props.name, torch=torch.__version__, cuda=torch.version.cuda)
+    env = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, cuda=torch.version.cuda)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(dict(environment=env, rows=rows), fh, indent=1)
