@@ -17,15 +17,13 @@ before, one change at a time:
                  cluster barrier and waits for the cluster's slowest block before leaving, and the entry's arrival
                  is a release too. ncu's samples of that kernel (H100): 37% at the exit's wait, 9% at the membar
                  that the release compiles to (it waits for the block's C stores)
-  producer_release (split-K reduce=cluster kernels) the producer warpgroup's two arrivals are releases again.
-                 It publishes nothing, so the backend arrives relaxed; barrier.cluster.arrive.release compiles to a
-                 GPU-scope MEMBAR per warp
-  reading_release (reduce=cluster) the consumers' second arrival (done reading the other blocks' partials) is a
-                 release again. The backend waits for the DSMEM loads with a CTA-scope fence (MEMBAR.ALL.CTA) and
-                 arrives relaxed: the arrival publishes nothing
-  reading_unfenced (reduce=cluster) that arrival relaxed without the fence: what the fence itself costs
-Relaxing the producer's two arrivals and the consumers' second one together won 6-12% on all five reduce=cluster
-server shapes on the H100 (h100/release_reduce_h100.json); the consumers' one is most of it.
+  --stored pull=bench/results/cluster_pull_sources (split-K reduce=cluster kernels, recipe `push-reduce`) the
+                 sources 9cca87e lowered: each block stored its partial in its own shared memory, published it with
+                 a release arrival (a GPU-scope MEMBAR per warp), read the units it owns from every block (DSMEM
+                 loads), and the cluster met again before any block left. The backend now pushes instead (st.async
+                 into the owners' receive buffers, counted by their mbarriers): no release, no exit barrier.
+Relaxing that pull protocol's producer arrivals and the consumers' done-reading one won 6-12% on all five
+reduce=cluster server shapes on the H100 (h100/release_reduce_h100.json, variants this probe had at 9cca87e).
 The per-warpgroup release (one arrival per warpgroup and destination block, as CUTLASS's PipelineTmaAsync does) was
 measured by this probe at 9ea71b2 and lost 8-36% (bench/results/h100/release_h100.json).
 Each variant is checked against torch.matmul on the timed sets and timed in the offline scenario
@@ -48,12 +46,6 @@ EXIT_BARRIER = ('  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
                 '  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");\n')
 ARRIVE_RELEASE = 'asm volatile("barrier.cluster.arrive.release;" ::: "memory");'
 ARRIVE_RELAXED = 'asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");'
-# reduce=cluster: the producer warpgroup's two barriers, and the consumers' arrival once their reads are done
-PRODUCER_BARRIERS = ("    cluster_arrive_relaxed();\n    cluster_wait();\n    cluster_arrive_relaxed();\n"
-                     "    cluster_wait();\n  } else {")
-DONE_READING = "      cluster_arrive_after_reads();\n"
-
-
 def mapa_in_loop(source: str) -> str:
     return replaced(source, [(RELEASE, RELEASE_MAPA)])
 
@@ -70,25 +62,8 @@ def exit_barrier(source: str) -> str:
     return entry_release(source.replace(KERNEL_END, EXIT_BARRIER + KERNEL_END))
 
 
-def producer_release(source: str) -> str:
-    """reduce=cluster: the producer warpgroup's arrivals are releases, as before."""
-    return replaced(source, [(PRODUCER_BARRIERS, PRODUCER_BARRIERS.replace("cluster_arrive_relaxed();",
-                                                                           "cluster_arrive();"))])
-
-
-def reading_release(source: str) -> str:
-    """reduce=cluster: the consumers' done-reading arrival is a release, as before."""
-    return replaced(source, [(DONE_READING, "      cluster_arrive();\n")])
-
-
-def reading_unfenced(source: str) -> str:
-    """reduce=cluster: the consumers' done-reading arrival relaxed, without the CTA-scope fence."""
-    return replaced(source, [(DONE_READING, f"      {ARRIVE_RELAXED}\n")])
-
-
 VARIANTS = {"as_lowered": lambda source: source, "mapa_in_loop": mapa_in_loop, "entry_release": entry_release,
-            "exit_barrier": exit_barrier, "producer_release": producer_release,
-            "reading_release": reading_release, "reading_unfenced": reading_unfenced}
+            "exit_barrier": exit_barrier}
 
 
 def main(argv=None) -> int:

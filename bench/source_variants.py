@@ -2,7 +2,10 @@
 becomes an IR field (bench/cache_policy_probe.py: L2 cache policies; bench/launch_bounds_probe.py: blocks per SM).
 
 Each case (MxNxK:SWEEP:CONFIG, bench/sweep_cases.py) is lowered once; every variant is a function of its CUDA source
-(the identity for `as_lowered`; a ValueError when its edit does not apply to this source). All variants are compiled
+(the identity for `as_lowered`; a ValueError when its edit does not apply to this source), or a stored source: with
+`--save-sources DIR` a run writes each case's source as lowered (DIR/MxNxK_SWEEP_CONFIG.cu), and `--stored NAME=DIR`
+in a later run, at another commit, races it as variant NAME beside what that commit lowers (an A/B of two
+lowerings in one process, on the same input sets). All variants are compiled
 in parallel first (ptxas registers and spills reported per variant: the part a machine without a GPU can answer);
 on a GPU each one is then checked against torch.matmul on the timed sets (max |diff| <= 1e-2 x max |ref|, fp32
 accumulation in both) and timed in the evaluator's offline scenario (search.timing.time_offline, interleaved with
@@ -22,7 +25,12 @@ from typing import Callable
 
 from sweep_cases import case_arg, lower_case, offline_sets
 
-Variants = dict[str, Callable[[str], str]]
+Variants = dict[str, Callable[[str], str] | Path]   # an edit of the lowered source, or a --save-sources folder
+
+
+def source_file(shape, sweep: str, config: str) -> str:
+    """The file name --save-sources writes a case's source under and --stored reads it from."""
+    return f"{'x'.join(map(str, shape))}_{sweep}_{config}.cu"
 
 
 def replaced(source: str, edits) -> str:
@@ -53,10 +61,14 @@ def build_variants(cases, variants: Variants) -> list[dict]:
         for name, edit in variants.items():
             row = {"shape": list(shape), "case": f"{sweep}/{config}", "variant": name}
             try:
-                row["plan"] = dataclasses.replace(plan, source=edit(plan.source))
+                source = ((edit / source_file(shape, sweep, config)).read_text() if isinstance(edit, Path)
+                          else edit(plan.source))
+                row["plan"] = dataclasses.replace(plan, source=source)
                 plans.append(row["plan"])
             except ValueError as e:
                 row["error"] = str(e)
+            except OSError as e:
+                row["error"] = f"no stored source: {e.filename}: {e.strerror}"
             rows.append(row)
     built = iter(compile_many(plans, CompileOptions()))
     for row in rows:
@@ -109,7 +121,8 @@ def time_variants(rows: list[dict]) -> None:
         torch.cuda.empty_cache()
 
 
-def run(cases, variants: Variants, command: str, out: str, compile_only: bool = False) -> int:
+def run(cases, variants: Variants, command: str, out: str, compile_only: bool = False,
+        save_sources: str | None = None) -> int:
     """Build (and, unless compile_only, check and time) every variant of every case; write `out` (JSON: the command,
     the date, the environment, the scenario, one row per variant) and print a table. 1 when a GPU is needed and
     absent or when a timed variant computed a wrong answer; 2 for a case the sweeps do not have."""
@@ -126,6 +139,12 @@ def run(cases, variants: Variants, command: str, out: str, compile_only: bool = 
     except ValueError as e:                  # a case the sweeps do not have
         print(f"{command.split()[1]}: {e}", file=sys.stderr)
         return 2
+    if save_sources:
+        Path(save_sources).mkdir(parents=True, exist_ok=True)
+        for r in rows:
+            if r["variant"] == "as_lowered" and "plan" in r:
+                sweep, config = r["case"].split("/", 1)
+                (Path(save_sources) / source_file(r["shape"], sweep, config)).write_text(r["plan"].source)
     if timed:
         time_variants(rows)
     from l2ir.search.evaluator import environment
@@ -162,10 +181,20 @@ def probe_parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--case", type=case_arg, action="append", required=True, help="MxNxK:SWEEP:CONFIG (repeatable)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--compile-only", action="store_true", help="only build the variants: ptxas registers and spills")
+    ap.add_argument("--save-sources", metavar="DIR", help="write each case's source as lowered to DIR")
+    ap.add_argument("--stored", action="append", default=[], metavar="NAME=DIR",
+                    help="race the sources an earlier --save-sources wrote to DIR as variant NAME (repeatable)")
     return ap
 
 
 def run_probe(script: str, args: argparse.Namespace, variants: Variants, argv=None) -> int:
     """run() for a probe's parsed arguments, recording the command line it was given."""
     command = f"python3 bench/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
-    return run(args.case, variants, command, args.out, args.compile_only)
+    variants = dict(variants)
+    for spec in args.stored:
+        name, sep, folder = spec.partition("=")
+        if not sep or not name or not Path(folder).is_dir():
+            print(f"{script}: --stored {spec}: expected NAME=DIR with an existing folder", file=sys.stderr)
+            return 2
+        variants[name] = Path(folder)
+    return run(args.case, variants, command, args.out, args.compile_only, args.save_sources)

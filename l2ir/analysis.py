@@ -7,7 +7,7 @@ Each is a pure function of the kernel (and the element sizes); hardware limits c
 
 from __future__ import annotations
 
-from .indexing import ClusterMulticast, ceil_div, column_tiles
+from .indexing import ClusterMulticast, ClusterReduce, ceil_div, column_tiles
 from .nodes import Kernel, Problem
 from .target import (DTYPE_BYTES, KB, PRODUCER_THREADS, SMEM_LIMIT, TMA_BARRIER_BYTES, WARP_THREADS,
                      WARPGROUP_THREADS)
@@ -73,7 +73,7 @@ def resolved_stages(kernel: Kernel, ebytes: int = 2, epilogue_bytes: int | None 
     if stages != "auto":
         return stages
     epi = epilogue_smem_bytes(kernel) if epilogue_bytes is None else epilogue_bytes
-    free = SMEM_LIMIT[kernel.target.arch] - epi
+    free = SMEM_LIMIT[kernel.target.arch] - epi - cluster_receive_bytes(kernel)
     stages = max(0, free // stage_bytes(kernel, ebytes))
     if block_reduce(kernel):
         stages -= stages % 2      # an even ring: each consumer warpgroup owns its stages (l2ir.indexing.BlockSplit)
@@ -134,7 +134,18 @@ def smem_bytes(kernel: Kernel, ebytes: int = 2) -> int:
     if kernel.pipeline.mode == "multistage" and kernel.epilogue.path == "smem":
         # After the main loop the ring is drained, so the C tile reuses its buffers.
         return max(ring, epi)
-    return ring + epi
+    return ring + epi + cluster_receive_bytes(kernel)
+
+
+def cluster_receive_bytes(kernel: Kernel) -> int:
+    """reduce=cluster: the buffer beside the ring where the cluster's other blocks push the fragment units this
+    block owns (l2ir.indexing.ClusterReduce.receive_vecs float4s). It cannot reuse the ring: a block pushes as soon
+    as its own K loop ends, while the owner's wgmma may still be reading its stages."""
+    if not cluster_reduce(kernel) or kernel.splitk.mode != "split_k" or kernel.splitk.slices < 2:
+        return 0                          # none, or a reduce=cluster the verifier refuses by its own rule
+    wgs = warpgroups_m(kernel)
+    units = (kernel.tile.bm // wgs // 64) * (kernel.tile.bn // 8)
+    return 16 * ClusterReduce(kernel.splitk.slices).receive_vecs(units, 128 * wgs)
 
 
 def output_tiles(kernel: Kernel, problem: Problem) -> int:

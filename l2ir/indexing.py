@@ -556,6 +556,7 @@ class SplitKTree:
 
 
 ROW, COL, FRAGMENT, SLAB, GROUP = Var("row"), Var("col"), Var("fragment"), Var("j"), Var("c")
+SENDER, OWNER, THREAD = Var("sender"), Var("owner"), Var("ct")
 
 
 @dataclass(frozen=True)
@@ -564,12 +565,14 @@ class ClusterReduce:
     reduce through distributed shared memory instead of a workspace.
 
     Protocol (backends/cuda_ptx/sm90a.py renders it; l2ir.interp's `_split_k_owned` is its reference): block
-    `slice` (its rank in the cluster) accumulates its slice's k tiles, stores its fp32 partial in its own shared
-    memory and arrives at a cluster barrier. After the barrier every block owns a share of the tile's elements: for
-    each fragment unit it owns it reads that unit from all `slices` blocks' shared memory and adds the partials in
-    slice order 0, 1, ..., slices - 1 (`reduce`), then stores the unit to C. A second cluster barrier keeps every
-    block's shared memory alive until the last remote read. No workspace, no counters, no atomics; the order of the
-    sum is fixed, so C is bit-identical run to run.
+    `slice` (its rank in the cluster) accumulates its slice's k tiles. Every block owns a share of the tile's
+    elements (`owner`). Each block pushes every fragment unit it does not own into the owner's receive buffer
+    (`receive_vec`; st.async into the other block's shared memory, each store counted by the owner's mbarrier in
+    bytes), then waits until its own buffer holds all it owns from every other block (`receive_bytes`), adds the
+    partials in slice order 0, 1, ..., slices - 1 (`reduce`; its own from registers) and stores its units to C. One
+    cluster barrier, at entry, makes every block's receive mbarrier known before the first push; no block reads
+    another's shared memory, so none waits for the others before it exits. No workspace, no counters, no atomics;
+    the order of the sum is fixed, so C is bit-identical run to run.
 
     A fragment unit is one float4 of a consumer thread's wgmma accumulators: slab j (64 rows) and 8-column group c
     of its warpgroup's rows, `fragment` = j * BN/8 + c. In the tile's coordinates (`fragment_of`), row r and column
@@ -598,6 +601,45 @@ class ClusterReduce:
         """The fragment unit of tile-local element (row, col), for warpgroups of `wg_m` rows: `unit` at slab
         (row % wg_m) / 64 and column group col / 8."""
         return (ROW % wg_m) // 64 * (bn // 8) + COL // 8
+
+    def owned(self, units: int) -> Expr:
+        """How many of a consumer thread's `units` fragment units block `slice` owns (round robin: the first
+        units % slices ranks own one more)."""
+        return (units + self.slices - 1 - SLICE) // self.slices
+
+    def share(self, units: int) -> int:
+        """The most units one block owns (rank 0's): a receive buffer's row of units per sending block."""
+        return -(-units // self.slices)
+
+    def receive_vec(self, units: int, threads: int) -> Expr:
+        """The float4 of the receive buffer of block `owner` where block `sender` pushes fragment unit `fragment` of
+        consumer thread `ct` (sender != owner): the senders fill rows 0 .. slices - 2 in rank order after the owner
+        ((sender + slices - 1 - owner) % slices), a row holds the owner's units in order (fragment / slices, the
+        rank of the unit among those it owns), a unit holds every consumer thread's float4 side by side (the
+        pushes and the owner's reads are coalesced)."""
+        row = (SENDER + self.slices - 1 - OWNER) % self.slices
+        return (row * self.share(units) + FRAGMENT // self.slices) * threads + THREAD
+
+    def receive_vecs(self, units: int, threads: int) -> int:
+        """float4s of a receive buffer: slices - 1 rows of `share(units)` units of `threads` float4s."""
+        return (self.slices - 1) * self.share(units) * threads
+
+    def receive_bytes(self, units: int, threads: int) -> Expr:
+        """Bytes block `slice` receives, what its mbarrier expects: every other block's float4 of each unit it owns,
+        for each consumer thread."""
+        return self.owned(units) * ((self.slices - 1) * threads * 16)
+
+    @staticmethod
+    def thread_of(wg_m: int) -> Expr:
+        """The consumer thread (0 .. threads - 1) that holds tile element (row, col) in its accumulators: the wgmma
+        m64nN f32 fragment, d[4c + 2h + e] at row 16 * warp + lane / 4 + 8h, column 8c + 2 * (lane % 4) + e of
+        each 64-row slab, warpgroup row / wg_m."""
+        return (ROW // wg_m) * 128 + (ROW % 64) // 16 * 32 + ROW % 8 * 4 + COL % 8 // 2
+
+    @staticmethod
+    def position_of() -> Expr:
+        """Where element (row, col) sits in its fragment unit's float4: 2h + e of the fragment above."""
+        return ROW % 16 // 8 * 2 + COL % 2
 
     def reduce(self, partials):
         """The sum the owners compute: partials[0] + partials[1] + ... in slice order (numpy arrays or floats)."""

@@ -691,24 +691,77 @@ class _Schedule:
 
     def _split_k_owned(self, c, writes, order, slices, k_cover):
         """Split-K reduced through shared memory with the fragment ownership of l2ir.indexing.ClusterReduce: the
-        tile's `slices` blocks of a thread-block cluster (reduce=cluster), or the block's two consumer warpgroups
-        fed from one ring (reduce=block, `_block_split_partials`), accumulate their slices' k tiles; rank `rank`
-        then stores only the fragment units `owner` gives it, each the sum of all the partials in slice order. An
-        ownership map that hands units to ranks that do not exist leaves elements of C unwritten, which the final
-        write count catches."""
+        tile's `slices` blocks of a thread-block cluster (reduce=cluster, through `_cluster_push`), or the block's
+        two consumer warpgroups fed from one ring (reduce=block, `_block_split_partials`), accumulate their slices'
+        k tiles; rank `rank` then stores only the fragment units `owner` gives it, each the sum of all the partials
+        in slice order. An ownership map that hands units to ranks that do not exist leaves elements of C
+        unwritten, which the final write count catches."""
         cr = ClusterReduce(slices)
         warpgroups = warpgroups_m(self.kernel)
         rows, cols = np.arange(self.bm)[:, None], np.arange(self.bn)[None, :]
-        fragment = cr.fragment_of(self.bm // warpgroups, self.bn).eval({"row": rows, "col": cols})
+        fragment = np.broadcast_to(cr.fragment_of(self.bm // warpgroups, self.bn).eval({"row": rows, "col": cols}),
+                                   (self.bm, self.bn))
         owner = np.broadcast_to(cr.owner.eval({"fragment": fragment}), (self.bm, self.bn))
         for tm, tn in order:
             if block_reduce(self.kernel):
                 partials = self._block_split_partials(tm, tn, k_cover)
+                total = cr.reduce(partials)
             else:
                 partials = [self._slice_partial(tm, tn, s, slices, k_cover) for s in range(slices)]
-            total = cr.reduce(partials)
+                total = self._cluster_push(cr, partials, fragment, owner, warpgroups)
             for rank in range(slices):
                 self.store(c, writes, tm, tn, total, mask=owner == rank)
+
+    def _cluster_push(self, cr: ClusterReduce, partials, fragment, owner, warpgroups) -> np.ndarray:
+        """reduce=cluster's transport: each block pushes the elements of the units it does not own into the owner's
+        receive buffer (poisoned with NaN) at float receive_vec * 4 + position_of, the float4 of the consumer thread
+        (thread_of) that holds them; each owner then adds, for the units it owns, its own partial and what the
+        others pushed, in slice order. Every float of a buffer that is written must be written once (two pushes to
+        one float would race), and the floats an owner receives must be what its mbarrier expects
+        (receive_bytes): fewer never complete its phase, more complete it before the rest have landed. Returns the
+        tile of sums (each owner's elements; what it did not receive reads as NaN)."""
+        slices, threads = cr.slices, warpgroups * 128
+        units = (self.bm // warpgroups // 64) * (self.bn // 8)
+        rows, cols = np.arange(self.bm)[:, None], np.arange(self.bn)[None, :]
+        env = {"row": rows, "col": cols}
+        thread = np.broadcast_to(cr.thread_of(self.bm // warpgroups).eval(env), (self.bm, self.bn))
+        position = np.broadcast_to(cr.position_of().eval(env), (self.bm, self.bn))
+        floats = 4 * cr.receive_vecs(units, threads)
+        buffers = np.full((slices, floats), np.nan, dtype=np.float32)
+        counts = np.zeros((slices, floats), dtype=np.int32)
+
+        def where(sender, rank, mask):
+            vec = cr.receive_vec(units, threads).eval({"sender": sender, "owner": rank, "fragment": fragment[mask],
+                                                       "ct": thread[mask]})
+            at = 4 * np.asarray(vec) + position[mask]
+            if at.size and (at.min() < 0 or at.max() >= floats):
+                raise InterpError(f"reduce=cluster: block {sender} pushes outside block {rank}'s receive buffer of "
+                                  f"{floats} floats (float {int(at.max())})")
+            return at
+
+        for sender in range(slices):
+            for rank in range(slices):
+                mask = owner == rank
+                if rank == sender or not mask.any():
+                    continue
+                at = where(sender, rank, mask)
+                buffers[rank, at] = partials[sender][mask]
+                np.add.at(counts[rank], at, 1)
+        total = np.full((self.bm, self.bn), np.nan, dtype=np.float32)
+        for rank in range(slices):
+            if (counts[rank] > 1).any():
+                raise InterpError(f"reduce=cluster: two pushes land on one float of block {rank}'s receive buffer")
+            expected = int(cr.receive_bytes(units, threads).eval({"slice": rank}))
+            if 4 * int(counts[rank].sum()) != expected:
+                raise InterpError(f"reduce=cluster: block {rank} receives {4 * int(counts[rank].sum())} bytes, its "
+                                  f"mbarrier expects {expected}")
+            mask = owner == rank
+            if not mask.any():
+                continue
+            terms = [partials[rank][mask] if r == rank else buffers[rank, where(r, rank, mask)]
+                     for r in range(slices)]
+            total[mask] = cr.reduce(terms)
+        return total
 
     def _stream_k(self, c, writes, order, workers, k_cover):
         """A persistent grid of `workers` blocks splits tiles*k_tiles MAC iterations evenly; each tile's segments are

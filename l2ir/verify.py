@@ -19,8 +19,8 @@ from .errors import (EpilogueError, ExprError, MmaError, PadError, PipelineError
                      SourceError, SplitKError, SwizzleError, TargetError, TileError, VerifyError)
 from .indexing import LAUNCH_VARS, REPACK_ALIGN, BlockSplit, DirectFeed, ceil_div, leaves_empty_slice
 from .nodes import OPTIONAL_NODES, SCHEDULE_NODES, Kernel, Problem
-from .analysis import (acc_registers, elem_bytes, epilogue_smem_bytes, estimated_registers,
-                       resolved_stages, ring_bytes, ring_description, shares_fragments, smem_bytes, threads,
+from .analysis import (acc_registers, block_reduce, cluster_receive_bytes, elem_bytes, epilogue_smem_bytes,
+                       estimated_registers, resolved_stages, ring_bytes, ring_description, smem_bytes, threads,
                        warpgroups_m)
 from .target import (BLOCK_DIM_MAX, CLUSTER_ARCHS, DTYPE_BYTES, KB, MAX_CLUSTER, MAX_CLUSTER_NONPORTABLE, MAX_REGS,
                      MAX_THREADS, REGS_PER_SM, MAX_WGMMA_ACC_REGS, MMA_SYNC_SHAPES, SMEM_LIMIT, TMA_BOX_MAX)
@@ -387,20 +387,22 @@ def _smem(k: Kernel):
     """Pipeline ring plus epilogue staging must fit the target's per-block shared memory."""
     need, limit = smem_bytes(k), SMEM_LIMIT[k.target.arch]
     if need > limit:
-        return (f"needs {need / KB:.1f} KB of shared memory ({ring_description(k)} + epilogue); "
+        receive = cluster_receive_bytes(k)
+        return (f"needs {need / KB:.1f} KB of shared memory ({ring_description(k)} + epilogue"
+                + (f" + reduce=cluster's {receive / KB:.0f} KB receive buffer" if receive else "") + "); "
                 f"{k.target.arch} allows {limit // KB} KB")
 
 
-@rule("splitk", "cluster_partial_fits", ResourceError)
-def _cluster_partial(k: Kernel):
-    """reduce=cluster leaves each block's fp32 partial tile in its own shared memory, over its finished stage rings
-    (the other blocks of the cluster read it from there), so the rings must hold BM x BN x 4 bytes. reduce=block
-    needs the same: each consumer warpgroup leaves the half of its partial the other one stores there."""
-    if k.is_source or not shares_fragments(k) or k.pipeline.mode == "direct":
-        return None                       # direct: its own buffer (analysis.direct_reduce_bytes), in smem_budget
+@rule("splitk", "block_partial_fits", ResourceError)
+def _block_partial(k: Kernel):
+    """reduce=block: each consumer warpgroup leaves the half of its fp32 partial that the other one stores over the
+    block's finished stage rings, so the rings must hold BM x BN x 4 bytes. (reduce=cluster pushes into a receive
+    buffer of its own, which smem_budget counts.)"""
+    if k.is_source or not block_reduce(k) or k.pipeline.mode == "direct":
+        return None
     partial, ring = k.tile.bm * k.tile.bn * 4, ring_bytes(k)
     if partial > ring:
-        return (f"reduce={k.splitk.reduce} keeps the {k.tile.bm}x{k.tile.bn} fp32 partial ({partial / KB:.0f} KB) "
+        return (f"reduce=block keeps the {k.tile.bm}x{k.tile.bn} fp32 partial ({partial / KB:.0f} KB) "
                 f"over the stage rings, which hold {ring / KB:.0f} KB ({ring_description(k)}): raise pipeline.stages")
 
 

@@ -314,40 +314,48 @@ def test_splitk_renders_the_pairwise_tree_reduction():
 
 
 def test_splitk_cluster_renders_the_cluster_reduction():
-    """split_k reduce=cluster: one cluster of SLICES consecutive blocks per tile (slice = rank), the partial stored
-    over the finished rings after every consumer's last wgmma, a cluster barrier, the owned fragments
-    (l2ir.indexing.ClusterReduce.owner, the same expression in the reduction and the epilogue) read from every
-    block's shared memory and added in slice order, a second barrier that every block passes only before it exits;
-    the producer warpgroup arrives at both. No workspace, counters, fences to global memory or atomics; the launch
-    carries the cluster dimension, and above 8 blocks the non-portable opt-in."""
+    """split_k reduce=cluster: one cluster of SLICES consecutive blocks per tile (slice = rank); every thread arrives
+    (relaxed) at the entry's cluster barrier after the receive mbarrier's init and waits for it once, the consumers
+    only after their last wgmma. Each consumer arms its block's receive barrier with ClusterReduce.receive_bytes,
+    pushes the units other blocks own (l2ir.indexing.ClusterReduce.owner) with st.async at
+    ClusterReduce.receive_vec, waits for its own barrier at cluster scope, adds the units it owns in slice order
+    (its own from registers, the others' from the buffer at the same receive_vec) and the epilogue stores them (the
+    same owner expression). No release, no second barrier, no DSMEM load; no workspace, counters, fences to global
+    memory or atomics; the launch carries the cluster dimension, and above 8 blocks the non-portable opt-in."""
     from l2ir.indexing import ClusterReduce
 
     plan = lower(lat((64, 64, 64), splitk=SplitK("split_k", 8, "cluster")), PROBLEM)
     src = plan.source
-    owner, unit = ClusterReduce(8).owner.to_cpp(), ClusterReduce.unit(64).to_cpp()
+    cr = ClusterReduce(8)
+    owner, unit = cr.owner.to_cpp(), ClusterReduce.unit(64).to_cpp()
+    vec, expected = cr.receive_vec(8, 128).to_cpp(), cr.receive_bytes(8, 128).to_cpp()
     assert "const int pid = unit / SLICES;" in src and "const int slice = unit % SLICES;" in src
     kernel_src = src[src.index("__launch_bounds__"):src.index("// ---- trusted host code")]
+    entry = kernel_src[:kernel_src.index("// ---- producer warpgroup")]
+    order = ["mbar_init(bars_recv, 1);", "fence.mbarrier_init.release.cluster;", "__syncthreads();",
+             "cluster_arrive_relaxed();"]
+    at = 0
+    for x in order:
+        at = entry.index(x, at) + 1
     consumer = kernel_src[kernel_src.index("// ---- consumer warpgroups"):]
-    order = ["wgmma_wait<0>();", 'asm volatile("bar.sync 3, %0;"', "fence.proxy.async.shared::cta;",
-             f"const int fragment = {unit};", "mine[fragment * CONSUMER_THREADS] =", "cluster_arrive();",
-             "cluster_wait();", f"const int fragment = {unit};", f"if ({owner} != slice) continue;",
-             "(uint32_t)(fragment * CONSUMER_THREADS + ct) * 16u", "v[r] = ld_cluster_f4(local, r);",
-             "float4 sum = v[0];", "for (int r = 1; r < SLICES; ++r)", "cluster_arrive_after_reads();",
-             f"const int fragment = {unit};", f"if ({owner} != slice) continue;", "pack2(", "cluster_wait();"]
+    order = ["wgmma_wait<0>();", f"if (ct == 0) mbar_arrive_expect_tx(bars_recv, {expected});", "cluster_wait();",
+             "const int sender = slice;", f"const int fragment = {unit};", f"const int owner = {owner};",
+             "if (owner == sender) continue;", f"smem_base + SMEM_RECV + (uint32_t)({vec}) * 16u",
+             "st_async_f4(cluster_map(local, owner),", "cluster_map(bars_recv, owner));",
+             "mbar_wait_cluster(bars_recv, 0);", "const int owner = slice;", f"const int fragment = {unit};",
+             f"if ({owner} != slice) continue;", "for (int sender = 0; sender < SLICES; ++sender)",
+             f": recv[{vec}];", "if (sender == 0) sum = v;", f"const int fragment = {unit};",
+             f"if ({owner} != slice) continue;", "pack2("]
     at = 0
     for x in order:     # each in turn, after the previous one
         at = consumer.index(x, at) + 1
+    assert consumer.count("cluster_wait();") == 1 and "cluster_arrive" not in consumer
     producer = kernel_src[kernel_src.index("// ---- producer warpgroup"):kernel_src.index("// ---- consumer warpgroups")]
-    # the producer publishes nothing and reads no other block's memory: relaxed arrivals (no GPU-scope MEMBAR);
-    # the consumers' first arrival stays a release (it publishes the partials)
-    assert producer.count("cluster_arrive_relaxed();") == 2 and producer.count("cluster_wait();") == 2
-    assert "cluster_arrive();" not in producer and consumer.count("cluster_arrive_relaxed();") == 0
-    # the consumers' second arrival publishes nothing either: a CTA-scope fence waits for their DSMEM loads, then
-    # a relaxed arrival (no GPU-scope MEMBAR)
-    assert consumer.count("cluster_arrive();") == 1 and consumer.count("cluster_arrive_after_reads();") == 1
-    assert 'asm volatile("fence.acq_rel.cta;" ::: "memory");' in src
-    assert 'asm volatile("barrier.cluster.arrive.release;"' in src
-    for absent in ("atomicAdd", "__threadfence", "TREE_", "__stcg", "__ldcg", "float* __restrict__ ws"):
+    assert producer.count("cluster_wait();") == 1 and "cluster_arrive" not in producer
+    assert "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64" in src
+    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32" in src
+    for absent in ("atomicAdd", "__threadfence", "TREE_", "__stcg", "__ldcg", "float* __restrict__ ws",
+                   "barrier.cluster.arrive.release", "ld.shared::cluster", "fence.acq_rel", "PARTIAL_FLOATS"):
         assert absent not in src, absent
     assert not plan.zero_workspace and plan.workspace_for(64, 1024, 16384) == 0
     assert "attr[num_attrs].val.clusterDim.x = SLICES;" in src and "cudaLaunchKernelEx(&config" in src
@@ -394,17 +402,31 @@ def test_splitk_block_renders_the_block_reduction():
     assert not plan.zero_workspace and plan.workspace_for(64, 1024, 16384) == 0
 
 
-def test_splitk_cluster_partial_must_fit_over_the_rings():
-    """reduce=cluster keeps the BM x BN fp32 partial in the stage rings' shared memory: a ring too small for it is the
-    verifier's ResourceError naming the stages, not a kernel that writes past its rings (the source also
-    static_asserts it)."""
+def test_splitk_cluster_receive_buffer_counts_in_the_smem_budget():
+    """reduce=cluster keeps a receive buffer beside the ring ((slices - 1) x the units a block owns, per consumer
+    thread: l2ir.analysis.cluster_receive_bytes): the backend's layout reserves exactly that after the barriers,
+    `auto` stages fill only what it leaves, and explicit stages that do not fit beside it are the verifier's
+    ResourceError naming the buffer, not a kernel that writes past its shared memory."""
+    from l2ir.analysis import cluster_receive_bytes, resolved_stages
     from l2ir.errors import ResourceError
+    from l2ir.target import SMEM_LIMIT
 
-    small = coop((128, 256, 64), pipeline=Pipeline("tma_ws", 2, "cooperative", persistent=False),
-                 splitk=SplitK("split_k", 2, "cluster"))
-    with pytest.raises(ResourceError, match="raise pipeline.stages"):
-        lower(small, PROBLEM)
-    lower(small.replace(pipeline=Pipeline("tma_ws", 3, "cooperative", persistent=False)), PROBLEM)
+    def kernel(stages, slices):
+        return coop((128, 256, 64), pipeline=Pipeline("tma_ws", stages, "cooperative", persistent=False),
+                    splitk=SplitK("split_k", slices, "cluster"))
+
+    # 2 consumer warpgroups x 32 units a thread; 16 slices: each block owns 2 units of each of 15 others
+    assert cluster_receive_bytes(kernel(2, 16)) == 15 * 2 * 256 * 16
+    cfg = sm90a.canonicalize(kernel(2, 16), PROBLEM)
+    assert cfg.receive_bytes == cluster_receive_bytes(kernel(2, 16))
+    assert cfg.layout["recv"] % 16 == 0 and cfg.layout["total"] == cfg.layout["recv"] + cfg.receive_bytes
+    assert cfg.layout["total"] <= SMEM_LIMIT["sm90a"]
+    auto = kernel("auto", 16)
+    assert resolved_stages(auto) == 2 and resolved_stages(kernel("auto", 2)) == 3
+    lower(auto, PROBLEM)
+    with pytest.raises(ResourceError, match="receive buffer"):
+        lower(kernel(3, 16), PROBLEM)
+    lower(kernel(3, 2), PROBLEM)
 
 
 @pytest.mark.parametrize("block,stages,chunk", [
@@ -828,30 +850,18 @@ def test_sass_has_hgmma(builds, name):
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("name", [n for n in NVCC_CASES if sm90a.canonicalize(*CASES[n]).cluster_reduce])
-def test_sass_cluster_reduce_pays_one_gpu_membar(builds, name):
-    """reduce=cluster: only the consumers' publishing arrival is a release (MEMBAR.ALL.GPU before the arrival);
-    the producer's arrivals are relaxed, and the consumers' done-reading one is fenced at CTA scope: a
-    MEMBAR.ALL.CTA, then an instruction that waits on every scoreboard, before the arrival. That wait is what
-    guarantees the thread's DSMEM loads have returned before the block it read may leave."""
+def test_sass_cluster_reduce_pays_no_gpu_membar(builds, name):
+    """reduce=cluster: the push (STAS.128, st.async into the owners' shared memory) needs no release and no exit
+    barrier: no MEMBAR.ALL.GPU anywhere (a release arrival or a cluster-scope fence compiles to one per warp), no
+    load from another block's shared memory, and one cluster barrier (one arrival per thread: the entry's)."""
     sass = disassemble(built(builds[name], name).binary)
     if sass is None:
         pytest.skip("cuobjdump/nvdisasm not found (PATH or the NVIDIA wheels)")
-    # Each instruction: its text and its two 64-bit words; the wait mask of the control bits is bits 52-57 of the
-    # second word (one bit per scoreboard, 0x3f = all six).
-    rows = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;]*;\s*/\* 0x[0-9a-f]+ \*/\s*"
-                      r"/\* (0x[0-9a-f]+) \*/", sass)
-    ops = [op for op, _ in rows]
-    waits = [(int(hi, 16) >> 52) & 0x3F for _, hi in rows]
-    assert len(rows) > 100 and ops.count("MEMBAR.ALL.GPU") == 1, ops.count("MEMBAR.ALL.GPU")
-    arrivals = [i for i, op in enumerate(ops) if op == "UCGABAR_ARV"]
-    assert len(arrivals) >= 4
-    fenced = []
-    for i in arrivals:
-        window = ops[i - 6:i]
-        if "MEMBAR.ALL.CTA" in window and "MEMBAR.ALL.GPU" not in window:
-            fence = i - 6 + max(j for j, op in enumerate(window) if op == "MEMBAR.ALL.CTA")
-            fenced.append(any(w == 0x3F for w in waits[fence + 1:i + 1]))
-    assert fenced and all(fenced), fenced
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    assert len(ops) > 100 and "STAS.128" in ops
+    assert ops.count("MEMBAR.ALL.GPU") == 0 and "ERRBAR" not in ops and "CGAERRBAR" not in ops
+    assert not any(op.startswith("LD.") for op in ops if op != "LD.E.128") and "LD.E.128" not in ops
+    assert ops.count("UCGABAR_ARV") == 1, ops.count("UCGABAR_ARV")
 
 
 @pytest.mark.nvcc

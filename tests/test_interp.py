@@ -334,21 +334,71 @@ def test_cluster_unit_of_the_backend_is_the_interpreters_fragment(wg_m, bn):
     assert sorted(units.ravel().tolist()) == list(range((wg_m // 64) * (bn // 8)))
 
 
-@pytest.mark.parametrize("owner,match", [
-    (Var("fragment") % 4 + 1, "written a wrong number of times"),      # off by one: rank 4 does not exist
-    (Var("fragment") % 8, "written a wrong number of times"),          # ranks 4..7 do not exist
+@pytest.mark.parametrize("owner", [
+    Var("fragment") % 4 + 1,      # off by one: rank 4 does not exist
+    Var("fragment") % 8,          # ranks 4..7 do not exist
 ], ids=["owner_off_by_one", "owners_outside_the_cluster"])
-def test_broken_cluster_ownership_is_caught(monkeypatch, owner, match):
-    """An ownership map that gives fragment units to ranks the cluster does not have leaves those elements of C
-    unwritten (no block stores them): the interpreter's write count fails."""
+def test_broken_cluster_ownership_is_caught(monkeypatch, owner):
+    """An ownership map that gives fragment units to ranks the cluster does not have: no block stores those
+    elements of C, and rank 0 receives fewer bytes than its mbarrier expects for its round-robin share (the kernel
+    would hang there); the interpreter says so."""
     from l2ir.indexing import ClusterReduce
 
     broken = type("BrokenCluster", (ClusterReduce,), {"owner": property(lambda self: owner)})
     monkeypatch.setattr(interp_mod, "ClusterReduce", broken)
     kernel = _cluster_kernel(4)
     p = Problem(128, 256, 512)
+    with pytest.raises(InterpError, match="block 0 receives .* bytes, its mbarrier expects"):
+        interpret(kernel, p, *random_inputs(p, np.random.default_rng(0), integers=True))
+
+
+@pytest.mark.parametrize("method,replacement,match", [
+    # every sender onto the owner's first row: the pushes of two senders collide
+    ("receive_vec", lambda self, units, threads: (Var("fragment") // self.slices) * threads + Var("ct"),
+     "two pushes land on one float"),
+    # the sender row by rank, not after the owner: the last rank's row lies past the buffer
+    ("receive_vec", lambda self, units, threads: (Var("sender") * self.share(units) + Var("fragment") // self.slices)
+     * threads + Var("ct"), "pushes outside block .* receive buffer"),
+    # the whole tile expected, not the owned share: the phase would never complete
+    ("receive_bytes", lambda self, units, threads: Const(units * (self.slices - 1) * threads * 16),
+     "mbarrier expects"),
+], ids=["rows_collide", "row_by_rank", "expects_the_tile"])
+def test_broken_cluster_push_is_caught(monkeypatch, method, replacement, match):
+    """The receive buffer's layout and the mbarrier's byte count are the push's index arithmetic: a layout that
+    puts two pushes on one float (a race), one that writes past the buffer, or an expected byte count other than
+    what arrives (a hang, or a phase that completes before the data) is an InterpError."""
+    from l2ir.indexing import ClusterReduce
+
+    broken = type("BrokenPush", (ClusterReduce,), {method: replacement})
+    monkeypatch.setattr(interp_mod, "ClusterReduce", broken)
+    kernel = _cluster_kernel(4)
+    p = Problem(128, 256, 512)
     with pytest.raises(InterpError, match=match):
         interpret(kernel, p, *random_inputs(p, np.random.default_rng(0), integers=True))
+
+
+@pytest.mark.parametrize("slices", [2, 3, 8, 16])
+@pytest.mark.parametrize("wg_m,bn,warpgroups", [(64, 64, 1), (64, 256, 1), (64, 128, 2), (64, 96, 1)])
+def test_cluster_receive_buffer_is_filled_exactly(slices, wg_m, bn, warpgroups):
+    """Over every sender and the units each owner owns, receive_vec puts each float4 at its own place in the
+    owner's buffer (none twice), consecutive threads at consecutive float4s (the pushes coalesce), and the bytes
+    that land are receive_bytes, what the owner's mbarrier expects; `owned` counts the units `owner` gives it."""
+    from l2ir.indexing import ClusterReduce
+
+    cr, threads = ClusterReduce(slices), 128 * warpgroups
+    units = (wg_m // 64) * (bn // 8)
+    for owner in range(slices):
+        owned = [u for u in range(units) if int(cr.owner.eval({"fragment": u})) == owner]
+        assert len(owned) == int(cr.owned(units).eval({"slice": owner}))
+        hits = np.zeros(cr.receive_vecs(units, threads), dtype=int)
+        for sender in set(range(slices)) - {owner}:
+            for u in owned:
+                vecs = cr.receive_vec(units, threads).eval(
+                    {"sender": sender, "owner": owner, "fragment": u, "ct": np.arange(threads)})
+                assert (np.diff(vecs) == 1).all()
+                hits[vecs] += 1
+        assert hits.max(initial=0) <= 1
+        assert 16 * hits.sum() == int(cr.receive_bytes(units, threads).eval({"slice": owner}))
 
 
 @settings(max_examples=30, deadline=None)

@@ -61,7 +61,9 @@ ILLEGAL = [
      "needs thread-block clusters", "mode_settings"),
     ("cluster reduce with mma.sync", rep(SM80, "target", arch="sm90a").replace(splitk=SplitK("split_k", 4, "cluster")),
      SplitKError, "wgmma accumulator fragment layout", "mode_settings"),
-    ("cluster reduce of 17", rep(SM90, "pipeline", persistent=False).replace(splitk=SplitK("split_k", 17, "cluster")),
+    # 128x128: the 128x256 tile's receive buffer for 16 other blocks would leave the ring one stage, an earlier rule
+    ("cluster reduce of 17", rep(rep(rep(SM90, "pipeline", persistent=False), "tile", block=(128, 128, 64)), "mma",
+                                 shape=(64, 128, 16)).replace(splitk=SplitK("split_k", 17, "cluster")),
      SplitKError, "at most 16 blocks", "mode_settings"),
     ("cluster reduce in a cluster", rep(SM90, "pipeline", persistent=False).replace(splitk=SplitK("split_k", 4, "cluster")),
      SplitKError, "would nest a second one", "mode_settings"),       # the example's tile.cluster is 2x1

@@ -40,11 +40,12 @@ The kernel (a producer warpgroup and one or two consumer warpgroups):
                addition commutes, so each pair's sum, and C, is bit-identical whichever block arrives last; no block
                waits for another; the critical path reads ceil(log2 S) partials instead of S.
                (splitk reduce=cluster) the S slices of a tile are one thread-block cluster, launched with the cluster
-               dimension (the non-portable opt-in above 8): each block stores its fp32 partial over its finished
-               stage rings, a cluster barrier publishes it, and each block adds the fragment units it owns
-               (l2ir.indexing.ClusterReduce) from all S blocks' shared memory (mapa + ld.shared::cluster) in slice
-               order into its registers; the direct epilogue stores only those units, and a second barrier keeps
-               the shared memory alive until the last remote read. No workspace, no counters.
+               dimension (the non-portable opt-in above 8): after its K loop each block pushes the fragment units it
+               does not own (l2ir.indexing.ClusterReduce) into their owners' receive buffers (st.async, counted in
+               bytes by the owner's mbarrier), waits for its own, and adds its units' partials in slice order into
+               its registers; the direct epilogue stores only those units. One relaxed cluster barrier at entry
+               makes the receive mbarriers known; no block reads another's shared memory, so none waits at exit.
+               No workspace, no counters, no GPU-scope fence.
                (splitk reduce=block, slices=2) the cooperative block's two consumer warpgroups split one tile's K
                loop instead of its rows (l2ir.indexing.BlockSplit): the producer fills ring position p with slice
                p % 2's k tile, consumer cw finds its step-th tile at position 2 step + cw, and each stage's empty
@@ -293,8 +294,24 @@ class PtxConfig:
         c = b + self.stages * self.b_stage_bytes
         bars = _round_up(c + self.c_stage_bytes, 8)
         flag = bars + 2 * self.stages * 8                 # split-K: "this block reduces the tile" broadcast
-        total = flag + (8 if self.tree else 0)
-        return {"a": a, "b": b, "c": c, "bars": bars, "flag": flag, "total": total}
+        recv_bar = flag + (8 if self.tree else 0)         # reduce=cluster: the receive buffer's mbarrier
+        recv = _round_up(recv_bar + 8, 16) if self.cluster_reduce else recv_bar
+        total = recv + self.receive_bytes
+        return {"a": a, "b": b, "c": c, "bars": bars, "flag": flag, "recv_bar": recv_bar, "recv": recv,
+                "total": total}
+
+    @property
+    def units(self) -> int:
+        """Fragment units (float4s of accumulators) per consumer thread: slabs x BN / 8 (l2ir.indexing.ClusterReduce)."""
+        return self.slabs * self.bn // 8
+
+    @property
+    def receive_bytes(self) -> int:
+        """reduce=cluster: the receive buffer the other blocks push this block's units into
+        (l2ir.analysis.cluster_receive_bytes, for the same kernel)."""
+        if not self.cluster_reduce:
+            return 0
+        return 16 * ClusterReduce(self.slices).receive_vecs(self.units, 128 * self.consumer_wgs)
 
     @property
     def partial_floats(self) -> int:
@@ -852,8 +869,9 @@ def _config(cfg: PtxConfig) -> list[str]:
         *(["constexpr int CONSUMER_THREADS = 128 * CONSUMER_WGS;",
            f"constexpr int SLICES = {cfg.slices};   // splitk mode=split_k slices={cfg.slices} reduce="
            + ("cluster: the cluster size" if cfg.cluster_reduce else "workspace"),
-           "constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile "
-           + ("in its block's shared memory" if cfg.cluster_reduce else "in the workspace")] if cfg.split else []),
+           *([] if cfg.cluster_reduce else
+             ["constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile in the workspace"])]
+          if cfg.split else []),
         *(["constexpr int CONSUMER_THREADS = 128 * CONSUMER_WGS;",
            "constexpr int SLICES = 2;   // splitk mode=split_k slices=2 reduce=block: consumer warpgroup cw is slice cw",
            "// Fragment units per consumer thread (wgmma slabs x 8-column groups), and the float4 slots each warpgroup",
@@ -901,13 +919,17 @@ def _config(cfg: PtxConfig) -> list[str]:
           if cfg.epilogue == "tma" else []),
         *([f"constexpr int SMEM_FLAG = {lay['flag']};   // split-K: the block reduces its tile (1) or not (0)"]
           if cfg.tree else []),
-        *(["constexpr int SMEM_PARTIAL = 0;   // reduce=cluster: the fp32 partial, over the finished stage rings",
-           "static_assert(PARTIAL_FLOATS * 4 <= SMEM_BARS, \"the partial must fit over the rings\");"]
+        *([f"constexpr int SMEM_RECV_BAR = {lay['recv_bar']};   // reduce=cluster: counts the bytes pushed into",
+           f"constexpr int SMEM_RECV = {lay['recv']};   // this block's receive buffer, of {cfg.receive_bytes} B"]
           if cfg.cluster_reduce else []),
         *(["constexpr int SMEM_PARTIAL = 0;   // reduce=block: both warpgroups' shares, over the finished stage rings",
            "static_assert(SLICES * SHARE_VECS * 128 * 16 <= SMEM_BARS, \"the shares must fit over the rings\");"]
           if cfg.block_reduce else []),
         f"constexpr int SMEM_BYTES = {lay['total']};",
+        *(["static_assert((SLICES - 1) * ((SLABS * (WGMMA_N / 8) + SLICES - 1) / SLICES) * CONSUMER_THREADS * 16",
+           "              == SMEM_BYTES - SMEM_RECV && SMEM_RECV % 16 == 0,",
+           '              "the receive buffer: a row of the largest share of units per other block, a float4 per thread");']
+          if cfg.cluster_reduce else []),
         "",
         "// wgmma shared-memory matrix descriptor (PTX ISA, matrix descriptor format):",
         "//   bits  0-13 start address >> 4        bits 16-29 leading-dimension byte offset >> 4",
@@ -1020,65 +1042,68 @@ def _device_functions(cfg: PtxConfig) -> list[str]:
 
 def _cluster_reduce(cfg: PtxConfig) -> list[str]:
     """split-K, reduce=cluster (l2ir.indexing.ClusterReduce): the tile's SLICES blocks are one thread-block cluster.
-    Each stores its fp32 partial over its own (finished) stage rings, the cluster barrier publishes it, and each block
-    then sums the fragment units it owns from every block's shared memory (DSMEM), in slice order, into the
-    registers the direct epilogue stores. The blocks are co-resident by construction, the sum's order is fixed (C is
+    Each pushes the fragment units it does not own into their owners' receive buffers (st.async: the data and a
+    byte count on the owner's mbarrier in one remote store), waits until its own buffer holds what the others owe
+    it, and adds each unit it owns in slice order 0, 1, ... (its own partial from registers) into the registers the
+    direct epilogue stores. The blocks are co-resident by construction, the sum's order is fixed (C is
     bit-identical run to run), and nothing touches global memory but C. A block whose slice has no k tile (l2ir_run
     does not refuse such a K) contributes the zeros its accumulators were initialized with: one unit per block.
-    The consumers' cluster barriers sit inside the unit loop, which runs exactly once (grid = units, persistent=false),
-    while the producer warpgroup arrives outside it: the arrival counts match because of that."""
+    Why push, not pull: a block that reads the others' partials (ld.shared::cluster) must publish its own with a
+    release (a GPU-scope MEMBAR per warp) and keep its shared memory alive until the last remote read (a second
+    cluster barrier at exit); st.async needs neither, and the mbarrier's byte count is the only handshake."""
     cr = ClusterReduce(cfg.slices)
     unit, owner = cr.unit(cfg.bn).to_cpp(), cr.owner.to_cpp()
+    vec = cr.receive_vec(cfg.units, 128 * cfg.consumer_wgs).to_cpp()
+    expected = cr.receive_bytes(cfg.units, 128 * cfg.consumer_wgs).to_cpp()
     return [
-        "      // ---- splitk reduce=cluster: the tile's slices add up in the cluster's shared memory ----",
+        "      // ---- splitk reduce=cluster: the tile's slices add up in the owners' shared memory ----",
         "      const int ct = threadIdx.x - 128;   // consumer thread 0 .. CONSUMER_THREADS - 1",
-        "      // Every consumer warpgroup is past its last wgmma, which reads the ring, before a partial overwrites it.",
-        "      // wgmma.wait_group and the mbarrier waits already order the async proxy's accesses (TMA writes, wgmma",
-        "      // reads) before these generic stores; the proxy fence states it where the ring's memory changes hands.",
-        '      asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");',
-        '      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
-        "      // The partial keeps the accumulator fragment order, float4 `fragment` of every consumer thread side by",
-        "      // side: thread ct of every block reads back exactly the float4s thread ct stored (coalesced).",
+        "      // This block's receive barrier: one arrival, which arms it with the bytes the others push",
+        "      // (ClusterReduce.receive_bytes; a push that lands first leaves the byte count below zero until then).",
+        f"      if (ct == 0) mbar_arrive_expect_tx(bars_recv, {expected});",
+        "      cluster_wait();   // the entry barrier: every block's receive barrier is initialized",
+        "      // Push each unit another block owns (ClusterReduce.owner) into its buffer at ClusterReduce.receive_vec:",
+        "      // one 16-byte st.async per unit and thread, coalesced across the consumer threads.",
         "      {",
-        "        float4* mine = reinterpret_cast<float4*>(smem + SMEM_PARTIAL) + ct;",
+        "        const int sender = slice;",
         "#pragma unroll",
         "        for (int j = 0; j < SLABS; ++j)",
         "#pragma unroll",
         "          for (int c = 0; c < WGMMA_N / 8; ++c) {",
         f"            const int fragment = {unit};   // ClusterReduce.unit",
-        "            mine[fragment * CONSUMER_THREADS] =",
-        "                make_float4(acc[j][4 * c], acc[j][4 * c + 1], acc[j][4 * c + 2], acc[j][4 * c + 3]);",
+        f"            const int owner = {owner};   // ClusterReduce.owner",
+        "            if (owner == sender) continue;",
+        f"            const uint32_t local = smem_base + SMEM_RECV + (uint32_t)({vec}) * 16u;   // ClusterReduce.receive_vec",
+        "            st_async_f4(cluster_map(local, owner), acc[j][4 * c], acc[j][4 * c + 1], acc[j][4 * c + 2],",
+        "                        acc[j][4 * c + 3], cluster_map(bars_recv, owner));",
         "          }",
         "      }",
-        "      // Release this block's partial to the cluster; acquire every other block's (they all arrive here).",
-        "      cluster_arrive();",
-        "      cluster_wait();",
-        "      // The units this block owns (ClusterReduce.owner): all SLICES partials read first (the DSMEM loads overlap),",
-        "      // then added in slice order 0, 1, ... (ClusterReduce.reduce).",
+        "      // Every byte owed to this block has landed (the phase completes at a zero byte count; its acquire at",
+        "      // cluster scope makes the other blocks' stores visible here).",
+        "      mbar_wait_cluster(bars_recv, 0);",
+        "      // The units this block owns: the SLICES partials added in slice order 0, 1, ... (ClusterReduce.reduce).",
+        "      {",
+        "        const int owner = slice;",
+        "        const float4* recv = reinterpret_cast<const float4*>(smem + SMEM_RECV);",
         "#pragma unroll",
-        "      for (int j = 0; j < SLABS; ++j) {",
+        "        for (int j = 0; j < SLABS; ++j) {",
         "#pragma unroll",
-        "        for (int c = 0; c < WGMMA_N / 8; ++c) {",
-        f"          const int fragment = {unit};   // ClusterReduce.unit",
-        f"          if ({owner} != slice) continue;   // ClusterReduce.owner",
-        "          const uint32_t local = smem_base + SMEM_PARTIAL + (uint32_t)(fragment * CONSUMER_THREADS + ct) * 16u;",
-        "          float4 v[SLICES];",
+        "          for (int c = 0; c < WGMMA_N / 8; ++c) {",
+        f"            const int fragment = {unit};   // ClusterReduce.unit",
+        f"            if ({owner} != slice) continue;   // ClusterReduce.owner",
+        "            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);",
         "#pragma unroll",
-        "          for (int r = 0; r < SLICES; ++r) v[r] = ld_cluster_f4(local, r);",
-        "          float4 sum = v[0];",
-        "#pragma unroll",
-        "          for (int r = 1; r < SLICES; ++r) { sum.x += v[r].x; sum.y += v[r].y; sum.z += v[r].z; sum.w += v[r].w; }",
-        "          acc[j][4 * c] = sum.x; acc[j][4 * c + 1] = sum.y; acc[j][4 * c + 2] = sum.z; acc[j][4 * c + 3] = sum.w;",
+        "            for (int sender = 0; sender < SLICES; ++sender) {",
+        "              const float4 v = sender == owner",
+        "                  ? make_float4(acc[j][4 * c], acc[j][4 * c + 1], acc[j][4 * c + 2], acc[j][4 * c + 3])",
+        f"                  : recv[{vec}];   // ClusterReduce.receive_vec",
+        "              if (sender == 0) sum = v;",
+        "              else { sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w; }",
+        "            }",
+        "            acc[j][4 * c] = sum.x; acc[j][4 * c + 1] = sum.y; acc[j][4 * c + 2] = sum.z; acc[j][4 * c + 3] = sum.w;",
+        "          }",
         "        }",
         "      }",
-        "      // Done reading the cluster's shared memory: arrive now, wait (below) only before the block exits, so the",
-        "      // stores of C overlap the other blocks' reads. The arrival publishes nothing; it only has to come after",
-        "      // this thread's DSMEM loads have returned, or the block read may leave first. A release arrival (or a",
-        "      // cluster-scope fence) is what the PTX memory model promises that with; both compile to a GPU-scope",
-        "      // MEMBAR, which cost these kernels 5-9% (bench/NOTES.md, release probe). The CTA-scope fence compiles",
-        "      // to MEMBAR.ALL.CTA and a wait on every scoreboard before the arrival, so the loads have returned: a",
-        "      // promise of the compiler and the hardware, not of the model (test_sass_cluster_reduce_pays_one_gpu_membar).",
-        "      cluster_arrive_after_reads();",
     ]
 
 
@@ -1129,21 +1154,11 @@ def _block_reduce(cfg: PtxConfig) -> list[str]:
 
 
 def _cluster_functions() -> list[str]:
-    """reduce=cluster: the cluster barrier (release/acquire, not .aligned: the producer warpgroup arrives from
-    diverged lanes; relaxed arrivals for the threads that publish nothing) and a float4 load from another block's
-    shared memory (mapa maps this block's shared-memory address to the same offset in the block of cluster rank
-    `rank`)."""
+    """reduce=cluster: the entry's cluster barrier (relaxed arrival, acquire wait; not .aligned: the producer
+    warpgroup waits from diverged lanes), the push (st.async of one float4 into another block's shared memory,
+    completing 16 bytes on its mbarrier) and the owner's wait for its receive barrier at cluster scope."""
     return [
-        "__device__ __forceinline__ void cluster_arrive() {",
-        '  asm volatile("barrier.cluster.arrive.release;" ::: "memory");',
-        "}",
-        "",
-        "__device__ __forceinline__ void cluster_arrive_relaxed() {   // for threads that publish nothing",
-        '  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");',
-        "}",
-        "",
-        "__device__ __forceinline__ void cluster_arrive_after_reads() {   // publishes nothing; its loads have returned",
-        '  asm volatile("fence.acq_rel.cta;" ::: "memory");',
+        "__device__ __forceinline__ void cluster_arrive_relaxed() {",
         '  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");',
         "}",
         "",
@@ -1151,13 +1166,33 @@ def _cluster_functions() -> list[str]:
         '  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");',
         "}",
         "",
-        "__device__ __forceinline__ float4 ld_cluster_f4(uint32_t local, uint32_t rank) {",
+        "// The address of this block's shared-memory offset `addr` in the block of cluster rank `rank`.",
+        "__device__ __forceinline__ uint32_t cluster_map(uint32_t addr, uint32_t rank) {",
         "  uint32_t remote;",
-        '  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));',
-        "  float4 v;",
-        '  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"',
-        '               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");',
-        "  return v;",
+        '  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));',
+        "  return remote;",
+        "}",
+        "",
+        "// One float4 into another block's shared memory (`remote`, a cluster address), completing 16 bytes on its",
+        "// mbarrier `remote_bar`: the owner sees the data once its barrier's phase completes.",
+        "__device__ __forceinline__ void st_async_f4(uint32_t remote, float x, float y, float z, float w,",
+        "                                            uint32_t remote_bar) {",
+        '  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"',
+        '               :: "r"(remote), "f"(x), "f"(y), "f"(z), "f"(w), "r"(remote_bar) : "memory");',
+        "}",
+        "",
+        "// mbar_wait with acquire at cluster scope: the bytes that completed the phase came from other blocks.",
+        "__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {",
+        "  uint32_t done = 0;",
+        "  do {",
+        "    asm volatile(",
+        '        "{\\n"',
+        '        ".reg .pred p;\\n"',
+        '        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\\n"',
+        '        "selp.u32 %0, 1, 0, p;\\n"',
+        '        "}\\n"',
+        '        : "=r"(done) : "r"(bar), "r"(parity) : "memory");',
+        "  } while (!done);",
         "}",
         "",
     ]
@@ -1302,6 +1337,7 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "  if (smem_base & 1023) __trap();   // never expected; a misaligned ring would corrupt every tile",
         "  const uint32_t bars = smem_base + SMEM_BARS;",
         "  // full[s] at bars + 8 s, empty[s] at bars + 8 (STAGES + s)",
+        *(["  const uint32_t bars_recv = smem_base + SMEM_RECV_BAR;"] if cfg.cluster_reduce else []),
         "",
         "  const int tiles_m = (M + BM - 1) / BM;",
         "  const int tiles_n = (N + BN - 1) / BN;",
@@ -1331,6 +1367,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
           ["      mbar_init(bars + 8 * (STAGES + s), EMPTY_ARRIVALS);   // empty: every consumer warp of its row and "
            "column"]),
         "    }",
+        *(["    mbar_init(bars_recv, 1);   // reduce=cluster: this block's arrive.expect_tx; the others' pushes count bytes"]
+          if cfg.cluster_reduce else []),
         "    // Make the initialized barriers visible to the other threads and to the async proxy (TMA complete_tx).",
         '    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");',
         '    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");',
@@ -1341,6 +1379,10 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "  __syncthreads();",
         *(["  // tile.cluster: nor may another block of the cluster multicast into this one or arrive at its barriers.",
            "  cluster_sync();"] if cfg.multicast is not None else []),
+        *(["  // reduce=cluster: nor may another block push into this one before its receive mbarrier is initialized.",
+           "  // Every thread arrives now (relaxed: thread 0's fence.mbarrier_init.release.cluster released the init)",
+           "  // and waits only where it next needs the cluster, so the barrier's latency hides behind the K loop.",
+           "  cluster_arrive_relaxed();"] if cfg.cluster_reduce else []),
         "",
         "  if (wg == 0) {",
         "    // ---- producer warpgroup: TMA only, so it releases its registers (REG_BUDGET) ----",
@@ -1378,13 +1420,9 @@ def _kernel(cfg: PtxConfig) -> list[str]:
            "        if (++stage == STAGES) { stage = 0; phase ^= 1; }",
            "      }"] if cfg.multicast is not None else []),
         "    }",
-        *(["    // reduce=cluster: every thread of every block arrives at both cluster barriers (the consumers' partials",
-           "    // are published at the first, the shared memory released at the second). This warpgroup publishes",
-           "    // nothing and reads no other block's memory, so its arrivals are relaxed: a release arrival compiles to",
-           "    // a GPU-scope MEMBAR per warp (bench/NOTES.md, release probe: 6-12% of these kernels' time on the H100).",
-           "    cluster_arrive_relaxed();",
-           "    cluster_wait();",
-           "    cluster_arrive_relaxed();",
+        *(["    // reduce=cluster: every thread pairs its entry arrival with a wait (this warpgroup's, at its end,",
+           "    // costs nothing)."
+           ,
            "    cluster_wait();"] if cfg.cluster_reduce else []),
         "  } else {",
         "    // ---- consumer warpgroups: wgmma and the epilogue ----",
@@ -1465,8 +1503,6 @@ def _kernel(cfg: PtxConfig) -> list[str]:
           _block_reduce(cfg) if cfg.block_reduce else []),
         *(_epilogue_direct(cfg) if cfg.epilogue == "direct" else
           _epilogue_tma(cfg) if cfg.epilogue == "tma" else _epilogue_smem(cfg)),
-        *(["      cluster_wait();   // no block leaves while another may still read its shared memory"]
-          if cfg.cluster_reduce else []),
         "    }",
         *(["    // The last bulk stores must have read the staging buffers before the block's shared memory is freed.",
            '    if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");']

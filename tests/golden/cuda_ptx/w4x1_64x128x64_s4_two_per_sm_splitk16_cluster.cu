@@ -49,7 +49,6 @@ constexpr int WGMMA_N = 128;            // mma.shape=64x128x16: one instruction 
 constexpr int THREADS = 128 * (1 + CONSUMER_WGS);   // producer warpgroup + consumers
 constexpr int CONSUMER_THREADS = 128 * CONSUMER_WGS;
 constexpr int SLICES = 16;   // splitk mode=split_k slices=16 reduce=cluster: the cluster size
-constexpr int PARTIAL_FLOATS = BM * BN;   // one slice's fp32 partial tile in its block's shared memory
 
 // ---- shared memory (swizzle.smem = <3,3,3>, pipeline.stages) ----
 // A tile row of ATOM_K elements is one 128-byte swizzle row: the TMA box's inner extent and the
@@ -64,9 +63,12 @@ constexpr int A_STAGE_BYTES = K_BLOCKS * A_KBLOCK_BYTES;
 constexpr int B_STAGE_BYTES = K_BLOCKS * B_KBLOCK_BYTES;
 constexpr uint32_t STAGE_TX_BYTES = 24576;   // (BM + BN) x BK x 2: the boxes land whole, out-of-bounds zeros included
 constexpr int SMEM_A = 0, SMEM_B = 32768, SMEM_BARS = 98304;
-constexpr int SMEM_PARTIAL = 0;   // reduce=cluster: the fp32 partial, over the finished stage rings
-static_assert(PARTIAL_FLOATS * 4 <= SMEM_BARS, "the partial must fit over the rings");
-constexpr int SMEM_BYTES = 98368;
+constexpr int SMEM_RECV_BAR = 98368;   // reduce=cluster: counts the bytes pushed into
+constexpr int SMEM_RECV = 98384;   // this block's receive buffer, of 30720 B
+constexpr int SMEM_BYTES = 129104;
+static_assert((SLICES - 1) * ((SLABS * (WGMMA_N / 8) + SLICES - 1) / SLICES) * CONSUMER_THREADS * 16
+              == SMEM_BYTES - SMEM_RECV && SMEM_RECV % 16 == 0,
+              "the receive buffer: a row of the largest share of units per other block, a float4 per thread");
 
 // wgmma shared-memory matrix descriptor (PTX ISA, matrix descriptor format):
 //   bits  0-13 start address >> 4        bits 16-29 leading-dimension byte offset >> 4
@@ -128,16 +130,7 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1) : "memory");
 }
 
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
-}
-
-__device__ __forceinline__ void cluster_arrive_relaxed() {   // for threads that publish nothing
-  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
-}
-
-__device__ __forceinline__ void cluster_arrive_after_reads() {   // publishes nothing; its loads have returned
-  asm volatile("fence.acq_rel.cta;" ::: "memory");
+__device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
 }
 
@@ -145,13 +138,33 @@ __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
 }
 
-__device__ __forceinline__ float4 ld_cluster_f4(uint32_t local, uint32_t rank) {
+// The address of this block's shared-memory offset `addr` in the block of cluster rank `rank`.
+__device__ __forceinline__ uint32_t cluster_map(uint32_t addr, uint32_t rank) {
   uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
-  return v;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+
+// One float4 into another block's shared memory (`remote`, a cluster address), completing 16 bytes on its
+// mbarrier `remote_bar`: the owner sees the data once its barrier's phase completes.
+__device__ __forceinline__ void st_async_f4(uint32_t remote, float x, float y, float z, float w,
+                                            uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+               :: "r"(remote), "f"(x), "f"(y), "f"(z), "f"(w), "r"(remote_bar) : "memory");
+}
+
+// mbar_wait with acquire at cluster scope: the bytes that completed the phase came from other blocks.
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -199,9 +212,9 @@ __device__ __forceinline__ Out2T pack2(float a, float b) { return __floats2half2
 }  // namespace
 
 // ---- the kernel ----
-// Two blocks per SM (__launch_bounds__(THREADS, 2)): each ring takes at most half of the SM's shared memory,
-// and each block's pool is half the register file, which setmaxnreg hands from producer to consumer.
-extern "C" __global__ void __launch_bounds__(THREADS, 2)
+// One block per SM (__launch_bounds__(THREADS, 1)): the stage ring takes nearly all shared memory, and
+// setmaxnreg redistributes the register file between the warpgroups.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
 l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
         OutT* __restrict__ C, int M, int N, int K) {
   // 1024-byte alignment: the 128-byte swizzle pattern repeats every 8 rows x 128 B, and TMA and wgmma both
@@ -211,6 +224,7 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
   if (smem_base & 1023) __trap();   // never expected; a misaligned ring would corrupt every tile
   const uint32_t bars = smem_base + SMEM_BARS;
   // full[s] at bars + 8 s, empty[s] at bars + 8 (STAGES + s)
+  const uint32_t bars_recv = smem_base + SMEM_RECV_BAR;
 
   const int tiles_m = (M + BM - 1) / BM;
   const int tiles_n = (N + BN - 1) / BN;
@@ -228,6 +242,7 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
       mbar_init(bars + 8 * s, 1);                           // full: the producer's arrive.expect_tx
       mbar_init(bars + 8 * (STAGES + s), CONSUMER_WGS * 4);  // empty: one arrival per consumer warp
     }
+    mbar_init(bars_recv, 1);   // reduce=cluster: this block's arrive.expect_tx; the others' pushes count bytes
     // Make the initialized barriers visible to the other threads and to the async proxy (TMA complete_tx).
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -236,6 +251,10 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
   // After it the warpgroups meet only through mbarriers, named barriers among the consumers and, with
   // splitk reduce=cluster, the cluster barriers.
   __syncthreads();
+  // reduce=cluster: nor may another block push into this one before its receive mbarrier is initialized.
+  // Every thread arrives now (relaxed: thread 0's fence.mbarrier_init.release.cluster released the init)
+  // and waits only where it next needs the cluster, so the barrier's latency hides behind the K loop.
+  cluster_arrive_relaxed();
 
   if (wg == 0) {
     // ---- producer warpgroup: TMA only, so it releases its registers (REG_BUDGET) ----
@@ -276,17 +295,12 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
         }
       }
     }
-    // reduce=cluster: every thread of every block arrives at both cluster barriers (the consumers' partials
-    // are published at the first, the shared memory released at the second). This warpgroup publishes
-    // nothing and reads no other block's memory, so its arrivals are relaxed: a release arrival compiles to
-    // a GPU-scope MEMBAR per warp (bench/NOTES.md, release probe: 6-12% of these kernels' time on the H100).
-    cluster_arrive_relaxed();
-    cluster_wait();
-    cluster_arrive_relaxed();
+    // reduce=cluster: every thread pairs its entry arrival with a wait (this warpgroup's, at its end,
+    // costs nothing).
     cluster_wait();
   } else {
     // ---- consumer warpgroups: wgmma and the epilogue ----
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 216;" ::: "memory");
+    // 256 threads: the consumer already holds the per-thread maximum and keeps it (REG_BUDGET).
     const int cw = wg - 1;   // consumer warpgroup: rows [cw * WG_M, (cw + 1) * WG_M) of the tile
     // Programmatic dependent launch: the consumers' own global accesses (C, split-K partials and pair counters)
     // wait too. Most follow data the producer loaded after its wait, but a K slice with no k tile (a run-time
@@ -348,55 +362,54 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
       for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);
       if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));
 
-      // ---- splitk reduce=cluster: the tile's slices add up in the cluster's shared memory ----
+      // ---- splitk reduce=cluster: the tile's slices add up in the owners' shared memory ----
       const int ct = threadIdx.x - 128;   // consumer thread 0 .. CONSUMER_THREADS - 1
-      // Every consumer warpgroup is past its last wgmma, which reads the ring, before a partial overwrites it.
-      // wgmma.wait_group and the mbarrier waits already order the async proxy's accesses (TMA writes, wgmma
-      // reads) before these generic stores; the proxy fence states it where the ring's memory changes hands.
-      asm volatile("bar.sync 3, %0;" :: "n"(CONSUMER_THREADS) : "memory");
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      // The partial keeps the accumulator fragment order, float4 `fragment` of every consumer thread side by
-      // side: thread ct of every block reads back exactly the float4s thread ct stored (coalesced).
+      // This block's receive barrier: one arrival, which arms it with the bytes the others push
+      // (ClusterReduce.receive_bytes; a push that lands first leaves the byte count below zero until then).
+      if (ct == 0) mbar_arrive_expect_tx(bars_recv, (((31 - slice) / 16) * 30720));
+      cluster_wait();   // the entry barrier: every block's receive barrier is initialized
+      // Push each unit another block owns (ClusterReduce.owner) into its buffer at ClusterReduce.receive_vec:
+      // one 16-byte st.async per unit and thread, coalesced across the consumer threads.
       {
-        float4* mine = reinterpret_cast<float4*>(smem + SMEM_PARTIAL) + ct;
+        const int sender = slice;
 #pragma unroll
         for (int j = 0; j < SLABS; ++j)
 #pragma unroll
           for (int c = 0; c < WGMMA_N / 8; ++c) {
             const int fragment = ((j * 16) + c);   // ClusterReduce.unit
-            mine[fragment * CONSUMER_THREADS] =
-                make_float4(acc[j][4 * c], acc[j][4 * c + 1], acc[j][4 * c + 2], acc[j][4 * c + 3]);
+            const int owner = (fragment % 16);   // ClusterReduce.owner
+            if (owner == sender) continue;
+            const uint32_t local = smem_base + SMEM_RECV + (uint32_t)(((((((((sender + 16) - 1) - owner) % 16) * 1) + (fragment / 16)) * 128) + ct)) * 16u;   // ClusterReduce.receive_vec
+            st_async_f4(cluster_map(local, owner), acc[j][4 * c], acc[j][4 * c + 1], acc[j][4 * c + 2],
+                        acc[j][4 * c + 3], cluster_map(bars_recv, owner));
           }
       }
-      // Release this block's partial to the cluster; acquire every other block's (they all arrive here).
-      cluster_arrive();
-      cluster_wait();
-      // The units this block owns (ClusterReduce.owner): all SLICES partials read first (the DSMEM loads overlap),
-      // then added in slice order 0, 1, ... (ClusterReduce.reduce).
+      // Every byte owed to this block has landed (the phase completes at a zero byte count; its acquire at
+      // cluster scope makes the other blocks' stores visible here).
+      mbar_wait_cluster(bars_recv, 0);
+      // The units this block owns: the SLICES partials added in slice order 0, 1, ... (ClusterReduce.reduce).
+      {
+        const int owner = slice;
+        const float4* recv = reinterpret_cast<const float4*>(smem + SMEM_RECV);
 #pragma unroll
-      for (int j = 0; j < SLABS; ++j) {
+        for (int j = 0; j < SLABS; ++j) {
 #pragma unroll
-        for (int c = 0; c < WGMMA_N / 8; ++c) {
-          const int fragment = ((j * 16) + c);   // ClusterReduce.unit
-          if ((fragment % 16) != slice) continue;   // ClusterReduce.owner
-          const uint32_t local = smem_base + SMEM_PARTIAL + (uint32_t)(fragment * CONSUMER_THREADS + ct) * 16u;
-          float4 v[SLICES];
+          for (int c = 0; c < WGMMA_N / 8; ++c) {
+            const int fragment = ((j * 16) + c);   // ClusterReduce.unit
+            if ((fragment % 16) != slice) continue;   // ClusterReduce.owner
+            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-          for (int r = 0; r < SLICES; ++r) v[r] = ld_cluster_f4(local, r);
-          float4 sum = v[0];
-#pragma unroll
-          for (int r = 1; r < SLICES; ++r) { sum.x += v[r].x; sum.y += v[r].y; sum.z += v[r].z; sum.w += v[r].w; }
-          acc[j][4 * c] = sum.x; acc[j][4 * c + 1] = sum.y; acc[j][4 * c + 2] = sum.z; acc[j][4 * c + 3] = sum.w;
+            for (int sender = 0; sender < SLICES; ++sender) {
+              const float4 v = sender == owner
+                  ? make_float4(acc[j][4 * c], acc[j][4 * c + 1], acc[j][4 * c + 2], acc[j][4 * c + 3])
+                  : recv[((((((((sender + 16) - 1) - owner) % 16) * 1) + (fragment / 16)) * 128) + ct)];   // ClusterReduce.receive_vec
+              if (sender == 0) sum = v;
+              else { sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w; }
+            }
+            acc[j][4 * c] = sum.x; acc[j][4 * c + 1] = sum.y; acc[j][4 * c + 2] = sum.z; acc[j][4 * c + 3] = sum.w;
+          }
         }
       }
-      // Done reading the cluster's shared memory: arrive now, wait (below) only before the block exits, so the
-      // stores of C overlap the other blocks' reads. The arrival publishes nothing; it only has to come after
-      // this thread's DSMEM loads have returned, or the block read may leave first. A release arrival (or a
-      // cluster-scope fence) is what the PTX memory model promises that with; both compile to a GPU-scope
-      // MEMBAR, which cost these kernels 5-9% (bench/NOTES.md, release probe). The CTA-scope fence compiles
-      // to MEMBAR.ALL.CTA and a wait on every scoreboard before the arrival, so the loads have returned: a
-      // promise of the compiler and the hardware, not of the model (test_sass_cluster_reduce_pays_one_gpu_membar).
-      cluster_arrive_after_reads();
       // epilogue.path=direct: each thread stores its fragment straight to global memory. Fragment layout of
       // wgmma m64nN f32: d[4c + 2h + e] is row 16*warp + lane/4 + 8h, column 8c + 2*(lane%4) + e.
       const int row0 = tile_m * BM + cw * WG_M + warp * 16 + lane / 4;
@@ -418,7 +431,6 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
           }
         }
       }
-      cluster_wait();   // no block leaves while another may still read its shared memory
     }
   }
 }
@@ -488,12 +500,6 @@ bool configure_kernel() {
   const unsigned long long bit = device < 64 ? 1ull << device : 0;
   if (bit & configured.load(std::memory_order_acquire)) return true;
   if (cudaFuncSetAttribute(l2ir_cuda_ptx_sm90a_gemm, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES) != cudaSuccess) {
-    return false;
-  }
-  // Two blocks per SM need the whole 228 KB as shared memory: ask for the largest carve-out rather than
-  // leave the L1/shared split to the driver's heuristic.
-  if (cudaFuncSetAttribute(l2ir_cuda_ptx_sm90a_gemm, cudaFuncAttributePreferredSharedMemoryCarveout,
-                           cudaSharedmemCarveoutMaxShared) != cudaSuccess) {
     return false;
   }
   // reduce=cluster with 16 slices: clusters above the portable 8 blocks are an opt-in.
