@@ -320,6 +320,27 @@ def _bench_run(folder, name, rows, evaluated):
     return str(folder / name)
 
 
+@pytest.mark.nvcc
+def test_source_variants_race_an_earlier_commits_stored_sources(tmp_path, capsys):
+    """--save-sources writes each case's source as lowered; --stored NAME=DIR in a later run races it as variant
+    NAME beside what that run lowers (compile only here: both build, with the same registers when the lowering has
+    not changed); a case the folder lacks is that row's error, and a --stored that names no folder exits 2."""
+    probe = _bench_script("release_probe")
+    case = "64x64x2048:cuda_ptx:ptx_splitk_cluster_w4x1_64x64x64_s8_st4"
+    saved, out = tmp_path / "saved", tmp_path / "out.json"
+    assert probe.main(["--case", case, "--compile-only", "--out", str(out), "--save-sources", str(saved)]) == 0
+    (source,) = saved.iterdir()
+    assert source.name == "64x64x2048_cuda_ptx_ptx_splitk_cluster_w4x1_64x64x64_s8_st4.cu"
+    assert "st_async_f4" in source.read_text()
+    assert probe.main(["--case", case, "--case", "128x128x16384:cuda_ptx:ptx_splitk_cluster_w4x1_64x64x64_s16",
+                       "--compile-only", "--out", str(out), "--stored", f"earlier={saved}"]) == 0
+    rows = {(r["shape"][0], r["variant"]): r for r in json.loads(out.read_text())["rows"]}
+    assert "error" not in rows[(64, "earlier")] and rows[(64, "earlier")]["registers"] == rows[(64, "as_lowered")]["registers"]
+    assert "no stored source" in rows[(128, "earlier")]["error"]
+    assert probe.main(["--case", case, "--compile-only", "--out", str(out), "--stored", "earlier"]) == 2
+    assert "expected NAME=DIR" in capsys.readouterr().err
+
+
 def test_derive_families_replaces_a_row_only_where_the_later_run_raced_its_winner(tmp_path):
     """A later run's row replaces the base row of a shape only if the later run evaluated the base winner on that
     shape (one selection, not a best-of-runs pick); a shape outside the base set is ignored; the groups are
