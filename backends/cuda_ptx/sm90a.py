@@ -1048,6 +1048,8 @@ def _cluster_reduce(cfg: PtxConfig) -> list[str]:
     direct epilogue stores. The blocks are co-resident by construction, the sum's order is fixed (C is
     bit-identical run to run), and nothing touches global memory but C. A block whose slice has no k tile (l2ir_run
     does not refuse such a K) contributes the zeros its accumulators were initialized with: one unit per block.
+    The consumers' wait for the entry barrier sits inside the unit loop, which runs exactly once (grid = units,
+    persistent=false), and the producer's after its loop: every thread waits once for the phase it arrived at.
     Why push, not pull: a block that reads the others' partials (ld.shared::cluster) must publish its own with a
     release (a GPU-scope MEMBAR per warp) and keep its shared memory alive until the last remote read (a second
     cluster barrier at exit); st.async needs neither, and the mbarrier's byte count is the only handshake."""
@@ -1421,8 +1423,7 @@ def _kernel(cfg: PtxConfig) -> list[str]:
            "      }"] if cfg.multicast is not None else []),
         "    }",
         *(["    // reduce=cluster: every thread pairs its entry arrival with a wait (this warpgroup's, at its end,",
-           "    // costs nothing)."
-           ,
+           "    // costs nothing).",
            "    cluster_wait();"] if cfg.cluster_reduce else []),
         "  } else {",
         "    // ---- consumer warpgroups: wgmma and the epilogue ----",
