@@ -225,6 +225,12 @@ class Case:
         if copy:
             self.snapshot()
 
+    def refresh_bytes(self, copy: bool = True) -> int:
+        """Bytes `refresh` writes: A and B, and their copy unless copy=False."""
+        written = self.A.interior.numel() * self.A.interior.element_size()
+        written += self.B.interior.numel() * self.B.interior.element_size()
+        return written * (2 if copy else 1)
+
     def snapshot(self):
         """Copy the stored inputs (after every change the evaluator makes to them)."""
         if self._a0 is None:
@@ -456,6 +462,13 @@ class _TimingGuard(Guard):
             self.sets[i].refresh(self.gen)
             self.baseline_sets[i].refresh(self.gen, copy=False)
 
+    @property
+    def round_bytes(self) -> int:
+        """Bytes one round of `refresh` and `poison` over every set writes: each set's inputs three times (the
+        kernel's, their copy, the baseline's) and both sides' outputs (search.timing.refresh_spills_l2)."""
+        return sum(case.refresh_bytes() + base.refresh_bytes(copy=False) + case.c().numel() * case.c().element_size()
+                   + base.c().numel() * base.c().element_size() for case, base in zip(self.sets, self.baseline_sets))
+
     def poison(self, sets):
         for i in sets:
             poison(self.sets[i].c(), self.out)
@@ -536,7 +549,7 @@ def _timing(problem, plan, launcher, cfg: EvalConfig, gen, rng, dev, send, recor
         send("phase", f"timing:{scenario}")
         if scenario == "offline":
             t = time_offline(kernel_call, baseline_call, n_sets, cfg.timing, guard, rng, clock,
-                             clean_l2=refresh_spills_l2(n_sets, input_bytes, output_bytes, l2))
+                             clean_l2=refresh_spills_l2(guard.round_bytes, l2))
             gains.append(replay_gain(t))
         elif scenario == "server":
             t = time_server(kernel_call, baseline_call, n_sets, cfg.timing, guard, rng, clock)

@@ -123,11 +123,11 @@ def sets_for(set_bytes: int, l2_bytes: int, cfg: TimingConfig) -> int:
     return max(2, min(cfg.max_sets, math.ceil(volume / max(1, set_bytes))))
 
 
-def refresh_spills_l2(n_sets: int, input_bytes: int, output_bytes: int, l2_bytes: int) -> bool:
-    """Whether a refresh of every set can leave dirty lines that a replay must write back: each set's inputs are
-    written three times (the kernel's, their reference copy, the baseline's) and both sides' outputs poisoned. Below
-    L2 nothing written is evicted, and the replays keep the warm inputs the long replay has."""
-    return n_sets * (3 * input_bytes + 2 * output_bytes) > l2_bytes
+def refresh_spills_l2(round_bytes: int, l2_bytes: int) -> bool:
+    """Whether a round of refreshes (`round_bytes`: everything the guard writes to refresh and poison every set, the
+    evaluator's `_TimingGuard.round_bytes`) can leave dirty lines that a replay must write back. Below L2 nothing
+    written is evicted, and the replays keep the warm inputs the long replay has."""
+    return round_bytes > l2_bytes
 
 
 def reps_for(est_us: float, n_sets: int, cfg: TimingConfig) -> int:
