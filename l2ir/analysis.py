@@ -139,13 +139,14 @@ def smem_bytes(kernel: Kernel, ebytes: int = 2) -> int:
 
 def cluster_receive_bytes(kernel: Kernel) -> int:
     """reduce=cluster: the buffer beside the ring where the cluster's other blocks push the fragment units this
-    block owns (l2ir.indexing.ClusterReduce.receive_vecs float4s). It cannot reuse the ring: a block pushes as soon
-    as its own K loop ends, while the owner's wgmma may still be reading its stages."""
+    block owns (l2ir.indexing.ClusterReduce.receive_vecs float4s), plus 16 bytes for its mbarrier and the padding
+    that aligns the buffer to 16. It cannot reuse the ring: a block pushes as soon as its own K loop ends, while the
+    owner's wgmma may still be reading its stages."""
     if not cluster_reduce(kernel) or kernel.splitk.mode != "split_k" or kernel.splitk.slices < 2:
         return 0                          # none, or a reduce=cluster the verifier refuses by its own rule
     wgs = warpgroups_m(kernel)
     units = (kernel.tile.bm // wgs // 64) * (kernel.tile.bn // 8)
-    return 16 * ClusterReduce(kernel.splitk.slices).receive_vecs(units, 128 * wgs)
+    return 16 * ClusterReduce(kernel.splitk.slices).receive_vecs(units, 128 * wgs) + 16
 
 
 def output_tiles(kernel: Kernel, problem: Problem) -> int:

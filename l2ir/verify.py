@@ -527,7 +527,7 @@ def _splitk(k: Kernel):
         if not k.pipeline.persistent:
             return "stream_k splits the MAC loop over a persistent grid: set pipeline.persistent=true"
     if sk.reduce == "cluster":
-        # The slices of a tile must be co-resident to read each other's shared memory: a thread-block cluster
+        # The slices of a tile must be co-resident to push into each other's shared memory: a thread-block cluster
         # (sm90 and later) guarantees it, and one launch holds at most MAX_CLUSTER_NONPORTABLE blocks per cluster.
         if k.target.arch not in CLUSTER_ARCHS:
             return (f"reduce=cluster needs thread-block clusters ({', '.join(CLUSTER_ARCHS)}), not "
@@ -666,7 +666,8 @@ def _smem_with_output(k: Kernel, p: Problem):
         return None                       # the kernel rule already counted 16-bit output
     ring = ring_bytes(k)
     epi = epilogue_smem_bytes(k, out_bytes)
-    need = max(ring, epi) if k.pipeline.mode == "multistage" and k.epilogue.path == "smem" else ring + epi
+    need = (max(ring, epi) if k.pipeline.mode == "multistage" and k.epilogue.path == "smem" else
+            ring + epi + cluster_receive_bytes(k))
     if need > SMEM_LIMIT[k.target.arch]:
         return (f"with c={p.c[0]} the kernel needs {need / KB:.1f} KB of shared memory; "
                 f"{k.target.arch} allows {SMEM_LIMIT[k.target.arch] // KB} KB")

@@ -308,15 +308,14 @@ class PtxConfig:
     @property
     def receive_bytes(self) -> int:
         """reduce=cluster: the receive buffer the other blocks push this block's units into
-        (l2ir.analysis.cluster_receive_bytes, for the same kernel)."""
+        (l2ir.analysis.cluster_receive_bytes counts it with its mbarrier and alignment, 16 bytes more)."""
         if not self.cluster_reduce:
             return 0
         return 16 * ClusterReduce(self.slices).receive_vecs(self.units, 128 * self.consumer_wgs)
 
     @property
     def partial_floats(self) -> int:
-        """fp32 values of one slice's partial tile in the workspace, or in shared memory with reduce=cluster (BM x BN,
-        in the accumulator fragment order)."""
+        """fp32 values of one slice's partial tile in the workspace (BM x BN, in the accumulator fragment order)."""
         return self.bm * self.bn
 
 
@@ -1854,7 +1853,7 @@ def _launch_ex(cfg: PtxConfig) -> list[str]:
     if cfg.cluster_reduce:
         L += [
             "  // splitk reduce=cluster: clusters of SLICES consecutive blocks, one per tile; the hardware co-schedules a",
-            "  // cluster's blocks on one GPC, which is what lets them read each other's shared memory.",
+            "  // cluster's blocks on one GPC, which is what lets them push into each other's shared memory.",
             "  attr[num_attrs].id = cudaLaunchAttributeClusterDimension;",
             "  attr[num_attrs].val.clusterDim.x = SLICES;",
             "  attr[num_attrs].val.clusterDim.y = 1;",

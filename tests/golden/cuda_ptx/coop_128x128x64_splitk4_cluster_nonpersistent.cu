@@ -544,7 +544,7 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
   cudaLaunchAttribute attr[2];
   unsigned num_attrs = 0;
   // splitk reduce=cluster: clusters of SLICES consecutive blocks, one per tile; the hardware co-schedules a
-  // cluster's blocks on one GPC, which is what lets them read each other's shared memory.
+  // cluster's blocks on one GPC, which is what lets them push into each other's shared memory.
   attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
   attr[num_attrs].val.clusterDim.x = SLICES;
   attr[num_attrs].val.clusterDim.y = 1;
