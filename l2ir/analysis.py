@@ -123,14 +123,14 @@ def ring_description(kernel: Kernel, ebytes: int = 2) -> str:
     return f"{stages} stages x {stage_bytes(kernel, ebytes) / 1024:.1f} KB"
 
 
-def smem_bytes(kernel: Kernel, ebytes: int = 2) -> int:
-    """Dynamic shared memory per block."""
+def smem_bytes(kernel: Kernel, ebytes: int = 2, out_bytes: int = 2) -> int:
+    """Dynamic shared memory per block, with C staged in `out_bytes`-byte elements."""
     if kernel.is_source:
         return kernel.source.smem
     if kernel.pipeline.mode == "direct":
         return direct_reduce_bytes(kernel)
     ring = ring_bytes(kernel, ebytes)
-    epi = epilogue_smem_bytes(kernel)
+    epi = epilogue_smem_bytes(kernel, out_bytes)
     if kernel.pipeline.mode == "multistage" and kernel.epilogue.path == "smem":
         # After the main loop the ring is drained, so the C tile reuses its buffers.
         return max(ring, epi)

@@ -19,7 +19,7 @@ from .errors import (EpilogueError, ExprError, MmaError, PadError, PipelineError
                      SourceError, SplitKError, SwizzleError, TargetError, TileError, VerifyError)
 from .indexing import LAUNCH_VARS, REPACK_ALIGN, BlockSplit, DirectFeed, ceil_div, leaves_empty_slice
 from .nodes import OPTIONAL_NODES, SCHEDULE_NODES, Kernel, Problem
-from .analysis import (acc_registers, block_reduce, cluster_receive_bytes, elem_bytes, epilogue_smem_bytes,
+from .analysis import (acc_registers, block_reduce, cluster_receive_bytes, elem_bytes,
                        estimated_registers, resolved_stages, ring_bytes, ring_description, smem_bytes, threads,
                        warpgroups_m)
 from .target import (BLOCK_DIM_MAX, CLUSTER_ARCHS, DTYPE_BYTES, KB, MAX_CLUSTER, MAX_CLUSTER_NONPORTABLE, MAX_REGS,
@@ -664,10 +664,7 @@ def _smem_with_output(k: Kernel, p: Problem):
     out_bytes = DTYPE_BYTES[p.c[0]]
     if out_bytes == 2:
         return None                       # the kernel rule already counted 16-bit output
-    ring = ring_bytes(k)
-    epi = epilogue_smem_bytes(k, out_bytes)
-    need = (max(ring, epi) if k.pipeline.mode == "multistage" and k.epilogue.path == "smem" else
-            ring + epi + cluster_receive_bytes(k))
+    need = smem_bytes(k, out_bytes=out_bytes)
     if need > SMEM_LIMIT[k.target.arch]:
         return (f"with c={p.c[0]} the kernel needs {need / KB:.1f} KB of shared memory; "
                 f"{k.target.arch} allows {SMEM_LIMIT[k.target.arch] // KB} KB")
