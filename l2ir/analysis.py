@@ -145,7 +145,7 @@ def cluster_receive_bytes(kernel: Kernel) -> int:
     if not cluster_reduce(kernel) or kernel.splitk.mode != "split_k" or kernel.splitk.slices < 2:
         return 0                          # none, or a reduce=cluster the verifier refuses by its own rule
     wgs = warpgroups_m(kernel)
-    units = (kernel.tile.bm // wgs // 64) * (kernel.tile.bn // 8)
+    units = ClusterReduce.units(kernel.tile.bm // wgs, kernel.tile.bn)
     return 16 * ClusterReduce(kernel.splitk.slices).receive_vecs(units, 128 * wgs) + 16
 
 

@@ -602,6 +602,11 @@ class ClusterReduce:
         (row % wg_m) / 64 and column group col / 8."""
         return (ROW % wg_m) // 64 * (bn // 8) + COL // 8
 
+    @staticmethod
+    def units(wg_m: int, bn: int) -> int:
+        """Fragment units per consumer thread, for warpgroups of `wg_m` rows: 64-row slabs x 8-column groups."""
+        return (wg_m // 64) * (bn // 8)
+
     def owned(self, units: int) -> Expr:
         """How many of a consumer thread's `units` fragment units block `slice` owns (round robin: the first
         units % slices ranks own one more)."""

@@ -721,7 +721,7 @@ class _Schedule:
         (receive_bytes): fewer never complete its phase, more complete it before the rest have landed. Returns the
         tile of sums (each owner's elements; what it did not receive reads as NaN)."""
         slices, threads = cr.slices, warpgroups * 128
-        units = (self.bm // warpgroups // 64) * (self.bn // 8)
+        units = cr.units(self.bm // warpgroups, self.bn)
         rows, cols = np.arange(self.bm)[:, None], np.arange(self.bn)[None, :]
         env = {"row": rows, "col": cols}
         thread = np.broadcast_to(cr.thread_of(self.bm // warpgroups).eval(env), (self.bm, self.bn))

@@ -227,7 +227,7 @@ class PtxConfig:
         """float4 loads in flight per thread in one pair's split-K reduction (fit the consumer's registers): the
         largest divisor of the thread's float4 count up to 16 (8 with two blocks per SM), so no chunk reads past the
         thread's fragment (BN = 96 or 192 give 12 or 24 float4)."""
-        vecs, limit = self.slabs * self.bn // 8, (16 if self.blocks_per_sm == 1 else 8)
+        vecs, limit = self.units, (16 if self.blocks_per_sm == 1 else 8)
         return max(d for d in range(1, limit + 1) if vecs % d == 0)
 
     @property
@@ -302,8 +302,8 @@ class PtxConfig:
 
     @property
     def units(self) -> int:
-        """Fragment units (float4s of accumulators) per consumer thread: slabs x BN / 8 (l2ir.indexing.ClusterReduce)."""
-        return self.slabs * self.bn // 8
+        """Fragment units (float4s of accumulators) per consumer thread (l2ir.indexing.ClusterReduce.units)."""
+        return ClusterReduce.units(self.wg_m, self.bn)
 
     @property
     def receive_bytes(self) -> int:
