@@ -729,22 +729,19 @@ class _Schedule:
         floats = 4 * cr.receive_vecs(units, threads)
         buffers = np.full((slices, floats), np.nan, dtype=np.float32)
         counts = np.zeros((slices, floats), dtype=np.int32)
-
-        def where(sender, rank, mask):
-            vec = cr.receive_vec(units, threads).eval({"sender": sender, "owner": rank, "fragment": fragment[mask],
-                                                       "ct": thread[mask]})
-            at = 4 * np.asarray(vec) + position[mask]
-            if at.size and (at.min() < 0 or at.max() >= floats):
-                raise InterpError(f"reduce=cluster: block {sender} pushes outside block {rank}'s receive buffer of "
-                                  f"{floats} floats (float {int(at.max())})")
-            return at
-
+        masks = [owner == rank for rank in range(slices)]
+        placed = {}                     # (sender, owner): the floats its pushes land on, where the owner reads them
         for sender in range(slices):
             for rank in range(slices):
-                mask = owner == rank
+                mask = masks[rank]
                 if rank == sender or not mask.any():
                     continue
-                at = where(sender, rank, mask)
+                vec = cr.receive_vec(units, threads).eval({"sender": sender, "owner": rank,
+                                                           "fragment": fragment[mask], "ct": thread[mask]})
+                at = placed[sender, rank] = 4 * np.asarray(vec) + position[mask]
+                if at.min() < 0 or at.max() >= floats:
+                    raise InterpError(f"reduce=cluster: block {sender} pushes outside block {rank}'s receive buffer "
+                                      f"of {floats} floats (float {int(at.max())})")
                 buffers[rank, at] = partials[sender][mask]
                 np.add.at(counts[rank], at, 1)
         total = np.full((self.bm, self.bn), np.nan, dtype=np.float32)
@@ -755,11 +752,10 @@ class _Schedule:
             if 4 * int(counts[rank].sum()) != expected:
                 raise InterpError(f"reduce=cluster: block {rank} receives {4 * int(counts[rank].sum())} bytes, its "
                                   f"mbarrier expects {expected}")
-            mask = owner == rank
+            mask = masks[rank]
             if not mask.any():
                 continue
-            terms = [partials[rank][mask] if r == rank else buffers[rank, where(r, rank, mask)]
-                     for r in range(slices)]
+            terms = [partials[rank][mask] if r == rank else buffers[rank, placed[r, rank]] for r in range(slices)]
             total[mask] = cr.reduce(terms)
         return total
 
