@@ -227,9 +227,7 @@ class Case:
 
     def refresh_bytes(self, copy: bool = True) -> int:
         """Bytes `refresh` writes: A and B, and their copy unless copy=False."""
-        written = self.A.interior.numel() * self.A.interior.element_size()
-        written += self.B.interior.numel() * self.B.interior.element_size()
-        return written * (2 if copy else 1)
+        return (self.A.interior.nbytes + self.B.interior.nbytes) * (2 if copy else 1)
 
     def snapshot(self):
         """Copy the stored inputs (after every change the evaluator makes to them)."""
@@ -466,8 +464,8 @@ class _TimingGuard(Guard):
     def round_bytes(self) -> int:
         """Bytes one round of `refresh` and `poison` over every set writes: each set's inputs three times (the
         kernel's, their copy, the baseline's) and both sides' outputs (search.timing.refresh_spills_l2)."""
-        return sum(case.refresh_bytes() + base.refresh_bytes(copy=False) + case.c().numel() * case.c().element_size()
-                   + base.c().numel() * base.c().element_size() for case, base in zip(self.sets, self.baseline_sets))
+        return sum(case.refresh_bytes() + base.refresh_bytes(copy=False) + case.c().nbytes + base.c().nbytes
+                   for case, base in zip(self.sets, self.baseline_sets))
 
     def poison(self, sets):
         for i in sets:
@@ -509,8 +507,8 @@ def _timing(problem, plan, launcher, cfg: EvalConfig, gen, rng, dev, send, recor
     ta, tb, tc = _tdtype(problem.a[0]), _tdtype(problem.b[0]), _tdtype(problem.c[0])
     on_gpu = dev.type == "cuda"
     l2 = l2_bytes(dev) if on_gpu else 50 << 20
-    input_bytes, output_bytes = m * k * ta.itemsize + k * n * tb.itemsize, m * n * tc.itemsize
-    n_sets = sets_for(input_bytes + output_bytes, l2, cfg.timing)
+    set_bytes = m * k * ta.itemsize + k * n * tb.itemsize + m * n * tc.itemsize
+    n_sets = sets_for(set_bytes, l2, cfg.timing)
 
     ws_bytes = launcher.workspace_bytes(m, n, k)
     # zero_workspace means zeroed once, before the first launch (l2ir/runtime.py): a split-K kernel's pair counters
