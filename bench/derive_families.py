@@ -196,6 +196,10 @@ def main(argv=None) -> int:
               + (f"; stream ceiling {g['dram_bound']['median_ceiling_share']:.3f}, winners at a median "
                  f"{g['dram_bound']['median_kernel_share_of_ceiling']:.3f} of it"
                  if g["dram_bound"].get("median_kernel_share_of_ceiling") else ""))
+        long = g["dram_bound"].get("long_floor")
+        if long and long["shapes"]:
+            print(f"    {long['rule']}: {long['shapes']} shapes, median roofline share kernel "
+                  f"{long['median_kernel_share']:.3f}, torch {long['median_torch_share']:.3f}")
     if "server" in result:
         from server_race import group_line  # bench/server_race.py, beside this script
 

@@ -1121,3 +1121,22 @@ def test_release_probe_edits_the_multicast_release_and_exit(tmp_path, capsys):
     assert set(rows) == {"as_lowered", "mapa_in_loop", "entry_release", "exit_barrier"}
     assert all("error" not in r and r["spill_bytes"] == 0 and "kernel_us" not in r for r in rows.values())
     assert "mapa_in_loop" in capsys.readouterr().out
+
+def test_derive_families_dram_group_counts_the_long_floor_shapes_apart(tmp_path):
+    """The DRAM-bound group's long_floor subset holds exactly the rows whose roofline floor is at least
+    LONG_FLOOR_US, with their own median shares."""
+    from l2ir.search.report import LONG_FLOOR_US
+
+    derive = _derive_module()
+    short, long = (128, 512, 8192), (128, 4096, 16384)          # floors of about 2.5 and 32 us on an H200
+    base = _bench_run(tmp_path, "base", [(short, "aaaaaaaaaaaa", 0.5), (long, "bbbbbbbbbbbb", 0.8)],
+                      {short: ["aaaaaaaaaaaa"], long: ["bbbbbbbbbbbb"]})
+    summary = json.loads((tmp_path / "base.json").read_text())
+    summary["environment"] = {"gpu": "NVIDIA H200"}
+    (tmp_path / "base.json").write_text(json.dumps(summary))
+    group = derive.derive([base])["groups"]["dram_bound"]
+    rows = {tuple(r["shape"]): r for r in group["rows"]}
+    assert rows[short]["floor_us"] < LONG_FLOOR_US <= rows[long]["floor_us"]
+    assert group["long_floor"]["shapes"] == 1
+    assert group["long_floor"]["median_kernel_share"] == rows[long]["kernel_share"]
+    assert group["median_kernel_share"] == pytest.approx((rows[short]["kernel_share"] + rows[long]["kernel_share"]) / 2)
