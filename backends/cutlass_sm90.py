@@ -25,7 +25,6 @@ Field -> CUTLASS map (each generated line that depends on a field names it in a 
                              handled; `divisible` makes l2ir_run refuse shapes that break the promise (STATUS_NOT_DIVISIBLE)
   epilogue.path              tma -> TmaWarpSpecialized(Cooperative); direct -> NoSmemWarpSpecialized; smem -> unsupported
   epilogue.vector            AlignmentD
-  epilogue.buffers           1 only, by the registry's Schedule (the collective double-buffers its own sub-tiles)
   problem a/b/c/acc          element types, RowMajor/ColumnMajor tags; C is read as void (alpha = 1, beta = 0)
 
 l2ir_run return codes: 0 success; 1..11 a cutlass::Status (can_implement, initialize or run refused, e.g. 1 =

@@ -63,7 +63,6 @@ class Schedule:
     reduces: tuple[str, ...] | None = None     # the splitk.reduce kinds it lowers (None: every kind)
     repacks: bool = False                       # lowers the repack node (the operand copy before the GEMM)
     interleaves: bool = False                   # lowers the interleave node (columns 8 apart per block)
-    c_buffers: int = 1                          # the most epilogue.buffers it lowers (whole-tile C staging buffers)
 
     def mismatch(self, k: Kernel) -> str | None:
         """None if the backend takes `k`, else the fields that rule it out."""
@@ -77,8 +76,6 @@ class Schedule:
             wrong.append("repack (not lowered here)")
         if k.interleave is not None and not self.interleaves:
             wrong.append("interleave (not lowered here)")
-        if k.epilogue is not None and k.epilogue.buffers > self.c_buffers:
-            wrong.append(f"epilogue.buffers={k.epilogue.buffers} (lowers {self.c_buffers})")
         return ", ".join(wrong) or None
 
     def __call__(self, k: Kernel) -> bool:
@@ -115,12 +112,12 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("cutlass_sm90", "l2ir.backends.cutlass_sm90", Schedule("wgmma", "tma_ws", ("workspace", "atomic"))),
     # Raw CUDA + inline PTX. Rules are keyed by what the kernel computes with, not by its target: an mma.sync +
     # cp.async schedule on sm90 is the sm80 rule's kernel. The sm90a rule is the default for what only it lowers:
-    # split-K reduced in a thread-block cluster or inside one block, the repack node and whole-tile C buffers
-    # (epilogue.buffers=2); the sm80 rule for the mma.sync kernels with pad.align=1 it lowers and for every kernel
-    # with the interleave node (its refusal then names the field), except in a problem class it does not generate
+    # split-K reduced in a thread-block cluster or inside one block, and the repack node; the sm80 rule for the
+    # mma.sync kernels with pad.align=1 it lowers and for every kernel with the interleave node (which only it
+    # lowers: where it refuses one, the refusal names the field), except in a problem class it does not generate
     # (CuTe's then).
-    Backend("cuda_ptx", "l2ir.backends.cuda_ptx.sm90a", Schedule("wgmma", "tma_ws", repacks=True, c_buffers=2),
-            default=lambda k: cluster_reduce(k) or block_reduce(k) or k.repack is not None or k.epilogue.buffers > 1),
+    Backend("cuda_ptx", "l2ir.backends.cuda_ptx.sm90a", Schedule("wgmma", "tma_ws", repacks=True),
+            default=lambda k: cluster_reduce(k) or block_reduce(k) or k.repack is not None),
     Backend("cuda_ptx_sm80", "l2ir.backends.cuda_ptx.sm80", Schedule("mma_sync", "multistage", interleaves=True),
             default=lambda k: realigned_sm80(k) or k.interleave is not None,
             yields_to=(_cuda_ptx_problems, "cute_sm80")),

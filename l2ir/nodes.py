@@ -253,11 +253,9 @@ class Operand(FieldType):
         return f"{value[0]}:{value[1]}"
 
 
-def f(ftype: FieldType, default: Any = dataclasses.MISSING, doc: str = "", quiet: bool = False) -> Any:
-    """A node field with its type (and an optional default). A `quiet` field is printed only where it differs from
-    its default: a field added after kernels were recorded leaves their canonical texts, and so their hashes (the
-    records DB's keys), unchanged."""
-    return field(default=default, metadata={"type": ftype, "doc": doc, "quiet": quiet})
+def f(ftype: FieldType, default: Any = dataclasses.MISSING, doc: str = "") -> Any:
+    """A node field with its type (and an optional default)."""
+    return field(default=default, metadata={"type": ftype, "doc": doc})
 
 
 class Node:
@@ -274,17 +272,6 @@ class Node:
             except ValueError as e:
                 raise ParseError(f"{self.kind}.{fld.name}: {e}") from None
             object.__setattr__(self, fld.name, checked)
-
-    def printed_fields(self) -> list[tuple[str, str]]:
-        """(name, rendered value) of each field the text format prints, in declaration order: every field but a
-        quiet one at its default."""
-        out = []
-        for fld in dataclasses.fields(self):
-            value = getattr(self, fld.name)
-            if fld.metadata.get("quiet") and value == fld.default:
-                continue
-            out.append((fld.name, fld.metadata["type"].render(value)))
-        return out
 
     @classmethod
     def field_types(cls) -> dict[str, FieldType]:
@@ -494,14 +481,11 @@ class SplitK(Node):
 @dataclass(frozen=True)
 class Epilogue(Node):
     """How accumulators reach C: direct register stores, staged through shared memory (coalesced, vectorized),
-    or a TMA store (sm90). `vector` is the elements per store instruction. `buffers` (path=tma) is how many tiles
-    of C may be staged at once: with 2, a persistent block stages its next tile while TMA still reads the last one,
-    so the C stream does not pause while a tile is staged."""
+    or a TMA store (sm90). `vector` is the elements per store instruction."""
 
     kind: ClassVar[str] = "epilogue"
     path: str = f(Choice(("direct", "smem", "tma")), "smem")
     vector: int = f(IntChoice((1, 2, 4, 8)), 8)
-    buffers: int = f(IntChoice((1, 2)), 1, quiet=True)
 
 
 SOURCE_ABI = ("const void* A, const void* B, void* C, int M, int N, int K, void* workspace")

@@ -124,9 +124,6 @@ def wgmma_kernels(draw) -> Kernel:
             tile=Tile(block=(bm, bn, bk), warps=warps, cluster=(1, 1)),
             pipeline=Pipeline("tma_ws", stages, schedule=schedule, persistent=False),
             splitk=SplitK("split_k", 2, "block"), epilogue=Epilogue("direct", 2))
-    # epilogue.buffers=2: a persistent TMA-store kernel stages its next tile while TMA reads the last.
-    if kernel.epilogue.path == "tma" and kernel.pipeline.persistent and draw(st.booleans()):
-        kernel = kernel.replace(epilogue=Epilogue("tma", 8, buffers=2))
     assume(not violations(kernel))
     return kernel
 

@@ -1,8 +1,7 @@
 """Parse and print the L2IR text format (grammar in l2ir.lark).
 
-The printer is canonical: every field of every node (but a quiet field at its default, l2ir.nodes.f), in declaration
-order, one node per line. Printing and parsing round-trip exactly: `parse_kernel(print_kernel(k)) == k`, and
-printing a parse of canonical text gives the text back.
+The printer is canonical: every field of every node, in declaration order, one node per line. Printing and parsing
+round-trip exactly: `parse_kernel(print_kernel(k)) == k`, and printing a parse of canonical text gives the text back.
 Every error carries a line and a column and says what was expected.
 """
 
@@ -312,7 +311,10 @@ def parse_edits_raw(text: str, filename: str | None = None):
 
 
 def print_node(node: Node) -> str:
-    return " ".join([node.kind] + [f"{name}={value}" for name, value in node.printed_fields()])
+    parts = [node.kind]
+    for fld in dataclasses.fields(node):
+        parts.append(f"{fld.name}={fld.metadata['type'].render(getattr(node, fld.name))}")
+    return " ".join(parts)
 
 
 def print_value(node_cls: type[Node], field_name: str, value: Any) -> str:

@@ -591,20 +591,6 @@ def _epilogue(k: Kernel):
         return f"epilogue vector={e.vector} exceeds pad.align={k.pad.align}: rows may start unaligned"
 
 
-@rule("epilogue", "buffers_need_persistent_tma_store", EpilogueError)
-def _epilogue_buffers(k: Kernel):
-    """A second C staging buffer lets a block stage one tile while TMA reads the last: only a TMA store has a store
-    in flight to overlap, and only a persistent block has a next tile to stage."""
-    e = k.epilogue
-    if e.buffers == 1:
-        return None
-    if e.path != "tma":
-        return f"epilogue buffers={e.buffers} needs path=tma (the {e.path} epilogue's stores finish before it returns)"
-    if not k.pipeline.persistent:
-        return (f"epilogue buffers={e.buffers} needs persistent=true: a block of one tile stages C once, so the "
-                "second buffer would never be used")
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Source.
 # ---------------------------------------------------------------------------------------------------------------

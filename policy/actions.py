@@ -46,7 +46,6 @@ KNOBS: dict[str, tuple[Any, ...]] = {
                ("split_k", 16, "cluster"), ("split_k", 2, "block")),
     "epilogue_path": ("direct", "smem", "tma"),
     "epilogue_vector": (1, 2, 4, 8),
-    "epilogue_buffers": (1, 2),
     "pad": tuple((dim, mode) for dim in "mnk" for mode in ("predicate", "zero_fill", "divisible")),
     "align": (1, 2, 4, 8),
     "repack": (None, "ab"),
@@ -103,10 +102,7 @@ def refit(k: Kernel) -> Kernel:
         for dim in "mnk":
             if getattr(pad, dim) == "predicate":
                 pad = dataclasses.replace(pad, **{dim: "zero_fill"})
-        epi = k.epilogue
-        if epi.buffers > 1 and (epi.path != "tma" or not p.persistent):
-            epi = dataclasses.replace(epi, buffers=1)    # a second C buffer only beside a persistent TMA store
-        k = k.replace(tile=dataclasses.replace(t, warps=warps), epilogue=epi,
+        k = k.replace(tile=dataclasses.replace(t, warps=warps),
                       mma=Mma("wgmma", (64, min(256, t.bn), 16)),
                       pipeline=dataclasses.replace(p, prefetch=False, schedule=p.schedule if p.schedule != "none"
                                                    else "pingpong"),
@@ -266,17 +262,6 @@ def apply_action(kernel: Kernel, problem: Problem, action: Action, arch: str = "
         new = kernel.replace(epilogue=dataclasses.replace(kernel.epilogue, path=v))
     elif knob == "epilogue_vector":
         new = kernel.replace(epilogue=dataclasses.replace(kernel.epilogue, vector=v))
-    elif knob == "epilogue_buffers":
-        if v > 1 and not (tma and kernel.epilogue.path == "tma" and p.persistent and kernel.splitk is None):
-            return None          # a second C buffer overlaps a TMA store with the next tile of a persistent block
-        new = kernel.replace(epilogue=dataclasses.replace(kernel.epilogue, buffers=v))
-        if v > 1:
-            # Whole-tile C buffers are the cuda_ptx rule's (CUTLASS sizes its own), whose persistent kernels are
-            # cooperative: two consumer warpgroups of 64 rows each.
-            new = new.replace(tile=dataclasses.replace(t, block=(max(128, t.bm - t.bm % 128), t.bn, t.bk),
-                                                       cluster=(1, 1)),
-                              pipeline=dataclasses.replace(p, schedule="cooperative"))
-            backend = "cuda_ptx"
     elif knob == "pad":
         dim, mode = v
         new = kernel.replace(pad=dataclasses.replace(kernel.pad, **{dim: mode}))
@@ -367,9 +352,8 @@ def fit_backend(k: Kernel, backend: str) -> Kernel:
         vector = min(epi.vector, 2) if path == "direct" else epi.vector
         k = k.replace(tile=dataclasses.replace(k.tile, block=(bm, bn, bk), cluster=(1, 1)), pipeline=pipe,
                       splitk=sk, epilogue=Epilogue(path, vector))
-    elif backend == "cutlass_sm90" and (k.epilogue.path == "smem" or k.epilogue.buffers > 1):
-        k = k.replace(epilogue=dataclasses.replace(k.epilogue, path="tma" if k.epilogue.path == "smem" else
-                                                   k.epilogue.path, buffers=1))
+    elif backend == "cutlass_sm90" and k.epilogue.path == "smem":
+        k = k.replace(epilogue=dataclasses.replace(k.epilogue, path="tma"))
     return refit(k)
 
 

@@ -56,7 +56,6 @@ def kernel_features(kern: Kernel, p: Problem, num_sms: int, backend: str | None 
         _l2(slices) / 4, float(cluster_reduce(kern)), float(kern.repack is not None), float(kern.interleave is not None),
         _l2(kern.tile.cluster[0]), _l2(kern.tile.cluster[1]),
         float(epi.path == "direct"), float(epi.path == "smem"), float(epi.path == "tma"), epi.vector / 8,
-        float(epi.buffers - 1),
         sum(getattr(pad, d) == "divisible" for d in "mnk") / 3, sum(getattr(pad, d) == "predicate" for d in "mnk") / 3,
         pad.align / 8,
         float(sw is not None and sw.raster == "along_m"), _l2(sw.group if sw else 1) / 4,
@@ -72,7 +71,7 @@ PROBLEM_FEATURES = ("log_m", "log_n", "log_k", "log_flops", "log_m_over_n", "log
 KERNEL_FEATURES = ("log_bm", "log_bn", "log_bk", "stages", "tma", "cooperative", "pingpong", "persistent", "prefetch",
                    "no_split", "split_k", "stream_k", "log_slices", "cluster_reduce", "repack", "interleave",
                    "log_cluster_m", "log_cluster_n", "epilogue_direct", "epilogue_smem", "epilogue_tma",
-                   "epilogue_vector", "epilogue_buffers", "pad_divisible", "pad_predicate", "align",
+                   "epilogue_vector", "pad_divisible", "pad_predicate", "align",
                    "raster_along_m", "log_group", "smem_swizzle", *(f"backend_{b}" for b in BACKEND_NAMES),
                    "log_units_per_sm", "last_wave_fill", "edge_fill", "log_k_tiles")
 PARENT_FEATURES = ("measured", "log_speedup")

@@ -393,10 +393,6 @@ TMA_STORE = {
     "coop_128x256x64_tma": ptx(epilogue=("tma", 8)),
     "coop_128x128x64_tma": ptx(block=(128, 128, 64), epilogue=("tma", 8)),
     "coop_256x128x64_tma_along_m": ptx(block=(256, 128, 64), epilogue=("tma", 8), raster=("along_m", 8)),
-    # epilogue.buffers=2: tiles alternate between two staging buffers; a wrong wait lets a tile overwrite the one
-    # TMA is still reading, which the accuracy gate sees at every shape of more tiles than blocks.
-    "coop_128x256x64_tma2": ptx(epilogue=("tma", 8, 2)),
-    "coop_128x128x64_tma2": ptx(block=(128, 128, 64), epilogue=("tma", 8, 2)),
     "w4x1_64x128x64_s4_tma": Kernel(
         target=Target("sm90a"), tile=Tile((64, 128, 64), (4, 1), (1, 1)), mma=Mma("wgmma", (64, 128, 16)),
         pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False), swizzle=Swizzle((3, 3, 3), "along_n", 1),

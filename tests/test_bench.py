@@ -1140,3 +1140,14 @@ def test_derive_families_dram_group_counts_the_long_floor_shapes_apart(tmp_path)
     assert group["long_floor"]["shapes"] == 1
     assert group["long_floor"]["median_kernel_share"] == rows[long]["kernel_share"]
     assert group["median_kernel_share"] == pytest.approx((rows[short]["kernel_share"] + rows[long]["kernel_share"]) / 2)
+
+
+def test_aa_probe_builds_each_case_twice(tmp_path):
+    """aa_probe: every case as lowered and again, the same source (the A/A's second timing), one row each."""
+    probe = _bench_script("aa_probe")
+    out = tmp_path / "aa.json"
+    assert probe.main(["--case", "64x64x2048:cuda_ptx:ptx_splitk_cluster_w4x1_64x64x64_s8", "--compile-only",
+                       "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["as_lowered", "again"]
+    assert rows[0]["registers"] == rows[1]["registers"] > 0 and "error" not in rows[1]

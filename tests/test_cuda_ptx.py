@@ -103,7 +103,6 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
         coop((128, 64, 64), tile=Tile((128, 64, 64), (8, 1), (2, 1)), epilogue=Epilogue("smem", 8),
              pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=False)), PROBLEM),
     "coop_128x256x64_tma_store": (coop((128, 256, 64), epilogue=Epilogue("tma", 8)), PROBLEM),
-    "coop_128x256x64_tma_store_two_buffers": (coop((128, 256, 64), epilogue=Epilogue("tma", 8, buffers=2)), PROBLEM),
     "w4x1_64x256x64_splitk2_cluster2x1": (
         lat((64, 256, 64), tile=Tile((64, 256, 64), (4, 1), (2, 1)), splitk=SplitK("split_k", 2)), PROBLEM),
     "w4x1_64x256x64_splitk2_cluster2x1_repack": (
@@ -139,8 +138,7 @@ def test_auto_stages_follow_verify():
     fits the sm90 opt-in."""
     for kernel, problem in CASES.values():
         cfg = sm90a.canonicalize(kernel, problem)
-        whole_tile = (kernel.epilogue.buffers * kernel.tile.bm * kernel.tile.bn * 2
-                      if kernel.epilogue.path == "tma" else None)
+        whole_tile = kernel.tile.bm * kernel.tile.bn * 2 if kernel.epilogue.path == "tma" else None
         assert cfg.stages == resolved_stages(kernel, epilogue_bytes=whole_tile)
         assert cfg.layout["total"] <= SMEM_LIMIT["sm90a"]
         assert f"constexpr int STAGES = {cfg.stages};" in sm90a.render(cfg)
@@ -184,8 +182,6 @@ FIELD_CASES = [
     ("epilogue.path", coop(epilogue=Epilogue("smem", 8)), PROBLEM, "// epilogue.path=smem"),
     ("epilogue.path.tma", coop(epilogue=Epilogue("tma", 8)), PROBLEM,
      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"),
-    ("epilogue.buffers", coop(epilogue=Epilogue("tma", 8, buffers=2)), PROBLEM,
-     'asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");'),
     ("epilogue.vector", coop(epilogue=Epilogue("direct", 1)), PROBLEM, "// epilogue.vector=1"),
     ("epilogue.vector.smem", coop(epilogue=Epilogue("smem", 4)), PROBLEM, "*reinterpret_cast<uint2*>(C"),
     ("problem.dtype", coop(), Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col")),

@@ -20,8 +20,8 @@ from l2ir.indexing import ceil_div
 from l2ir.nodes import Problem, SplitK
 from l2ir.seed import seed, split_tile_kernel
 from l2ir.testing import problems
-from l2ir.verify import resolved_stages, violations
-from l2ir.policy.actions import ACTIONS, KNOBS, Action, apply_action, diff_edits, fit_backend
+from l2ir.verify import resolved_stages
+from l2ir.policy.actions import ACTIONS, KNOBS, Action, apply_action, diff_edits
 from l2ir.policy.base import (Context, Feedback, Proposal, StatelessPolicy, get_policy, legalize,
                               policy_names, register_policy)
 from l2ir.policy.episodes import climb
@@ -632,19 +632,3 @@ def test_rules_write_bound_shapes_get_the_tma_store_kernel():
     for q in (Problem(8192, 4096, 1024), Problem(1024, 1024, 128)):
         qctx = Context(q, seed(q, "sm90a"), count=16, arch="sm90a")
         assert not any(x.note.startswith("write-bound") for x in Rules().propose(qctx)), q
-
-
-def test_epilogue_buffers_action_moves_to_cuda_ptx_and_stays_legal():
-    """A second C buffer is an edit only for a persistent TMA-store kernel; it names cuda_ptx (CUTLASS sizes its own
-    buffers), and edits that leave the TMA store or persistence drop it rather than make an illegal child."""
-    p = Problem(8192, 4096, 128)
-    k90 = seed(p, "sm90a")
-    assert k90.epilogue.path == "tma" and k90.pipeline.persistent
-    child, backend = apply_action(k90, p, Action("epilogue_buffers", 2))
-    assert child.epilogue.buffers == 2 and backend == "cuda_ptx" and not violations(child)
-    for knob, value in (("epilogue_path", "smem"), ("persistent", False)):
-        kid = apply_action(child, p, Action(knob, value), backend=backend)
-        assert kid is not None and kid[0].epilogue.buffers == 1 and not violations(kid[0]), (knob, kid)
-    one_tile = k90.replace(pipeline=dataclasses.replace(k90.pipeline, persistent=False))
-    assert apply_action(one_tile, p, Action("epilogue_buffers", 2)) is None
-    assert fit_backend(child, "cutlass_sm90").epilogue.buffers == 1

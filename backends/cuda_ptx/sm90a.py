@@ -95,8 +95,6 @@ Field -> code map (the generated lines name their field in a comment):
                            them with cp.async.bulk.tensor (clipped at M and N), so the warps go on to the next
                            tile's wgmma while the store drains; the buffer is reused after the store has read it
                            (cp.async.bulk.wait_group.read). fp16/bf16 C, BN a multiple of 64, vector=8, no split-K
-  epilogue.buffers         path=tma: 1, or 2 buffers per warpgroup that tiles alternate between (wait_group.read 1:
-                           the next tile stages while TMA still reads the last one); the ring gets what is left
   epilogue.vector          elements per global store (direct: 1 or 2, the accumulator fragment's adjacent pair)
   problem                  a row (K-major), b col (K-major), f16 or bf16 in, f16 or bf16 out, acc f32
 """
@@ -165,7 +163,6 @@ class PtxConfig:
     block_reduce: bool = False     # splitk reduce=block: the 2 slices are the block's consumer warpgroups
     repack: str = ""          # repack operands=a|b|ab: operands copied to aligned rows when K % 8 != 0 ("" = none)
     cluster: tuple[int, int] = (1, 1)   # tile.cluster CM x CN: TMA multicast, one tile per block (1x1: none)
-    c_buffers: int = 1        # epilogue.buffers (path=tma): staging buffers of C per consumer warpgroup
 
     @property
     def multicast(self) -> ClusterMulticast | None:
@@ -286,7 +283,7 @@ class PtxConfig:
 
     @property
     def c_stage_bytes(self) -> int:
-        return self.c_buffers * self.bm * self.bn * DTYPE_BYTES[self.out_dtype] if self.epilogue in ("smem", "tma") else 0
+        return self.bm * self.bn * DTYPE_BYTES[self.out_dtype] if self.epilogue in ("smem", "tma") else 0
 
     @property
     def layout(self) -> dict[str, int]:
@@ -447,10 +444,10 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
         raise UnsupportedLowering("epilogue.vector", f"{epi.vector} with path=direct: a thread's accumulator fragment "
                                   "holds 2 adjacent columns; use path=smem for wider stores")
 
-    # epilogue.path=tma stages the whole BM x BN tile, `buffers` times (CUTLASS's TMA epilogue, which analysis counts,
-    # double-buffers sub-tiles), so an auto ring fills what that leaves.
-    stages = resolved_stages(kernel, epilogue_bytes=(epi.buffers * tile.block[0] * tile.block[1]
-                                                     * DTYPE_BYTES[problem.c[0]] if epi.path == "tma" else None))
+    # epilogue.path=tma stages the whole BM x BN tile (CUTLASS's TMA epilogue, which analysis counts, double-buffers
+    # sub-tiles), so an auto ring fills what that leaves.
+    stages = resolved_stages(kernel, epilogue_bytes=(tile.block[0] * tile.block[1] * DTYPE_BYTES[problem.c[0]]
+                                                     if epi.path == "tma" else None))
     if stages < 2:
         # One stage cannot be refilled while it is read: the consumer releases a stage only after waiting on the next.
         raise ResourceError("pipeline", "smem_layout", f"{stages} stage(s) of {tile.block[0]}x{tile.block[1]}x"
@@ -466,7 +463,7 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
         epilogue=epi.path, vector=epi.vector, slices=slices,
         cluster_reduce=cluster_reduce(kernel), block_reduce=block_reduce(kernel),
         repack=kernel.repack.operands if kernel.repack is not None else "",
-        cluster=tuple(tile.cluster), c_buffers=epi.buffers,
+        cluster=tuple(tile.cluster),
     )
     total, limit = cfg.layout["total"], SMEM_LIMIT["sm90a"]
     if total > limit:
@@ -769,17 +766,10 @@ def _epilogue_tma(cfg: PtxConfig) -> list[str]:
         "      // swizzled as TMA reads them (l2ir.indexing.tma_store_staging: the 16-byte chunk XOR row % 8, so the 8",
         "      // rows of a fragment store land on all 32 banks); one thread then hands the boxes to TMA, which clips",
         "      // rows past M and columns past N, and the warps go on to the next tile's wgmma while the store drains.",
-        *(["      uint8_t* c_stage = smem + SMEM_C + cw * (WG_M * BN * (int)sizeof(OutT));",
-           "      // The previous tile's bulk stores must have read this buffer before it is overwritten: the issuing",
-           "      // thread waits for their reads (not their writes to global memory), then the warpgroup meets.",
-           '      if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");']
-          if cfg.c_buffers == 1 else
-          ["      // epilogue.buffers=2: tiles alternate between this warpgroup's two buffers. The issuing thread commits",
-           "      // one bulk group per tile, so once at most one group (the last tile's, in the other buffer) is still",
-           "      // reading, this buffer's last reader has finished; the warpgroup meets after that wait.",
-           "      uint8_t* c_stage = smem + SMEM_C + (cw * C_BUFFERS + c_buffer) * (WG_M * BN * (int)sizeof(OutT));",
-           "      c_buffer ^= 1;",
-           '      if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");']),
+        "      uint8_t* c_stage = smem + SMEM_C + cw * (WG_M * BN * (int)sizeof(OutT));",
+        "      // The previous tile's bulk stores must have read this buffer before it is overwritten: the issuing",
+        "      // thread waits for their reads (not their writes to global memory), then the warpgroup meets.",
+        '      if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");',
         '      asm volatile("bar.sync %0, 128;" :: "r"(1 + cw) : "memory");',
         *_stage_fragments("c_stage", ["const int col = 8 * c + 2 * (lane % 4);   // and col + 1: the same 16-byte chunk",
                                       f"const int off = ({offset}) * (int)sizeof(OutT);"]),
@@ -923,8 +913,6 @@ def _config(cfg: PtxConfig) -> list[str]:
            f"constexpr int C_BOX_COLS = {tma_store_box_cols(DTYPE_BYTES[cfg.out_dtype])};   // 128 bytes of C: "
            "the widest box row SWIZZLE_128B allows",
            "constexpr int C_BOXES = BN / C_BOX_COLS;",
-           f"constexpr int C_BUFFERS = {cfg.c_buffers};   // epilogue.buffers: tiles of C staged at once; with 2 the "
-           "next tile stages while TMA reads the last",
            "static_assert(SMEM_C % 1024 == 0 && (WG_M * C_BOX_COLS * sizeof(OutT)) % 1024 == 0,",
            '              "each store box must start on the 128-byte swizzle\'s 1024-byte period");']
           if cfg.epilogue == "tma" else []),
@@ -1456,8 +1444,6 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "#pragma unroll",
         f"      for (int i = 0; i < {nr}; ++i) acc[j][i] = 0.f;",
         *([] if cfg.block_reduce else ["    int stage = 0;", "    uint32_t phase = 0;"]),
-        *(["    int c_buffer = 0;   // epilogue.buffers=2: the buffer this warpgroup's next tile stages into"]
-          if cfg.c_buffers == 2 else []),
         *([] if cfg.multicast is None else [
             "    // tile.cluster: a stage is filled from every block of this block's patch row and column, so a warp",
             "    // releases it at each of their empty barriers: lane r signals cluster rank r, at rank r's empty",

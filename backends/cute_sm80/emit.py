@@ -56,7 +56,8 @@ def _describe_ir(kernel: Kernel) -> list[str]:
     """The schedule, one node per line, rendered through the fields' own types (stable across printer changes)."""
     out = []
     for node in kernel.nodes():
-        fields = " ".join(f"{name}={value}" for name, value in node.printed_fields())
+        types = node.field_types()
+        fields = " ".join(f"{name}={ftype.render(getattr(node, name))}" for name, ftype in types.items())
         out.append(f"//   {node.kind} {fields}")
     return out
 

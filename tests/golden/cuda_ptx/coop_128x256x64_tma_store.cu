@@ -65,7 +65,6 @@ constexpr int SMEM_A = 0, SMEM_B = 49152, SMEM_BARS = 212992;
 constexpr int SMEM_C = 147456;   // epilogue.path=tma: each consumer warpgroup's store boxes
 constexpr int C_BOX_COLS = 64;   // 128 bytes of C: the widest box row SWIZZLE_128B allows
 constexpr int C_BOXES = BN / C_BOX_COLS;
-constexpr int C_BUFFERS = 1;   // epilogue.buffers: tiles of C staged at once; with 2 the next tile stages while TMA reads the last
 static_assert(SMEM_C % 1024 == 0 && (WG_M * C_BOX_COLS * sizeof(OutT)) % 1024 == 0,
               "each store box must start on the 128-byte swizzle's 1024-byte period");
 constexpr int SMEM_BYTES = 213040;

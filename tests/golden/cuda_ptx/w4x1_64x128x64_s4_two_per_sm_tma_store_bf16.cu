@@ -64,7 +64,6 @@ constexpr int SMEM_A = 0, SMEM_B = 32768, SMEM_BARS = 114688;
 constexpr int SMEM_C = 98304;   // epilogue.path=tma: each consumer warpgroup's store boxes
 constexpr int C_BOX_COLS = 64;   // 128 bytes of C: the widest box row SWIZZLE_128B allows
 constexpr int C_BOXES = BN / C_BOX_COLS;
-constexpr int C_BUFFERS = 1;   // epilogue.buffers: tiles of C staged at once; with 2 the next tile stages while TMA reads the last
 static_assert(SMEM_C % 1024 == 0 && (WG_M * C_BOX_COLS * sizeof(OutT)) % 1024 == 0,
               "each store box must start on the 128-byte swizzle's 1024-byte period");
 constexpr int SMEM_BYTES = 114752;
