@@ -1,7 +1,7 @@
 """How close to the DRAM roofline can any kernel get on the DRAM-bound shapes? (the ceiling of issue 11's target)
 
     python bench/dram_ceiling_probe.py [--from bench/results/families_derived_v11_h200.json] [--shape MxNxK ...]
-                                       --out bench/results/dram_ceiling_h200.json
+                                       [--writes] [--reads] --out bench/results/dram_ceiling_h200.json
 
 The roofline floor of a shape is its least DRAM traffic (read A and B once, write C once) over the H200's measured
 copy rate (l2ir.target.H200_DRAM_BYTES_PER_S). A GEMM cannot move fewer bytes than that, and it cannot move them
@@ -110,6 +110,49 @@ WRITE_KERNEL(l2ir_write_tiles_n_cs, true, true, true)
 WRITE_KERNEL(l2ir_write_tiles_m_wb, true, false, false)
 WRITE_KERNEL(l2ir_write_tiles_m_cs, true, false, true)
 
+// Read-only kernels on B (N x K, K contiguous) in a GEMM's pattern: block (tile, slice) reads the RB = 64 rows of its
+// column tile over its K slice, CHUNK bytes of each row per step (a k tile's row: 128 bytes at BK = 64), DEPTH steps
+// in flight (8 or 16 16-byte loads per thread: 32-64 KB per block, a ring's worth). Against the linear read of the
+// same B: does visiting 64 rows 32 KB apart, CHUNK bytes at a time, cost DRAM throughput?
+template <int CHUNK, int DEPTH>
+__device__ __forceinline__ void read_b_tiles(const void* B, int N, int K, void* workspace) {
+  constexpr int RB = 64, THREADS = 256, VECS = RB * CHUNK / 16, PER_THREAD = VECS * DEPTH / THREADS;
+  static_assert(VECS * DEPTH % THREADS == 0, "whole loads per thread");
+  const size_t row = (size_t)K * 2;
+  const int tiles = N / RB, slices = gridDim.x / tiles;
+  const size_t per = row / slices / (CHUNK * DEPTH) * (CHUNK * DEPTH);   // the host counts the bytes this leaves
+  const char* base = reinterpret_cast<const char*>(B) + (size_t)(blockIdx.x / slices) * RB * row
+                     + (blockIdx.x % slices) * per;
+  uint32_t acc = 0;
+  for (size_t k0 = 0; k0 < per; k0 += CHUNK * DEPTH) {
+    uint4 v[PER_THREAD];
+#pragma unroll
+    for (int u = 0; u < PER_THREAD; ++u) {
+      const int j = threadIdx.x + u * THREADS, step = j / VECS, r = j % VECS / (CHUNK / 16), c = j % (CHUNK / 16);
+      v[u] = __ldcs(reinterpret_cast<const uint4*>(base + r * row + k0 + step * CHUNK + c * 16));
+    }
+#pragma unroll
+    for (int u = 0; u < PER_THREAD; ++u) acc ^= fold(v[u]);
+  }
+  if (acc == 0x9e3779b9u) atomicXor(reinterpret_cast<uint32_t*>(workspace), acc);
+}
+#define READ_KERNEL(chunk, depth) \
+  extern "C" __global__ void __launch_bounds__(256) l2ir_read_b_##chunk##x##depth(const void*, const void* B, void*, \
+                                                                                  int, int N, int K, void* ws) { \
+    read_b_tiles<chunk, depth>(B, N, K, ws); }
+READ_KERNEL(128, 4)
+READ_KERNEL(128, 8)
+READ_KERNEL(256, 2)
+READ_KERNEL(256, 4)
+READ_KERNEL(512, 1)
+READ_KERNEL(512, 2)
+READ_KERNEL(1024, 1)
+extern "C" __global__ void l2ir_read_b_linear(const void*, const void* B, void*, int, int N, int K, void* ws) {
+  size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x, nthreads = (size_t)gridDim.x * blockDim.x;
+  uint32_t acc = read_once(B, (size_t)N * K * 2, tid, nthreads);
+  if (acc == 0x9e3779b9u) atomicXor(reinterpret_cast<uint32_t*>(ws), acc);
+}
+
 extern "C" __global__ void l2ir_empty(const void* A, const void* B, void* C, int M, int N, int K, void* workspace) {}
 """
 
@@ -120,6 +163,18 @@ VARIANTS = ((1, 1024), (4, 512), (8, 256), (32, 128))
 # --writes: the write-only kernels, each at one block of 256 threads per SM (a persistent GEMM's grid) and at four.
 WRITE_KERNELS = ("linear_wb", "linear_cs", "tiles_n_wb", "tiles_n_cs", "tiles_m_wb", "tiles_m_cs")
 WRITE_GRIDS = (1, 4)
+# --reads: (CHUNK bytes per row and step, DEPTH steps in flight, blocks per SM) of the tiled B reads.
+READ_KERNELS = ((128, 4, 1), (128, 4, 2), (128, 8, 1), (256, 2, 1), (256, 4, 1), (512, 1, 1), (512, 2, 1), (1024, 1, 1))
+READ_ROWS = 64
+
+
+def read_grid(n: int, k: int, per_sm: int, sms: int, chunk: int, depth: int) -> tuple[int, int]:
+    """(blocks, bytes read) of a tiled B read: N / 64 column tiles, each split into the K slices that bring the grid
+    nearest per_sm blocks per SM, each slice a whole number of CHUNK x DEPTH steps (what is left over is not read)."""
+    tiles = n // READ_ROWS
+    slices = max(1, round(per_sm * sms / tiles))
+    per = (2 * k // slices) // (chunk * depth) * (chunk * depth)
+    return tiles * slices, tiles * slices * READ_ROWS * per
 
 
 def shape_arg(text: str) -> tuple[int, int, int]:
@@ -151,6 +206,9 @@ def main(argv=None) -> int:
     ap.add_argument("--writes", action="store_true",
                     help="also time write-only kernels on C (linear or tile by tile, write-back or streaming stores) "
                          "for the shapes whose M and N divide into 128x256 tiles")
+    ap.add_argument("--reads", action="store_true",
+                    help="also time read-only kernels on B: linear, and in a GEMM's pattern (64 rows per block, a "
+                         "chunk of each row per step) for the shapes whose N divides into 64-row tiles")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
@@ -196,7 +254,22 @@ def main(argv=None) -> int:
                 plans.append(LaunchPlan(source=STREAM_SOURCE, arch="sm_90a", launches=(Launch(
                     entry=f"l2ir_write_{w}", grid=(Const(sms * per_sm), Const(1), Const(1)), block=(256, 1, 1)),)))
                 names.append(f"write_{w}_{per_sm}")
+    read_bytes = {}      # name -> (N, K) -> bytes: the tiled reads' grids depend on the shape, so they launch per shape
+    if args.reads:
+        plans.append(LaunchPlan(source=STREAM_SOURCE, arch="sm_90a", launches=(Launch(
+            entry="l2ir_read_b_linear", grid=(Const(sms * 4), Const(1), Const(1)), block=(512, 1, 1)),)))
+        names.append("read_b_linear")
     launchers = [CubinLauncher(p, built.binary) for p in plans]
+    if args.reads:
+        for m, n, k in shapes:
+            if n % READ_ROWS:
+                continue
+            for chunk, depth, per_sm in READ_KERNELS:
+                blocks, nbytes = read_grid(n, k, per_sm, sms, chunk, depth)
+                if nbytes == 0:
+                    continue
+                name = f"read_b_{chunk}x{depth}_{per_sm}"
+                read_bytes.setdefault(name, {})[(n, k)] = (blocks, nbytes)
     cfg = TimingConfig()
     ws = torch.zeros(16, dtype=torch.uint8, device="cuda")
     rows = []
@@ -205,7 +278,14 @@ def main(argv=None) -> int:
         n_sets = len(sets)
         row = {"shape": [m, n, k], "floor_us": floor_us(m, n, k), "sets": n_sets, "kernels": {}}
         torch_us = []
-        for name, launcher in zip(names, launchers):
+        runs = list(zip(names, launchers))
+        for name, by_shape in read_bytes.items():
+            if (n, k) in by_shape:
+                blocks = by_shape[(n, k)][0]
+                runs.append((name, CubinLauncher(LaunchPlan(source=STREAM_SOURCE, arch="sm_90a", launches=(Launch(
+                    entry=f"l2ir_read_b_{name.split('_')[2]}", grid=(Const(blocks), Const(1), Const(1)),
+                    block=(256, 1, 1)),)), built.binary)))
+        for name, launcher in runs:
             if name.startswith("write_tiles") and (m % 128 or n % 256):
                 continue
             def kernel(i, launcher=launcher, sets=sets, mnk=(m, n, k)):
@@ -215,9 +295,12 @@ def main(argv=None) -> int:
             for _, _, c, _ in sets:
                 c.fill_(0)
             k_us, b_us, reps = time_offline(kernel, baseline, n_sets, cfg)
-            written = name == "empty" or all(bool((c == FILL_FP16).all()) for _, _, c, _ in sets)
+            written = name == "empty" or name.startswith("read_b") or all(bool((c == FILL_FP16).all()) for _, _, c, _ in sets)
             row["kernels"][name] = {"us": statistics.median(k_us), "spread": (max(k_us) - min(k_us)) / min(k_us),
                                     "reps": reps, "wrote_c": written}
+            if name.startswith("read_b"):
+                nbytes = 2 * n * k if name == "read_b_linear" else read_bytes[name][(n, k)][1]
+                row["kernels"][name].update(bytes=nbytes, tbps=nbytes / statistics.median(k_us) / 1e6)
             torch_us.append(statistics.median(b_us))
         streams = {nm: r for nm, r in row["kernels"].items() if nm.startswith("stream") and r["wrote_c"]}
         best = min(streams, key=lambda nm: streams[nm]["us"]) if streams else None
@@ -232,6 +315,11 @@ def main(argv=None) -> int:
             row["best_l2ir_share"] = d["kernel_share"]
             row["best_l2ir_us"] = d["floor_us"] / d["kernel_share"]
         rows.append(row)
+        for name, launcher in runs[len(launchers):]:
+            launcher.close()
+        reads = {nm: round(r["tbps"], 2) for nm, r in row["kernels"].items() if nm.startswith("read_b")}
+        if reads:
+            print(f"{m}x{n}x{k} B read-only, TB/s: {reads}", flush=True)
         writes = {nm: round(r["us"], 2) for nm, r in row["kernels"].items() if nm.startswith("write")}
         if writes:
             print(f"{m}x{n}x{k} write-only (C floor {2 * m * n / H200_DRAM_BYTES_PER_S * 1e6:.2f} us): {writes}",
