@@ -254,22 +254,11 @@ def main(argv=None) -> int:
                 plans.append(LaunchPlan(source=STREAM_SOURCE, arch="sm_90a", launches=(Launch(
                     entry=f"l2ir_write_{w}", grid=(Const(sms * per_sm), Const(1), Const(1)), block=(256, 1, 1)),)))
                 names.append(f"write_{w}_{per_sm}")
-    read_bytes = {}      # name -> (N, K) -> bytes: the tiled reads' grids depend on the shape, so they launch per shape
     if args.reads:
         plans.append(LaunchPlan(source=STREAM_SOURCE, arch="sm_90a", launches=(Launch(
             entry="l2ir_read_b_linear", grid=(Const(sms * 4), Const(1), Const(1)), block=(512, 1, 1)),)))
         names.append("read_b_linear")
     launchers = [CubinLauncher(p, built.binary) for p in plans]
-    if args.reads:
-        for m, n, k in shapes:
-            if n % READ_ROWS:
-                continue
-            for chunk, depth, per_sm in READ_KERNELS:
-                blocks, nbytes = read_grid(n, k, per_sm, sms, chunk, depth)
-                if nbytes == 0:
-                    continue
-                name = f"read_b_{chunk}x{depth}_{per_sm}"
-                read_bytes.setdefault(name, {})[(n, k)] = (blocks, nbytes)
     cfg = TimingConfig()
     ws = torch.zeros(16, dtype=torch.uint8, device="cuda")
     rows = []
@@ -278,14 +267,19 @@ def main(argv=None) -> int:
         n_sets = len(sets)
         row = {"shape": [m, n, k], "floor_us": floor_us(m, n, k), "sets": n_sets, "kernels": {}}
         torch_us = []
-        runs = list(zip(names, launchers))
-        for name, by_shape in read_bytes.items():
-            if (n, k) in by_shape:
-                blocks = by_shape[(n, k)][0]
-                runs.append((name, CubinLauncher(LaunchPlan(source=STREAM_SOURCE, arch="sm_90a", launches=(Launch(
-                    entry=f"l2ir_read_b_{name.split('_')[2]}", grid=(Const(blocks), Const(1), Const(1)),
-                    block=(256, 1, 1)),)), built.binary)))
-        for name, launcher in runs:
+        # (name, launcher, bytes read: set for the read-only kernels, which write no C)
+        runs = [(name, launcher, 2 * n * k if name == "read_b_linear" else None)
+                for name, launcher in zip(names, launchers)]
+        tiled = []       # the tiled reads' grids depend on the shape: their launchers are made and closed per shape
+        if args.reads and n % READ_ROWS == 0:
+            for chunk, depth, per_sm in READ_KERNELS:
+                blocks, nbytes = read_grid(n, k, per_sm, sms, chunk, depth)
+                if nbytes:
+                    tiled.append((f"read_b_{chunk}x{depth}_{per_sm}", CubinLauncher(LaunchPlan(
+                        source=STREAM_SOURCE, arch="sm_90a", launches=(Launch(
+                            entry=f"l2ir_read_b_{chunk}x{depth}", grid=(Const(blocks), Const(1), Const(1)),
+                            block=(256, 1, 1)),)), built.binary), nbytes))
+        for name, launcher, nbytes in runs + tiled:
             if name.startswith("write_tiles") and (m % 128 or n % 256):
                 continue
             def kernel(i, launcher=launcher, sets=sets, mnk=(m, n, k)):
@@ -295,11 +289,10 @@ def main(argv=None) -> int:
             for _, _, c, _ in sets:
                 c.fill_(0)
             k_us, b_us, reps = time_offline(kernel, baseline, n_sets, cfg)
-            written = name == "empty" or name.startswith("read_b") or all(bool((c == FILL_FP16).all()) for _, _, c, _ in sets)
+            written = name == "empty" or nbytes is not None or all(bool((c == FILL_FP16).all()) for _, _, c, _ in sets)
             row["kernels"][name] = {"us": statistics.median(k_us), "spread": (max(k_us) - min(k_us)) / min(k_us),
                                     "reps": reps, "wrote_c": written}
-            if name.startswith("read_b"):
-                nbytes = 2 * n * k if name == "read_b_linear" else read_bytes[name][(n, k)][1]
+            if nbytes is not None:
                 row["kernels"][name].update(bytes=nbytes, tbps=nbytes / statistics.median(k_us) / 1e6)
             torch_us.append(statistics.median(b_us))
         streams = {nm: r for nm, r in row["kernels"].items() if nm.startswith("stream") and r["wrote_c"]}
@@ -315,7 +308,7 @@ def main(argv=None) -> int:
             row["best_l2ir_share"] = d["kernel_share"]
             row["best_l2ir_us"] = d["floor_us"] / d["kernel_share"]
         rows.append(row)
-        for name, launcher in runs[len(launchers):]:
+        for _, launcher, _ in tiled:
             launcher.close()
         reads = {nm: round(r["tbps"], 2) for nm, r in row["kernels"].items() if nm.startswith("read_b")}
         if reads:
