@@ -112,12 +112,12 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("cutlass_sm90", "l2ir.backends.cutlass_sm90", Schedule("wgmma", "tma_ws", ("workspace", "atomic"))),
     # Raw CUDA + inline PTX. Rules are keyed by what the kernel computes with, not by its target: an mma.sync +
     # cp.async schedule on sm90 is the sm80 rule's kernel. The sm90a rule is the default for what only it lowers:
-    # split-K reduced in a thread-block cluster or inside one block, and the repack node; the sm80 rule for the
-    # mma.sync kernels with pad.align=1 it lowers and for every kernel with the interleave node (which only it
-    # lowers: where it refuses one, the refusal names the field), except in a problem class it does not generate
-    # (CuTe's then).
-    Backend("cuda_ptx", "l2ir.backends.cuda_ptx.sm90a", Schedule("wgmma", "tma_ws", repacks=True),
-            default=lambda k: cluster_reduce(k) or block_reduce(k) or k.repack is not None),
+    # split-K reduced in a thread-block cluster or inside one block, the repack node and the interleave node's
+    # tensor-map form; the sm80 rule for the mma.sync kernels with pad.align=1 it lowers and for every mma.sync
+    # kernel with the interleave node (which only it lowers among the mma.sync rules: where it refuses one, the
+    # refusal names the field), except in a problem class it does not generate (CuTe's then).
+    Backend("cuda_ptx", "l2ir.backends.cuda_ptx.sm90a", Schedule("wgmma", "tma_ws", repacks=True, interleaves=True),
+            default=lambda k: cluster_reduce(k) or block_reduce(k) or k.repack is not None or k.interleave is not None),
     Backend("cuda_ptx_sm80", "l2ir.backends.cuda_ptx.sm80", Schedule("mma_sync", "multistage", interleaves=True),
             default=lambda k: realigned_sm80(k) or k.interleave is not None,
             yields_to=(_cuda_ptx_problems, "cute_sm80")),

@@ -814,6 +814,33 @@ class Interleave:
         """k-tiles of a residue's view: its K + offset elements in tiles of BK."""
         return cdiv(lift(k) + offset, bk)
 
+    # The tensor-map form (sm90a, pipeline mode=tma_ws). A TMA box may start on any element, so B's view is one 2D
+    # tensor map of pitch STRIDE * K over the view rows, read from each row's own start (offset 0, K elements, the
+    # k tiles of an aligned K): no realign of either operand. The map covers only the view rows all of whose
+    # STRIDE residues exist (tma_view_rows), so no box reads past B; the N mod STRIDE columns after them, the
+    # tail, are dot products of the producer warpgroup's idle warps (tail_row, tail_column).
+    TAIL = Var("o")     # one output of the tail, 0 .. M * (N mod STRIDE) - 1
+
+    @classmethod
+    def tma_view_rows(cls, n) -> Expr:
+        """View rows of the tensor-map form's B map: floor(N / STRIDE). A tile stores only its view rows below it."""
+        return lift(n) // cls.STRIDE
+
+    @classmethod
+    def tail_columns(cls, n) -> Expr:
+        """Columns of C past the tensor-map form's view, N mod STRIDE: C's last columns, computed by the tail."""
+        return lift(n) % cls.STRIDE
+
+    @classmethod
+    def tail_row(cls, n) -> Expr:
+        """The row of C of tail output `o` (outputs run along the tail's columns, then down the rows)."""
+        return cls.TAIL // cls.tail_columns(n)
+
+    @classmethod
+    def tail_column(cls, n) -> Expr:
+        """The column of C of tail output `o`."""
+        return cls.STRIDE * cls.tma_view_rows(n) + cls.TAIL % cls.tail_columns(n)
+
 
 def column_tiles(n, bn: int, interleave: bool) -> Expr:
     """Output tiles along N: runs of BN consecutive columns, or with the interleave node STRIDE residues of runs of

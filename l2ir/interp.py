@@ -122,6 +122,9 @@ class _Schedule:
         self.bm, self.bn, self.bk = kernel.tile.block
         self.tiles_m = ceil_div(problem.m, self.bm)
         self.interleave = kernel.interleave is not None
+        # The interleave node's tensor-map form (tma_ws): B's view read from each row's start by TMA (any element
+        # may start a box), over Interleave.tma_view_rows view rows; the columns after them are the tail.
+        self.tma_view = self.interleave and kernel.pipeline.mode == "tma_ws"
         self.tiles_n = int(column_tiles(problem.n, self.bn, self.interleave).eval({}))
         self._column_cache: dict[int, tuple[np.ndarray, int]] = {}
         self.k_tiles = ceil_div(problem.k, self.bk)
@@ -161,6 +164,8 @@ class _Schedule:
         r = int(Interleave.residue().eval(env))
         j = int(Interleave.first_row(self.bn).eval(env)) + np.arange(self.bn)
         cols = np.asarray(Interleave.column().eval({"j": j, "r": r}))
+        if self.tma_view:
+            return cols, 0      # a TMA box starts on the row's first element: no offset, nothing to check
         off = int(Interleave.offset().eval({"elem": r * self.problem.k}))
         # The view is read in whole 16-byte vectors: every row of the residue must start `off` elements past one.
         starts = (cols * self.problem.k - off) % Interleave.STRIDE
@@ -168,6 +173,33 @@ class _Schedule:
             raise InterpError(f"interleave: column tile {tn}'s view starts {off} elements before its rows, which "
                               "leaves them off a 16-byte boundary")
         return cols, off
+
+    def tile_stores(self, tn: int) -> np.ndarray:
+        """Which of column tile tn's BN columns its block stores: those inside C, and in the tensor-map form only
+        those of the view rows the B map covers (the tail's columns are loaded as zeros and stored by the tail)."""
+        cols = self.tile_cols(tn)
+        ok = cols < self.problem.n
+        if self.tma_view:
+            ok &= cols // Interleave.STRIDE < int(Interleave.tma_view_rows(self.problem.n).eval({}))
+        return ok
+
+    def tail(self, c: np.ndarray, writes: np.ndarray) -> None:
+        """The tensor-map form's tail: C's last N mod 8 columns, each output one fp32 dot product of a row of A and
+        a row of the K-major B (l2ir.indexing.Interleave.tail_row / tail_column), rounded once. Every output must
+        land inside the tail's columns, once."""
+        p = self.problem
+        t = int(Interleave.tail_columns(p.n).eval({}))
+        if not t:
+            return
+        o = np.arange(p.m * t, dtype=np.int64)
+        rows = np.broadcast_to(Interleave.tail_row(p.n).eval({"o": o}), o.shape)
+        cols = np.broadcast_to(Interleave.tail_column(p.n).eval({"o": o}), o.shape)
+        first = Interleave.STRIDE * int(Interleave.tma_view_rows(p.n).eval({}))
+        if rows.min() < 0 or rows.max() >= p.m or cols.min() < first or cols.max() >= p.n:
+            raise InterpError(f"interleave tail: outputs land outside rows [0, {p.m}) x columns [{first}, {p.n})")
+        dots = np.einsum("ik,ik->i", self.a[rows].astype(np.float32), self.b.T[cols].astype(np.float32))
+        c[rows, cols] = dots.astype(self.out_dtype)
+        np.add.at(writes, (rows, cols), 1)
 
     def tile_k_tiles(self, tn: int) -> int:
         """k tiles of column tile tn: interleave runs them over B's view, K + offset elements."""
@@ -233,6 +265,17 @@ class _Schedule:
     def _load(self, ring_a: _Ring, ring_b: _Ring, slot: int, tm: int, tn: int, kt: int) -> None:
         """The copy of k tile kt of output tile (tm, tn)'s A rows and B columns into ring slot `slot` (interleave:
         of B's view of the tile's columns and of A's rows shifted to meet it)."""
+        if self.tma_view:
+            # A's rows are boxes of their own, one per row inside M: the rows past M are not loaded and keep
+            # whatever the stage held (poison, which reaches only accumulator rows no one stores). B's view rows
+            # past the map's (Interleave.tma_view_rows) are the map's out-of-bounds fill: zeros.
+            a_t = self._view(self.a, tm * self.bm + np.arange(self.bm), "m", kt, 0)
+            a_t[tm * self.bm + np.arange(self.bm) >= self.problem.m] = np.nan
+            b_t = self._view(self.b.T, self.tile_cols(tn), "n", kt, 0)
+            b_t[self.tile_cols(tn) // Interleave.STRIDE >= int(Interleave.tma_view_rows(self.problem.n).eval({}))] = 0
+            ring_a.store(slot, a_t)
+            ring_b.store(slot, b_t)
+            return
         if self.interleave:
             off = self.view_offset(tn)
             ring_a.store(slot, self._view(self.a, tm * self.bm + np.arange(self.bm), "m", kt, off))
@@ -338,7 +381,7 @@ class _Schedule:
             # One element per store (the verifier's vector=1): a thread's two columns are 8 apart.
             cols = self.tile_cols(tn)
             sel = np.zeros((self.bm, self.bn), dtype=bool)
-            sel[:vr] = (cols < self.problem.n)[None, :]
+            sel[:vr] = self.tile_stores(tn)[None, :]
             if mask is not None:
                 sel &= mask
             rr, jj = np.nonzero(sel)
@@ -461,6 +504,8 @@ class _Schedule:
                 pos = ke
             if pos != self.tile_k_tiles(tn):
                 raise InterpError(f"tile ({tm}, {tn}): k tiles [{pos}, {self.tile_k_tiles(tn)}) never accumulated")
+        if self.tma_view:
+            self.tail(c, writes)
         _check_once(writes, "C")
         if ws_writes is not None:
             _check_once(ws_writes, "the split-K workspace", ws_expected)

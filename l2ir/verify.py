@@ -17,7 +17,7 @@ from typing import Callable
 
 from .errors import (EpilogueError, ExprError, MmaError, PadError, PipelineError, ProblemError, ResourceError,
                      SourceError, SplitKError, SwizzleError, TargetError, TileError, VerifyError)
-from .indexing import LAUNCH_VARS, REPACK_ALIGN, BlockSplit, DirectFeed, ceil_div, leaves_empty_slice
+from .indexing import LAUNCH_VARS, REPACK_ALIGN, BlockSplit, DirectFeed, Interleave, ceil_div, leaves_empty_slice
 from .nodes import OPTIONAL_NODES, SCHEDULE_NODES, Kernel, Problem
 from .analysis import (acc_registers, block_reduce, cluster_receive_bytes, elem_bytes,
                        estimated_registers, resolved_stages, ring_bytes, ring_description, smem_bytes, threads,
@@ -468,6 +468,8 @@ def _tma_pad(k: Kernel):
     for dim in ("m", "n", "k"):
         if getattr(k.pad, dim) == "predicate":
             return f"pad.{dim}=predicate: TMA has no predicated loads; use zero_fill (hardware OOB fill) or divisible"
+    if k.interleave is not None:
+        return None     # the interleave view's row pitch is 8K elements, 16K bytes, for any K (its own rule)
     if k.pad.align != 8:
         return f"TMA needs 16-byte aligned global strides: pad.align must be 8, not {k.pad.align}"
 
@@ -488,17 +490,28 @@ BLOCK_REDUCE_MAX_ACC = 128
 @rule("interleave", "residue_columns", PadError)
 def _interleave(k: Kernel):
     """The interleave node gives a block columns 8 apart whose B rows share one alignment (l2ir.indexing.Interleave),
-    one block per output tile fed by a cp.async ring, split-K (if any) over each tile's own view. It is for rows on
-    any 2-byte boundary (pad.align=1, which also keeps stores to one element: a thread's two
-    accumulator columns are 8 apart in C), a residue's view ends past N and starts each row up to 7 elements early
-    (K and N are checked). It answers the misaligned rows the repack node would copy: the repack node needs
-    pad.align=8, so the two never meet."""
+    one block per output tile, split-K (if any) over each tile's own view. It is for rows on any 2-byte boundary
+    (pad.align=1, which also keeps stores to one element: a thread's two accumulator columns are 8 apart in C), a
+    residue's view ends past N and starts each row up to 7 elements early (K and N are checked). It answers the
+    misaligned rows the repack node would copy: the repack node needs pad.align=8, so the two never meet.
+    Two forms: a cp.async ring (mode=multistage, mma.sync), and the tensor-map form (mode=tma_ws, wgmma: B's view
+    is one TMA map, A's rows are boxes of their own; Interleave.tma_view_rows) on one consumer warpgroup
+    (schedule=pingpong, non-persistent), which zeroes the last k tile's columns past K in shared memory itself."""
     if k.interleave is None:
         return None
-    if k.pipeline.mode != "multistage" or k.tile.cluster != (1, 1):
+    if k.pipeline.mode == "tma_ws":
+        p = k.pipeline
+        if k.tile.cluster != (1, 1) or p.persistent or p.schedule != "pingpong":
+            return (f"interleave on a tma_ws pipeline is one tile per block on one consumer warpgroup (schedule="
+                    f"pingpong, persistent=false, cluster 1x1), not schedule={p.schedule} persistent="
+                    f"{str(p.persistent).lower()} cluster {k.tile.cluster[0]}x{k.tile.cluster[1]}")
+        if k.epilogue.path != "direct":
+            return (f"interleave on a tma_ws pipeline stores single elements 8 columns apart from registers "
+                    f"(epilogue path=direct), not path={k.epilogue.path}")
+    elif k.pipeline.mode != "multistage" or k.tile.cluster != (1, 1):
         return (f"interleave is defined for one block per output tile fed by a cp.async ring (pipeline "
-                f"mode=multistage, cluster 1x1), not mode={k.pipeline.mode} with cluster "
-                f"{k.tile.cluster[0]}x{k.tile.cluster[1]}")
+                f"mode=multistage, cluster 1x1) or a TMA ring (mode=tma_ws), not mode={k.pipeline.mode} with "
+                f"cluster {k.tile.cluster[0]}x{k.tile.cluster[1]}")
     if k.splitk is not None and (k.splitk.mode != "split_k" or k.splitk.reduce not in ("workspace", "atomic")):
         return (f"interleave splits K through a workspace or atomics only (each tile's slices share its view of "
                 f"B), not {k.splitk.mode} reduce={k.splitk.reduce}")
@@ -715,6 +728,19 @@ def _alignment(k: Kernel, p: Problem):
         if size % width:
             return (f"{field}={width} assumes {width * elem_bytes(p)}-byte aligned rows: {op} is {layouts[op]}-major, "
                     f"so {dim} must be a multiple of {width}, got {dim}={size}")
+
+
+@rule("interleave", "tma_view_rows", PadError, problem=True)
+def _interleave_view_rows(k: Kernel, p: Problem):
+    """The tensor-map form's B map covers floor(N / 8) view rows of 8 rows of B (Interleave.tma_view_rows): below
+    8 columns it has none (a map's extents are positive), and its coordinates and A's (row * K + k) are 32-bit."""
+    if k.interleave is None or k.pipeline.mode != "tma_ws":
+        return None
+    if p.n < Interleave.STRIDE:
+        return (f"interleave on a tma_ws pipeline maps B's view rows of {Interleave.STRIDE} columns; N={p.n} has "
+                "none (use the cp.async form)")
+    if max(p.m * p.k, Interleave.STRIDE * p.k) >= 2 ** 31:
+        return f"interleave on a tma_ws pipeline addresses A and B's view by 32-bit element coordinates: M*K={p.m * p.k}"
 
 
 @rule("splitk", "slices_vs_k", SplitKError, problem=True)

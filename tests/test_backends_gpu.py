@@ -617,6 +617,82 @@ def test_cuda_ptx_sm80_families_pass_every_gate(evaluator, tmp_path, name):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The interleave node's tensor-map form (cuda_ptx sm90a): B's view through one TMA map from each row's own start, A's
+# rows boxes of their own, the last k tile's columns past K zeroed in shared memory, the N mod 8 last columns dot
+# products of the consumer warps. Odd, even and aligned K; N a multiple of 8 (no tail) or not; M past one tile.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def interleave_sm90a(block=(64, 128, 64), stages=4, slices=3, dtype="f16") -> Kernel:
+    return Kernel(target=Target("sm90a"), tile=Tile(block, (4, 1)), mma=Mma("wgmma", (64, block[1], 16)),
+                  pipeline=Pipeline("tma_ws", stages, "pingpong", persistent=False),
+                  swizzle=Swizzle((3, 3, 3), "along_n", 1), pad=Pad("zero_fill", "zero_fill", "zero_fill", 1),
+                  splitk=SplitK("split_k", slices) if slices > 1 else None, epilogue=Epilogue("direct", 1),
+                  interleave=Interleave())
+
+
+INTERLEAVE_SM90A = {
+    "w4x1_64x128x64_s4_splitk3": (interleave_sm90a(), [(17, 9999, 3333), (8, 11008, 4095), (33, 130, 300),
+                                                         (31, 4001, 2048), (70, 1029, 999)]),
+    "w4x1_64x64x64_s6": (interleave_sm90a((64, 64, 64), 6, 1), [(1, 8, 321), (5, 15, 251), (64, 1000, 77),
+                                                                  (17, 9999, 3333)]),
+    "w4x1_64x256x128_s2_splitk2": (interleave_sm90a((64, 256, 128), 2, 2), [(16, 8192, 4097), (100, 3000, 4103)]),
+}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", list(INTERLEAVE_SM90A))
+def test_cuda_ptx_interleave_passes_every_gate(evaluator, tmp_path_factory, name):
+    _skip_unless_hopper()
+    kernel, shapes = INTERLEAVE_SM90A[name]
+    plan = lower(kernel, F16, "cuda_ptx")
+    art = _build_for_this_gpu(plan, tmp_path_factory.mktemp("interleave"))
+    _assert_passes_every_gate(evaluator, kernel, F16, plan, art, shapes, name,
+                              {"accuracy", "all_written", "guard_bands"})
+    if kernel.splitk is not None:
+        from l2ir.indexing import SplitKTree
+
+        _assert_splitk_repeatable(kernel, plan, art, shapes[0], seed=11,
+                                  counters_per_tile=SplitKTree(kernel.splitk.slices).counters)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_ptx_interleave_zeroes_what_runs_past_k(tmp_path_factory):
+    """The last k tile of a view row runs on into the next residue's row of B (and A's long row into its next row):
+    the kernel must zero those columns in both operands. Inf in the first elements of every other row of A and B
+    reaches only the rows and columns that hold it: the rest of C stays finite and matches fp64."""
+    import torch
+
+    from l2ir.runtime import load
+    from l2ir.search.gates import relative_error, tolerance
+
+    _skip_unless_hopper()
+    kernel = interleave_sm90a(slices=1)
+    plan = lower(kernel, F16, "cuda_ptx")
+    art = _build_for_this_gpu(plan, tmp_path_factory.mktemp("interleave_inf"))
+    mm, nn, kk = 33, 1029, 999      # 999 = 15 x 64 + 39: the last k tile reads 25 elements of the next row
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    a = torch.randn((mm, kk), generator=gen, device="cuda").half()
+    b = torch.randn((nn, kk), generator=gen, device="cuda").half()
+    a[1::2, :32] = float("inf")
+    b[1::2, :32] = float("inf")
+    c = torch.full((mm, nn), float("nan"), dtype=torch.half, device="cuda")
+    launcher = load(plan, art.binary)
+    try:
+        launcher(a.data_ptr(), b.data_ptr(), c.data_ptr(), mm, nn, kk, 0, 0)   # raises on a non-zero status
+        torch.cuda.synchronize()
+    finally:
+        launcher.close()
+    clean = c[0::2][:, 0::2]
+    assert bool(torch.isfinite(clean).all()), "a row or column without Inf came out Inf or NaN"
+    ref = a[0::2].double() @ b[0::2].double().t()
+    assert relative_error(clean, ref) <= tolerance(kk, "f32", "f16")
+    assert not bool(torch.isfinite(c[1::2]).any()), "the rows of A that hold Inf must carry it"
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # An odd N with wide loads: B is K-major, so its rows stay 16-byte aligned (pad.align=8); only C's rows are odd, and
 # the stores narrow to epilogue.vector=1 (verify's alignment rule keeps the two apart). One kernel per backend.
 # ---------------------------------------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ from l2ir.backends.cuda_ptx.common import UnsupportedLowering  # noqa: E402
 from l2ir.target import SMEM_LIMIT  # noqa: E402
 from l2ir.runtime import STATUS_BAD_ARGUMENT, STATUS_MISALIGNED  # noqa: E402
 from l2ir.errors import L2IRError  # noqa: E402
-from l2ir.nodes import (Epilogue, Kernel, Mma, Pad, Pipeline, Problem, Repack, SplitK, Swizzle,  # noqa: E402
-                        Target, Tile)
+from l2ir.nodes import (Epilogue, Interleave, Kernel, Mma, Pad, Pipeline, Problem, Repack, SplitK,  # noqa: E402
+                        Swizzle, Target, Tile)
 from l2ir.analysis import resolved_stages  # noqa: E402
 
 PROBLEM = Problem(m=4096, n=4096, k=4096)
@@ -113,6 +113,16 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
              pipeline=Pipeline("tma_ws", "auto", "cooperative", persistent=False)), PROBLEM),
     "w4x1_64x128x64_s4_two_per_sm_tma_store_bf16": (
         lat(pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False), epilogue=Epilogue("tma", 8)),
+        Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col"), c=("bf16", "row"))),
+    # The interleave node's tensor-map form: B's view and A's row boxes through TMA, the k tail zeroed in shared
+    # memory, C's last N mod 8 columns dot products of the consumer warps.
+    "w4x1_64x128x64_s4_two_per_sm_splitk3_interleave": (
+        lat(pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False), splitk=SplitK("split_k", 3),
+            pad=Pad("zero_fill", "zero_fill", "zero_fill", 1), epilogue=Epilogue("direct", 1),
+            interleave=Interleave()), Problem(m=17, n=9999, k=3333)),
+    "w4x1_64x64x128_interleave_bf16": (
+        lat((64, 64, 128), pad=Pad("zero_fill", "zero_fill", "zero_fill", 1), epilogue=Epilogue("direct", 1),
+            interleave=Interleave()),
         Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col"), c=("bf16", "row"))),
 }
 
@@ -802,7 +812,8 @@ NVCC_CASES = ["coop_128x256x64_direct", "coop_256x128x64_smem8_along_m8", "w4x1_
               "w4x1_64x64x64_splitk8_cluster_repack", "coop_128x48x64_s4_splitk2_block_bf16",
               "w4x1_64x64x64_cluster2x4", "w4x1_64x128x64_cluster1x4_divisible", "coop_128x64x64_cluster2x1_smem8",
               "w4x1_64x256x64_splitk2_cluster2x1", "coop_128x128x64_splitk3_cluster1x2",
-              "w4x1_64x256x64_splitk2_cluster2x1_repack"]
+              "w4x1_64x256x64_splitk2_cluster2x1_repack", "w4x1_64x128x64_s4_two_per_sm_splitk3_interleave",
+              "w4x1_64x64x128_interleave_bf16"]
 BUILD_CASES = {**{name: CASES[name] for name in NVCC_CASES}, **_sweep_splitk_cases()}
 
 

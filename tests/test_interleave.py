@@ -65,7 +65,7 @@ def test_only_the_vector_stride_parses():
     (dict(pad=Pad("predicate", "zero_fill", "divisible", 1)), "pad.k=predicate or zero_fill"),
     (dict(splitk=SplitK("stream_k"), pipeline=Pipeline("tma_ws", 4, schedule="cooperative", persistent=True),
           mma=Mma("wgmma", (64, 128, 16)), target=Target("sm90a"), tile=Tile((128, 128, 64), (8, 1))),
-     "pipeline mode=multistage"),
+     "schedule=pingpong, persistent=false"),
     (dict(pipeline=Pipeline("direct", 2)), "not mode=direct"),
     (dict(splitk=SplitK("stream_k")), "not stream_k"),
 ], ids=["align8", "n_divisible", "k_divisible", "tma_ws", "direct", "stream_k"])
@@ -223,3 +223,94 @@ def test_output_tiles_and_the_stand_in_count_residue_runs():
     inter, plain = interleave_decode_kernel(problem, "sm80", 3), decode_align_kernel(problem, "sm80", 4, 3)
     assert (output_tiles(inter, problem), output_tiles(plain, problem)) == (80, 79)
     assert kernel_time_us(inter, problem) < 0.8 * kernel_time_us(plain, problem)
+
+
+# ---- the tensor-map form (cuda_ptx sm90a) -------------------------------------------------------------------------
+
+def tma_form(slices=3, **changes) -> Kernel:
+    """The interleave node on a TMA ring: one consumer warpgroup, 64x128x64, 4 stages (two blocks per SM)."""
+    k = Kernel(target=Target("sm90a"), tile=Tile((64, 128, 64), (4, 1)), mma=Mma("wgmma", (64, 128, 16)),
+               pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False), swizzle=Swizzle((3, 3, 3), "along_n", 1),
+               pad=Pad("zero_fill", "zero_fill", "zero_fill", 1),
+               splitk=SplitK("split_k", slices) if slices > 1 else None, epilogue=Epilogue("direct", 1),
+               interleave=Interleave())
+    return k.replace(**changes)
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(pipeline=Pipeline("tma_ws", 4, "cooperative", persistent=False), tile=Tile((128, 128, 64), (8, 1))),
+     "schedule=pingpong"),
+    (dict(pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=True)), "persistent=false"),
+    (dict(tile=Tile((64, 128, 64), (4, 1), (1, 2))), "cluster 1x1"),
+    (dict(epilogue=Epilogue("smem", 1)), "path=direct"),
+    (dict(splitk=SplitK("split_k", 2, "cluster")), "workspace or atomics"),
+    (dict(pad=Pad("zero_fill", "zero_fill", "zero_fill", 8)), "set pad.align=1"),
+], ids=["cooperative", "persistent", "cluster", "smem_epilogue", "cluster_reduce", "align8"])
+def test_verifier_names_what_the_tma_form_needs(change, words):
+    errors = [str(e) for e in violations(tma_form(**change)) if isinstance(e, PadError) and "interleave" in str(e)]
+    assert errors and words in errors[0], errors
+    assert not violations(tma_form())                # the kernel itself is legal: TMA takes pad.align=1 here
+
+
+def test_tma_form_needs_a_view_row():
+    """Below 8 columns B's map would have no view row: the problem rule refuses, naming the cp.async form."""
+    a, b = random_inputs(Problem(3, 7, 300), np.random.default_rng(0))
+    with pytest.raises(PadError, match="N=7 has none"):
+        interpret(tma_form(slices=1), Problem(3, 7, 300), a, b)
+    interpret(decode(slices=1), Problem(3, 7, 300), a, b)        # the cp.async form takes it
+
+
+def test_tma_form_lowers_on_the_sm90a_rule():
+    k = tma_form()
+    assert backend_for(k).name == "cuda_ptx" and backend_for(decode()).name == "cuda_ptx_sm80"
+    with pytest.raises(NotImplementedError, match="interleave"):
+        backend_for(k, "cutlass_sm90")
+    src = backend_for(k).lower(k, Problem(17, 9999, 3333)).source
+    # B's box starts on any element of the residue's view row; A's rows are boxes of one long row
+    assert "tma_load_2d(smem_base + SMEM_B + stage * B_STAGE_BYTES + kb * B_KBLOCK_BYTES, &tmap_b, full, residue * K + k0," in src
+    assert "(tile_m * BM + i) * K + k0, 0);" in src
+    assert "operand_map(cache_b, b_read, N / VIEW, view_pitch, view_pitch, BN)" in src
+    # the k tail zeroed in both operands before wgmma reads them, behind the async-proxy fence
+    tail = src[src.index("if (kt == k_tiles - 1 && K % BK != 0)"):]
+    assert tail.index("st.shared.u16") < tail.index("fence.proxy.async.shared::cta") < tail.index("bar.sync 4, 128")
+    # the tail's rows and columns are Interleave.tail_row / tail_column rendered
+    assert f"const int col = {Index.tail_column(Var('N')).to_cpp()};" in src
+    assert "if (N < VIEW ||" in src
+
+
+@settings(max_examples=200, deadline=None)
+@given(m=st.integers(1, 70), n=st.integers(8, 3000), bn=st.sampled_from([64, 128, 256]))
+def test_tma_form_tiles_and_tail_store_every_column_once(m, n, bn):
+    """The tiles store the view rows below Interleave.tma_view_rows, the tail the N mod 8 columns after them: every
+    column of C once."""
+    view_rows = int(Index.tma_view_rows(n).eval({}))
+    cols = []
+    for tile_n in range(int(Index.tiles_n(n, bn).eval({}))):
+        env = {"tile_n": tile_n}
+        j = int(Index.first_row(bn).eval(env)) + np.arange(bn)
+        c = np.asarray(Index.column().eval({"j": j, "r": int(Index.residue().eval(env))}))
+        cols.append(c[j < view_rows])
+    t = int(Index.tail_columns(n).eval({}))
+    if t:                                                  # (N a multiple of 8: no tail, nothing to divide by)
+        o = np.arange(m * t)
+        rows, tail = np.asarray(Index.tail_row(n).eval({"o": o})), np.asarray(Index.tail_column(n).eval({"o": o}))
+        assert sorted(zip(rows.tolist(), tail.tolist())) == [(r, c) for r in range(m) for c in range(n - t, n)]
+    every = np.sort(np.concatenate(cols + [np.arange(n - t, n)]))
+    assert (every == np.arange(n)).all()
+
+
+@pytest.mark.parametrize("kernel", [tma_form(), tma_form(slices=1), tma_form(slices=2, tile=Tile((64, 64, 128), (4, 1)),
+                                                                            mma=Mma("wgmma", (64, 64, 16)))],
+                         ids=["split3", "nosplit", "64x64x128_split2"])
+@pytest.mark.parametrize("shape", [(17, 999, 333), (1, 8, 321), (33, 1000, 390), (70, 2049, 4095), (5, 15, 300)])
+def test_tma_form_computes_matmul_in_the_interpreter(kernel, shape):
+    problem = Problem(*shape)
+    assert_computes_matmul(kernel, problem, integers=True)
+    assert_computes_matmul(kernel, problem, seed=3)
+
+
+def test_tma_form_tail_is_checked(monkeypatch):
+    """A tail that skips a column leaves C's elements unwritten, which the interpreter catches."""
+    monkeypatch.setattr(Index, "tail_column", classmethod(lambda cls, n: cls.STRIDE * cls.tma_view_rows(n)))
+    with pytest.raises(InterpError, match="written|outside"):
+        assert_computes_matmul(tma_form(slices=1), Problem(17, 999, 333), integers=True)

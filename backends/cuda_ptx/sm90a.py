@@ -104,7 +104,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from l2ir.errors import ResourceError
-from l2ir.indexing import (REPACK_ALIGN, BlockSplit, ClusterMulticast, ClusterReduce, Const, Expr, Repack, SplitKTree, Var, cdiv,
+from l2ir.indexing import (REPACK_ALIGN, BlockSplit, ClusterMulticast, ClusterReduce, Const, Expr, Interleave, Repack,
+                           SplitKTree, Var, cdiv, column_tiles,
                            tma_store_box_cols, tma_store_origin, tma_store_staging,
                            rasterize, splitk_range)
 from l2ir.nodes import Kernel, Problem, Swizzle
@@ -163,6 +164,7 @@ class PtxConfig:
     block_reduce: bool = False     # splitk reduce=block: the 2 slices are the block's consumer warpgroups
     repack: str = ""          # repack operands=a|b|ab: operands copied to aligned rows when K % 8 != 0 ("" = none)
     cluster: tuple[int, int] = (1, 1)   # tile.cluster CM x CN: TMA multicast, one tile per block (1x1: none)
+    interleave: bool = False  # the interleave node's tensor-map form: columns 8 apart, A's rows boxes of their own
 
     @property
     def multicast(self) -> ClusterMulticast | None:
@@ -420,7 +422,9 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
                                   f"{bm / cn:g} rows of A and BN/CM = {bn / cm:g} rows of B, which must be whole "
                                   "8-row swizzle atoms")
 
-    if pad.align != 8:
+    if kernel.interleave is not None:
+        pass    # pad.align=1 (the verifier): B's view has a pitch of 8K elements and A's rows are boxes of their own
+    elif pad.align != 8:
         raise UnsupportedLowering("pad.align", f"{pad.align}: TMA needs 16-byte strides (align 8)")
     for dim in ("m", "n", "k"):
         if getattr(pad, dim) not in ("zero_fill", "divisible"):
@@ -464,6 +468,7 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
         cluster_reduce=cluster_reduce(kernel), block_reduce=block_reduce(kernel),
         repack=kernel.repack.operands if kernel.repack is not None else "",
         cluster=tuple(tile.cluster),
+        interleave=kernel.interleave is not None,
     )
     total, limit = cfg.layout["total"], SMEM_LIMIT["sm90a"]
     if total > limit:
@@ -575,6 +580,11 @@ def _tile_loop(cfg: PtxConfig, indent: str) -> list[str]:
         + ("rasterize)" if mc is None else "ClusterMulticast.tile)"),
         f"{indent}  const int tile_m = {tile_m.to_cpp()};",
         f"{indent}  const int tile_n = {tile_n.to_cpp()};",
+        *([f"{indent}  // interleave: column tile tile_n is residue r of n mod VIEW, view rows [view0, view0 + BN): C's",
+           f"{indent}  // columns VIEW * j + r (l2ir.indexing.Interleave); A's rows inside M are a_rows boxes.",
+           f"{indent}  const int residue = {Interleave.residue().to_cpp()};",
+           f"{indent}  const int view0 = {Interleave.first_row(cfg.bn).to_cpp()};",
+           f"{indent}  const int a_rows = min(BM, M - tile_m * BM);"] if cfg.interleave else []),
     ]
 
 
@@ -664,7 +674,87 @@ def _splitk_reduce(cfg: PtxConfig) -> list[str]:
     ]
 
 
+def _interleave_k_tail() -> list[str]:
+    """interleave: the last k tile's columns past K hold the next rows' elements (a view row runs on into the next
+    residue's row, A's long row into its next row), which TMA cannot fill with zeros: the consumer warpgroup zeroes
+    them in both operands (0 x Inf is NaN: zeros in one are not enough), then makes its generic stores visible to
+    the async proxy wgmma reads through, and meets at a named barrier before any warp issues the k tile."""
+    return [
+        "        if (kt == k_tiles - 1 && K % BK != 0) {   // interleave: the k tile that runs past K",
+        "          const int k_valid = K - kt * BK, width = BK - k_valid;",
+        "          const uint32_t a_base = smem_base + SMEM_A + stage * A_STAGE_BYTES;",
+        "          const uint32_t b_base = smem_base + SMEM_B + stage * B_STAGE_BYTES;",
+        "          for (int e = tid; e < (a_rows + BN) * width; e += 128) {",
+        "            const int row = e / width, k = k_valid + e % width;",
+        "            const bool is_a = row < a_rows;",
+        "            const int r = is_a ? row : row - a_rows;",
+        "            // byte offset in the k block's swizzled rows: <B,4,3> XORs the 16-byte chunk with the row's bits",
+        "            const uint32_t o = r * ROW_BYTES + (k % ATOM_K) * sizeof(InT);",
+        "            const uint32_t dst = (is_a ? a_base + (k / ATOM_K) * A_KBLOCK_BYTES : b_base + (k / ATOM_K) * B_KBLOCK_BYTES)",
+        "                                 + (o ^ (((o >> 7) & SWZ_MASK) << 4));",
+        '            asm volatile("st.shared.u16 [%0], %1;" :: "r"(dst), "h"((unsigned short)0) : "memory");',
+        "          }",
+        '          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // generic stores -> wgmma\'s reads',
+        '          asm volatile("bar.sync 4, 128;" ::: "memory");   // named barrier 4: this warpgroup\'s 128 threads',
+        "        }",
+    ]
+
+
+def _epilogue_interleave(cfg: PtxConfig) -> list[str]:
+    """interleave: the direct epilogue with the tile's columns VIEW apart: fragment column c of the tile is view
+    row view0 + c, C's column VIEW * (view0 + c) + residue, stored one element at a time where that view row is one
+    of the map's (the tail stores the columns past them) and the row is inside M."""
+    return [
+        "      // epilogue.path=direct, interleave: fragment d[4c + 2h + e] is row 16*warp + lane/4 + 8h and view row",
+        "      // view0 + 8c + 2*(lane%4) + e, C's column VIEW * (view row) + residue: single 2-byte stores.",
+        "      const int row0 = tile_m * BM + warp * 16 + lane / 4;",
+        "      const int j0 = view0 + 2 * (lane % 4);",
+        "#pragma unroll",
+        "      for (int c = 0; c < WGMMA_N / 8; ++c) {",
+        "#pragma unroll",
+        "        for (int h = 0; h < 2; ++h) {",
+        "          const int row = row0 + 8 * h;",
+        "          if (row >= M) continue;",
+        "#pragma unroll",
+        "          for (int e = 0; e < 2; ++e) {",
+        "            const int j = j0 + 8 * c + e;",
+        "            if (j < view_rows) C[(size_t)row * N + (size_t)VIEW * j + residue] = to_out(acc[0][4 * c + 2 * h + e]);",
+        "          }",
+        "        }",
+        "      }",
+    ]
+
+
+def _interleave_tail() -> list[str]:
+    """interleave: the N mod VIEW columns past the view (Interleave.tail_row / tail_column, rendered), one fp32 dot
+    product per output, by the consumer warps before their first k tile, while the ring's first TMA loads are in
+    flight: warp w of block b takes outputs b * TAIL_WARPS + w, then every gridDim.x * TAIL_WARPS on (at 17x9999,
+    119 outputs: one for each of the first 119 warps). Not the producer's idle warps: they run under setmaxnreg's
+    40 registers, which ptxas does not enforce on the code after it."""
+    n = Var("N")
+    return [
+        "    {",
+        "      // ---- interleave: the tail, C's last N mod VIEW columns (Interleave.tail_row / tail_column) ----",
+        f"      const int tail = M * ({Interleave.tail_columns(n).to_cpp()});",
+        "      for (int o = blockIdx.x * TAIL_WARPS + warp; o < tail; o += gridDim.x * TAIL_WARPS) {",
+        f"        const int row = {Interleave.tail_row(n).to_cpp()};",
+        f"        const int col = {Interleave.tail_column(n).to_cpp()};",
+        "        const InT* a = A + (size_t)row * K;",
+        "        const InT* b = B + (size_t)col * K;   // B is K-major: column col of C is row col of B",
+        "        float sum = 0.f;",
+        "#pragma unroll 4",
+        "        for (int k = lane; k < K; k += 32) sum += float(a[k]) * float(b[k]);",
+        "#pragma unroll",
+        "        for (int d = 16; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, d);",
+        "        if (lane == 0) C[(size_t)row * N + col] = to_out(sum);",
+        "      }",
+        "    }",
+    ]
+
+
 def _epilogue_direct(cfg: PtxConfig) -> list[str]:
+    if cfg.interleave:
+        return _epilogue_interleave(cfg)
     dm, dn, _ = cfg.divisible
     lines = [
         "      // epilogue.path=direct: each thread stores its fragment straight to global memory. Fragment layout of",
@@ -903,8 +993,14 @@ def _config(cfg: PtxConfig) -> list[str]:
         f"constexpr int B_KBLOCK_BYTES = {cfg.b_kblock_bytes};   // BN rows x ROW_BYTES, 1024-aligned",
         "constexpr int A_STAGE_BYTES = K_BLOCKS * A_KBLOCK_BYTES;",
         "constexpr int B_STAGE_BYTES = K_BLOCKS * B_KBLOCK_BYTES;",
-        f"constexpr uint32_t STAGE_TX_BYTES = {cfg.tx_bytes};   // (BM + BN) x BK x 2: the boxes land whole, "
-        "out-of-bounds zeros included",
+        *([f"constexpr uint32_t STAGE_TX_BYTES = {cfg.tx_bytes};   // (BM + BN) x BK x 2: the boxes land whole, "
+           "out-of-bounds zeros included"] if not cfg.interleave else [
+           f"constexpr uint32_t B_TX_BYTES = {cfg.bn * cfg.bk * DTYPE_BYTES[cfg.in_dtype]};   // interleave: B's box "
+           "lands whole; A adds a row box per row of the tile inside M",
+           f"constexpr int VIEW = {Interleave.STRIDE};   // interleave n: columns of one block are VIEW apart",
+           f"constexpr int SWZ_MASK = {(1 << cfg.swizzle_bits) - 1};   // swizzle <B,4,3> on byte offsets: "
+           "16-byte chunk ^= (offset >> 7) & SWZ_MASK",
+           "constexpr int TAIL_WARPS = 4;   // the consumer warps compute the columns past the view first"]),
         f"constexpr int SMEM_A = {lay['a']}, SMEM_B = {lay['b']}, SMEM_BARS = {lay['bars']};",
         *([f"constexpr int SMEM_C = {lay['c']};   // epilogue.path=smem: the C staging tile",
            f"constexpr int C_SWZ_MASK = {_c_swz_mask(cfg.bn)};   // XOR of the 16-byte chunk index with the row"]
@@ -1265,6 +1361,16 @@ def _multicast_loads(cfg: PtxConfig) -> list[str]:
     mc = cfg.multicast
     a_dst = "smem_base + SMEM_A + stage * A_STAGE_BYTES + kb * A_KBLOCK_BYTES"
     b_dst = "smem_base + SMEM_B + stage * B_STAGE_BYTES + kb * B_KBLOCK_BYTES"
+    if cfg.interleave:
+        return [
+            "            // interleave: B's box of the residue's view (pitch VIEW * K) starts on element residue * K + k0",
+            "            // of view row view0, any element; A's row i is a box of its own at element (row) * K + k0 of A",
+            "            // taken as one long row. Both run past K into the next row in the last k tile (zeroed there).",
+            f"            tma_load_2d({b_dst}, &tmap_b, full, residue * K + k0,",
+            "                        view0);",
+            "            for (int i = 0; i < a_rows; ++i)   // the 128-byte swizzle follows the address: row i of the atom",
+            f"              tma_load_2d({a_dst} + i * ROW_BYTES, &tmap_a, full,",
+            "                          (tile_m * BM + i) * K + k0, 0);"]
     if mc is None:
         return [f"            tma_load_2d({a_dst}, &tmap_a, full, k0,",
                 "                        tile_m * BM);",
@@ -1328,6 +1434,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
            "// and each block's pool is half the register file, which setmaxnreg hands from producer to consumer."]),
         f'extern "C" __global__ void __launch_bounds__(THREADS, {cfg.blocks_per_sm})',
         f"{ENTRY}(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,",
+        *(["        const InT* __restrict__ A, const InT* __restrict__ B,   // interleave: the tail's dot products"]
+          if cfg.interleave else []),
         *(["        const __grid_constant__ CUtensorMap tmap_c,   // epilogue.path=tma"] if cfg.epilogue == "tma" else []),
         ("        OutT* __restrict__ C, int M, int N, int K, float* __restrict__ ws, unsigned* __restrict__ counters) {"
          if cfg.tree else "        OutT* __restrict__ C, int M, int N, int K) {"),
@@ -1341,7 +1449,10 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         *(["  const uint32_t bars_recv = smem_base + SMEM_RECV_BAR;"] if cfg.cluster_reduce else []),
         "",
         "  const int tiles_m = (M + BM - 1) / BM;",
-        "  const int tiles_n = (N + BN - 1) / BN;",
+        (f"  const int tiles_n = {column_tiles(Var('N'), cfg.bn, True).to_cpp()};   // interleave: VIEW residues x "
+         "runs of BN view rows (Interleave.tiles_n)" if cfg.interleave else "  const int tiles_n = (N + BN - 1) / BN;"),
+        *([f"  const int view_rows = {Interleave.tma_view_rows(Var('N')).to_cpp()};   // B's map: view rows whose "
+           "VIEW rows all exist (Interleave.tma_view_rows)"] if cfg.interleave else []),
         *(["  const int num_tiles = tiles_m * tiles_n;"] if cfg.multicast is None else []),
         *(["  const int num_units = num_tiles * SLICES;   // (tile, slice) work units; l2ir_run checked the product"]
           if cfg.split and cfg.multicast is None else []),
@@ -1402,7 +1513,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         ("          mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);" if cfg.multicast is None else
          "          mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);   // tile.cluster: released by its row and column"),
         "          const uint32_t full = bars + 8 * stage;",
-        "          mbar_arrive_expect_tx(full, STAGE_TX_BYTES);",
+        ("          mbar_arrive_expect_tx(full, STAGE_TX_BYTES);" if not cfg.interleave else
+         "          mbar_arrive_expect_tx(full, B_TX_BYTES + a_rows * BK * sizeof(InT));   // interleave"),
         "#pragma unroll",
         "          for (int kb = 0; kb < K_BLOCKS; ++kb) {",
         "            const int k0 = kt * BK + kb * ATOM_K;",
@@ -1438,6 +1550,7 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "    // shape the lowered one did not promise) goes straight to its partial and counter.",
         '    asm volatile("griddepcontrol.wait;" ::: "memory");',
         "    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;",
+        *(_interleave_tail() if cfg.interleave else []),
         f"    float acc[SLABS][{nr}];",
         "#pragma unroll",
         "    for (int j = 0; j < SLABS; ++j)",
@@ -1458,6 +1571,7 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         *(_block_consumer_loop() if cfg.block_reduce else
           [f"      for (int kt = {cfg.k_first}; kt < {cfg.k_last}; ++kt) {{"]),
         "        mbar_wait(bars + 8 * stage, phase);",
+        *(_interleave_k_tail() if cfg.interleave else []),
         "#pragma unroll",
         "        for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
         "        wgmma_fence();   // order earlier register accesses of the accumulators before the async reads",
@@ -1749,16 +1863,28 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
         *(_repack_setup(cfg) if cfg.repack else [
             "  const void* a_read = A;",
             "  const void* b_read = B;",
-            "  const int lda = K, ldb = K;"]),
-        "  // TMA: 16-byte aligned base addresses and row strides (pad.align=8: K % 8 == 0, or a repack copy).",
-        "  if (reinterpret_cast<uintptr_t>(a_read) % 16 != 0 || reinterpret_cast<uintptr_t>(b_read) % 16 != 0 ||",
-        "      lda % 8 != 0 || ldb % 8 != 0) {",
-        "    return L2IR_STATUS_MISALIGNED;",
-        "  }",
+            *(["  const int lda = K, ldb = K;"] if not cfg.interleave else [])]),
+        *([
+            "  // interleave: B's view is a 2D map of floor(N / VIEW) rows of VIEW * K elements (a pitch of 16K bytes for",
+            "  // any K); A is one long row of M * K elements whose boxes start on any element. Both 32-bit (the",
+            "  // verifier's interleave.tma_view_rows rule); fewer than VIEW columns leave the map no row.",
+            "  if (N < VIEW || (long long)M * K >= INT_MAX - 8 || (long long)VIEW * K >= INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
+            "  const int a_long = M * K, a_pitch = (a_long + 7) / 8 * 8;   // the one row's pitch: any multiple of 16 B",
+            "  const int view_pitch = VIEW * K;",
+            "  if (reinterpret_cast<uintptr_t>(a_read) % 16 != 0 || reinterpret_cast<uintptr_t>(b_read) % 16 != 0) {",
+            "    return L2IR_STATUS_MISALIGNED;   // TMA: 16-byte aligned base addresses",
+            "  }"] if cfg.interleave else [
+            "  // TMA: 16-byte aligned base addresses and row strides (pad.align=8: K % 8 == 0, or a repack copy).",
+            "  if (reinterpret_cast<uintptr_t>(a_read) % 16 != 0 || reinterpret_cast<uintptr_t>(b_read) % 16 != 0 ||",
+            "      lda % 8 != 0 || ldb % 8 != 0) {",
+            "    return L2IR_STATUS_MISALIGNED;",
+            "  }"]),
         f"  // epilogue.vector={cfg.vector}: {store_bytes}-byte stores need aligned rows and base.",
         f"  if (reinterpret_cast<uintptr_t>(C) % {store_bytes} != 0 || N % {cfg.vector} != 0) "
         "return L2IR_STATUS_MISALIGNED;",
-        "  const long long num_tiles = (long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN);",
+        ("  const long long num_tiles = (long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN);" if not cfg.interleave else
+         f"  const long long num_tiles = (long long)((M + BM - 1) / BM) * ({column_tiles(Var('N'), cfg.bn, True).to_cpp()});"
+         "   // interleave: Interleave.tiles_n"),
         "  if (num_tiles > INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
         *([] if not cfg.split or cfg.multicast is not None else [
             "  const long long num_units = num_tiles * SLICES;"
@@ -1783,8 +1909,11 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
             "  unsigned* counters = reinterpret_cast<unsigned*>(ws + num_tiles * SLICES * PARTIAL_FLOATS);"]),
         "  // Encoding a tensor map is a driver call: a repeated call on the same operand re-uses its map.",
         "  thread_local MapCache cache_a, cache_b;",
-        f"  const CUtensorMap* tmap_a = operand_map(cache_a, a_read, M, K, lda, {'BM' if cfg.multicast is None else 'A_BOX_ROWS'});",
-        f"  const CUtensorMap* tmap_b = operand_map(cache_b, b_read, N, K, ldb, {'BN' if cfg.multicast is None else 'B_BOX_ROWS'});",
+        *([f"  const CUtensorMap* tmap_a = operand_map(cache_a, a_read, M, K, lda, {'BM' if cfg.multicast is None else 'A_BOX_ROWS'});",
+           f"  const CUtensorMap* tmap_b = operand_map(cache_b, b_read, N, K, ldb, {'BN' if cfg.multicast is None else 'B_BOX_ROWS'});"]
+          if not cfg.interleave else [
+           "  const CUtensorMap* tmap_a = operand_map(cache_a, a_read, 1, a_long, a_pitch, 1);   // interleave: row boxes",
+           "  const CUtensorMap* tmap_b = operand_map(cache_b, b_read, N / VIEW, view_pitch, view_pitch, BN);   // the view"]),
         "  if (tmap_a == nullptr || tmap_b == nullptr) return L2IR_STATUS_TENSOR_MAP;",
         *([] if cfg.epilogue != "tma" else [
             "  thread_local MapCache cache_c;",
@@ -1837,7 +1966,8 @@ def _launch_ex(cfg: PtxConfig) -> list[str]:
     blocks, and programmatic dependent launch (the GEMM's blocks may be placed while the stream's previous grid, a
     repack copy or any kernel, drains; its producer waits with griddepcontrol.wait before the first TMA load).
     Built with -DL2IR_PDL=0 it is an ordinary launch (bench/pdl_probe.py compares the two)."""
-    args = ("*tmap_a, *tmap_b, " + ("*tmap_c, " if cfg.epilogue == "tma" else "") + "static_cast<OutT*>(C), M, N, K"
+    args = ("*tmap_a, *tmap_b, " + ("static_cast<const InT*>(A), static_cast<const InT*>(B), " if cfg.interleave else "")
+            + ("*tmap_c, " if cfg.epilogue == "tma" else "") + "static_cast<OutT*>(C), M, N, K"
             + (", ws, counters" if cfg.tree else ""))
     L = ["  cudaLaunchAttribute attr[2];", "  unsigned num_attrs = 0;"]
     if cfg.multicast is not None:
@@ -1906,7 +2036,7 @@ def workspace_bytes(cfg: PtxConfig) -> Expr:
     if cfg.repack:
         total = cfg.repack_layout.end * DTYPE_BYTES[cfg.in_dtype]
     if cfg.tree:
-        tiles = cdiv(Var("m"), cfg.bm) * cdiv(Var("n"), cfg.bn)
+        tiles = cdiv(Var("m"), cfg.bm) * column_tiles(Var("n"), cfg.bn, cfg.interleave)
         tree = tiles * Const(cfg.slices * cfg.partial_floats * 4 + SplitKTree(cfg.slices).counters * 4)
         total = tree if not cfg.repack else total + tree
     return total
