@@ -267,8 +267,12 @@ def test_short_prologue(name):
     host = src[src.index('extern "C" int l2ir_run'):]
     assert "thread_local MapCache cache_a, cache_b;" in host and "encode_operand" not in host
     a_box, b_box = ("A_BOX_ROWS", "B_BOX_ROWS") if "CLUSTER_SIZE" in src else ("BM", "BN")   # tile.cluster: shares
-    assert (f"operand_map(cache_a, a_read, M, K, lda, {a_box})" in host
-            and f"operand_map(cache_b, b_read, N, K, ldb, {b_box})" in host)
+    if kernel.interleave is not None:        # A as one long row of row boxes, B's view of pitch VIEW * K
+        assert ("operand_map(cache_a, a_read, 1, a_long, a_pitch, 1)" in host
+                and "operand_map(cache_b, b_read, N / VIEW, view_pitch, view_pitch, BN)" in host)
+    else:
+        assert (f"operand_map(cache_a, a_read, M, K, lda, {a_box})" in host
+                and f"operand_map(cache_b, b_read, N, K, ldb, {b_box})" in host)
     helper = src[src.index("const CUtensorMap* operand_map("):src.index('extern "C" int l2ir_run')]
     assert helper.index("return &cache.map;") < helper.index("encode_operand(")   # the hit returns before encoding
     if kernel.epilogue.path == "tma":

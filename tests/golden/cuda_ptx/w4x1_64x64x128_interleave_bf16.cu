@@ -340,20 +340,24 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
       for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);
       if (lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));
 
-      // epilogue.path=direct, interleave: fragment d[4c + 2h + e] is row 16*warp + lane/4 + 8h and view row
+      // epilogue.path=direct, interleave: fragment d[4c + 2h + e] of slab s is row 64s + 16*warp + lane/4 + 8h and view row
       // view0 + 8c + 2*(lane%4) + e, C's column VIEW * (view row) + residue: single 2-byte stores.
       const int row0 = tile_m * BM + warp * 16 + lane / 4;
       const int j0 = view0 + 2 * (lane % 4);
 #pragma unroll
-      for (int c = 0; c < WGMMA_N / 8; ++c) {
+      for (int s = 0; s < SLABS; ++s) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = row0 + 8 * h;
-          if (row >= M) continue;
+        for (int c = 0; c < WGMMA_N / 8; ++c) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int j = j0 + 8 * c + e;
-            if (j < view_rows) C[(size_t)row * N + (size_t)VIEW * j + residue] = to_out(acc[0][4 * c + 2 * h + e]);
+          for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 64 * s + 8 * h;
+            if (row >= M) continue;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = j0 + 8 * c + e;
+              if (j < view_rows)
+                C[(size_t)row * N + (size_t)VIEW * j + residue] = to_out(acc[s][4 * c + 2 * h + e]);
+            }
           }
         }
       }
