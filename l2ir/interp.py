@@ -266,11 +266,9 @@ class _Schedule:
         """The copy of k tile kt of output tile (tm, tn)'s A rows and B columns into ring slot `slot` (interleave:
         of B's view of the tile's columns and of A's rows shifted to meet it)."""
         if self.tma_view:
-            # A's rows are boxes of their own, one per row inside M: the rows past M are not loaded and keep
-            # whatever the stage held (poison, which reaches only accumulator rows no one stores). B's view rows
-            # past the map's (Interleave.tma_view_rows) are the map's out-of-bounds fill: zeros.
+            # A's fragments are loads, zero past M and K; B's view rows past the map's (Interleave.tma_view_rows)
+            # are the map's out-of-bounds fill: zeros.
             a_t = self._view(self.a, tm * self.bm + np.arange(self.bm), "m", kt, 0)
-            a_t[tm * self.bm + np.arange(self.bm) >= self.problem.m] = np.nan
             b_t = self._view(self.b.T, self.tile_cols(tn), "n", kt, 0)
             b_t[self.tile_cols(tn) // Interleave.STRIDE >= int(Interleave.tma_view_rows(self.problem.n).eval({}))] = 0
             ring_a.store(slot, a_t)

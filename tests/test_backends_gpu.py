@@ -618,7 +618,7 @@ def test_cuda_ptx_sm80_families_pass_every_gate(evaluator, tmp_path, name):
 
 # ---------------------------------------------------------------------------------------------------------------
 # The interleave node's tensor-map form (cuda_ptx sm90a): B's view through one TMA map from each row's own start, A's
-# rows boxes of their own, the last k tile's columns past K zeroed in shared memory, the N mod 8 last columns dot
+# fragments in registers, the last k tile's columns of B past K zeroed in shared memory, the N mod 8 last columns dot
 # products of the consumer warps. Odd, even and aligned K; N a multiple of 8 (no tail) or not; M past one tile.
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -661,8 +661,8 @@ def test_cuda_ptx_interleave_passes_every_gate(evaluator, tmp_path_factory, name
 @pytest.mark.gpu
 @gpu
 def test_cuda_ptx_interleave_zeroes_what_runs_past_k(tmp_path_factory):
-    """The last k tile of a view row runs on into the next residue's row of B (and A's long row into its next row):
-    the kernel must zero those columns in both operands. Inf in the first elements of every other row of A and B
+    """The last k tile of a view row runs on into the next residue's row of B (an Inf there times A's zero is NaN):
+    the kernel must zero those columns of B (A's fragments load zeros there). Inf in the first elements of every other row of A and B
     reaches only the rows and columns that hold it: the rest of C stays finite and matches fp64."""
     import torch
 

@@ -114,7 +114,7 @@ CASES: dict[str, tuple[Kernel, Problem]] = {
     "w4x1_64x128x64_s4_two_per_sm_tma_store_bf16": (
         lat(pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False), epilogue=Epilogue("tma", 8)),
         Problem(m=1, n=1, k=1, a=("bf16", "row"), b=("bf16", "col"), c=("bf16", "row"))),
-    # The interleave node's tensor-map form: B's view and A's row boxes through TMA, the k tail zeroed in shared
+    # The interleave node's tensor-map form: B's view through TMA, A's fragments in registers, the k tail zeroed in shared
     # memory, C's last N mod 8 columns dot products of the consumer warps.
     "w4x1_64x128x64_s4_two_per_sm_splitk3_interleave": (
         lat(pipeline=Pipeline("tma_ws", 4, "pingpong", persistent=False), splitk=SplitK("split_k", 3),
@@ -262,15 +262,18 @@ def test_short_prologue(name):
     src = lower(kernel, problem).source
     kernel_src = src[src.index("__launch_bounds__"):src.index("// ---- trusted host code")]
     assert kernel_src.count("__syncthreads()") == 1
-    assert kernel_src.count("prefetch.tensormap") == (3 if kernel.epilogue.path == "tma" else 2)
+    # (interleave: B's map alone; A's fragments are plain loads)
+    assert kernel_src.count("prefetch.tensormap") == (3 if kernel.epilogue.path == "tma" else
+                                                      1 if kernel.interleave is not None else 2)
     assert kernel_src.index("prefetch.tensormap") < kernel_src.index("mbar_init(")
     host = src[src.index('extern "C" int l2ir_run'):]
-    assert "thread_local MapCache cache_a, cache_b;" in host and "encode_operand" not in host
+    assert "thread_local MapCache cache_" in host and "encode_operand" not in host
     a_box, b_box = ("A_BOX_ROWS", "B_BOX_ROWS") if "CLUSTER_SIZE" in src else ("BM", "BN")   # tile.cluster: shares
-    if kernel.interleave is not None:        # A as one long row of row boxes, B's view of pitch VIEW * K
-        assert ("operand_map(cache_a, a_read, 1, a_long, a_pitch, 1)" in host
+    if kernel.interleave is not None:        # B's view of pitch VIEW * K; A is not a tensor map
+        assert ("thread_local MapCache cache_b;" in host and "cache_a" not in host
                 and "operand_map(cache_b, b_read, N / VIEW, view_pitch, view_pitch, BN)" in host)
     else:
+        assert "thread_local MapCache cache_a, cache_b;" in host
         assert (f"operand_map(cache_a, a_read, M, K, lda, {a_box})" in host
                 and f"operand_map(cache_b, b_read, N, K, ldb, {b_box})" in host)
     helper = src[src.index("const CUtensorMap* operand_map("):src.index('extern "C" int l2ir_run')]
@@ -845,7 +848,9 @@ def test_nvcc_builds_without_spills(builds, name):
     producer, consumer = cfg.regs
     for instr in ("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes",
                   f"setmaxnreg.dec.sync.aligned.u32 {producer}", "prefetch.tensormap",
-                  "mbarrier.try_wait.parity.shared::cta.b64", "wgmma.wait_group.sync.aligned 1"):
+                  "mbarrier.try_wait.parity.shared::cta.b64",
+                  # interleave: each k tile waits for its wgmma, whose A registers the next tile's loads replace
+                  f"wgmma.wait_group.sync.aligned {0 if cfg.interleave else 1}"):
         assert instr in ptx, instr
     assert (f"setmaxnreg.inc.sync.aligned.u32 {consumer}" in ptx) if consumer else ("setmaxnreg.inc" not in ptx)
 

@@ -164,7 +164,7 @@ class PtxConfig:
     block_reduce: bool = False     # splitk reduce=block: the 2 slices are the block's consumer warpgroups
     repack: str = ""          # repack operands=a|b|ab: operands copied to aligned rows when K % 8 != 0 ("" = none)
     cluster: tuple[int, int] = (1, 1)   # tile.cluster CM x CN: TMA multicast, one tile per block (1x1: none)
-    interleave: bool = False  # the interleave node's tensor-map form: columns 8 apart, A's rows boxes of their own
+    interleave: bool = False  # the interleave node's tensor-map form: columns 8 apart, A in registers
 
     @property
     def multicast(self) -> ClusterMulticast | None:
@@ -220,7 +220,8 @@ class PtxConfig:
         other's wgmma. The cooperative kernel keeps one (its consumers need 232 registers). So does BN > 128: ptxas
         must fit one wgmma's operands (BN/2 accumulators, the descriptors) under the launch bounds' 128-register cap,
         whatever setmaxnreg grants later (C7602 "insufficient registers" for m64n256k16)."""
-        if self.consumer_wgs == 1 and self.bn <= 128 and 2 * (self.layout["total"] + KB) <= SM_SMEM:
+        if (self.consumer_wgs == 1 and self.bn <= 128 and 2 * (self.layout["total"] + KB) <= SM_SMEM
+                and (self.slabs == 1 or not self.interleave)):   # interleave: an A ring no longer caps BM=128
             return 2
         return 1
 
@@ -272,7 +273,8 @@ class PtxConfig:
 
     @property
     def a_stage_bytes(self) -> int:
-        return self.k_blocks * self.a_kblock_bytes
+        """A's share of a stage; none with the interleave node, whose A goes from global memory to registers."""
+        return 0 if self.interleave else self.k_blocks * self.a_kblock_bytes
 
     @property
     def b_stage_bytes(self) -> int:
@@ -423,7 +425,7 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
                                   "8-row swizzle atoms")
 
     if kernel.interleave is not None:
-        pass    # pad.align=1 (the verifier): B's view has a pitch of 8K elements and A's rows are boxes of their own
+        pass    # pad.align=1 (the verifier): B's view has a pitch of 8K elements and A's fragments are plain loads
     elif pad.align != 8:
         raise UnsupportedLowering("pad.align", f"{pad.align}: TMA needs 16-byte strides (align 8)")
     for dim in ("m", "n", "k"):
@@ -581,10 +583,9 @@ def _tile_loop(cfg: PtxConfig, indent: str) -> list[str]:
         f"{indent}  const int tile_m = {tile_m.to_cpp()};",
         f"{indent}  const int tile_n = {tile_n.to_cpp()};",
         *([f"{indent}  // interleave: column tile tile_n is residue r of n mod VIEW, view rows [view0, view0 + BN): C's",
-           f"{indent}  // columns VIEW * j + r (l2ir.indexing.Interleave); A's rows inside M are a_rows boxes.",
+           f"{indent}  // columns VIEW * j + r (l2ir.indexing.Interleave).",
            f"{indent}  const int residue = {Interleave.residue().to_cpp()};",
-           f"{indent}  const int view0 = {Interleave.first_row(cfg.bn).to_cpp()};",
-           f"{indent}  const int a_rows = min(BM, M - tile_m * BM);"] if cfg.interleave else []),
+           f"{indent}  const int view0 = {Interleave.first_row(cfg.bn).to_cpp()};"] if cfg.interleave else []),
     ]
 
 
@@ -674,24 +675,128 @@ def _splitk_reduce(cfg: PtxConfig) -> list[str]:
     ]
 
 
+def _wgmma_rs_function(cfg: PtxConfig) -> list[str]:
+    """interleave: one wgmma m64nNk16 with A from registers (four .b32 per thread, the mma.m16n8k16 A fragment of
+    its warp's 16 rows) and B from shared memory; scale-d as in wgmma_m64nNk16."""
+    n, nr, t = cfg.bn, cfg.bn // 2, cfg.in_dtype
+    regs = [f"%{i}" for i in range(nr)]
+    reg_lines = [", ".join(regs[i:i + 16]) for i in range(0, nr, 16)]
+    outs = [f'"+f"(d[{i}])' for i in range(nr)]
+    out_lines = [", ".join(outs[i:i + 8]) for i in range(0, nr, 8)]
+    lines = [
+        f"// wgmma.mma_async m64n{n}k16, A from registers, B from shared memory (descriptor), fp32 accumulators.",
+        "// imm-scale-a/b = 1, imm-trans-b = 0: B K-major, as TMA wrote it. The registers are read asynchronously: the",
+        "// caller keeps them unchanged until wgmma.wait_group says this wgmma is done.",
+        f"__device__ __forceinline__ void wgmma_rs_m64n{n}k16(float (&d)[{nr}], const uint32_t (&a)[4], uint64_t desc_b,",
+        "                                                     uint32_t scale_d) {",
+        "  asm volatile(",
+        '      "{\\n"',
+        '      ".reg .pred p;\\n"',
+        f'      "setp.ne.b32 p, %{nr + 5}, 0;\\n"',
+        f'      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t}\\n"',
+    ]
+    for i, rl in enumerate(reg_lines):
+        open_, close = ("{" if i == 0 else ""), ("}," if i == len(reg_lines) - 1 else ",")
+        lines.append(f'      "  {open_}{rl}{close}\\n"')
+    lines += [
+        f'      "  {{%{nr}, %{nr + 1}, %{nr + 2}, %{nr + 3}}}, %{nr + 4}, p, 1, 1, 0;\\n"',
+        '      "}\\n"',
+    ]
+    for i, ol in enumerate(out_lines):
+        lines.append(("      : " if i == 0 else "        ") + ol + ("," if i < len(out_lines) - 1 else ""))
+    lines += [
+        '      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));',
+        "}",
+    ]
+    return lines
+
+
+def _interleave_mainloop(cfg: PtxConfig) -> list[str]:
+    """interleave: the consumer's k loop. B from its stage (the view, through TMA); A's fragments straight from
+    global memory into registers, zero past M and K (A's rows start on any 2-byte boundary, which no TMA box of
+    rows can take, and a 1-row swizzled box needs a 1024-byte aligned destination: an illegal instruction on the
+    H100), loaded for the next k tile while this one's wgmma runs. Each k tile waits for its wgmma (a decode
+    tile's tensor-core work is short beside the stage's DRAM time), then hands its stage back."""
+    return [
+        "      // A's fragment for wgmma's register form: register i of k step kk of slab s holds row",
+        "      // 64 s + 16 warp + lane / 4 + 8 (i % 2), columns 16 kk + 2 (lane % 4) + 8 (i / 2) and the next one.",
+        "      const unsigned short* a16 = reinterpret_cast<const unsigned short*>(A);",
+        "      uint32_t a_cur[SLABS][BK / 16][4], a_nxt[SLABS][BK / 16][4];",
+        "      auto load_a = [&](uint32_t (&f)[SLABS][BK / 16][4], int kt) {",
+        "#pragma unroll",
+        "        for (int s = 0; s < SLABS; ++s)",
+        "#pragma unroll",
+        "          for (int kk = 0; kk < BK / 16; ++kk)",
+        "#pragma unroll",
+        "            for (int i = 0; i < 4; ++i) {",
+        "              const int row = tile_m * BM + 64 * s + 16 * warp + lane / 4 + 8 * (i % 2);",
+        "              const int k = kt * BK + 16 * kk + 2 * (lane % 4) + 8 * (i / 2);",
+        "              const unsigned short* p = a16 + (size_t)row * K + k;",
+        "              const uint32_t lo = row < M && k < K ? __ldg(p) : 0u;",
+        "              const uint32_t hi = row < M && k + 1 < K ? __ldg(p + 1) : 0u;",
+        "              f[s][kk][i] = lo | (hi << 16);",
+        "            }",
+        "      };",
+        "      // Pins the fragments (as fence_acc the accumulators): live until here, so the next tile's loads never",
+        "      // take the registers an in-flight wgmma reads.",
+        "      auto fence_a = [&](uint32_t (&f)[SLABS][BK / 16][4]) {",
+        "#pragma unroll",
+        "        for (int s = 0; s < SLABS; ++s)",
+        "#pragma unroll",
+        "          for (int kk = 0; kk < BK / 16; ++kk)",
+        "#pragma unroll",
+        '            for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(f[s][kk][i]) :: "memory");',
+        "      };",
+        f"      if ({cfg.k_first} < {cfg.k_last}) load_a(a_cur, {cfg.k_first});",
+        f"      for (int kt = {cfg.k_first}; kt < {cfg.k_last}; ++kt) {{",
+        "        mbar_wait(bars + 8 * stage, phase);",
+        *_interleave_k_tail(),
+        "#pragma unroll",
+        "        for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
+        "        fence_a(a_cur);",
+        "        wgmma_fence();   // order earlier register accesses (accumulators, fragments) before the async reads",
+        "        const uint32_t b_stage = smem_base + SMEM_B + stage * B_STAGE_BYTES;",
+        "#pragma unroll",
+        "        for (int kk = 0; kk < BK / 16; ++kk) {",
+        "          const uint32_t koff = (kk % (ATOM_K / 16)) * 32;",
+        "          const int kb = kk / (ATOM_K / 16);",
+        "          const uint64_t db = smem_desc(b_stage + kb * B_KBLOCK_BYTES + koff);",
+        "#pragma unroll",
+        "          for (int j = 0; j < SLABS; ++j)",
+        f"            wgmma_rs_m64n{cfg.bn}k16(acc[j], a_cur[j][kk], db, (kt > {cfg.k_first} || kk > 0) ? 1u : 0u);",
+        "        }",
+        "        wgmma_commit();",
+        f"        if (kt + 1 < {cfg.k_last}) load_a(a_nxt, kt + 1);   // in flight while the tensor cores work",
+        "        wgmma_wait<0>();",
+        "#pragma unroll",
+        "        for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
+        "        fence_a(a_cur);",
+        "        if (lane == 0) mbar_arrive(bars + 8 * (STAGES + stage));   // this k tile's stage back to the producer",
+        "#pragma unroll",
+        "        for (int s = 0; s < SLABS; ++s)",
+        "#pragma unroll",
+        "          for (int kk = 0; kk < BK / 16; ++kk)",
+        "#pragma unroll",
+        "            for (int i = 0; i < 4; ++i) a_cur[s][kk][i] = a_nxt[s][kk][i];",
+        "        if (++stage == STAGES) { stage = 0; phase ^= 1; }",
+        "      }",
+    ]
+
+
 def _interleave_k_tail() -> list[str]:
     """interleave: the last k tile's columns past K hold the next rows' elements (a view row runs on into the next
-    residue's row, A's long row into its next row), which TMA cannot fill with zeros: the consumer warpgroup zeroes
-    them in both operands (0 x Inf is NaN: zeros in one are not enough), then makes its generic stores visible to
-    the async proxy wgmma reads through, and meets at a named barrier before any warp issues the k tile."""
+    residue's row), which TMA cannot fill with zeros: the consumer warpgroup zeroes B's (A's fragments load zeros
+    there, and 0 x Inf is NaN: zeros in one operand are not enough), then makes its generic stores visible to the
+    async proxy wgmma reads through, and meets at a named barrier before any warp issues the k tile."""
     return [
         "        if (kt == k_tiles - 1 && K % BK != 0) {   // interleave: the k tile that runs past K",
         "          const int k_valid = K - kt * BK, width = BK - k_valid;",
-        "          const uint32_t a_base = smem_base + SMEM_A + stage * A_STAGE_BYTES;",
         "          const uint32_t b_base = smem_base + SMEM_B + stage * B_STAGE_BYTES;",
-        "          for (int e = tid; e < (a_rows + BN) * width; e += 128) {",
-        "            const int row = e / width, k = k_valid + e % width;",
-        "            const bool is_a = row < a_rows;",
-        "            const int r = is_a ? row : row - a_rows;",
+        "          for (int e = tid; e < BN * width; e += 128) {",
+        "            const int r = e / width, k = k_valid + e % width;",
         "            // byte offset in the k block's swizzled rows: <B,4,3> XORs the 16-byte chunk with the row's bits",
         "            const uint32_t o = r * ROW_BYTES + (k % ATOM_K) * sizeof(InT);",
-        "            const uint32_t dst = (is_a ? a_base + (k / ATOM_K) * A_KBLOCK_BYTES : b_base + (k / ATOM_K) * B_KBLOCK_BYTES)",
-        "                                 + (o ^ (((o >> 7) & SWZ_MASK) << 4));",
+        "            const uint32_t dst = b_base + (k / ATOM_K) * B_KBLOCK_BYTES + (o ^ (((o >> 7) & SWZ_MASK) << 4));",
         '            asm volatile("st.shared.u16 [%0], %1;" :: "r"(dst), "h"((unsigned short)0) : "memory");',
         "          }",
         '          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // generic stores -> wgmma\'s reads',
@@ -993,19 +1098,21 @@ def _config(cfg: PtxConfig) -> list[str]:
         f"constexpr int ATOM_K = {cfg.atom_k};",
         f"constexpr int ROW_BYTES = {cfg.row_bytes};",
         "constexpr int K_BLOCKS = BK / ATOM_K;",
-        f"constexpr int A_KBLOCK_BYTES = {cfg.a_kblock_bytes};   // BM rows x ROW_BYTES, 1024-aligned",
+        *([f"constexpr int A_KBLOCK_BYTES = {cfg.a_kblock_bytes};   // BM rows x ROW_BYTES, 1024-aligned"]
+          if not cfg.interleave else []),
         f"constexpr int B_KBLOCK_BYTES = {cfg.b_kblock_bytes};   // BN rows x ROW_BYTES, 1024-aligned",
-        "constexpr int A_STAGE_BYTES = K_BLOCKS * A_KBLOCK_BYTES;",
+        *(["constexpr int A_STAGE_BYTES = K_BLOCKS * A_KBLOCK_BYTES;"] if not cfg.interleave else []),
         "constexpr int B_STAGE_BYTES = K_BLOCKS * B_KBLOCK_BYTES;",
         *([f"constexpr uint32_t STAGE_TX_BYTES = {cfg.tx_bytes};   // (BM + BN) x BK x 2: the boxes land whole, "
            "out-of-bounds zeros included"] if not cfg.interleave else [
            f"constexpr uint32_t B_TX_BYTES = {cfg.bn * cfg.bk * DTYPE_BYTES[cfg.in_dtype]};   // interleave: B's box "
-           "lands whole; A adds a row box per row of the tile inside M",
+           "lands whole (A goes to registers)",
            f"constexpr int VIEW = {Interleave.STRIDE};   // interleave n: columns of one block are VIEW apart",
            f"constexpr int SWZ_MASK = {(1 << cfg.swizzle_bits) - 1};   // swizzle <B,4,3> on byte offsets: "
            "16-byte chunk ^= (offset >> 7) & SWZ_MASK",
            "constexpr int TAIL_WARPS = 4;   // the consumer warps compute the columns past the view first"]),
-        f"constexpr int SMEM_A = {lay['a']}, SMEM_B = {lay['b']}, SMEM_BARS = {lay['bars']};",
+        (f"constexpr int SMEM_A = {lay['a']}, SMEM_B = {lay['b']}, SMEM_BARS = {lay['bars']};" if not cfg.interleave
+         else f"constexpr int SMEM_B = {lay['b']}, SMEM_BARS = {lay['bars']};   // interleave: no A stages"),
         *([f"constexpr int SMEM_C = {lay['c']};   // epilogue.path=smem: the C staging tile",
            f"constexpr int C_SWZ_MASK = {_c_swz_mask(cfg.bn)};   // XOR of the 16-byte chunk index with the row"]
           if cfg.epilogue == "smem" else []),
@@ -1128,8 +1235,9 @@ def _device_functions(cfg: PtxConfig) -> list[str]:
         f"  for (int i = 0; i < {nr}; ++i) asm volatile(\"\" : \"+f\"(d[i]) :: \"memory\");",
         "}",
         "",
-        *_wgmma_function(cfg),
+        *(_wgmma_function(cfg) if not cfg.interleave else []),
         "",
+        *([*_wgmma_rs_function(cfg), ""] if cfg.interleave else []),
         (f"__device__ __forceinline__ OutT to_out(float a) {{ return {to_out}; }}" if cfg.vector == 1
          and cfg.epilogue == "direct" else
          f"__device__ __forceinline__ Out2T pack2(float a, float b) {{ return {pack}; }}"),
@@ -1368,13 +1476,10 @@ def _multicast_loads(cfg: PtxConfig) -> list[str]:
     if cfg.interleave:
         return [
             "            // interleave: B's box of the residue's view (pitch VIEW * K) starts on element residue * K + k0",
-            "            // of view row view0, any element; A's row i is a box of its own at element (row) * K + k0 of A",
-            "            // taken as one long row. Both run past K into the next row in the last k tile (zeroed there).",
+            "            // of view row view0, any element; it runs past K into the next row in the last k tile (zeroed",
+            "            // there). A is not staged: the consumers load its fragments into registers.",
             f"            tma_load_2d({b_dst}, &tmap_b, full, residue * K + k0,",
-            "                        view0);",
-            "            for (int i = 0; i < a_rows; ++i)   // the 128-byte swizzle follows the address: row i of the atom",
-            f"              tma_load_2d({a_dst} + i * ROW_BYTES, &tmap_a, full,",
-            "                          (tile_m * BM + i) * K + k0, 0);"]
+            "                        view0);"]
     if mc is None:
         return [f"            tma_load_2d({a_dst}, &tmap_a, full, k0,",
                 "                        tile_m * BM);",
@@ -1437,8 +1542,10 @@ def _kernel(cfg: PtxConfig) -> list[str]:
           ["// Two blocks per SM (__launch_bounds__(THREADS, 2)): each ring takes at most half of the SM's shared memory,",
            "// and each block's pool is half the register file, which setmaxnreg hands from producer to consumer."]),
         f'extern "C" __global__ void __launch_bounds__(THREADS, {cfg.blocks_per_sm})',
-        f"{ENTRY}(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,",
-        *(["        const InT* __restrict__ A, const InT* __restrict__ B,   // interleave: the tail's dot products"]
+        (f"{ENTRY}(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,"
+         if not cfg.interleave else
+         f"{ENTRY}(const __grid_constant__ CUtensorMap tmap_b,   // interleave: B's view; A by plain loads"),
+        *(["        const InT* __restrict__ A, const InT* __restrict__ B,   // A's fragments, the tail's dot products"]
           if cfg.interleave else []),
         *(["        const __grid_constant__ CUtensorMap tmap_c,   // epilogue.path=tma"] if cfg.epilogue == "tma" else []),
         ("        OutT* __restrict__ C, int M, int N, int K, float* __restrict__ ws, unsigned* __restrict__ counters) {"
@@ -1470,7 +1577,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "  if (threadIdx.x == 0) {",
         "    // The tensor maps live in the kernel's parameter space; fetching them into the TMA unit's descriptor cache",
         "    // now overlaps that latency with the barrier setup and the block-wide barrier below.",
-        '    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_a)) : "memory");',
+        *(['    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_a)) : "memory");']
+          if not cfg.interleave else []),
         '    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_b)) : "memory");',
         *(['    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_c)) : "memory");']
           if cfg.epilogue == "tma" else []),
@@ -1518,7 +1626,7 @@ def _kernel(cfg: PtxConfig) -> list[str]:
          "          mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);   // tile.cluster: released by its row and column"),
         "          const uint32_t full = bars + 8 * stage;",
         ("          mbar_arrive_expect_tx(full, STAGE_TX_BYTES);" if not cfg.interleave else
-         "          mbar_arrive_expect_tx(full, B_TX_BYTES + a_rows * BK * sizeof(InT));   // interleave"),
+         "          mbar_arrive_expect_tx(full, B_TX_BYTES);   // interleave: B's box alone"),
         "#pragma unroll",
         "          for (int kb = 0; kb < K_BLOCKS; ++kb) {",
         "            const int k0 = kt * BK + kb * ATOM_K;",
@@ -1548,7 +1656,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         *(["    const int cw = wg - 1;   // consumer warpgroup: all BM rows, k tiles of slice cw",
            "    const int slice = cw;    // splitk reduce=block: this warpgroup's half of the K loop"]
           if cfg.block_reduce else
-          ["    const int cw = wg - 1;   // consumer warpgroup: rows [cw * WG_M, (cw + 1) * WG_M) of the tile"]),
+          ["    const int cw = wg - 1;   // consumer warpgroup: rows [cw * WG_M, (cw + 1) * WG_M) of the tile"]
+          if not cfg.interleave else []),
         "    // Programmatic dependent launch: the consumers' own global accesses (C, split-K partials and pair counters)",
         "    // wait too. Most follow data the producer loaded after its wait, but a K slice with no k tile (a run-time",
         "    // shape the lowered one did not promise) goes straight to its partial and counter.",
@@ -1571,51 +1680,52 @@ def _kernel(cfg: PtxConfig) -> list[str]:
             "      if (releases) mbar_arrive_remote(remote_empty + 8 * s);",
             "    };"]),
         *_tile_loop(cfg, "    "),
-        "      int prev = -1;",
-        *(_block_consumer_loop() if cfg.block_reduce else
-          [f"      for (int kt = {cfg.k_first}; kt < {cfg.k_last}; ++kt) {{"]),
-        "        mbar_wait(bars + 8 * stage, phase);",
-        *(_interleave_k_tail() if cfg.interleave else []),
-        "#pragma unroll",
-        "        for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
-        "        wgmma_fence();   // order earlier register accesses of the accumulators before the async reads",
-        ("        const uint32_t a_stage = smem_base + SMEM_A + stage * A_STAGE_BYTES;   // all BM rows"
-         if cfg.block_reduce else
-         "        const uint32_t a_stage = smem_base + SMEM_A + stage * A_STAGE_BYTES + cw * WG_M * ROW_BYTES;"),
-        "        const uint32_t b_stage = smem_base + SMEM_B + stage * B_STAGE_BYTES;",
-        "#pragma unroll",
-        "        for (int kk = 0; kk < BK / 16; ++kk) {",
-        "          // k step kk: column block kk / (ATOM_K / 16), then 32 bytes per 16 elements inside the swizzle row",
-        "          // (the hardware applies the XOR pattern to the advanced address).",
-        "          const uint32_t koff = (kk % (ATOM_K / 16)) * 32;",
-        "          const int kb = kk / (ATOM_K / 16);",
-        "          const uint64_t db = smem_desc(b_stage + kb * B_KBLOCK_BYTES + koff);",
-        "#pragma unroll",
-        "          for (int j = 0; j < SLABS; ++j) {",
-        "            const uint64_t da = smem_desc(a_stage + kb * A_KBLOCK_BYTES + j * 64 * ROW_BYTES + koff);",
-        f"            wgmma_m64n{cfg.bn}k16(acc[j], da, db, "
-        + ("(step > 0 || kk > 0) ? 1u : 0u);" if cfg.block_reduce else f"(kt > {cfg.k_first} || kk > 0) ? 1u : 0u);"),
-        "          }",
-        "        }",
-        "        wgmma_commit();",
-        "        // Keep this k-tile's wgmma group in flight; wait for the previous one, whose stage can then be",
-        "        // handed back to the producer while the tensor cores work on this one.",
-        "        wgmma_wait<1>();",
-        "#pragma unroll",
-        "        for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
-        ("        if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));" if cfg.multicast is None else
-         "        if (prev >= 0) release(prev);"),
-        "        prev = stage;",
-        *([] if cfg.block_reduce else ["        if (++stage == STAGES) { stage = 0; phase ^= 1; }"]),
-        "      }",
-        "      wgmma_wait<0>();",
-        "#pragma unroll",
-        "      for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
-        *(["      if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));"]
-          if (cfg.split or cfg.block_reduce) and cfg.multicast is None else
-          ["      if (lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));"] if cfg.multicast is None else
-          [("      if (prev >= 0) release(prev);" if cfg.split else "      release(prev);"),
-           "      if (tile_m >= tiles_m || tile_n >= tiles_n) continue;   // a cluster's block past the grid stores nothing"]),
+        *(_interleave_mainloop(cfg) if cfg.interleave else [
+            "      int prev = -1;",
+            *(_block_consumer_loop() if cfg.block_reduce else
+              [f"      for (int kt = {cfg.k_first}; kt < {cfg.k_last}; ++kt) {{"]),
+            "        mbar_wait(bars + 8 * stage, phase);",
+            "#pragma unroll",
+            "        for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
+            "        wgmma_fence();   // order earlier register accesses of the accumulators before the async reads",
+            ("        const uint32_t a_stage = smem_base + SMEM_A + stage * A_STAGE_BYTES;   // all BM rows"
+             if cfg.block_reduce else
+             "        const uint32_t a_stage = smem_base + SMEM_A + stage * A_STAGE_BYTES + cw * WG_M * ROW_BYTES;"),
+            "        const uint32_t b_stage = smem_base + SMEM_B + stage * B_STAGE_BYTES;",
+            "#pragma unroll",
+            "        for (int kk = 0; kk < BK / 16; ++kk) {",
+            "          // k step kk: column block kk / (ATOM_K / 16), then 32 bytes per 16 elements inside the swizzle row",
+            "          // (the hardware applies the XOR pattern to the advanced address).",
+            "          const uint32_t koff = (kk % (ATOM_K / 16)) * 32;",
+            "          const int kb = kk / (ATOM_K / 16);",
+            "          const uint64_t db = smem_desc(b_stage + kb * B_KBLOCK_BYTES + koff);",
+            "#pragma unroll",
+            "          for (int j = 0; j < SLABS; ++j) {",
+            "            const uint64_t da = smem_desc(a_stage + kb * A_KBLOCK_BYTES + j * 64 * ROW_BYTES + koff);",
+            f"            wgmma_m64n{cfg.bn}k16(acc[j], da, db, "
+            + ("(step > 0 || kk > 0) ? 1u : 0u);" if cfg.block_reduce else f"(kt > {cfg.k_first} || kk > 0) ? 1u : 0u);"),
+            "          }",
+            "        }",
+            "        wgmma_commit();",
+            "        // Keep this k-tile's wgmma group in flight; wait for the previous one, whose stage can then be",
+            "        // handed back to the producer while the tensor cores work on this one.",
+            "        wgmma_wait<1>();",
+            "#pragma unroll",
+            "        for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
+            ("        if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));" if cfg.multicast is None else
+             "        if (prev >= 0) release(prev);"),
+            "        prev = stage;",
+            *([] if cfg.block_reduce else ["        if (++stage == STAGES) { stage = 0; phase ^= 1; }"]),
+            "      }",
+            "      wgmma_wait<0>();",
+            "#pragma unroll",
+            "      for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
+            *(["      if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));"]
+              if (cfg.split or cfg.block_reduce) and cfg.multicast is None else
+              ["      if (lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));"] if cfg.multicast is None else
+              [("      if (prev >= 0) release(prev);" if cfg.split else "      release(prev);"),
+               "      if (tile_m >= tiles_m || tile_n >= tiles_n) continue;   // a cluster's block past the grid stores nothing"]),
+        ]),
         "",
         *(_splitk_reduce(cfg) if cfg.tree else _cluster_reduce(cfg) if cfg.cluster_reduce else
           _block_reduce(cfg) if cfg.block_reduce else []),
@@ -1865,19 +1975,17 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
             L.append(f"  if ({var} % {size} != 0) return L2IR_STATUS_NOT_DIVISIBLE;   // {fld}=divisible")
     L += [
         *(_repack_setup(cfg) if cfg.repack else [
-            "  const void* a_read = A;",
+            *(["  const void* a_read = A;"] if not cfg.interleave else []),
             "  const void* b_read = B;",
             *(["  const int lda = K, ldb = K;"] if not cfg.interleave else [])]),
         *([
             "  // interleave: B's view is a 2D map of floor(N / VIEW) rows of VIEW * K elements (a pitch of 16K bytes for",
-            "  // any K); A is one long row of M * K elements whose boxes start on any element. Both 32-bit (the",
-            "  // verifier's interleave.tma_view_rows rule); fewer than VIEW columns leave the map no row.",
-            "  if (N < VIEW || (long long)M * K >= INT_MAX - 8 || (long long)VIEW * K >= INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
-            "  const int a_long = M * K, a_pitch = (a_long + 7) / 8 * 8;   // the one row's pitch: any multiple of 16 B",
+            "  // any K), its coordinates 32-bit (the verifier's interleave.tma_view_rows rule); fewer than VIEW columns",
+            "  // leave the map no row.",
+            "  if (N < VIEW || (long long)VIEW * K >= INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
             "  const int view_pitch = VIEW * K;",
-            "  if (reinterpret_cast<uintptr_t>(a_read) % 16 != 0 || reinterpret_cast<uintptr_t>(b_read) % 16 != 0) {",
-            "    return L2IR_STATUS_MISALIGNED;   // TMA: 16-byte aligned base addresses",
-            "  }"] if cfg.interleave else [
+            "  // TMA: B's 16-byte aligned base; A's fragments are plain 2-byte loads, any alignment.",
+            "  if (reinterpret_cast<uintptr_t>(b_read) % 16 != 0) return L2IR_STATUS_MISALIGNED;"] if cfg.interleave else [
             "  // TMA: 16-byte aligned base addresses and row strides (pad.align=8: K % 8 == 0, or a repack copy).",
             "  if (reinterpret_cast<uintptr_t>(a_read) % 16 != 0 || reinterpret_cast<uintptr_t>(b_read) % 16 != 0 ||",
             "      lda % 8 != 0 || ldb % 8 != 0) {",
@@ -1912,13 +2020,13 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
              if cfg.repack else "  float* ws = static_cast<float*>(workspace);"),
             "  unsigned* counters = reinterpret_cast<unsigned*>(ws + num_tiles * SLICES * PARTIAL_FLOATS);"]),
         "  // Encoding a tensor map is a driver call: a repeated call on the same operand re-uses its map.",
-        "  thread_local MapCache cache_a, cache_b;",
+        ("  thread_local MapCache cache_a, cache_b;" if not cfg.interleave else "  thread_local MapCache cache_b;"),
         *([f"  const CUtensorMap* tmap_a = operand_map(cache_a, a_read, M, K, lda, {'BM' if cfg.multicast is None else 'A_BOX_ROWS'});",
            f"  const CUtensorMap* tmap_b = operand_map(cache_b, b_read, N, K, ldb, {'BN' if cfg.multicast is None else 'B_BOX_ROWS'});"]
           if not cfg.interleave else [
-           "  const CUtensorMap* tmap_a = operand_map(cache_a, a_read, 1, a_long, a_pitch, 1);   // interleave: row boxes",
            "  const CUtensorMap* tmap_b = operand_map(cache_b, b_read, N / VIEW, view_pitch, view_pitch, BN);   // the view"]),
-        "  if (tmap_a == nullptr || tmap_b == nullptr) return L2IR_STATUS_TENSOR_MAP;",
+        ("  if (tmap_a == nullptr || tmap_b == nullptr) return L2IR_STATUS_TENSOR_MAP;" if not cfg.interleave else
+         "  if (tmap_b == nullptr) return L2IR_STATUS_TENSOR_MAP;"),
         *([] if cfg.epilogue != "tma" else [
             "  thread_local MapCache cache_c;",
             "  const CUtensorMap* tmap_c = output_map(cache_c, C, M, N);",
@@ -1970,7 +2078,9 @@ def _launch_ex(cfg: PtxConfig) -> list[str]:
     blocks, and programmatic dependent launch (the GEMM's blocks may be placed while the stream's previous grid, a
     repack copy or any kernel, drains; its producer waits with griddepcontrol.wait before the first TMA load).
     Built with -DL2IR_PDL=0 it is an ordinary launch (bench/pdl_probe.py compares the two)."""
-    args = ("*tmap_a, *tmap_b, " + ("static_cast<const InT*>(A), static_cast<const InT*>(B), " if cfg.interleave else "")
+    args = ("*tmap_a, *tmap_b, " if not cfg.interleave else
+            "*tmap_b, static_cast<const InT*>(A), static_cast<const InT*>(B), ")
+    args = (args
             + ("*tmap_c, " if cfg.epilogue == "tma" else "") + "static_cast<OutT*>(C), M, N, K"
             + (", ws, counters" if cfg.tree else ""))
     L = ["  cudaLaunchAttribute attr[2];", "  unsigned num_attrs = 0;"]
