@@ -814,11 +814,12 @@ class Interleave:
         """k-tiles of a residue's view: its K + offset elements in tiles of BK."""
         return cdiv(lift(k) + offset, bk)
 
-    # The tensor-map form (sm90a, pipeline mode=tma_ws). A TMA box may start on any element, so B's view is one 2D
-    # tensor map of pitch STRIDE * K over the view rows, read from each row's own start (offset 0, K elements, the
-    # k tiles of an aligned K): no realign of either operand. The map covers only the view rows all of whose
-    # STRIDE residues exist (tma_view_rows), so no box reads past B; the N mod STRIDE columns after them, the
-    # tail, are dot products of the producer warpgroup's idle warps (tail_row, tail_column).
+    # The tensor-map form (sm90a, pipeline mode=tma_ws). B's view is one 2D tensor map of pitch STRIDE * K over the
+    # view rows, read from the same `offset` before each row as the cp.async form (a TMA box must start on a
+    # 16-byte boundary: an element start is an illegal instruction); A's fragments are loads shifted to meet it.
+    # The map covers only the view rows all of whose STRIDE residues exist (tma_view_rows), so no box reads past
+    # B; the N mod STRIDE columns after them, the tail, are dot products of the consumer warps (tail_row,
+    # tail_column).
     TAIL = Var("o")     # one output of the tail, 0 .. M * (N mod STRIDE) - 1
 
     @classmethod

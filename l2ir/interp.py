@@ -122,8 +122,8 @@ class _Schedule:
         self.bm, self.bn, self.bk = kernel.tile.block
         self.tiles_m = ceil_div(problem.m, self.bm)
         self.interleave = kernel.interleave is not None
-        # The interleave node's tensor-map form (tma_ws): B's view read from each row's start by TMA (any element
-        # may start a box), over Interleave.tma_view_rows view rows; the columns after them are the tail.
+        # The interleave node's tensor-map form (tma_ws): B's view through TMA over Interleave.tma_view_rows view
+        # rows (A's fragments in registers); the columns after them are the tail.
         self.tma_view = self.interleave and kernel.pipeline.mode == "tma_ws"
         self.tiles_n = int(column_tiles(problem.n, self.bn, self.interleave).eval({}))
         self._column_cache: dict[int, tuple[np.ndarray, int]] = {}
@@ -164,8 +164,6 @@ class _Schedule:
         r = int(Interleave.residue().eval(env))
         j = int(Interleave.first_row(self.bn).eval(env)) + np.arange(self.bn)
         cols = np.asarray(Interleave.column().eval({"j": j, "r": r}))
-        if self.tma_view:
-            return cols, 0      # a TMA box starts on the row's first element: no offset, nothing to check
         off = int(Interleave.offset().eval({"elem": r * self.problem.k}))
         # The view is read in whole 16-byte vectors: every row of the residue must start `off` elements past one.
         starts = (cols * self.problem.k - off) % Interleave.STRIDE
@@ -266,10 +264,12 @@ class _Schedule:
         """The copy of k tile kt of output tile (tm, tn)'s A rows and B columns into ring slot `slot` (interleave:
         of B's view of the tile's columns and of A's rows shifted to meet it)."""
         if self.tma_view:
-            # A's fragments are loads, zero past M and K; B's view rows past the map's (Interleave.tma_view_rows)
-            # are the map's out-of-bounds fill: zeros.
-            a_t = self._view(self.a, tm * self.bm + np.arange(self.bm), "m", kt, 0)
-            b_t = self._view(self.b.T, self.tile_cols(tn), "n", kt, 0)
+            # The same view as the cp.async form (TMA boxes start on 16-byte boundaries too). A's fragments are
+            # loads shifted by the offset, zero past M and outside the row; B's view rows past the map's
+            # (Interleave.tma_view_rows) are the map's out-of-bounds fill: zeros.
+            off = self.view_offset(tn)
+            a_t = self._view(self.a, tm * self.bm + np.arange(self.bm), "m", kt, off)
+            b_t = self._view(self.b.T, self.tile_cols(tn), "n", kt, off)
             b_t[self.tile_cols(tn) // Interleave.STRIDE >= int(Interleave.tma_view_rows(self.problem.n).eval({}))] = 0
             ring_a.store(slot, a_t)
             ring_b.store(slot, b_t)

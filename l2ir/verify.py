@@ -496,7 +496,7 @@ def _interleave(k: Kernel):
     misaligned rows the repack node would copy: the repack node needs pad.align=8, so the two never meet.
     Two forms: a cp.async ring (mode=multistage, mma.sync), and the tensor-map form (mode=tma_ws, wgmma: B's view
     is one TMA map, A's fragments plain loads into registers; Interleave.tma_view_rows) on one consumer warpgroup
-    (schedule=pingpong, non-persistent), which zeroes the last k tile's columns past K in shared memory itself."""
+    (schedule=pingpong, non-persistent), which zeroes the view's columns outside the row in shared memory itself."""
     if k.interleave is None:
         return None
     if k.pipeline.mode == "tma_ws":
@@ -733,14 +733,14 @@ def _alignment(k: Kernel, p: Problem):
 @rule("interleave", "tma_view_rows", PadError, problem=True)
 def _interleave_view_rows(k: Kernel, p: Problem):
     """The tensor-map form's B map covers floor(N / 8) view rows of 8 rows of B (Interleave.tma_view_rows): below
-    8 columns it has none (a map's extents are positive), and its coordinates and A's (row * K + k) are 32-bit."""
+    8 columns it has none (a map's extents are positive), and its coordinates (up to 8K) are 32-bit."""
     if k.interleave is None or k.pipeline.mode != "tma_ws":
         return None
     if p.n < Interleave.STRIDE:
         return (f"interleave on a tma_ws pipeline maps B's view rows of {Interleave.STRIDE} columns; N={p.n} has "
                 "none (use the cp.async form)")
-    if max(p.m * p.k, Interleave.STRIDE * p.k) >= 2 ** 31:
-        return f"interleave on a tma_ws pipeline addresses A and B's view by 32-bit element coordinates: M*K={p.m * p.k}"
+    if Interleave.STRIDE * p.k >= 2 ** 31:
+        return f"interleave on a tma_ws pipeline addresses B's view rows of 8K elements by 32-bit coordinates: K={p.k}"
 
 
 @rule("splitk", "slices_vs_k", SplitKError, problem=True)

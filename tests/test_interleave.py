@@ -266,12 +266,14 @@ def test_tma_form_lowers_on_the_sm90a_rule():
     with pytest.raises(NotImplementedError, match="interleave"):
         backend_for(k, "cutlass_sm90")
     src = backend_for(k).lower(k, Problem(17, 9999, 3333)).source
-    # B's box starts on any element of the residue's view row; A's fragments are loads into wgmma's register form
-    assert "tma_load_2d(smem_base + SMEM_B + stage * B_STAGE_BYTES + kb * B_KBLOCK_BYTES, &tmap_b, full, residue * K + k0," in src
+    # B's box starts on the 16-byte boundary `offset` elements before the residue's row (Interleave.offset); A's
+    # fragments are loads into wgmma's register form, shifted by the same offset
+    assert f"const int offset = {Index.offset().to_cpp().replace('elem', '(residue * K)')};" in src
+    assert "&tmap_b, full, residue * K - offset + k0," in src and "+ 8 * (i / 2) - offset;" in src
     assert "tmap_a" not in src and "wgmma_rs_m64n128k16(acc[j], a_cur[j][kk], db," in src
     assert "operand_map(cache_b, b_read, N / VIEW, view_pitch, view_pitch, BN)" in src
     # the k tail zeroed in both operands before wgmma reads them, behind the async-proxy fence
-    tail = src[src.index("if (kt == k_tiles - 1 && K % BK != 0)"):]
+    tail = src[src.index("if (k_lo > 0 || k_hi < BK)"):]
     assert tail.index("st.shared.u16") < tail.index("fence.proxy.async.shared::cta") < tail.index("bar.sync 4, 128")
     # the tail's rows and columns are Interleave.tail_row / tail_column rendered
     assert f"const int col = {Index.tail_column(Var('N')).to_cpp()};" in src

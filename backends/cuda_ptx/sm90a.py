@@ -572,21 +572,32 @@ def _tile_loop(cfg: PtxConfig, indent: str) -> list[str]:
     else:
         head = [f"{indent}// pipeline.persistent=false: one block per output tile.",
                 f"{indent}for (int pid = blockIdx.x; pid < num_tiles; pid += num_tiles) {{"]
+    split = []
     if cfg.split:
         begin, end = splitk_range(cfg.slices)
-        head += [f"{indent}  // k tiles [kt_begin, kt_end) of this slice (l2ir.indexing.splitk_range)",
+        split = [f"{indent}  // k tiles [kt_begin, kt_end) of this slice (l2ir.indexing.splitk_range)",
                  f"{indent}  const int kt_begin = {begin.to_cpp()};",
                  f"{indent}  const int kt_end = {end.to_cpp()};"]
-    return head + [
+    coords = [
         f"{indent}  // swizzle.raster={cfg.raster} group={cfg.group} (l2ir.indexing."
         + ("rasterize)" if mc is None else "ClusterMulticast.tile)"),
         f"{indent}  const int tile_m = {tile_m.to_cpp()};",
         f"{indent}  const int tile_n = {tile_n.to_cpp()};",
-        *([f"{indent}  // interleave: column tile tile_n is residue r of n mod VIEW, view rows [view0, view0 + BN): C's",
-           f"{indent}  // columns VIEW * j + r (l2ir.indexing.Interleave).",
-           f"{indent}  const int residue = {Interleave.residue().to_cpp()};",
-           f"{indent}  const int view0 = {Interleave.first_row(cfg.bn).to_cpp()};"] if cfg.interleave else []),
     ]
+    if not cfg.interleave:
+        return head + split + coords
+    # interleave: the tile's k tiles depend on its residue's offset, so its slice range follows its coordinates.
+    return head + coords + [
+        f"{indent}  // interleave: column tile tile_n is residue r of n mod VIEW, view rows [view0, view0 + BN): C's",
+        f"{indent}  // columns VIEW * j + r. A TMA box starts on a 16-byte boundary (an element start is an illegal",
+        f"{indent}  // instruction), so the view reads each row from `offset` elements before it, the boundary below",
+        f"{indent}  // element r * K (every row of the residue shares it): K + offset elements, whose first `offset`",
+        f"{indent}  // belong to the row before (l2ir.indexing.Interleave).",
+        f"{indent}  const int residue = {Interleave.residue().to_cpp()};",
+        f"{indent}  const int view0 = {Interleave.first_row(cfg.bn).to_cpp()};",
+        f"{indent}  const int offset = {Interleave.offset().to_cpp().replace('elem', '(residue * K)')};",
+        f"{indent}  const int k_tiles = {Interleave.k_tiles(Var('K'), Var('offset'), cfg.bk).to_cpp()};   // this tile's",
+    ] + split
 
 
 def _splitk_reduce(cfg: PtxConfig) -> list[str]:
@@ -730,10 +741,10 @@ def _interleave_mainloop(cfg: PtxConfig) -> list[str]:
         "#pragma unroll",
         "            for (int i = 0; i < 4; ++i) {",
         "              const int row = tile_m * BM + 64 * s + 16 * warp + lane / 4 + 8 * (i % 2);",
-        "              const int k = kt * BK + 16 * kk + 2 * (lane % 4) + 8 * (i / 2);",
+        "              const int k = kt * BK + 16 * kk + 2 * (lane % 4) + 8 * (i / 2) - offset;   // view -> A's k",
         "              const unsigned short* p = a16 + (size_t)row * K + k;",
-        "              const uint32_t lo = row < M && k < K ? __ldg(p) : 0u;",
-        "              const uint32_t hi = row < M && k + 1 < K ? __ldg(p + 1) : 0u;",
+        "              const uint32_t lo = row < M && k >= 0 && k < K ? __ldg(p) : 0u;",
+        "              const uint32_t hi = row < M && k + 1 >= 0 && k + 1 < K ? __ldg(p + 1) : 0u;",
         "              f[s][kk][i] = lo | (hi << 16);",
         "            }",
         "      };",
@@ -784,16 +795,19 @@ def _interleave_mainloop(cfg: PtxConfig) -> list[str]:
 
 
 def _interleave_k_tail() -> list[str]:
-    """interleave: the last k tile's columns past K hold the next rows' elements (a view row runs on into the next
-    residue's row), which TMA cannot fill with zeros: the consumer warpgroup zeroes B's (A's fragments load zeros
-    there, and 0 x Inf is NaN: zeros in one operand are not enough), then makes its generic stores visible to the
-    async proxy wgmma reads through, and meets at a named barrier before any warp issues the k tile."""
+    """interleave: the first k tile's columns before `offset` and the last one's past K + offset hold the
+    neighbouring rows' elements (a view row starts inside the row before and runs on into the next), which TMA
+    cannot fill with zeros: the consumer warpgroup zeroes B's (A's fragments load zeros there, and 0 x Inf is NaN:
+    zeros in one operand are not enough), then makes its generic stores visible to the async proxy wgmma reads
+    through, and meets at a named barrier before any warp issues the k tile."""
     return [
-        "        if (kt == k_tiles - 1 && K % BK != 0) {   // interleave: the k tile that runs past K",
-        "          const int k_valid = K - kt * BK, width = BK - k_valid;",
+        "        // interleave: the view's columns before the row (k < offset) and past it (k >= K + offset).",
+        "        const int k_lo = max(0, offset - kt * BK), k_hi = min(BK, K + offset - kt * BK);",
+        "        if (k_lo > 0 || k_hi < BK) {   // the first or the last k tile of the view",
+        "          const int width = k_lo + BK - k_hi;   // columns [0, k_lo) and [k_hi, BK)",
         "          const uint32_t b_base = smem_base + SMEM_B + stage * B_STAGE_BYTES;",
         "          for (int e = tid; e < BN * width; e += 128) {",
-        "            const int r = e / width, k = k_valid + e % width;",
+        "            const int r = e / width, c = e % width, k = c < k_lo ? c : k_hi + c - k_lo;",
         "            // byte offset in the k block's swizzled rows: <B,4,3> XORs the 16-byte chunk with the row's bits",
         "            const uint32_t o = r * ROW_BYTES + (k % ATOM_K) * sizeof(InT);",
         "            const uint32_t dst = b_base + (k / ATOM_K) * B_KBLOCK_BYTES + (o ^ (((o >> 7) & SWZ_MASK) << 4));",
@@ -1475,10 +1489,11 @@ def _multicast_loads(cfg: PtxConfig) -> list[str]:
     b_dst = "smem_base + SMEM_B + stage * B_STAGE_BYTES + kb * B_KBLOCK_BYTES"
     if cfg.interleave:
         return [
-            "            // interleave: B's box of the residue's view (pitch VIEW * K) starts on element residue * K + k0",
-            "            // of view row view0, any element; it runs past K into the next row in the last k tile (zeroed",
-            "            // there). A is not staged: the consumers load its fragments into registers.",
-            f"            tma_load_2d({b_dst}, &tmap_b, full, residue * K + k0,",
+            "            // interleave: B's box of the residue's view (pitch VIEW * K) starts `offset` elements before",
+            "            // element residue * K + k0 of view row view0, on a 16-byte boundary; the first and last k tiles",
+            "            // take elements of the neighbouring rows (zeroed there). A is not staged: the consumers load its",
+            "            // fragments into registers, shifted by the same offset.",
+            f"            tma_load_2d({b_dst}, &tmap_b, full, residue * K - offset + k0,",
             "                        view0);"]
     if mc is None:
         return [f"            tma_load_2d({a_dst}, &tmap_a, full, k0,",
@@ -1567,7 +1582,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         *(["  const int num_tiles = tiles_m * tiles_n;"] if cfg.multicast is None else []),
         *(["  const int num_units = num_tiles * SLICES;   // (tile, slice) work units; l2ir_run checked the product"]
           if cfg.split and cfg.multicast is None else []),
-        "  const int k_tiles = (K + BK - 1) / BK;   // the K tail is a zero-filled box (pad.k)",
+        *(["  const int k_tiles = (K + BK - 1) / BK;   // the K tail is a zero-filled box (pad.k)"]
+          if not cfg.interleave else []),   # interleave: each tile's, K + its offset
         *_block_ranges(cfg),
         *_multicast_ranks(cfg),
         *(["  const int num_units = num_blocks * SLICES;   // one cluster grid a slice; l2ir_run checked the product"]

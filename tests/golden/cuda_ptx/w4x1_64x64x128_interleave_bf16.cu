@@ -183,7 +183,6 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
   const int tiles_n = (8 * ((((N + 8 - 1) / 8) + 64 - 1) / 64));   // interleave: VIEW residues x runs of BN view rows (Interleave.tiles_n)
   const int view_rows = (N / 8);   // B's map: view rows whose VIEW rows all exist (Interleave.tma_view_rows)
   const int num_tiles = tiles_m * tiles_n;
-  const int k_tiles = (K + BK - 1) / BK;   // the K tail is a zero-filled box (pad.k)
   const int wg = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -218,9 +217,14 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
         const int tile_m = (((pid / (1 * tiles_n)) * 1) + ((pid % (1 * tiles_n)) % min((tiles_m - ((pid / (1 * tiles_n)) * 1)), 1)));
         const int tile_n = ((pid % (1 * tiles_n)) / min((tiles_m - ((pid / (1 * tiles_n)) * 1)), 1));
         // interleave: column tile tile_n is residue r of n mod VIEW, view rows [view0, view0 + BN): C's
-        // columns VIEW * j + r (l2ir.indexing.Interleave).
+        // columns VIEW * j + r. A TMA box starts on a 16-byte boundary (an element start is an illegal
+        // instruction), so the view reads each row from `offset` elements before it, the boundary below
+        // element r * K (every row of the residue shares it): K + offset elements, whose first `offset`
+        // belong to the row before (l2ir.indexing.Interleave).
         const int residue = (tile_n % 8);
         const int view0 = ((tile_n / 8) * 64);
+        const int offset = ((residue * K) & 7);
+        const int k_tiles = (((K + offset) + 128 - 1) / 128);   // this tile's
         for (int kt = 0; kt < k_tiles; ++kt) {
           // Wait until the consumers released this stage. On the first pass (phase 0) parity 1 refers to the
           // phase before initialization, which counts as complete, so the ring fills without waiting.
@@ -230,10 +234,11 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
 #pragma unroll
           for (int kb = 0; kb < K_BLOCKS; ++kb) {
             const int k0 = kt * BK + kb * ATOM_K;
-            // interleave: B's box of the residue's view (pitch VIEW * K) starts on element residue * K + k0
-            // of view row view0, any element; it runs past K into the next row in the last k tile (zeroed
-            // there). A is not staged: the consumers load its fragments into registers.
-            tma_load_2d(smem_base + SMEM_B + stage * B_STAGE_BYTES + kb * B_KBLOCK_BYTES, &tmap_b, full, residue * K + k0,
+            // interleave: B's box of the residue's view (pitch VIEW * K) starts `offset` elements before
+            // element residue * K + k0 of view row view0, on a 16-byte boundary; the first and last k tiles
+            // take elements of the neighbouring rows (zeroed there). A is not staged: the consumers load its
+            // fragments into registers, shifted by the same offset.
+            tma_load_2d(smem_base + SMEM_B + stage * B_STAGE_BYTES + kb * B_KBLOCK_BYTES, &tmap_b, full, residue * K - offset + k0,
                         view0);
           }
           if (++stage == STAGES) { stage = 0; phase ^= 1; }
@@ -277,9 +282,14 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
       const int tile_m = (((pid / (1 * tiles_n)) * 1) + ((pid % (1 * tiles_n)) % min((tiles_m - ((pid / (1 * tiles_n)) * 1)), 1)));
       const int tile_n = ((pid % (1 * tiles_n)) / min((tiles_m - ((pid / (1 * tiles_n)) * 1)), 1));
       // interleave: column tile tile_n is residue r of n mod VIEW, view rows [view0, view0 + BN): C's
-      // columns VIEW * j + r (l2ir.indexing.Interleave).
+      // columns VIEW * j + r. A TMA box starts on a 16-byte boundary (an element start is an illegal
+      // instruction), so the view reads each row from `offset` elements before it, the boundary below
+      // element r * K (every row of the residue shares it): K + offset elements, whose first `offset`
+      // belong to the row before (l2ir.indexing.Interleave).
       const int residue = (tile_n % 8);
       const int view0 = ((tile_n / 8) * 64);
+      const int offset = ((residue * K) & 7);
+      const int k_tiles = (((K + offset) + 128 - 1) / 128);   // this tile's
       // A's fragment for wgmma's register form: register i of k step kk of slab s holds row
       // 64 s + 16 warp + lane / 4 + 8 (i % 2), columns 16 kk + 2 (lane % 4) + 8 (i / 2) and the next one.
       const unsigned short* a16 = reinterpret_cast<const unsigned short*>(A);
@@ -292,10 +302,10 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
               const int row = tile_m * BM + 64 * s + 16 * warp + lane / 4 + 8 * (i % 2);
-              const int k = kt * BK + 16 * kk + 2 * (lane % 4) + 8 * (i / 2);
+              const int k = kt * BK + 16 * kk + 2 * (lane % 4) + 8 * (i / 2) - offset;   // view -> A's k
               const unsigned short* p = a16 + (size_t)row * K + k;
-              const uint32_t lo = row < M && k < K ? __ldg(p) : 0u;
-              const uint32_t hi = row < M && k + 1 < K ? __ldg(p + 1) : 0u;
+              const uint32_t lo = row < M && k >= 0 && k < K ? __ldg(p) : 0u;
+              const uint32_t hi = row < M && k + 1 >= 0 && k + 1 < K ? __ldg(p + 1) : 0u;
               f[s][kk][i] = lo | (hi << 16);
             }
       };
@@ -312,11 +322,13 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
       if (0 < k_tiles) load_a(a_cur, 0);
       for (int kt = 0; kt < k_tiles; ++kt) {
         mbar_wait(bars + 8 * stage, phase);
-        if (kt == k_tiles - 1 && K % BK != 0) {   // interleave: the k tile that runs past K
-          const int k_valid = K - kt * BK, width = BK - k_valid;
+        // interleave: the view's columns before the row (k < offset) and past it (k >= K + offset).
+        const int k_lo = max(0, offset - kt * BK), k_hi = min(BK, K + offset - kt * BK);
+        if (k_lo > 0 || k_hi < BK) {   // the first or the last k tile of the view
+          const int width = k_lo + BK - k_hi;   // columns [0, k_lo) and [k_hi, BK)
           const uint32_t b_base = smem_base + SMEM_B + stage * B_STAGE_BYTES;
           for (int e = tid; e < BN * width; e += 128) {
-            const int r = e / width, k = k_valid + e % width;
+            const int r = e / width, c = e % width, k = c < k_lo ? c : k_hi + c - k_lo;
             // byte offset in the k block's swizzled rows: <B,4,3> XORs the 16-byte chunk with the row's bits
             const uint32_t o = r * ROW_BYTES + (k % ATOM_K) * sizeof(InT);
             const uint32_t dst = b_base + (k / ATOM_K) * B_KBLOCK_BYTES + (o ^ (((o >> 7) & SWZ_MASK) << 4));
