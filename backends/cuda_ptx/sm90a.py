@@ -96,6 +96,12 @@ Field -> code map (the generated lines name their field in a comment):
                            tile's wgmma while the store drains; the buffer is reused after the store has read it
                            (cp.async.bulk.wait_group.read). fp16/bf16 C, BN a multiple of 64, vector=8, no split-K
   epilogue.vector          elements per global store (direct: 1 or 2, the accumulator fragment's adjacent pair)
+  interleave n=8           columns 8 apart per block (l2ir.indexing.Interleave), pingpong, one tile per block:
+                           B's view one TMA map of floor(N/8) rows of pitch 8K elements, each box starting on the
+                           16-byte boundary `offset` elements before its row (Interleave.offset); A's fragments
+                           plain loads into wgmma's register-A form, shifted to meet it; B's columns outside the
+                           row zeroed in the first and last k tiles; C's last N mod 8 columns dot products of
+                           the consumer warps (Interleave.tail_row / tail_column); pad.align=1
   problem                  a row (K-major), b col (K-major), f16 or bf16 in, f16 or bf16 out, acc f32
 """
 
@@ -724,10 +730,11 @@ def _wgmma_rs_function(cfg: PtxConfig) -> list[str]:
 
 def _interleave_mainloop(cfg: PtxConfig) -> list[str]:
     """interleave: the consumer's k loop. B from its stage (the view, through TMA); A's fragments straight from
-    global memory into registers, zero past M and K (A's rows start on any 2-byte boundary, which no TMA box of
-    rows can take, and a 1-row swizzled box needs a 1024-byte aligned destination: an illegal instruction on the
-    H100), loaded for the next k tile while this one's wgmma runs. Each k tile waits for its wgmma (a decode
-    tile's tensor-core work is short beside the stage's DRAM time), then hands its stage back."""
+    global memory into registers, shifted by the view's offset and zero outside the row and past M (A's rows
+    start on any 2-byte boundary, so no TMA box of several rows takes them), loaded for the next k tile while this
+    one's wgmma runs. Each k tile waits for its wgmma, then hands its stage back. On the H100 this form ran
+    1.1-1.26x slower than the cp.async form at the decode shapes (bench/NOTES.md): A's loads are one k tile ahead,
+    where the cp.async ring stages A several ahead."""
     return [
         "      // A's fragment for wgmma's register form: register i of k step kk of slab s holds row",
         "      // 64 s + 16 warp + lane / 4 + 8 (i % 2), columns 16 kk + 2 (lane % 4) + 8 (i / 2) and the next one.",
@@ -853,7 +860,7 @@ def _interleave_tail() -> list[str]:
     product per output, by the consumer warps before their first k tile, while the ring's first TMA loads are in
     flight: warp w of block b takes outputs b * TAIL_WARPS + w, then every gridDim.x * TAIL_WARPS on (at 17x9999,
     119 outputs: one for each of the first 119 warps). Not the producer's idle warps: they run under setmaxnreg's
-    40 registers, which ptxas does not enforce on the code after it."""
+    40 registers, and nothing in the build checks that the code after it fits."""
     n = Var("N")
     return [
         "    {",
