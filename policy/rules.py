@@ -361,8 +361,8 @@ def candidates(problem: Problem, parent: Kernel, arch: str, sms: int) -> list[Ca
                 f"more than one wave; a 3-stage ring fits two blocks per SM, {slices} slices fill one wave "
                 "(bench/results/odd_k_decode_h200.json)", backend="cuda_ptx_sm80"))
 
-    # An odd K with few rows of A: the interleaved decode kernel, B read in whole 16-byte copies (cuda_ptx_sm80 is the
-    # only backend of the interleave node).
+    # An odd K with few rows of A: the interleaved decode kernel, B read in whole 16-byte copies (cuda_ptx_sm80; the
+    # node's tensor-map form on cuda_ptx ran 1.1-1.26x slower on an H100: bench/results/h100/interleave_tma_h100.json).
     if arch in ("sm80", "sm90a") and alignment(problem) < 8 and m <= INTERLEAVE_ROWS:
         # The wave's slice count first, then 3 (the best measured at 31x4001x2047, where the wave rule says 4).
         for rank, slices in enumerate(dict.fromkeys((interleave_slices(problem, sms), 3))):
