@@ -263,21 +263,15 @@ class _Schedule:
     def _load(self, ring_a: _Ring, ring_b: _Ring, slot: int, tm: int, tn: int, kt: int) -> None:
         """The copy of k tile kt of output tile (tm, tn)'s A rows and B columns into ring slot `slot` (interleave:
         of B's view of the tile's columns and of A's rows shifted to meet it)."""
-        if self.tma_view:
-            # The same view as the cp.async form (TMA boxes start on 16-byte boundaries too). A's fragments are
-            # loads shifted by the offset, zero past M and outside the row; B's view rows past the map's
-            # (Interleave.tma_view_rows) are the map's out-of-bounds fill: zeros.
-            off = self.view_offset(tn)
-            a_t = self._view(self.a, tm * self.bm + np.arange(self.bm), "m", kt, off)
-            b_t = self._view(self.b.T, self.tile_cols(tn), "n", kt, off)
-            b_t[self.tile_cols(tn) // Interleave.STRIDE >= int(Interleave.tma_view_rows(self.problem.n).eval({}))] = 0
-            ring_a.store(slot, a_t)
-            ring_b.store(slot, b_t)
-            return
         if self.interleave:
+            # Both forms read the same view (a TMA box starts on a 16-byte boundary as a cp.async vector does).
             off = self.view_offset(tn)
+            b_t = self._view(self.b.T, self.tile_cols(tn), "n", kt, off)
+            if self.tma_view:
+                # B's view rows past the map's (Interleave.tma_view_rows) are its out-of-bounds fill: zeros.
+                b_t[~self.tile_stores(tn)] = 0
             ring_a.store(slot, self._view(self.a, tm * self.bm + np.arange(self.bm), "m", kt, off))
-            ring_b.store(slot, self._view(self.b.T, self.tile_cols(tn), "n", kt, off))
+            ring_b.store(slot, b_t)
             return
         ring_a.store(slot, self._tile(self.a, tm * self.bm, self.bm, kt * self.bk, self.bk, "m", "k"))
         ring_b.store(slot, self._tile(self.b.T, tn * self.bn, self.bn, kt * self.bk, self.bk, "n", "k"))

@@ -490,36 +490,53 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _wgmma_function(cfg: PtxConfig) -> list[str]:
-    """One wgmma m64nNk16 with both operands from shared memory. scale-d = 0 on a tile's first k-step makes the
-    instruction overwrite the accumulators, so they are never zeroed by other instructions between wgmmas."""
+def _wgmma_function(cfg: PtxConfig, a_registers: bool = False) -> list[str]:
+    """One wgmma m64nNk16: A and B from shared memory (descriptors), or with `a_registers` (the interleave node's
+    tensor-map form) A from registers (four .b32 per thread, the mma.m16n8k16 A fragment of its warp's 16 rows).
+    scale-d = 0 on a tile's first k-step makes the instruction overwrite the accumulators, so they are never zeroed
+    by other instructions between wgmmas."""
     n, nr, t = cfg.bn, cfg.bn // 2, cfg.in_dtype
     regs = [f"%{i}" for i in range(nr)]
     reg_lines = [", ".join(regs[i:i + 16]) for i in range(0, nr, 16)]
     outs = [f'"+f"(d[{i}])' for i in range(nr)]
     out_lines = [", ".join(outs[i:i + 8]) for i in range(0, nr, 8)]
-    lines = [
-        f"// wgmma.mma_async m64n{n}k16, A and B from shared memory (descriptors), fp32 accumulators: {nr} per thread.",
-        "// imm-scale-a/b = 1, imm-trans-a/b = 0: both operands K-major, as TMA wrote them.",
-        f"__device__ __forceinline__ void wgmma_m64n{n}k16(float (&d)[{nr}], uint64_t desc_a, uint64_t desc_b,",
-        "                                                  uint32_t scale_d) {",
+    if a_registers:
+        head = [
+            f"// wgmma.mma_async m64n{n}k16, A from registers, B from shared memory (descriptor), fp32 accumulators.",
+            "// imm-scale-a/b = 1, imm-trans-b = 0: B K-major, as TMA wrote it. The registers are read asynchronously:",
+            "// the caller keeps them unchanged until wgmma.wait_group says this wgmma is done.",
+            f"__device__ __forceinline__ void wgmma_rs_m64n{n}k16(float (&d)[{nr}], const uint32_t (&a)[4], "
+            "uint64_t desc_b,",
+            "                                                     uint32_t scale_d) {"]
+        scale, operands = nr + 5, f"{{%{nr}, %{nr + 1}, %{nr + 2}, %{nr + 3}}}, %{nr + 4}, p, 1, 1, 0"
+        inputs = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)'
+    else:
+        head = [
+            f"// wgmma.mma_async m64n{n}k16, A and B from shared memory (descriptors), fp32 accumulators: {nr} per "
+            "thread.",
+            "// imm-scale-a/b = 1, imm-trans-a/b = 0: both operands K-major, as TMA wrote them.",
+            f"__device__ __forceinline__ void wgmma_m64n{n}k16(float (&d)[{nr}], uint64_t desc_a, uint64_t desc_b,",
+            "                                                  uint32_t scale_d) {"]
+        scale, operands = nr + 2, f"%{nr}, %{nr + 1}, p, 1, 1, 0, 0"
+        inputs = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
+    lines = head + [
         "  asm volatile(",
         '      "{\\n"',
         '      ".reg .pred p;\\n"',
-        f'      "setp.ne.b32 p, %{nr + 2}, 0;\\n"',
+        f'      "setp.ne.b32 p, %{scale}, 0;\\n"',
         f'      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t}\\n"',
     ]
     for i, rl in enumerate(reg_lines):
         open_, close = ("{" if i == 0 else ""), ("}," if i == len(reg_lines) - 1 else ",")
         lines.append(f'      "  {open_}{rl}{close}\\n"')
     lines += [
-        f'      "  %{nr}, %{nr + 1}, p, 1, 1, 0, 0;\\n"',
+        f'      "  {operands};\\n"',
         '      "}\\n"',
     ]
     for i, ol in enumerate(out_lines):
         lines.append(("      : " if i == 0 else "        ") + ol + ("," if i < len(out_lines) - 1 else ""))
     lines += [
-        '      : "l"(desc_a), "l"(desc_b), "r"(scale_d));',
+        f"      : {inputs});",
         "}",
     ]
     return lines
@@ -690,42 +707,6 @@ def _splitk_reduce(cfg: PtxConfig) -> list[str]:
         "      }",
         "      if (!carries) continue;   // another block of this tile completes the tree and stores it",
     ]
-
-
-def _wgmma_rs_function(cfg: PtxConfig) -> list[str]:
-    """interleave: one wgmma m64nNk16 with A from registers (four .b32 per thread, the mma.m16n8k16 A fragment of
-    its warp's 16 rows) and B from shared memory; scale-d as in wgmma_m64nNk16."""
-    n, nr, t = cfg.bn, cfg.bn // 2, cfg.in_dtype
-    regs = [f"%{i}" for i in range(nr)]
-    reg_lines = [", ".join(regs[i:i + 16]) for i in range(0, nr, 16)]
-    outs = [f'"+f"(d[{i}])' for i in range(nr)]
-    out_lines = [", ".join(outs[i:i + 8]) for i in range(0, nr, 8)]
-    lines = [
-        f"// wgmma.mma_async m64n{n}k16, A from registers, B from shared memory (descriptor), fp32 accumulators.",
-        "// imm-scale-a/b = 1, imm-trans-b = 0: B K-major, as TMA wrote it. The registers are read asynchronously: the",
-        "// caller keeps them unchanged until wgmma.wait_group says this wgmma is done.",
-        f"__device__ __forceinline__ void wgmma_rs_m64n{n}k16(float (&d)[{nr}], const uint32_t (&a)[4], uint64_t desc_b,",
-        "                                                     uint32_t scale_d) {",
-        "  asm volatile(",
-        '      "{\\n"',
-        '      ".reg .pred p;\\n"',
-        f'      "setp.ne.b32 p, %{nr + 5}, 0;\\n"',
-        f'      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t}\\n"',
-    ]
-    for i, rl in enumerate(reg_lines):
-        open_, close = ("{" if i == 0 else ""), ("}," if i == len(reg_lines) - 1 else ",")
-        lines.append(f'      "  {open_}{rl}{close}\\n"')
-    lines += [
-        f'      "  {{%{nr}, %{nr + 1}, %{nr + 2}, %{nr + 3}}}, %{nr + 4}, p, 1, 1, 0;\\n"',
-        '      "}\\n"',
-    ]
-    for i, ol in enumerate(out_lines):
-        lines.append(("      : " if i == 0 else "        ") + ol + ("," if i < len(out_lines) - 1 else ""))
-    lines += [
-        '      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));',
-        "}",
-    ]
-    return lines
 
 
 def _interleave_mainloop(cfg: PtxConfig) -> list[str]:
@@ -1256,9 +1237,8 @@ def _device_functions(cfg: PtxConfig) -> list[str]:
         f"  for (int i = 0; i < {nr}; ++i) asm volatile(\"\" : \"+f\"(d[i]) :: \"memory\");",
         "}",
         "",
-        *(_wgmma_function(cfg) if not cfg.interleave else []),
+        *_wgmma_function(cfg, a_registers=cfg.interleave),
         "",
-        *([*_wgmma_rs_function(cfg), ""] if cfg.interleave else []),
         (f"__device__ __forceinline__ OutT to_out(float a) {{ return {to_out}; }}" if cfg.vector == 1
          and cfg.epilogue == "direct" else
          f"__device__ __forceinline__ Out2T pack2(float a, float b) {{ return {pack}; }}"),

@@ -145,10 +145,9 @@ __device__ __forceinline__ void fence_acc(float (&d)[64]) {
   for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
 
-
 // wgmma.mma_async m64n128k16, A from registers, B from shared memory (descriptor), fp32 accumulators.
-// imm-scale-a/b = 1, imm-trans-b = 0: B K-major, as TMA wrote it. The registers are read asynchronously: the
-// caller keeps them unchanged until wgmma.wait_group says this wgmma is done.
+// imm-scale-a/b = 1, imm-trans-b = 0: B K-major, as TMA wrote it. The registers are read asynchronously:
+// the caller keeps them unchanged until wgmma.wait_group says this wgmma is done.
 __device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
                                                      uint32_t scale_d) {
   asm volatile(

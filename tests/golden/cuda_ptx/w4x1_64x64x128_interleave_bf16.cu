@@ -138,10 +138,9 @@ __device__ __forceinline__ void fence_acc(float (&d)[32]) {
   for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
 
-
 // wgmma.mma_async m64n64k16, A from registers, B from shared memory (descriptor), fp32 accumulators.
-// imm-scale-a/b = 1, imm-trans-b = 0: B K-major, as TMA wrote it. The registers are read asynchronously: the
-// caller keeps them unchanged until wgmma.wait_group says this wgmma is done.
+// imm-scale-a/b = 1, imm-trans-b = 0: B K-major, as TMA wrote it. The registers are read asynchronously:
+// the caller keeps them unchanged until wgmma.wait_group says this wgmma is done.
 __device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
                                                      uint32_t scale_d) {
   asm volatile(
