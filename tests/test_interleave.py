@@ -267,10 +267,16 @@ def test_tma_form_lowers_on_the_sm90a_rule():
         backend_for(k, "cutlass_sm90")
     src = backend_for(k).lower(k, Problem(17, 9999, 3333)).source
     # B's box starts on the 16-byte boundary `offset` elements before the residue's row (Interleave.offset); A's
-    # fragments are loads into wgmma's register form, shifted by the same offset
+    # stages are written by the producer warpgroup's warps 1-3 from loads shifted by the same offset, swizzled as
+    # TMA writes B, fenced for the async proxy, then counted on the stage's full barrier beside the TMA bytes
     assert f"const int offset = {Index.offset().to_cpp().replace('elem', '(residue * K)')};" in src
-    assert "&tmap_b, full, residue * K - offset + k0," in src and "+ 8 * (i / 2) - offset;" in src
-    assert "tmap_a" not in src and "wgmma_rs_m64n128k16(acc[j], a_cur[j][kk], db," in src
+    assert "&tmap_b, full, residue * K - offset + k0," in src and "const int k = kt * BK + 8 * (q % (BK / 8)) - offset;" in src
+    assert "tmap_a" not in src and "mbar_init(bars + 8 * s, 1 + A_WRITERS);" in src and "setmaxnreg." not in src
+    writers = src[src.index("} else if (threadIdx.x >= 32) {"):src.index("// ---- consumer warpgroups")]
+    assert (writers.index("mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);") < writers.index("__ldg(")
+            < writers.index("st.shared.v4.b32") < writers.index("fence.proxy.async.shared::cta")
+            < writers.index("mbar_arrive(bars + 8 * stage);"))
+    assert "wgmma_m64n128k16(acc[j], da, db," in src and "wgmma_rs" not in src
     assert "operand_map(cache_b, b_read, N / VIEW, view_pitch, view_pitch, BN)" in src
     # the k tail zeroed in both operands before wgmma reads them, behind the async-proxy fence
     tail = src[src.index("if (k_lo > 0 || k_hi < BK)"):]

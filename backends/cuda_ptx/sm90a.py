@@ -98,10 +98,13 @@ Field -> code map (the generated lines name their field in a comment):
   epilogue.vector          elements per global store (direct: 1 or 2, the accumulator fragment's adjacent pair)
   interleave n=8           columns 8 apart per block (l2ir.indexing.Interleave), pingpong, one tile per block:
                            B's view one TMA map of floor(N/8) rows of pitch 8K elements, each box starting on the
-                           16-byte boundary `offset` elements before its row (Interleave.offset); A's fragments
-                           plain loads into wgmma's register-A form, shifted to meet it; B's columns outside the
-                           row zeroed in the first and last k tiles; C's last N mod 8 columns dot products of
-                           the consumer warps (Interleave.tail_row / tail_column); pad.align=1
+                           16-byte boundary `offset` elements before its row (Interleave.offset); A's stages
+                           written by the producer warpgroup's other three warps (rows on any 2-byte boundary: plain
+                           loads, shifted by the offset to meet B, zero outside the row and past M), so the
+                           consumer's k loop is the general one; B's columns outside the row zeroed in the first
+                           and last k tiles; C's last N mod 8 columns dot products of the consumer warps
+                           (Interleave.tail_row / tail_column); no setmaxnreg (the A writers keep the producer
+                           warpgroup's registers); pad.align=1
   problem                  a row (K-major), b col (K-major), f16 or bf16 in, f16 or bf16 out, acc f32
 """
 
@@ -135,6 +138,8 @@ ENTRY = "l2ir_cuda_ptx_sm90a_gemm"
 #   move: the producer releases its registers (40) and the consumer keeps what it has.
 #   4x1, 256 threads, 2 blocks: cap 128, pool 256 x 128 = 32,768; producer 128 x 40 + consumer 128 x 216 = 32,768.
 REG_BUDGET = {(2, 1): (40, 232), (1, 1): (40, None), (1, 2): (40, 216)}
+# The interleave node's A writers: the producer warpgroup's warps 1-3 (thread 0 issues B's TMA boxes).
+A_WRITERS = 96
 # Shared memory of one SM: the per-block opt-in limit plus the 1 KB the hardware reserves per resident block
 # (l2ir/target.py, SMEM_LIMIT). A second block fits when 2 x (its dynamic shared memory + 1 KB) fits in it.
 SM_SMEM = SMEM_LIMIT["sm90a"] + KB
@@ -170,7 +175,7 @@ class PtxConfig:
     block_reduce: bool = False     # splitk reduce=block: the 2 slices are the block's consumer warpgroups
     repack: str = ""          # repack operands=a|b|ab: operands copied to aligned rows when K % 8 != 0 ("" = none)
     cluster: tuple[int, int] = (1, 1)   # tile.cluster CM x CN: TMA multicast, one tile per block (1x1: none)
-    interleave: bool = False  # the interleave node's tensor-map form: columns 8 apart, A in registers
+    interleave: bool = False  # the interleave node's tensor-map form: columns 8 apart, A staged by plain loads
 
     @property
     def multicast(self) -> ClusterMulticast | None:
@@ -226,8 +231,7 @@ class PtxConfig:
         other's wgmma. The cooperative kernel keeps one (its consumers need 232 registers). So does BN > 128: ptxas
         must fit one wgmma's operands (BN/2 accumulators, the descriptors) under the launch bounds' 128-register cap,
         whatever setmaxnreg grants later (C7602 "insufficient registers" for m64n256k16)."""
-        if (self.consumer_wgs == 1 and self.bn <= 128 and 2 * (self.layout["total"] + KB) <= SM_SMEM
-                and (self.slabs == 1 or not self.interleave)):   # interleave: an A ring no longer caps BM=128
+        if self.consumer_wgs == 1 and self.bn <= 128 and 2 * (self.layout["total"] + KB) <= SM_SMEM:
             return 2
         return 1
 
@@ -240,8 +244,11 @@ class PtxConfig:
         return max(d for d in range(1, limit + 1) if vecs % d == 0)
 
     @property
-    def regs(self) -> tuple[int, int | None]:
-        return REG_BUDGET[(self.consumer_wgs, self.blocks_per_sm)]
+    def regs(self) -> tuple[int | None, int | None]:
+        """setmaxnreg's (producer, consumer) targets; None: no setmaxnreg. The interleave node's producer warpgroup
+        stages A in three of its warps, whose loads and stores need more than the TMA thread's 40 registers, and its
+        consumer reads A from shared memory, so both keep the launch bounds' share."""
+        return (None, None) if self.interleave else REG_BUDGET[(self.consumer_wgs, self.blocks_per_sm)]
 
     @property
     def wg_m(self) -> int:
@@ -279,8 +286,7 @@ class PtxConfig:
 
     @property
     def a_stage_bytes(self) -> int:
-        """A's share of a stage; none with the interleave node, whose A goes from global memory to registers."""
-        return 0 if self.interleave else self.k_blocks * self.a_kblock_bytes
+        return self.k_blocks * self.a_kblock_bytes
 
     @property
     def b_stage_bytes(self) -> int:
@@ -431,7 +437,7 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
                                   "8-row swizzle atoms")
 
     if kernel.interleave is not None:
-        pass    # pad.align=1 (the verifier): B's view has a pitch of 8K elements and A's fragments are plain loads
+        pass    # pad.align=1 (the verifier): B's view has a pitch of 8K elements and A's stages are plain loads
     elif pad.align != 8:
         raise UnsupportedLowering("pad.align", f"{pad.align}: TMA needs 16-byte strides (align 8)")
     for dim in ("m", "n", "k"):
@@ -490,35 +496,22 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _wgmma_function(cfg: PtxConfig, a_registers: bool = False) -> list[str]:
-    """One wgmma m64nNk16: A and B from shared memory (descriptors), or with `a_registers` (the interleave node's
-    tensor-map form) A from registers (four .b32 per thread, the mma.m16n8k16 A fragment of its warp's 16 rows).
-    scale-d = 0 on a tile's first k-step makes the instruction overwrite the accumulators, so they are never zeroed
-    by other instructions between wgmmas."""
+def _wgmma_function(cfg: PtxConfig) -> list[str]:
+    """One wgmma m64nNk16, A and B from shared memory (descriptors). scale-d = 0 on a tile's first k-step makes the
+    instruction overwrite the accumulators, so they are never zeroed by other instructions between wgmmas."""
     n, nr, t = cfg.bn, cfg.bn // 2, cfg.in_dtype
     regs = [f"%{i}" for i in range(nr)]
     reg_lines = [", ".join(regs[i:i + 16]) for i in range(0, nr, 16)]
     outs = [f'"+f"(d[{i}])' for i in range(nr)]
     out_lines = [", ".join(outs[i:i + 8]) for i in range(0, nr, 8)]
-    if a_registers:
-        head = [
-            f"// wgmma.mma_async m64n{n}k16, A from registers, B from shared memory (descriptor), fp32 accumulators.",
-            "// imm-scale-a/b = 1, imm-trans-b = 0: B K-major, as TMA wrote it. The registers are read asynchronously:",
-            "// the caller keeps them unchanged until wgmma.wait_group says this wgmma is done.",
-            f"__device__ __forceinline__ void wgmma_rs_m64n{n}k16(float (&d)[{nr}], const uint32_t (&a)[4], "
-            "uint64_t desc_b,",
-            "                                                     uint32_t scale_d) {"]
-        scale, operands = nr + 5, f"{{%{nr}, %{nr + 1}, %{nr + 2}, %{nr + 3}}}, %{nr + 4}, p, 1, 1, 0"
-        inputs = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)'
-    else:
-        head = [
-            f"// wgmma.mma_async m64n{n}k16, A and B from shared memory (descriptors), fp32 accumulators: {nr} per "
-            "thread.",
-            "// imm-scale-a/b = 1, imm-trans-a/b = 0: both operands K-major, as TMA wrote them.",
-            f"__device__ __forceinline__ void wgmma_m64n{n}k16(float (&d)[{nr}], uint64_t desc_a, uint64_t desc_b,",
-            "                                                  uint32_t scale_d) {"]
-        scale, operands = nr + 2, f"%{nr}, %{nr + 1}, p, 1, 1, 0, 0"
-        inputs = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
+    head = [
+        f"// wgmma.mma_async m64n{n}k16, A and B from shared memory (descriptors), fp32 accumulators: {nr} per "
+        "thread.",
+        "// imm-scale-a/b = 1, imm-trans-a/b = 0: both operands K-major, as TMA wrote them.",
+        f"__device__ __forceinline__ void wgmma_m64n{n}k16(float (&d)[{nr}], uint64_t desc_a, uint64_t desc_b,",
+        "                                                  uint32_t scale_d) {"]
+    scale, operands = nr + 2, f"%{nr}, %{nr + 1}, p, 1, 1, 0, 0"
+    inputs = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
     lines = head + [
         "  asm volatile(",
         '      "{\\n"',
@@ -709,75 +702,63 @@ def _splitk_reduce(cfg: PtxConfig) -> list[str]:
     ]
 
 
-def _interleave_mainloop(cfg: PtxConfig) -> list[str]:
-    """interleave: the consumer's k loop. B from its stage (the view, through TMA); A's fragments straight from
-    global memory into registers, shifted by the view's offset and zero outside the row and past M (A's rows
-    start on any 2-byte boundary, so no TMA box of several rows takes them), loaded for the next k tile while this
-    one's wgmma runs. Each k tile waits for its wgmma, then hands its stage back. On the H100 this form ran
-    1.1-1.26x slower than the cp.async form at the decode shapes (bench/NOTES.md): A's loads are one k tile ahead,
-    where the cp.async ring stages A several ahead."""
+def _interleave_a_writers(cfg: PtxConfig) -> list[str]:
+    """interleave: the producer warpgroup's warps 1-3 write A's stage of each k tile, the tile's BM rows shifted by
+    the view's offset to meet B's (A's columns kt * BK - offset + [0, BK)), zero outside the row and past M, in the
+    swizzled K-major layout TMA would have written, so the consumer's wgmma reads A from a descriptor as in every
+    other kernel. TMA cannot take these rows: with K mod 8 != 0 each row of A starts on its own 2-byte boundary, and a
+    box's inner start off a 16-byte boundary is an illegal instruction. The writers run ahead of the consumer by the
+    ring's depth like the TMA thread, so A's L2 round trips overlap B's stream (with A's fragments loaded into
+    registers one k tile ahead instead, this form ran 1.1-1.26x slower than the cp.async form on the H100,
+    bench/NOTES.md). Each writer thread takes 16-byte chunks (8 columns of a row): all its loads first, then its
+    stores, then the proxy fence that orders its generic stores before wgmma's async-proxy reads, then its arrival
+    on the stage's `full` barrier (1 + A_WRITERS arrivals, the TMA bytes besides)."""
     return [
-        "      // A's fragment for wgmma's register form: register i of k step kk of slab s holds row",
-        "      // 64 s + 16 warp + lane / 4 + 8 (i % 2), columns 16 kk + 2 (lane % 4) + 8 (i / 2) and the next one.",
+        "    } else if (threadIdx.x >= 32) {",
+        "      // ---- interleave: warps 1-3 write A's stages (the TMA thread's warp keeps to B) ----",
+        '      asm volatile("griddepcontrol.wait;" ::: "memory");   // A may be the previous grid\'s output',
+        "      const int wt = threadIdx.x - 32;",
         "      const unsigned short* a16 = reinterpret_cast<const unsigned short*>(A);",
-        "      uint32_t a_cur[SLABS][BK / 16][4], a_nxt[SLABS][BK / 16][4];",
-        "      auto load_a = [&](uint32_t (&f)[SLABS][BK / 16][4], int kt) {",
+        "      int stage = 0;",
+        "      uint32_t phase = 0;",
+        *_tile_loop(cfg, "      "),
+        "        (void)view0;   // B's rows; A's are the tile's rows of M",
+        f"        for (int kt = {cfg.k_first}; kt < {cfg.k_last}; ++kt) {{",
+        "          mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);   // the stage is free (as for the TMA thread)",
+        "          const uint32_t a_stage = smem_base + SMEM_A + stage * A_STAGE_BYTES;",
+        "          for (int i0 = 0; i0 < A_ROUNDS; i0 += A_BATCH) {",
+        "            uint32_t v[A_BATCH][4];",
         "#pragma unroll",
-        "        for (int s = 0; s < SLABS; ++s)",
-        "#pragma unroll",
-        "          for (int kk = 0; kk < BK / 16; ++kk)",
-        "#pragma unroll",
-        "            for (int i = 0; i < 4; ++i) {",
-        "              const int row = tile_m * BM + 64 * s + 16 * warp + lane / 4 + 8 * (i % 2);",
-        "              const int k = kt * BK + 16 * kk + 2 * (lane % 4) + 8 * (i / 2) - offset;   // view -> A's k",
+        "            for (int i = 0; i < A_BATCH; ++i) {",
+        "              // chunk q: row q / (BK / 8) of the tile, its columns 8 (q % (BK / 8)) + [0, 8) of the k tile",
+        "              const int q = wt + A_WRITERS * (i0 + i);",
+        "              const int row = tile_m * BM + q / (BK / 8);",
+        "              const int k = kt * BK + 8 * (q % (BK / 8)) - offset;   // the view's column -> A's",
+        "              const bool live = q < A_CHUNKS && row < M;",
         "              const unsigned short* p = a16 + (size_t)row * K + k;",
-        "              const uint32_t lo = row < M && k >= 0 && k < K ? __ldg(p) : 0u;",
-        "              const uint32_t hi = row < M && k + 1 >= 0 && k + 1 < K ? __ldg(p + 1) : 0u;",
-        "              f[s][kk][i] = lo | (hi << 16);",
+        "#pragma unroll",
+        "              for (int e = 0; e < 4; ++e) {",
+        "                const uint32_t lo = live && k + 2 * e >= 0 && k + 2 * e < K ? __ldg(p + 2 * e) : 0u;",
+        "                const uint32_t hi = live && k + 2 * e + 1 >= 0 && k + 2 * e + 1 < K ? __ldg(p + 2 * e + 1) : 0u;",
+        "                v[i][e] = lo | (hi << 16);",
+        "              }",
         "            }",
-        "      };",
-        "      // Pins the fragments (as fence_acc the accumulators): live until here, so the next tile's loads never",
-        "      // take the registers an in-flight wgmma reads.",
-        "      auto fence_a = [&](uint32_t (&f)[SLABS][BK / 16][4]) {",
         "#pragma unroll",
-        "        for (int s = 0; s < SLABS; ++s)",
-        "#pragma unroll",
-        "          for (int kk = 0; kk < BK / 16; ++kk)",
-        "#pragma unroll",
-        '            for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(f[s][kk][i]) :: "memory");',
-        "      };",
-        f"      if ({cfg.k_first} < {cfg.k_last}) load_a(a_cur, {cfg.k_first});",
-        f"      for (int kt = {cfg.k_first}; kt < {cfg.k_last}; ++kt) {{",
-        "        mbar_wait(bars + 8 * stage, phase);",
-        *_interleave_k_tail(),
-        "#pragma unroll",
-        "        for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
-        "        fence_a(a_cur);",
-        "        wgmma_fence();   // order earlier register accesses (accumulators, fragments) before the async reads",
-        "        const uint32_t b_stage = smem_base + SMEM_B + stage * B_STAGE_BYTES;",
-        "#pragma unroll",
-        "        for (int kk = 0; kk < BK / 16; ++kk) {",
-        "          const uint32_t koff = (kk % (ATOM_K / 16)) * 32;",
-        "          const int kb = kk / (ATOM_K / 16);",
-        "          const uint64_t db = smem_desc(b_stage + kb * B_KBLOCK_BYTES + koff);",
-        "#pragma unroll",
-        "          for (int j = 0; j < SLABS; ++j)",
-        f"            wgmma_rs_m64n{cfg.bn}k16(acc[j], a_cur[j][kk], db, (kt > {cfg.k_first} || kk > 0) ? 1u : 0u);",
+        "            for (int i = 0; i < A_BATCH; ++i) {",
+        "              const int q = wt + A_WRITERS * (i0 + i);",
+        "              if (q >= A_CHUNKS) break;",
+        "              const int r = q / (BK / 8), c = 8 * (q % (BK / 8));",
+        "              // byte offset in the k block's swizzled rows: <B,4,3> XORs the 16-byte chunk with the row's bits",
+        "              const uint32_t o = r * ROW_BYTES + (c % ATOM_K) * sizeof(InT);",
+        "              const uint32_t dst = a_stage + (c / ATOM_K) * A_KBLOCK_BYTES + (o ^ (((o >> 7) & SWZ_MASK) << 4));",
+        '              asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"',
+        '                           :: "r"(dst), "r"(v[i][0]), "r"(v[i][1]), "r"(v[i][2]), "r"(v[i][3]) : "memory");',
+        "            }",
+        "          }",
+        '          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // generic stores -> wgmma\'s reads',
+        "          mbar_arrive(bars + 8 * stage);",
+        "          if (++stage == STAGES) { stage = 0; phase ^= 1; }",
         "        }",
-        "        wgmma_commit();",
-        f"        if (kt + 1 < {cfg.k_last}) load_a(a_nxt, kt + 1);   // in flight while the tensor cores work",
-        "        wgmma_wait<0>();",
-        "#pragma unroll",
-        "        for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
-        "        fence_a(a_cur);",
-        "        if (lane == 0) mbar_arrive(bars + 8 * (STAGES + stage));   // this k tile's stage back to the producer",
-        "#pragma unroll",
-        "        for (int s = 0; s < SLABS; ++s)",
-        "#pragma unroll",
-        "          for (int kk = 0; kk < BK / 16; ++kk)",
-        "#pragma unroll",
-        "            for (int i = 0; i < 4; ++i) a_cur[s][kk][i] = a_nxt[s][kk][i];",
-        "        if (++stage == STAGES) { stage = 0; phase ^= 1; }",
         "      }",
     ]
 
@@ -785,7 +766,7 @@ def _interleave_mainloop(cfg: PtxConfig) -> list[str]:
 def _interleave_k_tail() -> list[str]:
     """interleave: the first k tile's columns before `offset` and the last one's past K + offset hold the
     neighbouring rows' elements (a view row starts inside the row before and runs on into the next), which TMA
-    cannot fill with zeros: the consumer warpgroup zeroes B's (A's fragments load zeros there, and 0 x Inf is NaN:
+    cannot fill with zeros: the consumer warpgroup zeroes B's (A's writers store zeros there, and 0 x Inf is NaN:
     zeros in one operand are not enough), then makes its generic stores visible to the async proxy wgmma reads
     through, and meets at a named barrier before any warp issues the k tile."""
     return [
@@ -1100,21 +1081,23 @@ def _config(cfg: PtxConfig) -> list[str]:
         f"constexpr int ATOM_K = {cfg.atom_k};",
         f"constexpr int ROW_BYTES = {cfg.row_bytes};",
         "constexpr int K_BLOCKS = BK / ATOM_K;",
-        *([f"constexpr int A_KBLOCK_BYTES = {cfg.a_kblock_bytes};   // BM rows x ROW_BYTES, 1024-aligned"]
-          if not cfg.interleave else []),
+        f"constexpr int A_KBLOCK_BYTES = {cfg.a_kblock_bytes};   // BM rows x ROW_BYTES, 1024-aligned",
         f"constexpr int B_KBLOCK_BYTES = {cfg.b_kblock_bytes};   // BN rows x ROW_BYTES, 1024-aligned",
-        *(["constexpr int A_STAGE_BYTES = K_BLOCKS * A_KBLOCK_BYTES;"] if not cfg.interleave else []),
+        "constexpr int A_STAGE_BYTES = K_BLOCKS * A_KBLOCK_BYTES;",
         "constexpr int B_STAGE_BYTES = K_BLOCKS * B_KBLOCK_BYTES;",
         *([f"constexpr uint32_t STAGE_TX_BYTES = {cfg.tx_bytes};   // (BM + BN) x BK x 2: the boxes land whole, "
            "out-of-bounds zeros included"] if not cfg.interleave else [
            f"constexpr uint32_t B_TX_BYTES = {cfg.bn * cfg.bk * DTYPE_BYTES[cfg.in_dtype]};   // interleave: B's box "
-           "lands whole (A goes to registers)",
+           "lands whole (A's stage is written by threads)",
+           f"constexpr int A_WRITERS = {A_WRITERS};   // interleave: the producer warpgroup's warps 1-3 write A's stages",
+           "constexpr int A_CHUNKS = BM * BK / 8;   // 16-byte chunks of one A stage",
+           "constexpr int A_ROUNDS = (A_CHUNKS + A_WRITERS - 1) / A_WRITERS;   // chunks per writer thread",
+           "constexpr int A_BATCH = A_ROUNDS < 6 ? A_ROUNDS : 6;   // chunks loaded before they are stored: 24 registers",
            f"constexpr int VIEW = {Interleave.STRIDE};   // interleave n: columns of one block are VIEW apart",
            f"constexpr int SWZ_MASK = {(1 << cfg.swizzle_bits) - 1};   // swizzle <B,4,3> on byte offsets: "
            "16-byte chunk ^= (offset >> 7) & SWZ_MASK",
            "constexpr int TAIL_WARPS = 4;   // the consumer warps compute the columns past the view first"]),
-        (f"constexpr int SMEM_A = {lay['a']}, SMEM_B = {lay['b']}, SMEM_BARS = {lay['bars']};" if not cfg.interleave
-         else f"constexpr int SMEM_B = {lay['b']}, SMEM_BARS = {lay['bars']};   // interleave: no A stages"),
+        f"constexpr int SMEM_A = {lay['a']}, SMEM_B = {lay['b']}, SMEM_BARS = {lay['bars']};",
         *([f"constexpr int SMEM_C = {lay['c']};   // epilogue.path=smem: the C staging tile",
            f"constexpr int C_SWZ_MASK = {_c_swz_mask(cfg.bn)};   // XOR of the 16-byte chunk index with the row"]
           if cfg.epilogue == "smem" else []),
@@ -1237,7 +1220,7 @@ def _device_functions(cfg: PtxConfig) -> list[str]:
         f"  for (int i = 0; i < {nr}; ++i) asm volatile(\"\" : \"+f\"(d[i]) :: \"memory\");",
         "}",
         "",
-        *_wgmma_function(cfg, a_registers=cfg.interleave),
+        *_wgmma_function(cfg),
         "",
         (f"__device__ __forceinline__ OutT to_out(float a) {{ return {to_out}; }}" if cfg.vector == 1
          and cfg.epilogue == "direct" else
@@ -1547,7 +1530,7 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         (f"{ENTRY}(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,"
          if not cfg.interleave else
          f"{ENTRY}(const __grid_constant__ CUtensorMap tmap_b,   // interleave: B's view; A by plain loads"),
-        *(["        const InT* __restrict__ A, const InT* __restrict__ B,   // A's fragments, the tail's dot products"]
+        *(["        const InT* __restrict__ A, const InT* __restrict__ B,   // A's stages, the tail's dot products"]
           if cfg.interleave else []),
         *(["        const __grid_constant__ CUtensorMap tmap_c,   // epilogue.path=tma"] if cfg.epilogue == "tma" else []),
         ("        OutT* __restrict__ C, int M, int N, int K, float* __restrict__ ws, unsigned* __restrict__ counters) {"
@@ -1586,7 +1569,9 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         *(['    asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_c)) : "memory");']
           if cfg.epilogue == "tma" else []),
         "    for (int s = 0; s < STAGES; ++s) {",
-        "      mbar_init(bars + 8 * s, 1);                           // full: the producer's arrive.expect_tx",
+        ("      mbar_init(bars + 8 * s, 1);                           // full: the producer's arrive.expect_tx"
+         if not cfg.interleave else
+         "      mbar_init(bars + 8 * s, 1 + A_WRITERS);   // full: the TMA thread's arrive.expect_tx, each A writer's"),
         *(["      mbar_init(bars + 8 * (STAGES + s), 4);   // empty: one warpgroup reads a stage (reduce=block), one "
            "arrival per warp"] if cfg.block_reduce else
           ["      mbar_init(bars + 8 * (STAGES + s), CONSUMER_WGS * 4);  // empty: one arrival per consumer warp"]
@@ -1613,7 +1598,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "",
         "  if (wg == 0) {",
         "    // ---- producer warpgroup: TMA only, so it releases its registers (REG_BUDGET) ----",
-        f'    asm volatile("setmaxnreg.dec.sync.aligned.u32 {cfg.regs[0]};" ::: "memory");',
+        (f'    asm volatile("setmaxnreg.dec.sync.aligned.u32 {cfg.regs[0]};" ::: "memory");' if cfg.regs[0] else
+         "    // interleave: no setmaxnreg (PtxConfig.regs): warps 1-3 write A's stages"),
         "    if (threadIdx.x == 0) {",
         "      // Programmatic dependent launch: this grid may start while the stream's previous grid (a repack copy,",
         "      // or any kernel) still runs; wait for it, and for its stores to be visible, before the first TMA load.",
@@ -1638,6 +1624,7 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "          if (++stage == STAGES) { stage = 0; phase ^= 1; }",
         "        }",
         "      }",
+        *(_interleave_a_writers(cfg) if cfg.interleave else []),
         *(["      // tile.cluster: the block may leave only when no block of its row or column will arrive at its empty",
            "      // barriers again, and every share it multicast has landed: one more pass over the ring waits until",
            "      // each stage's last fill was released by all of them (this thread keeps the block resident). A",
@@ -1655,12 +1642,13 @@ def _kernel(cfg: PtxConfig) -> list[str]:
         "    // ---- consumer warpgroups: wgmma and the epilogue ----",
         *([f'    asm volatile("setmaxnreg.inc.sync.aligned.u32 {cfg.regs[1]};" ::: "memory");']
           if cfg.regs[1] else
+          ["    // interleave: no setmaxnreg; the consumer keeps the launch bounds' share (PtxConfig.regs)."]
+          if cfg.interleave else
           ["    // 256 threads: the consumer already holds the per-thread maximum and keeps it (REG_BUDGET)."]),
         *(["    const int cw = wg - 1;   // consumer warpgroup: all BM rows, k tiles of slice cw",
            "    const int slice = cw;    // splitk reduce=block: this warpgroup's half of the K loop"]
           if cfg.block_reduce else
-          ["    const int cw = wg - 1;   // consumer warpgroup: rows [cw * WG_M, (cw + 1) * WG_M) of the tile"]
-          if not cfg.interleave else []),
+          ["    const int cw = wg - 1;   // consumer warpgroup: rows [cw * WG_M, (cw + 1) * WG_M) of the tile"]),
         "    // Programmatic dependent launch: the consumers' own global accesses (C, split-K partials and pair counters)",
         "    // wait too. Most follow data the producer loaded after its wait, but a K slice with no k tile (a run-time",
         "    // shape the lowered one did not promise) goes straight to its partial and counter.",
@@ -1683,11 +1671,12 @@ def _kernel(cfg: PtxConfig) -> list[str]:
             "      if (releases) mbar_arrive_remote(remote_empty + 8 * s);",
             "    };"]),
         *_tile_loop(cfg, "    "),
-        *(_interleave_mainloop(cfg) if cfg.interleave else [
+        *([
             "      int prev = -1;",
             *(_block_consumer_loop() if cfg.block_reduce else
               [f"      for (int kt = {cfg.k_first}; kt < {cfg.k_last}; ++kt) {{"]),
             "        mbar_wait(bars + 8 * stage, phase);",
+            *(_interleave_k_tail() if cfg.interleave else []),
             "#pragma unroll",
             "        for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);",
             "        wgmma_fence();   // order earlier register accesses of the accumulators before the async reads",
@@ -1987,7 +1976,7 @@ def _host_shim(cfg: PtxConfig) -> list[str]:
             "  // leave the map no row.",
             "  if (N < VIEW || (long long)VIEW * K >= INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;",
             "  const int view_pitch = VIEW * K;",
-            "  // TMA: B's 16-byte aligned base; A's fragments are plain 2-byte loads, any alignment.",
+            "  // TMA: B's 16-byte aligned base; A's stages are written from plain 2-byte loads, any alignment.",
             "  if (reinterpret_cast<uintptr_t>(b_read) % 16 != 0) return L2IR_STATUS_MISALIGNED;"] if cfg.interleave else [
             "  // TMA: 16-byte aligned base addresses and row strides (pad.align=8: K % 8 == 0, or a repack copy).",
             "  if (reinterpret_cast<uintptr_t>(a_read) % 16 != 0 || reinterpret_cast<uintptr_t>(b_read) % 16 != 0 ||",

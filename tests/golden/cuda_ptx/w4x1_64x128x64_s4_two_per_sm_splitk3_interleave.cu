@@ -61,15 +61,21 @@ constexpr int STAGES = 4;
 constexpr int ATOM_K = 64;
 constexpr int ROW_BYTES = 128;
 constexpr int K_BLOCKS = BK / ATOM_K;
+constexpr int A_KBLOCK_BYTES = 8192;   // BM rows x ROW_BYTES, 1024-aligned
 constexpr int B_KBLOCK_BYTES = 16384;   // BN rows x ROW_BYTES, 1024-aligned
+constexpr int A_STAGE_BYTES = K_BLOCKS * A_KBLOCK_BYTES;
 constexpr int B_STAGE_BYTES = K_BLOCKS * B_KBLOCK_BYTES;
-constexpr uint32_t B_TX_BYTES = 16384;   // interleave: B's box lands whole (A goes to registers)
+constexpr uint32_t B_TX_BYTES = 16384;   // interleave: B's box lands whole (A's stage is written by threads)
+constexpr int A_WRITERS = 96;   // interleave: the producer warpgroup's warps 1-3 write A's stages
+constexpr int A_CHUNKS = BM * BK / 8;   // 16-byte chunks of one A stage
+constexpr int A_ROUNDS = (A_CHUNKS + A_WRITERS - 1) / A_WRITERS;   // chunks per writer thread
+constexpr int A_BATCH = A_ROUNDS < 6 ? A_ROUNDS : 6;   // chunks loaded before they are stored: 24 registers
 constexpr int VIEW = 8;   // interleave n: columns of one block are VIEW apart
 constexpr int SWZ_MASK = 7;   // swizzle <B,4,3> on byte offsets: 16-byte chunk ^= (offset >> 7) & SWZ_MASK
 constexpr int TAIL_WARPS = 4;   // the consumer warps compute the columns past the view first
-constexpr int SMEM_B = 0, SMEM_BARS = 65536;   // interleave: no A stages
-constexpr int SMEM_FLAG = 65600;   // split-K: the block reduces its tile (1) or not (0)
-constexpr int SMEM_BYTES = 65608;
+constexpr int SMEM_A = 0, SMEM_B = 32768, SMEM_BARS = 98304;
+constexpr int SMEM_FLAG = 98368;   // split-K: the block reduces its tile (1) or not (0)
+constexpr int SMEM_BYTES = 98376;
 
 // wgmma shared-memory matrix descriptor (PTX ISA, matrix descriptor format):
 //   bits  0-13 start address >> 4        bits 16-29 leading-dimension byte offset >> 4
@@ -145,21 +151,20 @@ __device__ __forceinline__ void fence_acc(float (&d)[64]) {
   for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
 
-// wgmma.mma_async m64n128k16, A from registers, B from shared memory (descriptor), fp32 accumulators.
-// imm-scale-a/b = 1, imm-trans-b = 0: B K-major, as TMA wrote it. The registers are read asynchronously:
-// the caller keeps them unchanged until wgmma.wait_group says this wgmma is done.
-__device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
-                                                     uint32_t scale_d) {
+// wgmma.mma_async m64n128k16, A and B from shared memory (descriptors), fp32 accumulators: 64 per thread.
+// imm-scale-a/b = 1, imm-trans-a/b = 0: both operands K-major, as TMA wrote them.
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                  uint32_t scale_d) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
-      "setp.ne.b32 p, %69, 0;\n"
+      "setp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16\n"
       "  {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,\n"
       "  %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,\n"
       "  %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,\n"
       "  %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},\n"
-      "  {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
+      "  %64, %65, p, 1, 1, 0, 0;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -169,7 +174,7 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[64], const uint32
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
 __device__ __forceinline__ OutT to_out(float a) { return __float2half_rn(a); }
@@ -181,7 +186,7 @@ __device__ __forceinline__ OutT to_out(float a) { return __float2half_rn(a); }
 // and each block's pool is half the register file, which setmaxnreg hands from producer to consumer.
 extern "C" __global__ void __launch_bounds__(THREADS, 2)
 l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interleave: B's view; A by plain loads
-        const InT* __restrict__ A, const InT* __restrict__ B,   // A's fragments, the tail's dot products
+        const InT* __restrict__ A, const InT* __restrict__ B,   // A's stages, the tail's dot products
         OutT* __restrict__ C, int M, int N, int K, float* __restrict__ ws, unsigned* __restrict__ counters) {
   // 1024-byte alignment: the 128-byte swizzle pattern repeats every 8 rows x 128 B, and TMA and wgmma both
   // compute it from the absolute shared-memory address.
@@ -203,7 +208,7 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
     // now overlaps that latency with the barrier setup and the block-wide barrier below.
     asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<uint64_t>(&tmap_b)) : "memory");
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bars + 8 * s, 1);                           // full: the producer's arrive.expect_tx
+      mbar_init(bars + 8 * s, 1 + A_WRITERS);   // full: the TMA thread's arrive.expect_tx, each A writer's
       mbar_init(bars + 8 * (STAGES + s), CONSUMER_WGS * 4);  // empty: one arrival per consumer warp
     }
     // Make the initialized barriers visible to the other threads and to the async proxy (TMA complete_tx).
@@ -217,7 +222,7 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
 
   if (wg == 0) {
     // ---- producer warpgroup: TMA only, so it releases its registers (REG_BUDGET) ----
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    // interleave: no setmaxnreg (PtxConfig.regs): warps 1-3 write A's stages
     if (threadIdx.x == 0) {
       // Programmatic dependent launch: this grid may start while the stream's previous grid (a repack copy,
       // or any kernel) still runs; wait for it, and for its stores to be visible, before the first TMA load.
@@ -264,10 +269,77 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
           if (++stage == STAGES) { stage = 0; phase ^= 1; }
         }
       }
+    } else if (threadIdx.x >= 32) {
+      // ---- interleave: warps 1-3 write A's stages (the TMA thread's warp keeps to B) ----
+      asm volatile("griddepcontrol.wait;" ::: "memory");   // A may be the previous grid's output
+      const int wt = threadIdx.x - 32;
+      const unsigned short* a16 = reinterpret_cast<const unsigned short*>(A);
+      int stage = 0;
+      uint32_t phase = 0;
+      // splitk mode=split_k slices=3: work unit = slice * num_tiles + tile, so blocks that run
+      // together cover the tiles of one K range and share its A slice in L2.
+      // pipeline.persistent=false: one block per (tile, slice) unit.
+      for (int unit = blockIdx.x; unit < num_units; unit = num_units) {
+        const int pid = unit % num_tiles;
+        const int slice = unit / num_tiles;
+        // swizzle.raster=along_n group=1 (l2ir.indexing.rasterize)
+        const int tile_m = (((pid / (1 * tiles_n)) * 1) + ((pid % (1 * tiles_n)) % min((tiles_m - ((pid / (1 * tiles_n)) * 1)), 1)));
+        const int tile_n = ((pid % (1 * tiles_n)) / min((tiles_m - ((pid / (1 * tiles_n)) * 1)), 1));
+        // interleave: column tile tile_n is residue r of n mod VIEW, view rows [view0, view0 + BN): C's
+        // columns VIEW * j + r. A TMA box starts on a 16-byte boundary (an element start is an illegal
+        // instruction), so the view reads each row from `offset` elements before it, the boundary below
+        // element r * K (every row of the residue shares it): K + offset elements, whose first `offset`
+        // belong to the row before (l2ir.indexing.Interleave).
+        const int residue = (tile_n % 8);
+        const int view0 = ((tile_n / 8) * 128);
+        const int offset = ((residue * K) & 7);
+        const int k_tiles = (((K + offset) + 64 - 1) / 64);   // this tile's
+        // k tiles [kt_begin, kt_end) of this slice (l2ir.indexing.splitk_range)
+        const int kt_begin = min((slice * ((k_tiles + 3 - 1) / 3)), k_tiles);
+        const int kt_end = min((min((slice * ((k_tiles + 3 - 1) / 3)), k_tiles) + ((k_tiles + 3 - 1) / 3)), k_tiles);
+        (void)view0;   // B's rows; A's are the tile's rows of M
+        for (int kt = kt_begin; kt < kt_end; ++kt) {
+          mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);   // the stage is free (as for the TMA thread)
+          const uint32_t a_stage = smem_base + SMEM_A + stage * A_STAGE_BYTES;
+          for (int i0 = 0; i0 < A_ROUNDS; i0 += A_BATCH) {
+            uint32_t v[A_BATCH][4];
+#pragma unroll
+            for (int i = 0; i < A_BATCH; ++i) {
+              // chunk q: row q / (BK / 8) of the tile, its columns 8 (q % (BK / 8)) + [0, 8) of the k tile
+              const int q = wt + A_WRITERS * (i0 + i);
+              const int row = tile_m * BM + q / (BK / 8);
+              const int k = kt * BK + 8 * (q % (BK / 8)) - offset;   // the view's column -> A's
+              const bool live = q < A_CHUNKS && row < M;
+              const unsigned short* p = a16 + (size_t)row * K + k;
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const uint32_t lo = live && k + 2 * e >= 0 && k + 2 * e < K ? __ldg(p + 2 * e) : 0u;
+                const uint32_t hi = live && k + 2 * e + 1 >= 0 && k + 2 * e + 1 < K ? __ldg(p + 2 * e + 1) : 0u;
+                v[i][e] = lo | (hi << 16);
+              }
+            }
+#pragma unroll
+            for (int i = 0; i < A_BATCH; ++i) {
+              const int q = wt + A_WRITERS * (i0 + i);
+              if (q >= A_CHUNKS) break;
+              const int r = q / (BK / 8), c = 8 * (q % (BK / 8));
+              // byte offset in the k block's swizzled rows: <B,4,3> XORs the 16-byte chunk with the row's bits
+              const uint32_t o = r * ROW_BYTES + (c % ATOM_K) * sizeof(InT);
+              const uint32_t dst = a_stage + (c / ATOM_K) * A_KBLOCK_BYTES + (o ^ (((o >> 7) & SWZ_MASK) << 4));
+              asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
+                           :: "r"(dst), "r"(v[i][0]), "r"(v[i][1]), "r"(v[i][2]), "r"(v[i][3]) : "memory");
+            }
+          }
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // generic stores -> wgmma's reads
+          mbar_arrive(bars + 8 * stage);
+          if (++stage == STAGES) { stage = 0; phase ^= 1; }
+        }
+      }
     }
   } else {
     // ---- consumer warpgroups: wgmma and the epilogue ----
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 216;" ::: "memory");
+    // interleave: no setmaxnreg; the consumer keeps the launch bounds' share (PtxConfig.regs).
+    const int cw = wg - 1;   // consumer warpgroup: rows [cw * WG_M, (cw + 1) * WG_M) of the tile
     // Programmatic dependent launch: the consumers' own global accesses (C, split-K partials and pair counters)
     // wait too. Most follow data the producer loaded after its wait, but a K slice with no k tile (a run-time
     // shape the lowered one did not promise) goes straight to its partial and counter.
@@ -317,36 +389,7 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
       // k tiles [kt_begin, kt_end) of this slice (l2ir.indexing.splitk_range)
       const int kt_begin = min((slice * ((k_tiles + 3 - 1) / 3)), k_tiles);
       const int kt_end = min((min((slice * ((k_tiles + 3 - 1) / 3)), k_tiles) + ((k_tiles + 3 - 1) / 3)), k_tiles);
-      // A's fragment for wgmma's register form: register i of k step kk of slab s holds row
-      // 64 s + 16 warp + lane / 4 + 8 (i % 2), columns 16 kk + 2 (lane % 4) + 8 (i / 2) and the next one.
-      const unsigned short* a16 = reinterpret_cast<const unsigned short*>(A);
-      uint32_t a_cur[SLABS][BK / 16][4], a_nxt[SLABS][BK / 16][4];
-      auto load_a = [&](uint32_t (&f)[SLABS][BK / 16][4], int kt) {
-#pragma unroll
-        for (int s = 0; s < SLABS; ++s)
-#pragma unroll
-          for (int kk = 0; kk < BK / 16; ++kk)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int row = tile_m * BM + 64 * s + 16 * warp + lane / 4 + 8 * (i % 2);
-              const int k = kt * BK + 16 * kk + 2 * (lane % 4) + 8 * (i / 2) - offset;   // view -> A's k
-              const unsigned short* p = a16 + (size_t)row * K + k;
-              const uint32_t lo = row < M && k >= 0 && k < K ? __ldg(p) : 0u;
-              const uint32_t hi = row < M && k + 1 >= 0 && k + 1 < K ? __ldg(p + 1) : 0u;
-              f[s][kk][i] = lo | (hi << 16);
-            }
-      };
-      // Pins the fragments (as fence_acc the accumulators): live until here, so the next tile's loads never
-      // take the registers an in-flight wgmma reads.
-      auto fence_a = [&](uint32_t (&f)[SLABS][BK / 16][4]) {
-#pragma unroll
-        for (int s = 0; s < SLABS; ++s)
-#pragma unroll
-          for (int kk = 0; kk < BK / 16; ++kk)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(f[s][kk][i]) :: "memory");
-      };
-      if (kt_begin < kt_end) load_a(a_cur, kt_begin);
+      int prev = -1;
       for (int kt = kt_begin; kt < kt_end; ++kt) {
         mbar_wait(bars + 8 * stage, phase);
         // interleave: the view's columns before the row (k < offset) and past it (k >= K + offset).
@@ -366,33 +409,36 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
         }
 #pragma unroll
         for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);
-        fence_a(a_cur);
-        wgmma_fence();   // order earlier register accesses (accumulators, fragments) before the async reads
+        wgmma_fence();   // order earlier register accesses of the accumulators before the async reads
+        const uint32_t a_stage = smem_base + SMEM_A + stage * A_STAGE_BYTES + cw * WG_M * ROW_BYTES;
         const uint32_t b_stage = smem_base + SMEM_B + stage * B_STAGE_BYTES;
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
+          // k step kk: column block kk / (ATOM_K / 16), then 32 bytes per 16 elements inside the swizzle row
+          // (the hardware applies the XOR pattern to the advanced address).
           const uint32_t koff = (kk % (ATOM_K / 16)) * 32;
           const int kb = kk / (ATOM_K / 16);
           const uint64_t db = smem_desc(b_stage + kb * B_KBLOCK_BYTES + koff);
 #pragma unroll
-          for (int j = 0; j < SLABS; ++j)
-            wgmma_rs_m64n128k16(acc[j], a_cur[j][kk], db, (kt > kt_begin || kk > 0) ? 1u : 0u);
+          for (int j = 0; j < SLABS; ++j) {
+            const uint64_t da = smem_desc(a_stage + kb * A_KBLOCK_BYTES + j * 64 * ROW_BYTES + koff);
+            wgmma_m64n128k16(acc[j], da, db, (kt > kt_begin || kk > 0) ? 1u : 0u);
+          }
         }
         wgmma_commit();
-        if (kt + 1 < kt_end) load_a(a_nxt, kt + 1);   // in flight while the tensor cores work
-        wgmma_wait<0>();
+        // Keep this k-tile's wgmma group in flight; wait for the previous one, whose stage can then be
+        // handed back to the producer while the tensor cores work on this one.
+        wgmma_wait<1>();
 #pragma unroll
         for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);
-        fence_a(a_cur);
-        if (lane == 0) mbar_arrive(bars + 8 * (STAGES + stage));   // this k tile's stage back to the producer
-#pragma unroll
-        for (int s = 0; s < SLABS; ++s)
-#pragma unroll
-          for (int kk = 0; kk < BK / 16; ++kk)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) a_cur[s][kk][i] = a_nxt[s][kk][i];
+        if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));
+        prev = stage;
         if (++stage == STAGES) { stage = 0; phase ^= 1; }
       }
+      wgmma_wait<0>();
+#pragma unroll
+      for (int j = 0; j < SLABS; ++j) fence_acc(acc[j]);
+      if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));
 
       // ---- splitk reduce=workspace: a pairwise tree over the slices (l2ir.indexing.SplitKTree) ----
       const int ct = threadIdx.x - 128;   // consumer thread 0 .. CONSUMER_THREADS - 1
@@ -583,7 +629,7 @@ extern "C" int l2ir_run(const void* A, const void* B, void* C, int M, int N, int
   // leave the map no row.
   if (N < VIEW || (long long)VIEW * K >= INT_MAX) return L2IR_STATUS_BAD_ARGUMENT;
   const int view_pitch = VIEW * K;
-  // TMA: B's 16-byte aligned base; A's fragments are plain 2-byte loads, any alignment.
+  // TMA: B's 16-byte aligned base; A's stages are written from plain 2-byte loads, any alignment.
   if (reinterpret_cast<uintptr_t>(b_read) % 16 != 0) return L2IR_STATUS_MISALIGNED;
   // epilogue.vector=1: 2-byte stores need aligned rows and base.
   if (reinterpret_cast<uintptr_t>(C) % 2 != 0 || N % 1 != 0) return L2IR_STATUS_MISALIGNED;
