@@ -816,7 +816,7 @@ class Interleave:
 
     # The tensor-map form (sm90a, pipeline mode=tma_ws). B's view is one 2D tensor map of pitch STRIDE * K over the
     # view rows, read from the same `offset` before each row as the cp.async form (a TMA box must start on a
-    # 16-byte boundary: an element start is an illegal instruction); A's fragments are loads shifted to meet it.
+    # 16-byte boundary: an element start is an illegal instruction); A's stages are loads shifted to meet it.
     # The map covers only the view rows all of whose STRIDE residues exist (tma_view_rows), so no box reads past
     # B; the N mod STRIDE columns after them, the tail, are dot products of the consumer warps (tail_row,
     # tail_column).

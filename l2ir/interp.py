@@ -123,7 +123,7 @@ class _Schedule:
         self.tiles_m = ceil_div(problem.m, self.bm)
         self.interleave = kernel.interleave is not None
         # The interleave node's tensor-map form (tma_ws): B's view through TMA over Interleave.tma_view_rows view
-        # rows (A's fragments in registers); the columns after them are the tail.
+        # rows (A's stages written by threads); the columns after them are the tail.
         self.tma_view = self.interleave and kernel.pipeline.mode == "tma_ws"
         self.tiles_n = int(column_tiles(problem.n, self.bn, self.interleave).eval({}))
         self._column_cache: dict[int, tuple[np.ndarray, int]] = {}

@@ -455,8 +455,8 @@ class Interleave(Node):
     bytes): read from o elements before each row start, they are an aligned matrix with row pitch 8K, loaded with
     whole 16-byte copies, and only A (M rows, few where this pays) is realigned, shifted by o to meet it. A block
     then takes BN columns of one residue r of n mod 8 (l2ir.indexing.Interleave): its stores are 8 columns apart.
-    On a cp.async ring (cuda_ptx_sm80) or a TMA ring (cuda_ptx: the view one tensor map, A's fragments in
-    registers, C's last N mod 8 columns a tail of dot products)."""
+    On a cp.async ring (cuda_ptx_sm80) or a TMA ring (cuda_ptx: the view one tensor map, A's stages written by
+    the producer warpgroup's other warps, C's last N mod 8 columns a tail of dot products)."""
 
     kind: ClassVar[str] = "interleave"
     n: int = f(IntChoice((8,)), 8, "columns of one block are n apart (the 8 elements of a 16-byte vector)")

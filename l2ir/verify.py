@@ -495,7 +495,7 @@ def _interleave(k: Kernel):
     residue's view ends past N and starts each row up to 7 elements early (K and N are checked). It answers the
     misaligned rows the repack node would copy: the repack node needs pad.align=8, so the two never meet.
     Two forms: a cp.async ring (mode=multistage, mma.sync), and the tensor-map form (mode=tma_ws, wgmma: B's view
-    is one TMA map, A's fragments plain loads into registers; Interleave.tma_view_rows) on one consumer warpgroup
+    is one TMA map, A's stages written by threads; Interleave.tma_view_rows) on one consumer warpgroup
     (schedule=pingpong, non-persistent), which zeroes the view's columns outside the row in shared memory itself."""
     if k.interleave is None:
         return None
