@@ -312,9 +312,10 @@ class PtxConfig:
         flag = bars + 2 * self.stages * 8                 # split-K: "this block reduces the tile" broadcast
         recv_bar = flag + (8 if self.tree else 0)         # reduce=cluster: the receive buffer's mbarrier
         recv = _round_up(recv_bar + 8, 16) if self.cluster_reduce else recv_bar
-        total = recv + self.receive_bytes
+        tail = recv + self.receive_bytes                  # interleave: the tail's 4 warp sums
+        total = tail + (16 if self.interleave else 0)
         return {"a": a, "b": b, "c": c, "bars": bars, "flag": flag, "recv_bar": recv_bar, "recv": recv,
-                "total": total}
+                "tail": tail, "total": total}
 
     @property
     def units(self) -> int:
@@ -646,6 +647,9 @@ def _splitk_reduce(cfg: PtxConfig) -> list[str]:
         f"      unsigned* tile_counters = counters + (size_t){tile} * TREE_NODES;",
         "      volatile uint32_t* reduce_flag = reinterpret_cast<volatile uint32_t*>(smem + SMEM_FLAG);",
         "      int base = slice;      // the slot (and lowest slice) of the subtree whose sum the registers hold",
+        "      // A warp's 16 rows of slab j all at or past M (a skinny M in a 64-row slab): C never gets them, so their",
+        "      // partials are neither stored nor added (warp-uniform; at M = 17 half the tile's bytes).",
+        "      auto rows_live = [&](int j) { return tile_m * BM + cw * WG_M + 64 * j + 16 * warp < M; };",
         "      bool carries = true;   // false once a sibling's block carries this block's sum on",
         "#pragma unroll 1",
         "      for (int level = 0; level < TREE_LEVELS; ++level) {",
@@ -657,8 +661,9 @@ def _splitk_reduce(cfg: PtxConfig) -> list[str]:
         "          for (int j = 0; j < SLABS; ++j)",
         "#pragma unroll",
         "            for (int q = 0; q < WGMMA_N / 8; ++q)   // float4 u = j * (WGMMA_N / 8) + q of this thread",
-        "              __stcg(mine + (j * (WGMMA_N / 8) + q) * CONSUMER_THREADS,   // L2 only: another SM reads it",
-        "                     make_float4(acc[j][4 * q], acc[j][4 * q + 1], acc[j][4 * q + 2], acc[j][4 * q + 3]));",
+        "              if (rows_live(j))",
+        "                __stcg(mine + (j * (WGMMA_N / 8) + q) * CONSUMER_THREADS,   // L2 only: another SM reads it",
+        "                       make_float4(acc[j][4 * q], acc[j][4 * q + 1], acc[j][4 * q + 2], acc[j][4 * q + 3]));",
         "        }",
         "        // Release: this thread's partial is visible device-wide before the arrival that announces it.",
         "        __threadfence();",
@@ -688,10 +693,12 @@ def _splitk_reduce(cfg: PtxConfig) -> list[str]:
         "        for (int u0 = 0; u0 < VECS; u0 += CHUNK) {",
         "          float4 v[CHUNK];",
         "#pragma unroll",
-        "          for (int i = 0; i < CHUNK; ++i) v[i] = __ldcg(src + (u0 + i) * CONSUMER_THREADS);",
+        "          for (int i = 0; i < CHUNK; ++i)",
+        "            if (rows_live((u0 + i) / (WGMMA_N / 8))) v[i] = __ldcg(src + (u0 + i) * CONSUMER_THREADS);",
         "#pragma unroll",
         "          for (int i = 0; i < CHUNK; ++i) {",
         "            const int j = (u0 + i) / (WGMMA_N / 8), q = (u0 + i) % (WGMMA_N / 8);",
+        "            if (!rows_live(j)) continue;",
         "            acc[j][4 * q] += v[i].x; acc[j][4 * q + 1] += v[i].y;",
         "            acc[j][4 * q + 2] += v[i].z; acc[j][4 * q + 3] += v[i].w;",
         "          }",
@@ -819,26 +826,34 @@ def _epilogue_interleave(cfg: PtxConfig) -> list[str]:
 
 def _interleave_tail() -> list[str]:
     """interleave: the N mod VIEW columns past the view (Interleave.tail_row / tail_column, rendered), one fp32 dot
-    product per output, by the consumer warps before their first k tile, while the ring's first TMA loads are in
-    flight: warp w of block b takes outputs b * TAIL_WARPS + w, then every gridDim.x * TAIL_WARPS on (at 17x9999,
-    119 outputs: one for each of the first 119 warps). Not the producer's idle warps: they run under setmaxnreg's
-    40 registers, and nothing in the build checks that the code after it fits."""
+    product per output, by the consumer warpgroup before its first k tile, while the ring's first TMA loads are in
+    flight: block b takes outputs b, b + gridDim.x, ... (at 17x9999, 119 outputs: one for each of the first 119
+    blocks), its 4 warps a quarter of K each, 16 loads of each operand in flight per lane, the warp sums met in
+    shared memory. The loop is latency-bound (B's tail rows come from DRAM): one warp per output with 4 loads in
+    flight ran 26 dependent rounds at K = 3333 and held its block's k loop back by about 15 us on the H100, the SMs
+    active 66% of the kernel (bench/NOTES.md)."""
     n = Var("N")
     return [
         "    {",
         "      // ---- interleave: the tail, C's last N mod VIEW columns (Interleave.tail_row / tail_column) ----",
         f"      const int tail = M * ({Interleave.tail_columns(n).to_cpp()});",
-        "      for (int o = blockIdx.x * TAIL_WARPS + warp; o < tail; o += gridDim.x * TAIL_WARPS) {",
+        "      volatile float* sums = reinterpret_cast<volatile float*>(smem + SMEM_TAIL);",
+        "      const int quarter = (K + 3) / 4;",
+        "      for (int o = blockIdx.x; o < tail; o += gridDim.x) {",
         f"        const int row = {Interleave.tail_row(n).to_cpp()};",
         f"        const int col = {Interleave.tail_column(n).to_cpp()};",
         "        const InT* a = A + (size_t)row * K;",
         "        const InT* b = B + (size_t)col * K;   // B is K-major: column col of C is row col of B",
+        "        const int k_end = min(K, (warp + 1) * quarter);",
         "        float sum = 0.f;",
-        "#pragma unroll 4",
-        "        for (int k = lane; k < K; k += 32) sum += float(a[k]) * float(b[k]);",
+        "#pragma unroll 16",
+        "        for (int k = warp * quarter + lane; k < k_end; k += 32) sum += float(a[k]) * float(b[k]);",
         "#pragma unroll",
         "        for (int d = 16; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, d);",
-        "        if (lane == 0) C[(size_t)row * N + col] = to_out(sum);",
+        "        if (lane == 0) sums[warp] = sum;",
+        '        asm volatile("bar.sync 4, 128;" ::: "memory");   // named barrier 4: this warpgroup\'s 128 threads',
+        "        if (tid == 0) C[(size_t)row * N + col] = to_out((sums[0] + sums[1]) + (sums[2] + sums[3]));",
+        '        asm volatile("bar.sync 4, 128;" ::: "memory");   // the sums are read before the next output\'s',
         "      }",
         "    }",
     ]
@@ -1096,7 +1111,7 @@ def _config(cfg: PtxConfig) -> list[str]:
            f"constexpr int VIEW = {Interleave.STRIDE};   // interleave n: columns of one block are VIEW apart",
            f"constexpr int SWZ_MASK = {(1 << cfg.swizzle_bits) - 1};   // swizzle <B,4,3> on byte offsets: "
            "16-byte chunk ^= (offset >> 7) & SWZ_MASK",
-           "constexpr int TAIL_WARPS = 4;   // the consumer warps compute the columns past the view first"]),
+           f"constexpr int SMEM_TAIL = {lay['tail']};   // the tail's 4 warp sums (16 bytes)"]),
         f"constexpr int SMEM_A = {lay['a']}, SMEM_B = {lay['b']}, SMEM_BARS = {lay['bars']};",
         *([f"constexpr int SMEM_C = {lay['c']};   // epilogue.path=smem: the C staging tile",
            f"constexpr int C_SWZ_MASK = {_c_swz_mask(cfg.bn)};   // XOR of the 16-byte chunk index with the row"]

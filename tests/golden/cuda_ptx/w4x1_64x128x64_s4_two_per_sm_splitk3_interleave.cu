@@ -72,10 +72,10 @@ constexpr int A_ROUNDS = (A_CHUNKS + A_WRITERS - 1) / A_WRITERS;   // chunks per
 constexpr int A_BATCH = A_ROUNDS < 6 ? A_ROUNDS : 6;   // chunks loaded before they are stored: 24 registers
 constexpr int VIEW = 8;   // interleave n: columns of one block are VIEW apart
 constexpr int SWZ_MASK = 7;   // swizzle <B,4,3> on byte offsets: 16-byte chunk ^= (offset >> 7) & SWZ_MASK
-constexpr int TAIL_WARPS = 4;   // the consumer warps compute the columns past the view first
+constexpr int SMEM_TAIL = 98376;   // the tail's 4 warp sums (16 bytes)
 constexpr int SMEM_A = 0, SMEM_B = 32768, SMEM_BARS = 98304;
 constexpr int SMEM_FLAG = 98368;   // split-K: the block reduces its tile (1) or not (0)
-constexpr int SMEM_BYTES = 98376;
+constexpr int SMEM_BYTES = 98392;
 
 // wgmma shared-memory matrix descriptor (PTX ISA, matrix descriptor format):
 //   bits  0-13 start address >> 4        bits 16-29 leading-dimension byte offset >> 4
@@ -348,17 +348,23 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
     {
       // ---- interleave: the tail, C's last N mod VIEW columns (Interleave.tail_row / tail_column) ----
       const int tail = M * ((N % 8));
-      for (int o = blockIdx.x * TAIL_WARPS + warp; o < tail; o += gridDim.x * TAIL_WARPS) {
+      volatile float* sums = reinterpret_cast<volatile float*>(smem + SMEM_TAIL);
+      const int quarter = (K + 3) / 4;
+      for (int o = blockIdx.x; o < tail; o += gridDim.x) {
         const int row = (o / (N % 8));
         const int col = ((8 * (N / 8)) + (o % (N % 8)));
         const InT* a = A + (size_t)row * K;
         const InT* b = B + (size_t)col * K;   // B is K-major: column col of C is row col of B
+        const int k_end = min(K, (warp + 1) * quarter);
         float sum = 0.f;
-#pragma unroll 4
-        for (int k = lane; k < K; k += 32) sum += float(a[k]) * float(b[k]);
+#pragma unroll 16
+        for (int k = warp * quarter + lane; k < k_end; k += 32) sum += float(a[k]) * float(b[k]);
 #pragma unroll
         for (int d = 16; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, d);
-        if (lane == 0) C[(size_t)row * N + col] = to_out(sum);
+        if (lane == 0) sums[warp] = sum;
+        asm volatile("bar.sync 4, 128;" ::: "memory");   // named barrier 4: this warpgroup's 128 threads
+        if (tid == 0) C[(size_t)row * N + col] = to_out((sums[0] + sums[1]) + (sums[2] + sums[3]));
+        asm volatile("bar.sync 4, 128;" ::: "memory");   // the sums are read before the next output's
       }
     }
     float acc[SLABS][64];
@@ -455,6 +461,9 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
       unsigned* tile_counters = counters + (size_t)pid * TREE_NODES;
       volatile uint32_t* reduce_flag = reinterpret_cast<volatile uint32_t*>(smem + SMEM_FLAG);
       int base = slice;      // the slot (and lowest slice) of the subtree whose sum the registers hold
+      // A warp's 16 rows of slab j all at or past M (a skinny M in a 64-row slab): C never gets them, so their
+      // partials are neither stored nor added (warp-uniform; at M = 17 half the tile's bytes).
+      auto rows_live = [&](int j) { return tile_m * BM + cw * WG_M + 64 * j + 16 * warp < M; };
       bool carries = true;   // false once a sibling's block carries this block's sum on
 #pragma unroll 1
       for (int level = 0; level < TREE_LEVELS; ++level) {
@@ -466,8 +475,9 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
           for (int j = 0; j < SLABS; ++j)
 #pragma unroll
             for (int q = 0; q < WGMMA_N / 8; ++q)   // float4 u = j * (WGMMA_N / 8) + q of this thread
-              __stcg(mine + (j * (WGMMA_N / 8) + q) * CONSUMER_THREADS,   // L2 only: another SM reads it
-                     make_float4(acc[j][4 * q], acc[j][4 * q + 1], acc[j][4 * q + 2], acc[j][4 * q + 3]));
+              if (rows_live(j))
+                __stcg(mine + (j * (WGMMA_N / 8) + q) * CONSUMER_THREADS,   // L2 only: another SM reads it
+                       make_float4(acc[j][4 * q], acc[j][4 * q + 1], acc[j][4 * q + 2], acc[j][4 * q + 3]));
         }
         // Release: this thread's partial is visible device-wide before the arrival that announces it.
         __threadfence();
@@ -497,10 +507,12 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
         for (int u0 = 0; u0 < VECS; u0 += CHUNK) {
           float4 v[CHUNK];
 #pragma unroll
-          for (int i = 0; i < CHUNK; ++i) v[i] = __ldcg(src + (u0 + i) * CONSUMER_THREADS);
+          for (int i = 0; i < CHUNK; ++i)
+            if (rows_live((u0 + i) / (WGMMA_N / 8))) v[i] = __ldcg(src + (u0 + i) * CONSUMER_THREADS);
 #pragma unroll
           for (int i = 0; i < CHUNK; ++i) {
             const int j = (u0 + i) / (WGMMA_N / 8), q = (u0 + i) % (WGMMA_N / 8);
+            if (!rows_live(j)) continue;
             acc[j][4 * q] += v[i].x; acc[j][4 * q + 1] += v[i].y;
             acc[j][4 * q + 2] += v[i].z; acc[j][4 * q + 3] += v[i].w;
           }

@@ -66,9 +66,9 @@ constexpr int A_ROUNDS = (A_CHUNKS + A_WRITERS - 1) / A_WRITERS;   // chunks per
 constexpr int A_BATCH = A_ROUNDS < 6 ? A_ROUNDS : 6;   // chunks loaded before they are stored: 24 registers
 constexpr int VIEW = 8;   // interleave n: columns of one block are VIEW apart
 constexpr int SWZ_MASK = 7;   // swizzle <B,4,3> on byte offsets: 16-byte chunk ^= (offset >> 7) & SWZ_MASK
-constexpr int TAIL_WARPS = 4;   // the consumer warps compute the columns past the view first
+constexpr int SMEM_TAIL = 229488;   // the tail's 4 warp sums (16 bytes)
 constexpr int SMEM_A = 0, SMEM_B = 114688, SMEM_BARS = 229376;
-constexpr int SMEM_BYTES = 229488;
+constexpr int SMEM_BYTES = 229504;
 
 // wgmma shared-memory matrix descriptor (PTX ISA, matrix descriptor format):
 //   bits  0-13 start address >> 4        bits 16-29 leading-dimension byte offset >> 4
@@ -320,17 +320,23 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
     {
       // ---- interleave: the tail, C's last N mod VIEW columns (Interleave.tail_row / tail_column) ----
       const int tail = M * ((N % 8));
-      for (int o = blockIdx.x * TAIL_WARPS + warp; o < tail; o += gridDim.x * TAIL_WARPS) {
+      volatile float* sums = reinterpret_cast<volatile float*>(smem + SMEM_TAIL);
+      const int quarter = (K + 3) / 4;
+      for (int o = blockIdx.x; o < tail; o += gridDim.x) {
         const int row = (o / (N % 8));
         const int col = ((8 * (N / 8)) + (o % (N % 8)));
         const InT* a = A + (size_t)row * K;
         const InT* b = B + (size_t)col * K;   // B is K-major: column col of C is row col of B
+        const int k_end = min(K, (warp + 1) * quarter);
         float sum = 0.f;
-#pragma unroll 4
-        for (int k = lane; k < K; k += 32) sum += float(a[k]) * float(b[k]);
+#pragma unroll 16
+        for (int k = warp * quarter + lane; k < k_end; k += 32) sum += float(a[k]) * float(b[k]);
 #pragma unroll
         for (int d = 16; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, d);
-        if (lane == 0) C[(size_t)row * N + col] = to_out(sum);
+        if (lane == 0) sums[warp] = sum;
+        asm volatile("bar.sync 4, 128;" ::: "memory");   // named barrier 4: this warpgroup's 128 threads
+        if (tid == 0) C[(size_t)row * N + col] = to_out((sums[0] + sums[1]) + (sums[2] + sums[3]));
+        asm volatile("bar.sync 4, 128;" ::: "memory");   // the sums are read before the next output's
       }
     }
     float acc[SLABS][32];
