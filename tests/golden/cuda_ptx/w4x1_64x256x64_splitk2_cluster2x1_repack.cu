@@ -411,7 +411,9 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
       int base = slice;      // the slot (and lowest slice) of the subtree whose sum the registers hold
       // A warp's 16 rows of slab j all at or past M (a skinny M in a 64-row slab): C never gets them, so their
       // partials are neither stored nor added (warp-uniform; at M = 17 half the tile's bytes).
-      auto rows_live = [&](int j) { return tile_m * BM + cw * WG_M + 64 * j + 16 * warp < M; };
+      bool rows_live[SLABS];
+#pragma unroll
+      for (int j = 0; j < SLABS; ++j) rows_live[j] = tile_m * BM + cw * WG_M + 64 * j + 16 * warp < M;
       bool carries = true;   // false once a sibling's block carries this block's sum on
 #pragma unroll 1
       for (int level = 0; level < TREE_LEVELS; ++level) {
@@ -423,7 +425,7 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
           for (int j = 0; j < SLABS; ++j)
 #pragma unroll
             for (int q = 0; q < WGMMA_N / 8; ++q)   // float4 u = j * (WGMMA_N / 8) + q of this thread
-              if (rows_live(j))
+              if (rows_live[j])
                 __stcg(mine + (j * (WGMMA_N / 8) + q) * CONSUMER_THREADS,   // L2 only: another SM reads it
                        make_float4(acc[j][4 * q], acc[j][4 * q + 1], acc[j][4 * q + 2], acc[j][4 * q + 3]));
         }
@@ -456,11 +458,11 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_a, const __gri
           float4 v[CHUNK];
 #pragma unroll
           for (int i = 0; i < CHUNK; ++i)
-            if (rows_live((u0 + i) / (WGMMA_N / 8))) v[i] = __ldcg(src + (u0 + i) * CONSUMER_THREADS);
+            if (rows_live[(u0 + i) / (WGMMA_N / 8)]) v[i] = __ldcg(src + (u0 + i) * CONSUMER_THREADS);
 #pragma unroll
           for (int i = 0; i < CHUNK; ++i) {
             const int j = (u0 + i) / (WGMMA_N / 8), q = (u0 + i) % (WGMMA_N / 8);
-            if (!rows_live(j)) continue;
+            if (!rows_live[j]) continue;
             acc[j][4 * q] += v[i].x; acc[j][4 * q + 1] += v[i].y;
             acc[j][4 * q + 2] += v[i].z; acc[j][4 * q + 3] += v[i].w;
           }
