@@ -498,39 +498,35 @@ def canonicalize(kernel: Kernel, problem: Problem, num_sms: int = H200_SMS) -> P
 
 
 def _wgmma_function(cfg: PtxConfig) -> list[str]:
-    """One wgmma m64nNk16, A and B from shared memory (descriptors). scale-d = 0 on a tile's first k-step makes the
+    """One wgmma m64nNk16 with both operands from shared memory. scale-d = 0 on a tile's first k-step makes the
     instruction overwrite the accumulators, so they are never zeroed by other instructions between wgmmas."""
     n, nr, t = cfg.bn, cfg.bn // 2, cfg.in_dtype
     regs = [f"%{i}" for i in range(nr)]
     reg_lines = [", ".join(regs[i:i + 16]) for i in range(0, nr, 16)]
     outs = [f'"+f"(d[{i}])' for i in range(nr)]
     out_lines = [", ".join(outs[i:i + 8]) for i in range(0, nr, 8)]
-    head = [
-        f"// wgmma.mma_async m64n{n}k16, A and B from shared memory (descriptors), fp32 accumulators: {nr} per "
-        "thread.",
+    lines = [
+        f"// wgmma.mma_async m64n{n}k16, A and B from shared memory (descriptors), fp32 accumulators: {nr} per thread.",
         "// imm-scale-a/b = 1, imm-trans-a/b = 0: both operands K-major, as TMA wrote them.",
         f"__device__ __forceinline__ void wgmma_m64n{n}k16(float (&d)[{nr}], uint64_t desc_a, uint64_t desc_b,",
-        "                                                  uint32_t scale_d) {"]
-    scale, operands = nr + 2, f"%{nr}, %{nr + 1}, p, 1, 1, 0, 0"
-    inputs = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
-    lines = head + [
+        "                                                  uint32_t scale_d) {",
         "  asm volatile(",
         '      "{\\n"',
         '      ".reg .pred p;\\n"',
-        f'      "setp.ne.b32 p, %{scale}, 0;\\n"',
+        f'      "setp.ne.b32 p, %{nr + 2}, 0;\\n"',
         f'      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t}\\n"',
     ]
     for i, rl in enumerate(reg_lines):
         open_, close = ("{" if i == 0 else ""), ("}," if i == len(reg_lines) - 1 else ",")
         lines.append(f'      "  {open_}{rl}{close}\\n"')
     lines += [
-        f'      "  {operands};\\n"',
+        f'      "  %{nr}, %{nr + 1}, p, 1, 1, 0, 0;\\n"',
         '      "}\\n"',
     ]
     for i, ol in enumerate(out_lines):
         lines.append(("      : " if i == 0 else "        ") + ol + ("," if i < len(out_lines) - 1 else ""))
     lines += [
-        f"      : {inputs});",
+        '      : "l"(desc_a), "l"(desc_b), "r"(scale_d));',
         "}",
     ]
     return lines
@@ -757,9 +753,9 @@ def _interleave_a_writers(cfg: PtxConfig) -> list[str]:
         "              const int q = wt + A_WRITERS * (i0 + i);",
         "              if (q >= A_CHUNKS) break;",
         "              const int r = q / (BK / 8), c = 8 * (q % (BK / 8));",
-        "              // byte offset in the k block's swizzled rows: <B,4,3> XORs the 16-byte chunk with the row's bits",
+        "              // byte offset of the chunk in its k block, before the swizzle",
         "              const uint32_t o = r * ROW_BYTES + (c % ATOM_K) * sizeof(InT);",
-        "              const uint32_t dst = a_stage + (c / ATOM_K) * A_KBLOCK_BYTES + (o ^ (((o >> 7) & SWZ_MASK) << 4));",
+        "              const uint32_t dst = a_stage + (c / ATOM_K) * A_KBLOCK_BYTES + swizzled(o);",
         '              asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"',
         '                           :: "r"(dst), "r"(v[i][0]), "r"(v[i][1]), "r"(v[i][2]), "r"(v[i][3]) : "memory");',
         "            }",
@@ -786,9 +782,9 @@ def _interleave_k_tail() -> list[str]:
         "          const uint32_t b_base = smem_base + SMEM_B + stage * B_STAGE_BYTES;",
         "          for (int e = tid; e < BN * width; e += 128) {",
         "            const int r = e / width, c = e % width, k = c < k_lo ? c : k_hi + c - k_lo;",
-        "            // byte offset in the k block's swizzled rows: <B,4,3> XORs the 16-byte chunk with the row's bits",
+        "            // byte offset of the element in its k block, before the swizzle",
         "            const uint32_t o = r * ROW_BYTES + (k % ATOM_K) * sizeof(InT);",
-        "            const uint32_t dst = b_base + (k / ATOM_K) * B_KBLOCK_BYTES + (o ^ (((o >> 7) & SWZ_MASK) << 4));",
+        "            const uint32_t dst = b_base + (k / ATOM_K) * B_KBLOCK_BYTES + swizzled(o);",
         '            asm volatile("st.shared.u16 [%0], %1;" :: "r"(dst), "h"((unsigned short)0) : "memory");',
         "          }",
         '          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // generic stores -> wgmma\'s reads',
@@ -1239,6 +1235,10 @@ def _device_functions(cfg: PtxConfig) -> list[str]:
         "",
         *_wgmma_function(cfg),
         "",
+        *(["// interleave: where TMA puts byte offset o of a k block's rows (swizzle <B,4,3>: the 16-byte chunk XORed",
+           "// with the row's low bits), for the threads that write A's stages and zero B's k tail.",
+           "__device__ __forceinline__ uint32_t swizzled(uint32_t o) { return o ^ (((o >> 7) & SWZ_MASK) << 4); }",
+           ""] if cfg.interleave else []),
         (f"__device__ __forceinline__ OutT to_out(float a) {{ return {to_out}; }}" if cfg.vector == 1
          and cfg.epilogue == "direct" else
          f"__device__ __forceinline__ Out2T pack2(float a, float b) {{ return {pack}; }}"),
@@ -1478,8 +1478,8 @@ def _multicast_loads(cfg: PtxConfig) -> list[str]:
         return [
             "            // interleave: B's box of the residue's view (pitch VIEW * K) starts `offset` elements before",
             "            // element residue * K + k0 of view row view0, on a 16-byte boundary; the first and last k tiles",
-            "            // take elements of the neighbouring rows (zeroed there). A is not staged: the consumers load its",
-            "            // fragments into registers, shifted by the same offset.",
+            "            // take elements of the neighbouring rows (zeroed there). A's stage is written by warps 1-3,",
+            "            // shifted by the same offset.",
             f"            tma_load_2d({b_dst}, &tmap_b, full, residue * K - offset + k0,",
             "                        view0);"]
     if mc is None:
@@ -1614,7 +1614,8 @@ def _kernel(cfg: PtxConfig) -> list[str]:
            "  cluster_arrive_relaxed();"] if cfg.cluster_reduce else []),
         "",
         "  if (wg == 0) {",
-        "    // ---- producer warpgroup: TMA only, so it releases its registers (REG_BUDGET) ----",
+        ("    // ---- producer warpgroup: TMA only, so it releases its registers (REG_BUDGET) ----" if not cfg.interleave
+         else "    // ---- producer warpgroup: B's TMA boxes (thread 0) and A's stages (warps 1-3) ----"),
         (f'    asm volatile("setmaxnreg.dec.sync.aligned.u32 {cfg.regs[0]};" ::: "memory");' if cfg.regs[0] else
          "    // interleave: no setmaxnreg (PtxConfig.regs): warps 1-3 write A's stages"),
         "    if (threadIdx.x == 0) {",

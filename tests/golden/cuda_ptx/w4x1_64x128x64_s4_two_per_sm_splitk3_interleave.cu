@@ -177,6 +177,10 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+// interleave: where TMA puts byte offset o of a k block's rows (swizzle <B,4,3>: the 16-byte chunk XORed
+// with the row's low bits), for the threads that write A's stages and zero B's k tail.
+__device__ __forceinline__ uint32_t swizzled(uint32_t o) { return o ^ (((o >> 7) & SWZ_MASK) << 4); }
+
 __device__ __forceinline__ OutT to_out(float a) { return __float2half_rn(a); }
 
 }  // namespace
@@ -221,7 +225,7 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
   __syncthreads();
 
   if (wg == 0) {
-    // ---- producer warpgroup: TMA only, so it releases its registers (REG_BUDGET) ----
+    // ---- producer warpgroup: B's TMA boxes (thread 0) and A's stages (warps 1-3) ----
     // interleave: no setmaxnreg (PtxConfig.regs): warps 1-3 write A's stages
     if (threadIdx.x == 0) {
       // Programmatic dependent launch: this grid may start while the stream's previous grid (a repack copy,
@@ -261,8 +265,8 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
             const int k0 = kt * BK + kb * ATOM_K;
             // interleave: B's box of the residue's view (pitch VIEW * K) starts `offset` elements before
             // element residue * K + k0 of view row view0, on a 16-byte boundary; the first and last k tiles
-            // take elements of the neighbouring rows (zeroed there). A is not staged: the consumers load its
-            // fragments into registers, shifted by the same offset.
+            // take elements of the neighbouring rows (zeroed there). A's stage is written by warps 1-3,
+            // shifted by the same offset.
             tma_load_2d(smem_base + SMEM_B + stage * B_STAGE_BYTES + kb * B_KBLOCK_BYTES, &tmap_b, full, residue * K - offset + k0,
                         view0);
           }
@@ -323,9 +327,9 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
               const int q = wt + A_WRITERS * (i0 + i);
               if (q >= A_CHUNKS) break;
               const int r = q / (BK / 8), c = 8 * (q % (BK / 8));
-              // byte offset in the k block's swizzled rows: <B,4,3> XORs the 16-byte chunk with the row's bits
+              // byte offset of the chunk in its k block, before the swizzle
               const uint32_t o = r * ROW_BYTES + (c % ATOM_K) * sizeof(InT);
-              const uint32_t dst = a_stage + (c / ATOM_K) * A_KBLOCK_BYTES + (o ^ (((o >> 7) & SWZ_MASK) << 4));
+              const uint32_t dst = a_stage + (c / ATOM_K) * A_KBLOCK_BYTES + swizzled(o);
               asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
                            :: "r"(dst), "r"(v[i][0]), "r"(v[i][1]), "r"(v[i][2]), "r"(v[i][3]) : "memory");
             }
@@ -405,9 +409,9 @@ l2ir_cuda_ptx_sm90a_gemm(const __grid_constant__ CUtensorMap tmap_b,   // interl
           const uint32_t b_base = smem_base + SMEM_B + stage * B_STAGE_BYTES;
           for (int e = tid; e < BN * width; e += 128) {
             const int r = e / width, c = e % width, k = c < k_lo ? c : k_hi + c - k_lo;
-            // byte offset in the k block's swizzled rows: <B,4,3> XORs the 16-byte chunk with the row's bits
+            // byte offset of the element in its k block, before the swizzle
             const uint32_t o = r * ROW_BYTES + (k % ATOM_K) * sizeof(InT);
-            const uint32_t dst = b_base + (k / ATOM_K) * B_KBLOCK_BYTES + (o ^ (((o >> 7) & SWZ_MASK) << 4));
+            const uint32_t dst = b_base + (k / ATOM_K) * B_KBLOCK_BYTES + swizzled(o);
             asm volatile("st.shared.u16 [%0], %1;" :: "r"(dst), "h"((unsigned short)0) : "memory");
           }
           asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // generic stores -> wgmma's reads
